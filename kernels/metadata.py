@@ -1,0 +1,82 @@
+"""Per-step attention metadata: built once per step, read by every layer.
+
+A step's batch is a flat list of query tokens. They are grouped into *sub-sequences*: a contiguous
+run of query tokens of one conversation whose positions are consecutive. Several sub-sequences may
+share the same block-table row (a recomputed prefix and the new prompt of one turn).
+
+    query tokens (flat):  | s0: q0 q1 q2 | s1: q0 | s2: q0 ... q7 |
+    cu_query_lens:        0             3       4               12
+    seq_lens[s]:          number of KV positions sub-sequence s may see, including its own tokens.
+    query token i of s sits at position  seq_lens[s] - query_len(s) + i  and attends to
+    KV positions 0 .. that position (causal, offset by the cached context).
+
+The paged KV cache of one layer is a tensor [num_blocks, 2, block_size, num_kv_heads, head_dim]
+(index 0 = key, 1 = value). Position p of sub-sequence s lives in block
+block_tables[s, p // block_size] at offset p % block_size. slot_mapping[t] = block * block_size +
+offset is where token t's new K/V is written before attention reads the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    cu_query_lens: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int32
+    slot_mapping: torch.Tensor  # [T] int64
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # host copies, so reference code and launch heuristics never read the device
+    query_lens_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens_host))
+
+
+def build_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Build the metadata for one step from host lists (one entry per sub-sequence)."""
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+        raise ValueError("query_lens, seq_lens and block_tables must have one entry per sub-sequence")
+    slots: list[int] = []
+    for qlen, slen, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        if qlen < 1 or slen < qlen:
+            raise ValueError(f"bad sub-sequence: query_len={qlen} seq_len={slen}")
+        if len(table) * block_size < slen:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {slen} positions")
+        for pos in range(slen - qlen, slen):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    max_blocks = max(len(t) for t in block_tables)
+    padded = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
+    cu = [0]
+    for qlen in query_lens:
+        cu.append(cu[-1] + qlen)
+    return AttentionMetadata(
+        cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+        query_lens_host=tuple(int(q) for q in query_lens),
+        seq_lens_host=tuple(int(s) for s in seq_lens),
+    )
