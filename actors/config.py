@@ -1,0 +1,50 @@
+"""Engine configuration: one frozen dataclass, validated once, passed explicitly."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Policy(enum.Enum):
+    """Cache policies, for ablations (DESIGN.md §3)."""
+
+    PENSIEVE = "pensieve"  # two tiers, evict lowest Cost(l)/T first
+    LRU = "lru"  # two tiers, evict the least recently active conversation first
+    GPU_ONLY = "gpu-only"  # no CPU tier: evicted chunks are dropped
+    STATELESS = "stateless"  # forget every conversation after its turn
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 32
+    num_gpu_blocks: int = 1024
+    num_cpu_blocks: int = 0
+    policy: Policy = Policy.PENSIEVE
+    swap_out_threshold: float = 0.25  # ahead-of-time swap-out when free GPU blocks fall below this
+    admission_reserve: float = 0.10  # admit new requests only while more than this is free
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_gpu_blocks < 2:
+            raise ValueError(f"need at least 2 GPU blocks, got {self.num_gpu_blocks}")
+        if self.num_cpu_blocks < 0:
+            raise ValueError("num_cpu_blocks must be >= 0")
+        if not 0.0 <= self.admission_reserve < 1.0 or not 0.0 <= self.swap_out_threshold < 1.0:
+            raise ValueError("admission_reserve and swap_out_threshold must be in [0, 1)")
+
+    @property
+    def uses_cpu_tier(self) -> bool:
+        return self.num_cpu_blocks > 0 and self.policy in (Policy.PENSIEVE, Policy.LRU)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill + decode together)
+    max_num_seqs: int = 128  # running requests at most
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
+            raise ValueError("scheduler limits must be positive")

@@ -1,0 +1,84 @@
+"""The executor core: runs one step of the model on the paged KV cache and samples.
+
+Per step it issues the step's swaps, builds the attention metadata once (every layer reuses it),
+runs the flat batch of query tokens through the model, and samples the pieces that end a request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pensieve.actors.config import CacheConfig
+from pensieve.actors.sampler import sample
+from pensieve.actors.step import StepPlan
+from pensieve.actors.swap import SwapEngine
+from pensieve.kernels import AttentionImpl, build_metadata
+from pensieve.models.attention import PagedAttention, allocate_kv_caches
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: CacheConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        impl: AttentionImpl = AttentionImpl.AUTO,
+    ) -> None:
+        self.model = model
+        self.config = model.config  # type: ignore[attr-defined]
+        self.cache = cache
+        self.device = device
+        self.impl = impl
+        self.gpu_caches = allocate_kv_caches(
+            self.config, cache.num_gpu_blocks, cache.block_size, dtype, device
+        )
+        num_cpu = cache.num_cpu_blocks if cache.uses_cpu_tier else 0
+        pin = device.type == "cuda"
+        self.cpu_caches = [
+            torch.empty((num_cpu, *c.shape[1:]), dtype=dtype, pin_memory=pin)
+            for c in self.gpu_caches
+        ]
+        self.swap = SwapEngine(self.gpu_caches, self.cpu_caches)
+        self.scale = self.config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[int]:
+        """Run the plan; returns one sampled token per piece that samples, in plan order."""
+        self.swap.issue(plan.orders)
+        if not plan.pieces:
+            return []
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for piece in plan.pieces:
+            token_ids += piece.token_ids
+            positions += range(piece.start, piece.end)
+        meta = build_metadata(
+            [p.end - p.start for p in plan.pieces],
+            [p.end for p in plan.pieces],
+            [p.block_table for p in plan.pieces],
+            self.cache.block_size,
+            self.device,
+        )
+        attn = PagedAttention(
+            self.gpu_caches,
+            meta,
+            self.scale,
+            impl=self.impl,
+            before_layer=self.swap.wait_layer if self.swap.pipelined else None,
+        )
+        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        hidden = self.model(ids, pos, attn)  # [T, hidden]
+        rows, params, indices = [], [], []
+        end = 0
+        for piece in plan.pieces:
+            end += piece.end - piece.start
+            if piece.sampling is not None:
+                rows.append(end - 1)
+                params.append(piece.sampling)
+                indices.append(piece.sample_index)
+        if not rows:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        return sample(logits, params, indices)

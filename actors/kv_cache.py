@@ -1,0 +1,97 @@
+"""The nouns of the two-tier conversation cache: chunks, conversations, swap orders."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Tier(enum.Enum):
+    GPU = "gpu"
+    CPU = "cpu"
+    DROPPED = "dropped"
+
+
+@dataclass
+class Chunk:
+    """KV of `block_size` consecutive positions of one conversation.
+
+    Both ids may be set at once: a chunk swapped out to the CPU keeps its GPU block until the block
+    is reused (lazy reclaim), so a conversation that returns quickly still hits the GPU.
+    """
+
+    gpu_block: int | None = None
+    cpu_slot: int | None = None
+
+    @property
+    def tier(self) -> Tier:
+        if self.gpu_block is not None:
+            return Tier.GPU
+        if self.cpu_slot is not None:
+            return Tier.CPU
+        return Tier.DROPPED
+
+
+@dataclass
+class ConversationKV:
+    """A conversation's cached history: chunk i covers positions [i * block_size, (i+1) * block_size).
+
+    Positions [0, num_positions) were computed at some point; their chunk may since have moved to
+    the CPU or been dropped (then its raw tokens are recomputed). A pinned conversation has a
+    request running: none of its chunks may be evicted, and all of them are on the GPU.
+    """
+
+    conv_id: str
+    last_active: float
+    chunks: list[Chunk] = field(default_factory=list)
+    num_positions: int = 0
+    pinned: bool = False
+
+    def tiers(self) -> list[Tier]:
+        return [chunk.tier for chunk in self.chunks]
+
+    def block_table(self) -> list[int]:
+        table = [chunk.gpu_block for chunk in self.chunks]
+        if any(block is None for block in table):
+            raise AssertionError(f"{self.conv_id}: block table asked for with chunks off the GPU")
+        return table  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class CopyOp:
+    gpu_block: int
+    cpu_slot: int
+
+
+@dataclass
+class SwapOrders:
+    """Copies the executor must issue for one step, in this order.
+
+    1. `evict_first`: GPU->CPU copies whose blocks are reused within this same step.
+    2. `swap_in`: CPU->GPU copies, issued layer by layer; layer i's attention waits only for them.
+    3. `swap_out`: ahead-of-time / suspension GPU->CPU copies; they start only after every
+       CPU->GPU copy of the step (swap-in has priority) and overlap the step's compute.
+    `fence`: a block reused this step was swapped out earlier; its copy must finish before the
+    step writes into it.
+    """
+
+    evict_first: list[CopyOp] = field(default_factory=list)
+    swap_in: list[CopyOp] = field(default_factory=list)
+    swap_out: list[CopyOp] = field(default_factory=list)
+    fence: bool = False
+
+    def is_empty(self) -> bool:
+        return not (self.evict_first or self.swap_in or self.swap_out)
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """Where the history of an admitted request came from, in tokens."""
+
+    gpu_tokens: int
+    cpu_tokens: int
+    recompute_ranges: tuple[tuple[int, int], ...]  # position ranges to recompute, in order
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return sum(end - start for start, end in self.recompute_ranges)

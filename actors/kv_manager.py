@@ -1,0 +1,346 @@
+"""Block accounting of the two-tier conversation cache (pure: no tensors, no I/O).
+
+The manager decides which chunk lives where; the executor moves the bytes it is told to move
+(`SwapOrders`). Invariants, checked by `check_invariants` and the property tests:
+  - every GPU block and CPU slot is either free or owned by exactly one chunk;
+  - a pinned (running) conversation has every chunk on the GPU, and none of them is evicted;
+  - a reclaimable GPU block belongs to an unpinned chunk that also has a CPU copy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from pensieve.actors.block_pool import BlockPool
+from pensieve.actors.config import CacheConfig, Policy
+from pensieve.actors.kv_cache import Acquired, Chunk, ConversationKV, CopyOp, SwapOrders, Tier
+
+CostFn = Callable[[int], float]  # seconds to recompute one chunk that attends to l positions
+
+
+class OutOfBlocks(Exception):
+    """Raised when the GPU has no block left that is free, reclaimable or evictable."""
+
+
+class KVCacheManager:
+    def __init__(self, config: CacheConfig, cost: CostFn) -> None:
+        self.config = config
+        self.cost = cost
+        self.gpu = BlockPool(config.num_gpu_blocks)
+        self.cpu = BlockPool(config.num_cpu_blocks if config.uses_cpu_tier else 0)
+        self.conversations: dict[str, ConversationKV] = {}
+        self._reclaimable: OrderedDict[int, Chunk] = OrderedDict()  # reusable now
+        self._reclaim_next: list[tuple[int, Chunk]] = []  # reusable from the next step on
+        self._cpu_free_next: list[int] = []  # slots read by this step's swap-ins
+        self._orders = SwapOrders()
+
+    # ---- queries -------------------------------------------------------------------------
+
+    @property
+    def num_free_gpu(self) -> int:
+        """GPU blocks that can be written without evicting anything."""
+        return self.gpu.num_free + len(self._reclaimable) + len(self._reclaim_next)
+
+    def num_chunks(self, num_positions: int) -> int:
+        return -(-num_positions // self.config.block_size)
+
+    def get(self, conv_id: str) -> ConversationKV | None:
+        return self.conversations.get(conv_id)
+
+    def conversation(self, conv_id: str, now: float) -> ConversationKV:
+        conv = self.conversations.get(conv_id)
+        if conv is None:
+            conv = self.conversations[conv_id] = ConversationKV(conv_id, last_active=now)
+        return conv
+
+    def restore(self, conv_id: str, num_positions: int, now: float) -> ConversationKV:
+        """A conversation known from the token log only (e.g. after a restart): all dropped."""
+        conv = self.conversation(conv_id, now)
+        if not conv.chunks:
+            conv.chunks = [Chunk() for _ in range(self.num_chunks(num_positions))]
+            conv.num_positions = num_positions
+        return conv
+
+    def take_orders(self) -> SwapOrders:
+        """The copies decided since the last call; blocks swapped out now become reusable."""
+        orders, self._orders = self._orders, SwapOrders()
+        for block, chunk in self._reclaim_next:
+            self._reclaimable[block] = chunk
+        self._reclaim_next.clear()
+        for slot in self._cpu_free_next:
+            self.cpu.free(slot)
+        self._cpu_free_next.clear()
+        return orders
+
+    # ---- admission and growth ------------------------------------------------------------
+
+    def blocks_to_admit(self, conv: ConversationKV, num_positions: int) -> int:
+        """GPU blocks that admitting `conv` up to `num_positions` would take from the free count."""
+        needed = 0
+        for i in range(self.num_chunks(num_positions)):
+            chunk = conv.chunks[i] if i < len(conv.chunks) else None
+            if chunk is None or chunk.gpu_block is None or chunk.gpu_block in self._reclaimable:
+                needed += 1
+            elif any(chunk is c for _, c in self._reclaim_next):
+                needed += 1
+        return needed
+
+    def can_admit(self, conv: ConversationKV, num_positions: int) -> bool:
+        """Admission keeps more than `admission_reserve` of the GPU free for decode growth."""
+        available = self.num_free_gpu + self._num_evictable_gpu(exclude=conv)
+        after = available - self.blocks_to_admit(conv, num_positions)
+        return after > self.config.admission_reserve * self.gpu.capacity
+
+    def acquire(self, conv: ConversationKV, num_positions: int, now: float) -> Acquired:
+        """Pin `conv` and put every chunk of positions [0, num_positions) on the GPU.
+
+        CPU chunks are swapped in, dropped chunks get blocks and are reported for recomputation,
+        chunks past `conv.num_positions` are new. Raises OutOfBlocks (changing nothing) if the
+        GPU cannot hold them even after evicting every unpinned chunk.
+        """
+        available = self.gpu.num_free + len(self._reclaimable) + self._num_evictable_gpu(conv)
+        if self.blocks_to_admit(conv, num_positions) > available:
+            raise OutOfBlocks(f"{conv.conv_id}: history does not fit on the GPU")
+        conv.pinned = True
+        for chunk in conv.chunks[: self.num_chunks(num_positions)]:
+            if chunk.gpu_block is not None:
+                self._unreclaim(chunk)
+        self._ensure_free_gpu(self.blocks_to_admit(conv, num_positions), now)
+        gpu_tokens = cpu_tokens = 0
+        recompute: list[tuple[int, int]] = []
+        for i in range(self.num_chunks(num_positions)):
+            if i == len(conv.chunks):
+                conv.chunks.append(Chunk())
+            chunk = conv.chunks[i]
+            start, end = self._known_range(conv, i)
+            if chunk.gpu_block is not None:
+                gpu_tokens += end - start
+                self._free_cpu_copy(chunk)
+            elif chunk.cpu_slot is not None:
+                chunk.gpu_block = self._take_gpu_block()
+                self._orders.swap_in.append(CopyOp(chunk.gpu_block, chunk.cpu_slot))
+                self._cpu_free_next.append(chunk.cpu_slot)  # read by this step's swap-in
+                chunk.cpu_slot = None
+                cpu_tokens += end - start
+            else:
+                chunk.gpu_block = self._take_gpu_block()
+                if end > start:
+                    _extend(recompute, start, end)
+        return Acquired(gpu_tokens, cpu_tokens, tuple(recompute))
+
+    def grow(self, conv: ConversationKV, num_positions: int, now: float) -> bool:
+        """Give a running conversation blocks up to `num_positions`; False if the GPU is full."""
+        missing = self.num_chunks(num_positions) - len(conv.chunks)
+        if missing <= 0:
+            return True
+        try:
+            self._ensure_free_gpu(missing, now)
+        except OutOfBlocks:
+            return False
+        for _ in range(missing):
+            conv.chunks.append(Chunk(gpu_block=self._take_gpu_block()))
+        return True
+
+    def truncate(self, conv: ConversationKV, num_positions: int) -> None:
+        """Forget positions >= num_positions (their chunks are freed; a partial chunk stays)."""
+        keep = self.num_chunks(num_positions)
+        for chunk in conv.chunks[keep:]:
+            self._drop(chunk)
+        del conv.chunks[keep:]
+        conv.num_positions = min(conv.num_positions, num_positions)
+
+    # ---- end of a turn -------------------------------------------------------------------
+
+    def release(self, conv: ConversationKV, now: float) -> None:
+        """The conversation's request finished: its chunks become evictable."""
+        conv.pinned = False
+        conv.last_active = now
+        if self.config.policy is Policy.STATELESS:
+            self.forget(conv.conv_id)
+
+    def suspend(self, conv: ConversationKV, num_positions: int, now: float) -> None:
+        """Unpin a running conversation mid-turn and push its chunks off the GPU."""
+        self.truncate(conv, num_positions)
+        conv.pinned = False
+        conv.last_active = now
+        for chunk in conv.chunks:
+            if chunk.gpu_block is not None:
+                self._evict_now(chunk, self._take_cpu_slot(None, now) if self.cpu.capacity else None)
+
+    def forget(self, conv_id: str) -> None:
+        conv = self.conversations.pop(conv_id, None)
+        if conv is not None:
+            for chunk in conv.chunks:
+                self._drop(chunk)
+
+    def swap_out_ahead(self, now: float) -> int:
+        """Ahead-of-time swap-out while free GPU blocks are below the threshold. Returns chunks moved."""
+        if not self.cpu.capacity:
+            return 0
+        target = self.config.swap_out_threshold * self.gpu.capacity
+        moved = 0
+        if self.num_free_gpu >= target:
+            return 0
+        for value, chunk in self._gpu_candidates(now):
+            if self.num_free_gpu >= target:
+                break
+            slot = self._take_cpu_slot(value, now)
+            if slot is None:
+                break
+            self._swap_out(chunk, slot)
+            moved += 1
+        return moved
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _known_range(self, conv: ConversationKV, index: int) -> tuple[int, int]:
+        start = index * self.config.block_size
+        end = min(start + self.config.block_size, conv.num_positions)
+        return start, max(start, end)
+
+    def _value(self, conv: ConversationKV, index: int, now: float) -> float:
+        """Retention value: lowest is evicted first (leading chunks of idle conversations)."""
+        if self.config.policy is Policy.LRU:
+            return conv.last_active + index * 1e-9
+        context = min((index + 1) * self.config.block_size, max(conv.num_positions, 1))
+        idle = max(now - conv.last_active, 1e-6)
+        return self.cost(context) / idle
+
+    def _gpu_candidates(self, now: float) -> list[tuple[float, Chunk]]:
+        """Unpinned chunks that hold a GPU block and no CPU copy, lowest value first."""
+        found = []
+        for conv in self.conversations.values():
+            if conv.pinned:
+                continue
+            for i, chunk in enumerate(conv.chunks):
+                if chunk.gpu_block is not None and chunk.cpu_slot is None:
+                    found.append((self._value(conv, i, now), i, chunk))
+        found.sort(key=lambda item: (item[0], item[1]))
+        return [(value, chunk) for value, _, chunk in found]
+
+    def _cpu_candidates(self, now: float) -> list[tuple[float, Chunk]]:
+        found = []
+        for conv in self.conversations.values():
+            if conv.pinned:
+                continue
+            for i, chunk in enumerate(conv.chunks):
+                if chunk.cpu_slot is not None and chunk.gpu_block is None:
+                    found.append((self._value(conv, i, now), i, chunk))
+        found.sort(key=lambda item: (item[0], item[1]))
+        return [(value, chunk) for value, _, chunk in found]
+
+    def _num_evictable_gpu(self, exclude: ConversationKV) -> int:
+        count = 0
+        for conv in self.conversations.values():
+            if conv.pinned or conv is exclude:
+                continue
+            count += sum(1 for c in conv.chunks if c.gpu_block is not None and c.cpu_slot is None)
+        return count
+
+    def _ensure_free_gpu(self, needed: int, now: float) -> None:
+        """Evict on demand (lowest value first) until `needed` blocks can be taken."""
+        if self.gpu.num_free + len(self._reclaimable) >= needed:
+            return
+        for value, chunk in self._gpu_candidates(now):
+            if self.gpu.num_free + len(self._reclaimable) >= needed:
+                return
+            self._evict_now(chunk, self._take_cpu_slot(value, now) if self.cpu.capacity else None)
+        if self.gpu.num_free + len(self._reclaimable) < needed:
+            raise OutOfBlocks(f"need {needed} GPU blocks, {self.gpu.num_free} free")
+
+    def _take_gpu_block(self) -> int:
+        block = self.gpu.allocate()
+        if block is not None:
+            return block
+        if not self._reclaimable:
+            raise OutOfBlocks("no free or reclaimable GPU block")
+        block, chunk = self._reclaimable.popitem(last=False)
+        chunk.gpu_block = None  # its data lives on in the CPU copy
+        self._orders.fence = True
+        return block
+
+    def _evict_now(self, chunk: Chunk, slot: int | None) -> None:
+        """Free a GPU block for reuse within this step: copy it out first, or drop it."""
+        block = chunk.gpu_block
+        assert block is not None and chunk.cpu_slot is None
+        if slot is not None:
+            self._orders.evict_first.append(CopyOp(block, slot))
+            chunk.cpu_slot = slot
+        chunk.gpu_block = None
+        self.gpu.free(block)
+
+    def _take_cpu_slot(self, value: float | None, now: float) -> int | None:
+        """A free CPU slot, dropping lower-valued CPU chunks if needed (any, if value is None)."""
+        slot = self.cpu.allocate()
+        if slot is not None:
+            return slot
+        for victim_value, victim in self._cpu_candidates(now):
+            if value is not None and victim_value >= value:
+                return None
+            self._drop(victim)
+            return self.cpu.allocate()
+        return None
+
+    def _swap_out(self, chunk: Chunk, slot: int) -> None:
+        assert chunk.gpu_block is not None and chunk.cpu_slot is None
+        self._orders.swap_out.append(CopyOp(chunk.gpu_block, slot))
+        chunk.cpu_slot = slot
+        self._reclaim_next.append((chunk.gpu_block, chunk))
+
+    def _unreclaim(self, chunk: Chunk) -> None:
+        """A chunk whose block was waiting for reuse is needed again: keep the GPU copy."""
+        assert chunk.gpu_block is not None
+        if self._reclaimable.pop(chunk.gpu_block, None) is None:
+            self._cancel_swap_out(chunk)
+
+    def _cancel_swap_out(self, chunk: Chunk) -> None:
+        """Withdraw a swap-out not yet issued, so its slot can be reused safely."""
+        for i, (_, pending) in enumerate(self._reclaim_next):
+            if pending is chunk:
+                del self._reclaim_next[i]
+                op = CopyOp(chunk.gpu_block, chunk.cpu_slot)  # type: ignore[arg-type]
+                self._orders.swap_out.remove(op)
+                return
+
+    def _free_cpu_copy(self, chunk: Chunk) -> None:
+        if chunk.cpu_slot is not None:
+            self.cpu.free(chunk.cpu_slot)
+            chunk.cpu_slot = None
+
+    def _drop(self, chunk: Chunk) -> None:
+        if chunk.gpu_block is not None:
+            if self._reclaimable.pop(chunk.gpu_block, None) is None:
+                self._cancel_swap_out(chunk)
+            self.gpu.free(chunk.gpu_block)
+            chunk.gpu_block = None
+        self._free_cpu_copy(chunk)
+
+    def check_invariants(self) -> None:
+        owned_gpu: dict[int, Chunk] = {}
+        owned_cpu: dict[int, Chunk] = {}
+        for conv in self.conversations.values():
+            for chunk in conv.chunks:
+                for block, owned in ((chunk.gpu_block, owned_gpu), (chunk.cpu_slot, owned_cpu)):
+                    if block is not None:
+                        assert block not in owned, f"block {block} owned twice"
+                        owned[block] = chunk
+                if conv.pinned:
+                    assert chunk.tier is Tier.GPU, f"{conv.conv_id}: pinned chunk off the GPU"
+        pending_cpu = set(self._cpu_free_next)
+        assert not pending_cpu & set(owned_cpu), "a slot being read is owned again"
+        for pool, owned, pending in ((self.gpu, owned_gpu, set()), (self.cpu, owned_cpu, pending_cpu)):
+            for block in range(pool.capacity):
+                held = block in owned or block in pending
+                assert pool.is_free(block) != held, f"block {block}: free and owned disagree"
+            assert pool.num_free + len(owned) + len(pending) == pool.capacity
+        reclaim = list(self._reclaimable.items()) + self._reclaim_next
+        for block, chunk in reclaim:
+            assert chunk.gpu_block == block and chunk.cpu_slot is not None
+
+
+def _extend(ranges: list[tuple[int, int]], start: int, end: int) -> None:
+    if ranges and ranges[-1][1] == start:
+        ranges[-1] = (ranges[-1][0], end)
+    else:
+        ranges.append((start, end))

@@ -1,0 +1,126 @@
+"""A request: one turn of one conversation, tracked as computed positions vs target positions."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an end-of-sequence or stop token
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # rejected or cancelled; `Request.error` says why
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class TokenSources:
+    """Where the prompt positions of a turn came from."""
+
+    gpu: int = 0
+    cpu: int = 0
+    recomputed: int = 0
+    new: int = 0
+
+    def __add__(self, other: TokenSources) -> TokenSources:
+        return TokenSources(
+            self.gpu + other.gpu,
+            self.cpu + other.cpu,
+            self.recomputed + other.recomputed,
+            self.new + other.new,
+        )
+
+
+@dataclass
+class Request:
+    request_id: str
+    conv_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    arrival: float
+    eos_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    pending: list[tuple[int, int]] = field(default_factory=list)  # positions still to compute
+    sources: TokenSources = TokenSources()
+    num_suspensions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def first_pending(self) -> int:
+        return self.pending[0][0] if self.pending else self.num_tokens
+
+    def peek_end(self, budget: int) -> int:
+        """The position after the last one `take(budget)` would return."""
+        end = self.first_pending
+        for start, stop in self.pending:
+            if budget <= 0:
+                break
+            end = min(stop, start + budget)
+            budget -= end - start
+        return end
+
+    def take(self, budget: int) -> list[tuple[int, int]]:
+        """Pop up to `budget` positions off the pending ranges, in order."""
+        taken: list[tuple[int, int]] = []
+        while self.pending and budget > 0:
+            start, end = self.pending[0]
+            stop = min(end, start + budget)
+            taken.append((start, stop))
+            budget -= stop - start
+            if stop == end:
+                self.pending.pop(0)
+            else:
+                self.pending[0] = (stop, end)
+        return taken
+
+    def finish_check(self, max_model_len: int) -> FinishReason | None:
+        last = self.output_ids[-1]
+        if not self.sampling.ignore_eos and last in self.eos_token_ids:
+            return FinishReason.STOP
+        if last in self.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

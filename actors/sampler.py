@@ -1,0 +1,42 @@
+"""Token sampling: greedy rows in one argmax, others with temperature, top-k and top-p.
+
+A seeded request draws from its own generator keyed by (seed, output index), so its tokens do not
+depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pensieve.actors.request import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], sample_indices: Sequence[int]
+) -> list[int]:  # logits: [N, V] float32
+    tokens = torch.argmax(logits, dim=-1)  # [N]
+    for row, (p, index) in enumerate(zip(params, sample_indices, strict=True)):
+        if not p.greedy:
+            tokens[row] = _sample_row(logits[row], p, index)
+    return tokens.tolist()
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:  # logits: [V]
+    scaled = logits.float() / p.temperature
+    if p.top_k is not None and p.top_k < scaled.numel():
+        kth = torch.topk(scaled, p.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    generator = torch.Generator(device="cpu")
+    if p.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed((p.seed * 1_000_003 + index) % (2**63))
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())

@@ -1,0 +1,205 @@
+"""The unified iteration-level scheduler: prefill and decode tokens of many requests in one step.
+
+Every request is "computed positions vs target positions": each step gives every running request
+its next pending positions (a decode is one position) under a token budget, first come first
+served, then admits waiting requests while the GPU keeps its reserve.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from pensieve.actors.config import SchedulerConfig
+from pensieve.actors.kv_manager import KVCacheManager, OutOfBlocks
+from pensieve.actors.request import FinishReason, Request, RequestStatus, TokenSources
+from pensieve.actors.step import SeqPiece, StepPlan
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    new_tokens: dict[str, int]  # request_id -> token sampled this step
+    finished: list[Request]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.histories: dict[str, list[int]] = {}  # conversation -> its token log
+        self.num_suspensions = 0
+        self.rejected: list[Request] = []  # drained by the engine
+
+    def add(self, request: Request) -> None:
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {request.num_tokens} tokens leaves no room in a context of "
+                f"{self.config.max_model_len}"
+            )
+        if any(r.conv_id == request.conv_id for r in (*self.running, *self.waiting)):
+            raise ValueError(f"conversation {request.conv_id!r} already has a turn in progress")
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def restore_history(self, conv_id: str, tokens: list[int], now: float) -> None:
+        """Adopt a conversation known only from its token log (e.g. after a restart)."""
+        if conv_id in self.histories:
+            return
+        self.histories[conv_id] = list(tokens)
+        # the last token of a turn was sampled, never fed: its KV does not exist
+        self.kv.restore(conv_id, max(len(tokens) - 1, 0), now)
+
+    def forget(self, conv_id: str) -> None:
+        self.histories.pop(conv_id, None)
+        self.kv.forget(conv_id)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        pieces: list[SeqPiece] = []
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # suspended while an earlier request grew
+            taken = self._grow_or_suspend(request, budget, now)
+            pieces += self._pieces(request, taken)
+            budget -= sum(end - start for start, end in taken)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if not self._admit(self.waiting[0], now):
+                break
+            request = self.waiting.popleft()
+            taken = request.take(budget)
+            pieces += self._pieces(request, taken)
+            budget -= sum(end - start for start, end in taken)
+        self.kv.swap_out_ahead(now)
+        return StepPlan(tuple(pieces), self.kv.take_orders())
+
+    def update(self, plan: StepPlan, sampled: list[int], now: float) -> StepOutcome:
+        """Apply a finished step: record computed positions and sampled tokens."""
+        new_tokens: dict[str, int] = {}
+        finished: list[Request] = []
+        by_id = {request.request_id: request for request in self.running}
+        samples = iter(sampled)
+        for piece in plan.pieces:
+            request = by_id[piece.request_id]
+            conv = self.kv.conversations[request.conv_id]
+            conv.num_positions = max(conv.num_positions, piece.end)
+            if piece.sampling is None:
+                continue
+            token = next(samples)
+            request.output_ids.append(token)
+            new_tokens[request.request_id] = token
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = request.finish_check(self.config.max_model_len)
+            if reason is None:
+                request.pending.append((request.num_tokens - 1, request.num_tokens))
+            else:
+                self._finish(request, reason, now)
+                finished.append(request)
+        return StepOutcome(new_tokens, finished)
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _pieces(self, request: Request, taken: list[tuple[int, int]]) -> list[SeqPiece]:
+        if not taken:
+            return []
+        conv = self.kv.conversations[request.conv_id]
+        table = tuple(conv.block_table())
+        ids = request.all_ids
+        pieces = []
+        for start, end in taken:
+            samples = end == request.num_tokens and not request.pending
+            pieces.append(
+                SeqPiece(
+                    request.request_id,
+                    tuple(ids[start:end]),
+                    start,
+                    end,
+                    table,
+                    request.sampling if samples else None,
+                    len(request.output_ids),
+                )
+            )
+        return pieces
+
+    def _grow_or_suspend(self, request: Request, budget: int, now: float) -> list[tuple[int, int]]:
+        conv = self.kv.conversations[request.conv_id]
+        end = request.peek_end(budget)
+        while not self.kv.grow(conv, end, now):
+            victim = self.running[-1]  # the latest arrival gives way (running is in arrival order)
+            self._suspend(victim, now)
+            if victim is request:
+                return []
+        return request.take(budget)
+
+    def _suspend(self, request: Request, now: float) -> None:
+        self.kv.suspend(self.kv.conversations[request.conv_id], request.first_pending, now)
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.pending = []
+        request.num_suspensions += 1
+        self.num_suspensions += 1
+        self.waiting.appendleft(request)
+
+    def _admit(self, request: Request, now: float) -> bool:
+        """Reuse the longest cached prefix of the conversation, then take GPU blocks for the rest."""
+        conv = self.kv.conversation(request.conv_id, now)
+        target = request.all_ids
+        reuse = _common_prefix(self.histories.get(request.conv_id, []), target)
+        reuse = min(reuse, conv.num_positions, len(target) - 1)  # compute >= 1 token for logits
+        if not self.kv.can_admit(conv, len(target)):
+            if self.running:
+                return False
+            # nothing else runs: admit whatever the reserve says, as long as it fits at all
+        self.kv.truncate(conv, reuse)
+        try:
+            acquired = self.kv.acquire(conv, len(target), now)
+        except OutOfBlocks:
+            if not self.running:
+                self._reject(request, now)  # it can never fit, even on an idle GPU
+            return False
+        self.histories[request.conv_id] = list(target)
+        request.pending = [*acquired.recompute_ranges, (reuse, len(target))]
+        request.sources = request.sources + TokenSources(
+            gpu=acquired.gpu_tokens,
+            cpu=acquired.cpu_tokens,
+            recomputed=acquired.recomputed_tokens,
+            new=len(target) - reuse,
+        )
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=lambda r: r.arrival)
+        return True
+
+    def _reject(self, request: Request, now: float) -> None:
+        self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.ABORT
+        request.error = "too_long: the conversation does not fit in the GPU KV cache"
+        request.finish_time = now
+        self.rejected.append(request)
+
+    def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time = now
+        self.running.remove(request)
+        self.histories[request.conv_id] = request.all_ids
+        self.kv.release(self.kv.conversations[request.conv_id], now)
+        if request.conv_id not in self.kv.conversations:
+            self.histories.pop(request.conv_id, None)  # stateless: forgotten with its KV
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

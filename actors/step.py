@@ -1,0 +1,35 @@
+"""The data that crosses from the scheduler to the executor for one step (plain data only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pensieve.actors.kv_cache import SwapOrders
+from pensieve.actors.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class SeqPiece:
+    """Positions [start, end) of one request, computed in this step.
+
+    Several pieces of one request may share a step and a block table (a recomputed prefix and the
+    new prompt); only a piece that reaches the request's last token samples.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    end: int
+    block_table: tuple[int, ...]
+    sampling: SamplingParams | None  # None: no token is sampled from this piece
+    sample_index: int = 0  # which output token this sample is (keys seeded generators)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    pieces: tuple[SeqPiece, ...]
+    orders: SwapOrders = field(default_factory=SwapOrders)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(piece.end - piece.start for piece in self.pieces)

@@ -1,0 +1,128 @@
+"""Build a ready engine from user-facing options: model, tokenizer, cache tiers, cost model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
+from pensieve.actors.cost_model import CostModel
+from pensieve.actors.engine import Engine
+from pensieve.actors.executor import ModelRunner
+from pensieve.actors.tokenizer import ChatTokenizer
+from pensieve.models.config import ModelConfig
+from pensieve.models.loader import LoadedModel, ModelLoadError, load_model
+
+GIB = 1 << 30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    tokenizer: str | None = None  # a tokenizer folder; default: the model's own, else SmolLM2's
+    policy: Policy = Policy.PENSIEVE
+    block_size: int = 32
+    gpu_cache_tokens: int | None = None
+    cpu_cache_tokens: int | None = None
+    gpu_cache_gb: float | None = None
+    cpu_cache_gb: float | None = None
+    max_batch_tokens: int = 2048
+    max_num_seqs: int = 128
+    profile: str | None = None  # a `pensieve profile` table; default: the analytic cost model
+    seed: int = 0
+
+
+@dataclass
+class Built:
+    engine: Engine
+    loaded: LoadedModel
+    chat: ChatTokenizer
+
+
+def build(options: EngineOptions) -> Built:
+    if options.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {options.dtype!r}; choose from {', '.join(DTYPES)}")
+    device = torch.device(options.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but no CUDA GPU is available")
+    dtype = DTYPES[options.dtype]
+    loaded = load_model(options.model, device, dtype, seed=options.seed)
+    chat = ChatTokenizer(_tokenizer(options, loaded), loaded.config.vocab_size)
+    cache = cache_config(options, loaded.config, device, dtype)
+    runner = ModelRunner(loaded.model, cache, device, dtype)
+    scheduling = SchedulerConfig(
+        max_num_batched_tokens=options.max_batch_tokens,
+        max_num_seqs=options.max_num_seqs,
+        max_model_len=loaded.config.max_context_len,
+    )
+    cost = _cost_model(options, loaded.config)
+    engine = Engine(runner, cache, scheduling, cost.cost, chat.eos_token_ids)
+    return Built(engine, loaded, chat)
+
+
+def cache_config(
+    options: EngineOptions, config: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> CacheConfig:
+    """Size both tiers in blocks from tokens or GiB; defaults fill most free GPU memory."""
+    per_block = config.kv_bytes_per_token(dtype) * options.block_size
+    gpu_tokens = _tokens(options.gpu_cache_tokens, options.gpu_cache_gb, per_block, options)
+    if gpu_tokens is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            gpu_tokens = int(free * 0.85) // per_block * options.block_size
+        else:
+            gpu_tokens = 16384
+    cpu_tokens = _tokens(options.cpu_cache_tokens, options.cpu_cache_gb, per_block, options)
+    if cpu_tokens is None:
+        cpu_tokens = 4 * gpu_tokens if device.type == "cpu" else (8 * GIB) // per_block * options.block_size
+    if options.policy in (Policy.GPU_ONLY, Policy.STATELESS):
+        cpu_tokens = 0
+    return CacheConfig(
+        block_size=options.block_size,
+        num_gpu_blocks=gpu_tokens // options.block_size,
+        num_cpu_blocks=cpu_tokens // options.block_size,
+        policy=options.policy,
+    )
+
+
+def _tokens(tokens: int | None, gb: float | None, per_block: int, options: EngineOptions) -> int | None:
+    if tokens is not None and gb is not None:
+        raise ValueError("give a cache size in tokens or in GB, not both")
+    if gb is not None:
+        return int(gb * GIB) // per_block * options.block_size
+    return tokens
+
+
+def _tokenizer(options: EngineOptions, loaded: LoadedModel) -> object:
+    from transformers import AutoTokenizer
+
+    if options.tokenizer is not None:
+        path = Path(options.tokenizer)
+        if not path.is_dir():
+            raise ModelLoadError(f"tokenizer folder not found: {options.tokenizer}")
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if loaded.tokenizer is not None:
+        return loaded.tokenizer
+    from pensieve.models.assets import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()  # presets borrow SmolLM2's tokenizer for realistic lengths
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def _cost_model(options: EngineOptions, config: ModelConfig) -> CostModel:
+    if options.profile is not None:
+        return CostModel.from_json(options.profile)
+    return CostModel.analytic(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        intermediate_size=config.intermediate_size,
+        chunk_size=options.block_size,
+    )

@@ -1,0 +1,97 @@
+"""Byte layout of the store: keys, the packed token log, and orjson-encoded records.
+
+Conversation ids are arbitrary user strings of up to 200 characters (up to 800 UTF-8 bytes), which
+can exceed LMDB's 511-byte key limit, so every key starts with a fixed 16-byte BLAKE2b digest of
+the id. The id itself is kept in the conversation's meta value.
+
+    sub-database  key                                   value
+    meta          digest(id)                            orjson {id, created_at, last_active, ...}
+    logs          digest(id)                            uint32 little-endian token ids
+    turns         digest(id) + turn index (u32 BE)      orjson TurnRecord
+    spills        digest(id) + chunk index (u32 BE)     orjson CPU slot number
+
+Big-endian indices keep one conversation's turns and chunks in order under a cursor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+
+from pensieve.store.records import ConversationMeta, TurnRecord
+
+DIGEST_BYTES = 16
+_INDEX = struct.Struct(">I")
+MAX_U32 = 2**32 - 1
+
+
+def conversation_key(conv_id: str) -> bytes:
+    return hashlib.blake2b(conv_id.encode("utf-8"), digest_size=DIGEST_BYTES).digest()
+
+
+def indexed_key(conv_key: bytes, index: int) -> bytes:
+    """Key of turn or chunk `index` of a conversation (0 <= index < 2**32)."""
+    if not 0 <= index <= MAX_U32:
+        raise ValueError(f"index {index} is out of range")
+    return conv_key + _INDEX.pack(index)
+
+
+def index_of(key: bytes) -> int:
+    return int(_INDEX.unpack_from(key, DIGEST_BYTES)[0])
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as uint32 little-endian bytes; ValueError on ids outside [0, 2**32)."""
+    try:
+        packed = array("I", tokens)
+    except OverflowError:
+        raise ValueError("token ids must be in [0, 2**32)") from None
+    return _little_endian(packed).tobytes()
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    tokens = array("I")
+    tokens.frombytes(data)
+    return _little_endian(tokens).tolist()
+
+
+def _little_endian(tokens: array[int]) -> array[int]:
+    assert tokens.itemsize == 4, "array('I') must be 32-bit on this platform"
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    return tokens
+
+
+def encode_turn(record: TurnRecord) -> bytes:
+    return orjson.dumps(dataclasses.asdict(record))
+
+
+def decode_turn(data: bytes) -> TurnRecord:
+    fields: dict[str, Any] = orjson.loads(data)
+    fields["output_token_ids"] = tuple(fields["output_token_ids"])
+    return TurnRecord(**fields)
+
+
+def encode_meta(meta: ConversationMeta) -> bytes:
+    return orjson.dumps(dataclasses.asdict(meta))
+
+
+def decode_meta(data: bytes) -> ConversationMeta:
+    return ConversationMeta(**orjson.loads(data))
+
+
+def encode_slot(slot: int) -> bytes:
+    return orjson.dumps(slot)
+
+
+def decode_slot(data: bytes) -> int:
+    slot = orjson.loads(data)
+    assert isinstance(slot, int)
+    return slot

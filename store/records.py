@@ -1,0 +1,86 @@
+"""What the store keeps about a conversation: one record per finished turn, and its metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_CONVERSATION_ID_CHARS = 200
+
+
+def validate_conversation_id(conv_id: object) -> str:
+    """Return `conv_id` if it is a usable conversation id; raise ValueError otherwise.
+
+    A conversation id is any non-empty string of at most 200 characters that encodes to UTF-8
+    (so no lone surrogates). Ids come from clients, so the message says what is wrong.
+    """
+    if not isinstance(conv_id, str):
+        raise ValueError(f"conversation id must be a string, not {type(conv_id).__name__}")
+    if not conv_id:
+        raise ValueError("conversation id must not be empty")
+    if len(conv_id) > MAX_CONVERSATION_ID_CHARS:
+        raise ValueError(
+            f"conversation id has {len(conv_id)} characters; at most "
+            f"{MAX_CONVERSATION_ID_CHARS} are allowed"
+        )
+    try:
+        conv_id.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"conversation id is not valid UTF-8: {exc.reason}") from None
+    return conv_id
+
+
+def _require_non_negative(**values: int) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """One finished turn of a conversation, as the client saw it.
+
+    `turn` counts from 0 and equals the number of turns committed before it. `prompt_tokens` is
+    the length of the whole rendered prompt of this turn (history included); `new_prompt_tokens`
+    is how many of those had never been in the conversation's token log before. The cached counts
+    say where the rest of the prompt's KV came from.
+    """
+
+    turn: int
+    user_message: str
+    assistant_text: str
+    prompt_tokens: int
+    new_prompt_tokens: int
+    output_token_ids: tuple[int, ...]
+    finish_reason: str
+    cached_gpu: int
+    cached_cpu: int
+    cached_recomputed: int
+    started_at: float
+    finished_at: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.output_token_ids, tuple):
+            raise TypeError("output_token_ids must be a tuple of ints")
+        _require_non_negative(
+            turn=self.turn,
+            prompt_tokens=self.prompt_tokens,
+            new_prompt_tokens=self.new_prompt_tokens,
+            cached_gpu=self.cached_gpu,
+            cached_cpu=self.cached_cpu,
+            cached_recomputed=self.cached_recomputed,
+        )
+        if self.new_prompt_tokens > self.prompt_tokens:
+            raise ValueError("new_prompt_tokens cannot exceed prompt_tokens")
+        if self.finished_at < self.started_at:
+            raise ValueError("finished_at is before started_at")
+
+
+@dataclass(frozen=True)
+class ConversationMeta:
+    """Bookkeeping of one conversation; `last_active` is the end of its latest turn (unix time)."""
+
+    conversation_id: str
+    created_at: float
+    last_active: float
+    num_turns: int
+    log_len: int
