@@ -24,6 +24,7 @@ small kernel merges the splits.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ from pensieve.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SMEM_LIMIT = 228 * 1024  # shared memory per SM on Hopper
 
 
 @dataclass(frozen=True)
@@ -237,28 +239,72 @@ def choose_config(
     group: int,
     num_kv_heads: int,
     head_dim: int,
+    elem_bytes: int,
     num_sms: int,
 ) -> KernelConfig:
-    """Tile shape and KV split for one step; cached, so every layer after the first reuses it."""
+    """Tile shape and KV split for one step; cached, so every layer after the first reuses it.
+
+    Tile shapes are the fastest of a sweep on an H200 (ops/bench_kernels.py --sweep): decode and
+    short multi-token steps want 16-32 rows, 64-position KV tiles and 2 stages; prefill wants
+    128 x 128 tiles, 8 warps, 3 stages (bf16; fp32 takes smaller tiles to fit shared memory).
+    """
     rows = max_query_len * group
     min_m = max(16, triton.next_power_of_2(group))
-    if rows <= 64:  # decode and short multi-token steps: memory-bound, split KV if needed
+    if rows <= 64:  # decode and short multi-token steps: memory-bound
         block_m = max(min_m, triton.next_power_of_2(rows))
-        config = KernelConfig(block_m, 64, num_warps=4, num_stages=3)
+        config = KernelConfig(block_m, 64, num_warps=4, num_stages=2)
     elif head_dim >= 256:
         config = KernelConfig(max(min_m, 64), 32, num_warps=4, num_stages=2)
+    elif elem_bytes > 2:
+        config = KernelConfig(max(min_m, 128), 64, num_warps=8, num_stages=2)
     else:
-        config = KernelConfig(max(min_m, 128), 64, num_warps=8, num_stages=3)
-    block_q = config.block_m // group
-    num_tiles = num_seqs * triton.cdiv(max_query_len, block_q)
-    wanted = 4 * num_sms  # programs that keep every SM busy through the tail
-    num_splits = min(triton.cdiv(wanted, num_tiles * num_kv_heads), max_seq_len // 512)
+        config = KernelConfig(max(min_m, 128), 128, num_warps=8, num_stages=3)
+    row_bytes = head_dim * elem_bytes
+    while _smem_bytes(config, row_bytes) > _SMEM_LIMIT and config.block_n > 16:
+        config = dataclasses.replace(config, block_n=config.block_n // 2)
+    num_splits = _num_kv_splits(
+        config, num_tokens, num_seqs, max_query_len, group, num_kv_heads, row_bytes, num_sms
+    )  # fmt: skip
+    num_splits = min(num_splits, max_seq_len // 512)  # a split below 512 positions costs more
     if num_splits <= 1:
         return config
     split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), config.block_n) * config.block_n
     return KernelConfig(
         config.block_m, config.block_n, config.num_warps, config.num_stages, split_len
     )
+
+
+def _smem_bytes(config: KernelConfig, row_bytes: int) -> int:
+    # K and V tiles per pipeline stage, plus the query tile
+    return (config.num_stages * 2 * config.block_n + config.block_m) * row_bytes
+
+
+def _num_kv_splits(
+    config: KernelConfig,
+    num_tokens: int,
+    num_seqs: int,
+    max_query_len: int,
+    group: int,
+    num_kv_heads: int,
+    row_bytes: int,
+    num_sms: int,
+) -> int:
+    """KV splits that keep the grid from ending in a ragged wave.
+
+    Measured on an H200 (decode tiles, ~3 resident programs per SM): a grid that fits in one
+    wave of resident programs runs best unsplit; a grid of 1-2 waves loses up to 20% to its tail,
+    so it is split until it spans at least 3 waves.
+    """
+    block_q = config.block_m // group
+    num_tiles = min(
+        num_seqs * triton.cdiv(max_query_len, block_q), num_tokens // block_q + num_seqs
+    )
+    num_programs = num_tiles * num_kv_heads
+    resident = _SMEM_LIMIT // _smem_bytes(config, row_bytes)
+    slots = num_sms * max(1, min(4, resident))  # programs resident at once
+    if num_programs >= slots:
+        return triton.cdiv(3 * slots, num_programs)
+    return slots // num_programs
 
 
 def launch_config(
@@ -269,7 +315,8 @@ def launch_config(
     num_kv_heads = kv_cache.shape[3]
     return choose_config(
         num_tokens, meta.num_seqs, meta.max_query_len, meta.max_seq_len,
-        num_q_heads // num_kv_heads, num_kv_heads, head_dim, _num_sms(query.device),
+        num_q_heads // num_kv_heads, num_kv_heads, head_dim, query.element_size(),
+        _num_sms(query.device),
     )  # fmt: skip
 
 

@@ -203,7 +203,7 @@ def bench_decode(do_sweep: bool) -> dict:
         c
         for bn in (64, 128)
         for w in (2, 4, 8)
-        for s in (2, 3, 4)
+        for s in (2, 4)
         for c in split_options(16, bn, p.seq_len, w, s)
     ]
     ours_us, config_note = pick("decode", p, grid, do_sweep)

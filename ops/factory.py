@@ -53,6 +53,13 @@ def build(options: EngineOptions) -> Built:
     dtype = DTYPES[options.dtype]
     loaded = load_model(options.model, device, dtype, seed=options.seed)
     chat = ChatTokenizer(_tokenizer(options, loaded), loaded.config.vocab_size)
+    return assemble(options, loaded, chat)
+
+
+def assemble(options: EngineOptions, loaded: LoadedModel, chat: ChatTokenizer) -> Built:
+    """A fresh engine (empty caches) around an already loaded model."""
+    device = next(loaded.model.parameters()).device
+    dtype = DTYPES[options.dtype]
     cache = cache_config(options, loaded.config, device, dtype)
     runner = ModelRunner(loaded.model, cache, device, dtype)
     scheduling = SchedulerConfig(

@@ -148,7 +148,7 @@ def check(case: Case, config: KernelConfig | None = None) -> None:
     ],
 )
 def test_mixed_batch(rng, dtype, block_size, group, head_dim):
-    subseqs = random_subseqs(rng, rng.randint(1, 4), max_query=40, max_context=120)
+    subseqs = random_subseqs(rng, rng.randint(1, 5), max_query=80, max_context=300)
     case = make_case(
         rng, subseqs, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim,
         dtype=dtype,
@@ -186,7 +186,7 @@ def test_decode_batch_takes_split_path(rng):
     case = make_case(
         rng, subseqs, block_size=16, num_kv_heads=1, group=8, head_dim=16, dtype=torch.bfloat16
     )
-    config = choose_config(3, 3, 1, 1100, 8, 1, 16, 4)
+    config = choose_config(3, 3, 1, 1100, 8, 1, 16, 2, 4)
     assert config.kv_split_len is not None  # 4 SMs as the interpreter reports them
     check(case)
 
@@ -253,14 +253,16 @@ def test_gpu_mixed_batch(rng, dtype, block_size, group, head_dim):
     check(case)
 
 
-@pytest.mark.parametrize("head_dim", [16, 32, 256])
+@pytest.mark.parametrize(
+    ("head_dim", "dtype"),
+    [(16, torch.bfloat16), (32, torch.float16), (256, torch.bfloat16), (256, torch.float32)],
+)
 @gpu
-def test_gpu_other_head_dims(rng, head_dim):
+def test_gpu_other_head_dims(rng, head_dim, dtype):
     subseqs = random_subseqs(rng, 6, max_query=200, max_context=1500)
     case = make_case(
-        rng, subseqs, block_size=32, num_kv_heads=2, group=4, head_dim=head_dim,
-        dtype=torch.bfloat16,
-    )  # fmt: skip
+        rng, subseqs, block_size=32, num_kv_heads=2, group=4, head_dim=head_dim, dtype=dtype
+    )
     check(case)
 
 

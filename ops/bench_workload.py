@@ -1,0 +1,401 @@
+"""Multi-turn ShareGPT workloads and the drivers that replay them (DESIGN.md §6).
+
+A workload is a list of `ConvSpec`s; each turn is two runs of token ids:
+
+    prompt of turn k = user_0 + reply_0 + user_1 + reply_1 + ... + user_k
+    user_k  = the chat template's text between reply k-1 and reply k: the end of the previous
+              assistant message, the user message, the opening of the assistant's answer
+    reply_k = the recorded reply's ids, capped at `max_output`; their count is the turn's output
+              length (EOS is ignored, so every system generates exactly that many tokens)
+
+`History.RECORDED` puts the recorded reply ids into the next prompt, so two systems whose random
+weights generate different tokens still see identical prompts (ours against transformers).
+`History.GENERATED` puts in what the engine generated, as a chat client would, which lets the
+engine's cache reuse the whole history; the token counts are the same either way.
+
+Drivers, all bounded in time:
+  closed_loop     K conversations at once; a conversation's next turn is sent when its reply ends.
+  hf_closed_loop  the same against a transformers continuous-batching manager.
+  open_loop       real time: conversations arrive as a Poisson process, each next turn is sent an
+                  exponential think time after the previous reply.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+import random
+import re
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pensieve.actors.engine import Engine
+from pensieve.actors.request import FinishReason, Request, SamplingParams, TokenSources
+from pensieve.ops.sharegpt import Conversation, Role, human_turns
+
+_REPLY_MARK = "\u27e6pensieve-reply-{}\u27e7"  # stands in for reply k while the template renders
+_REPLY_SPLIT = re.compile("\u27e6pensieve-reply-\\d+\u27e7")
+
+
+class History(enum.Enum):
+    RECORDED = "recorded"
+    GENERATED = "generated"
+
+
+@dataclass(frozen=True)
+class Turn:
+    user_ids: tuple[int, ...]
+    reply_ids: tuple[int, ...]  # never empty
+
+    @property
+    def num_output(self) -> int:
+        return len(self.reply_ids)
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    conv_id: str
+    turns: tuple[Turn, ...]
+
+    @property
+    def num_output(self) -> int:
+        return sum(turn.num_output for turn in self.turns)
+
+
+def build_workload(
+    conversations: Iterable[Conversation],
+    tokenizer: Any,
+    vocab_size: int,
+    max_output: int,
+    max_context: int,
+    max_turns: int | None = None,
+) -> list[ConvSpec]:
+    """Tokenize conversations into turns; a conversation ends at its first turn without a
+    recorded reply or whose prompt plus reply would not fit in `max_context` tokens."""
+    specs = []
+    for conv in conversations:
+        turns = _turns(conv, tokenizer, vocab_size, max_output, max_context, max_turns)
+        if turns:
+            specs.append(ConvSpec(conv.id, tuple(turns)))
+    return specs
+
+
+def _turns(conv: Conversation, tokenizer: Any, vocab_size: int, max_output: int,
+           max_context: int, max_turns: int | None) -> list[Turn]:  # fmt: skip
+    human = list(human_turns(conv))[:max_turns]
+    cut = next((i for i, t in enumerate(human) if not t.reply), len(human))
+    human = human[:cut]
+    if not human:
+        return []
+    messages = [{"role": "system", "content": m.text} for m in conv.turns[:1] if m.role is Role.SYSTEM]
+    for k, turn in enumerate(human):
+        messages.append({"role": "user", "content": turn.text})
+        if k + 1 < len(human):
+            messages.append({"role": "assistant", "content": _REPLY_MARK.format(k)})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    pieces = _REPLY_SPLIT.split(text)
+    if len(pieces) != len(human):
+        return []  # a template that rewrites message contents: no clean split
+    turns: list[Turn] = []
+    context = 0
+    for piece, turn in zip(pieces, human, strict=True):
+        user = _encode(tokenizer, piece, vocab_size)
+        reply = _encode(tokenizer, turn.reply or "", vocab_size)[:max_output]
+        context += len(user) + len(reply)
+        if not reply or not user or context > max_context:
+            break
+        turns.append(Turn(tuple(user), tuple(reply)))
+    return turns
+
+
+def _encode(tokenizer: Any, text: str, vocab_size: int) -> list[int]:
+    # presets with a smaller vocabulary than the tokenizer see ids folded into theirs
+    return [int(t) % vocab_size for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
+# ---- per-turn records and their summary ------------------------------------------------------
+
+
+@dataclass
+class TurnRecord:
+    """One turn; times in seconds since the run's start. `finished` None: not done in time."""
+
+    conv_id: str
+    turn: int
+    due: float  # when the user sent it
+    prompt_tokens: int
+    output_tokens: int
+    first_token: float | None = None
+    finished: float | None = None
+    sources: TokenSources = TokenSources()
+    suspensions: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.finished is not None and self.error is None
+
+    @property
+    def latency(self) -> float:
+        return self.finished - self.due if self.ok else math.inf  # type: ignore[operator]
+
+    @property
+    def normalized_latency(self) -> float:
+        return self.latency / max(self.output_tokens, 1)
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.due if self.ok and self.first_token else math.inf
+
+
+@dataclass
+class LoopResult:
+    records: list[TurnRecord]
+    seconds: float  # from the start to the last reply (closed loop) or the end of the drain
+    timed_out: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def finished(self) -> list[TurnRecord]:
+        return [r for r in self.records if r.ok]
+
+    def output_tokens(self) -> int:
+        return sum(r.output_tokens for r in self.finished())
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); inf values count as the slowest."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    if math.isinf(ordered[hi]) or lo == hi:
+        return ordered[hi] if math.isinf(ordered[hi]) else ordered[lo]
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(records: Sequence[TurnRecord], seconds: float) -> dict[str, Any]:
+    """Throughput over `seconds`, latency percentiles (unfinished turns count as infinitely
+    slow) and where the prompt tokens of the finished turns came from."""
+    done = [r for r in records if r.ok]
+    sources = sum((r.sources for r in done), TokenSources())
+    norm = [r.normalized_latency for r in records]
+    ttft = [r.ttft for r in records]
+    return {
+        "turns": len(records),
+        "finished": len(done),
+        "output_tokens": sum(r.output_tokens for r in done),
+        "prompt_tokens": sum(r.prompt_tokens for r in done),
+        "seconds": seconds,
+        "req_per_s": len(done) / seconds if seconds > 0 else math.nan,
+        "tok_per_s": sum(r.output_tokens for r in done) / seconds if seconds > 0 else math.nan,
+        "norm_latency_p50": percentile(norm, 50),
+        "norm_latency_p90": percentile(norm, 90),
+        "ttft_p50": percentile(ttft, 50),
+        "ttft_p90": percentile(ttft, 90),
+        "sources": {"gpu": sources.gpu, "cpu": sources.cpu,
+                    "recomputed": sources.recomputed, "new": sources.new},  # fmt: skip
+        "suspensions": sum(r.suspensions for r in records),
+        "errors": sorted({r.error for r in records if r.error})[:3],
+    }
+
+
+# ---- the drivers ---------------------------------------------------------------------------
+
+
+class _Chat:
+    """A conversation being driven: its spec, its next turn and the history sent so far."""
+
+    def __init__(self, spec: ConvSpec, conv_id: str, history: History) -> None:
+        self.spec = spec
+        self.conv_id = conv_id
+        self.mode = history
+        self.next = 0
+        self.history: list[int] = []
+        self.thinks: list[float] = []  # open loop: think time before each turn after the first
+
+    @property
+    def has_next(self) -> bool:
+        return self.next < len(self.spec.turns)
+
+    @property
+    def turn(self) -> Turn:
+        return self.spec.turns[self.next]
+
+    def prompt(self) -> list[int]:
+        return self.history + list(self.turn.user_ids)
+
+    def advance(self, prompt: list[int], output_ids: Sequence[int]) -> None:
+        reply = output_ids if self.mode is History.GENERATED else self.turn.reply_ids
+        self.history = prompt + list(reply)
+        self.next += 1
+
+
+def _sampling(turn: Turn) -> SamplingParams:
+    return SamplingParams(max_tokens=turn.num_output, ignore_eos=True)
+
+
+def _record(chat: _Chat, due: float, prompt: list[int], request: Request, start: float) -> TurnRecord:
+    failed = request.finish_reason is FinishReason.ABORT
+    return TurnRecord(
+        conv_id=chat.conv_id,
+        turn=chat.next,
+        due=due,
+        prompt_tokens=len(prompt),
+        output_tokens=len(request.output_ids),
+        first_token=None if request.first_token_time is None else request.first_token_time - start,
+        finished=None if request.finish_time is None else request.finish_time - start,
+        sources=request.sources,
+        suspensions=request.num_suspensions,
+        error=(request.error or "aborted") if failed else None,
+    )
+
+
+def closed_loop(engine: Engine, specs: Sequence[ConvSpec], concurrency: int,
+                history: History, time_limit_s: float) -> LoopResult:  # fmt: skip
+    """Replay `specs` with `concurrency` conversations in flight; stops submitting at the limit."""
+    queue = deque(_Chat(spec, spec.conv_id, history) for spec in specs)
+    active: dict[str, tuple[_Chat, float, list[int]]] = {}
+    records: list[TurnRecord] = []
+    start = engine.clock()
+    deadline = start + time_limit_s
+    last = start
+
+    def submit(chat: _Chat) -> None:
+        prompt = chat.prompt()
+        engine.add_request(chat.conv_id, prompt, _sampling(chat.turn))
+        active[chat.conv_id] = (chat, engine.clock() - start, prompt)
+
+    while (queue or active) and engine.clock() < deadline:
+        while queue and len(active) < concurrency:
+            submit(queue.popleft())
+        for request in engine.step().finished:
+            chat, due, prompt = active.pop(request.conv_id)
+            records.append(_record(chat, due, prompt, request, start))
+            last = max(last, request.finish_time or start)
+            chat.advance(prompt, request.output_ids)
+            if chat.has_next:
+                submit(chat)
+    timed_out = bool(queue or active)
+    for chat, due, prompt in active.values():
+        records.append(TurnRecord(chat.conv_id, chat.next, due, len(prompt), chat.turn.num_output))
+    return LoopResult(records, last - start, timed_out)
+
+
+def hf_closed_loop(manager: Any, specs: Sequence[ConvSpec], concurrency: int,
+                   time_limit_s: float, poll_s: float = 1.0) -> LoopResult:  # fmt: skip
+    """`closed_loop` against a started transformers ContinuousBatchingManager (recorded history).
+
+    Raises if the manager's generation thread dies; every wait is bounded by `poll_s`.
+    """
+    queue = deque(_Chat(spec, spec.conv_id, History.RECORDED) for spec in specs)
+    active: dict[str, tuple[_Chat, float, list[int]]] = {}
+    records: list[TurnRecord] = []
+    start = time.perf_counter()
+    deadline = start + time_limit_s
+    last = start
+
+    def submit(chat: _Chat) -> None:
+        prompt = chat.prompt()
+        request_id = f"{chat.conv_id}#{chat.next}"
+        manager.add_request(
+            input_ids=prompt, request_id=request_id, max_new_tokens=chat.turn.num_output,
+            eos_token_id=-1,
+        )  # fmt: skip
+        active[request_id] = (chat, time.perf_counter() - start, prompt)
+
+    while (queue or active) and time.perf_counter() < deadline:
+        while queue and len(active) < concurrency:
+            submit(queue.popleft())
+        result = manager.get_result(timeout=poll_s)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("the transformers generation thread stopped")
+            continue
+        if not result.is_finished() or result.request_id not in active:
+            continue
+        chat, due, prompt = active.pop(result.request_id)
+        now = time.perf_counter()
+        last = now
+        records.append(TurnRecord(chat.conv_id, chat.next, due, len(prompt),
+                                  len(result.generated_tokens), None, now - start,
+                                  error=result.error))  # fmt: skip
+        chat.advance(prompt, ())
+        if chat.has_next:
+            submit(chat)
+    timed_out = bool(queue or active)
+    for chat, due, prompt in active.values():
+        records.append(TurnRecord(chat.conv_id, chat.next, due, len(prompt), chat.turn.num_output))
+    return LoopResult(records, last - start, timed_out)
+
+
+@dataclass(frozen=True)
+class OpenLoop:
+    conv_rate: float  # new conversations per second (Poisson)
+    think_s: float  # mean think time between a reply and the next turn (exponential)
+    duration_s: float  # conversations arrive and turns are sent only before this
+    warmup_s: float = 0.0  # turns sent before this are served but not measured
+    drain_s: float = 30.0  # then in-flight turns get this long; later ones count as unfinished
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.conv_rate <= 0 or self.think_s < 0 or not 0 <= self.warmup_s < self.duration_s:
+            raise ValueError("need conv_rate > 0, think_s >= 0 and 0 <= warmup_s < duration_s")
+
+
+def arrivals(specs: Sequence[ConvSpec], options: OpenLoop, history: History) -> list[tuple[float, _Chat]]:
+    """The run's conversations with their arrival times and think times, drawn only from the
+    seed, so every policy sees the same workload. Specs are reused (under new ids) if needed."""
+    rng = random.Random(options.seed)
+    out = []
+    t = rng.expovariate(options.conv_rate)
+    while t < options.duration_s:
+        n = len(out)
+        spec = specs[n % len(specs)]
+        chat = _Chat(spec, f"{spec.conv_id}@{n}", history)
+        chat.thinks = [rng.expovariate(1.0 / options.think_s) if options.think_s > 0 else 0.0
+                       for _ in spec.turns]  # fmt: skip
+        out.append((t, chat))
+        t += rng.expovariate(options.conv_rate)
+    return out
+
+
+def open_loop(engine: Engine, specs: Sequence[ConvSpec], options: OpenLoop,
+              history: History = History.GENERATED) -> LoopResult:  # fmt: skip
+    """Drive the engine in real time: send due turns, step while there is work, else sleep until
+    the next turn is due. Only turns sent in [warmup_s, duration_s) are returned."""
+    due_heap = [(t, i, chat) for i, (t, chat) in enumerate(arrivals(specs, options, history))]
+    heapq.heapify(due_heap)
+    seq = len(due_heap)
+    active: dict[str, tuple[_Chat, float, list[int]]] = {}
+    records: list[TurnRecord] = []
+    start = engine.clock()
+    end = options.duration_s + options.drain_s
+    while True:
+        now = engine.clock() - start
+        if now > end or not (due_heap or active):
+            break
+        while due_heap and due_heap[0][0] <= now:
+            due, _, chat = heapq.heappop(due_heap)
+            prompt = chat.prompt()
+            engine.add_request(chat.conv_id, prompt, _sampling(chat.turn))
+            active[chat.conv_id] = (chat, due, prompt)
+        if engine.has_work():
+            for request in engine.step().finished:
+                chat, due, prompt = active.pop(request.conv_id)
+                records.append(_record(chat, due, prompt, request, start))
+                chat.advance(prompt, request.output_ids)
+                finish = (request.finish_time or engine.clock()) - start
+                if chat.has_next and finish + chat.thinks[chat.next] < options.duration_s:
+                    heapq.heappush(due_heap, (finish + chat.thinks[chat.next], seq, chat))
+                    seq += 1
+        elif due_heap:
+            time.sleep(max(0.0, min(due_heap[0][0], end) - (engine.clock() - start)))
+    for chat, due, prompt in active.values():
+        records.append(TurnRecord(chat.conv_id, chat.next, due, len(prompt), chat.turn.num_output))
+    measured = [r for r in records if options.warmup_s <= r.due < options.duration_s]
+    return LoopResult(measured, engine.clock() - start, timed_out=bool(active))

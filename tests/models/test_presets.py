@@ -1,0 +1,82 @@
+"""Presets: tiny ones run; big ones have the right shapes (built on the meta device, no memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_generate import greedy_generate, prompt_logits
+
+from pensieve.models import PRESETS, Arch, ModelLoadError, load_model
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-opt"])
+def test_tiny_preset_runs(name: str) -> None:
+    loaded = load_model(f"preset:{name}", "cpu", torch.float32)
+    assert loaded.tokenizer is None and loaded.config is PRESETS[name]
+    prompt = list(range(3, 20))
+    logits = prompt_logits(loaded.model, prompt)
+    assert logits.shape == (len(prompt), loaded.config.vocab_size)
+    assert logits.dtype == torch.float32 and bool(torch.isfinite(logits).all())
+    (tokens,) = greedy_generate(loaded.model, [prompt], 8)
+    assert len(tokens) == 8
+
+
+def test_preset_seed_decides_weights() -> None:
+    def weights(seed: int) -> torch.Tensor:
+        model = load_model("preset:tiny-llama", "cpu", torch.float32, seed=seed).model
+        return model.layers[0].attention.qkv_proj.weight.clone()
+
+    assert torch.equal(weights(1), weights(1))
+    assert not torch.equal(weights(1), weights(2))
+
+
+def test_random_init_is_in_target_dtype() -> None:
+    model = load_model("preset:tiny-llama", "cpu", torch.bfloat16).model
+    params = dict(model.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.bfloat16}
+    assert float(params["layers.0.attention.qkv_proj.weight"].float().std()) == pytest.approx(
+        0.02, rel=0.1
+    )
+    assert bool((params["norm.weight"] == 1).all())
+
+
+def _num_params(name: str) -> tuple[dict[str, tuple[int, ...]], int]:
+    model = load_model(f"preset:{name}", "meta", torch.bfloat16).model
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert all(p.is_meta for p in model.parameters())  # nothing allocated
+    return shapes, sum(p.numel() for p in model.parameters())
+
+
+def test_llama2_13b_gqa10_shapes() -> None:
+    shapes, total = _num_params("llama2-13b-gqa10")
+    assert shapes["layers.39.attention.qkv_proj.weight"] == ((40 + 2 * 10) * 128, 5120)
+    assert shapes["layers.0.attention.o_proj.weight"] == (5120, 5120)
+    assert shapes["layers.0.mlp.gate_up_proj.weight"] == (2 * 13824, 5120)
+    assert shapes["lm_head.weight"] == shapes["embed_tokens.weight"] == (32000, 5120)
+    assert "layers.40.input_norm.weight" not in shapes
+    per_layer = 5120 * (60 * 128) + 5120 * 5120 + 3 * 5120 * 13824 + 2 * 5120
+    assert total == 40 * per_layer + 2 * 32000 * 5120 + 5120
+    config = PRESETS["llama2-13b-gqa10"]
+    assert config.kv_bytes_per_token(torch.bfloat16) == 2 * 40 * 10 * 128 * 2
+
+
+def test_llama3_8b_has_8_03b_params() -> None:
+    shapes, total = _num_params("llama3-8b")
+    assert total == 8_030_261_248  # Meta-Llama-3-8B
+    assert shapes["layers.0.attention.qkv_proj.weight"] == ((32 + 2 * 8) * 128, 4096)
+    assert PRESETS["llama3-8b"].rope_theta == 500000.0
+
+
+def test_opt_13b_shapes() -> None:
+    shapes, total = _num_params("opt-13b")
+    config = PRESETS["opt-13b"]
+    assert config.arch is Arch.OPT and config.tie_word_embeddings
+    assert shapes["embed_positions.weight"] == (2048 + 2, 5120)
+    assert shapes["layers.0.fc1.weight"] == (20480, 5120)
+    assert "lm_head.weight" not in shapes
+    assert total == 12_853_473_280  # facebook/opt-13b
+
+
+def test_unknown_preset() -> None:
+    with pytest.raises(ModelLoadError, match="unknown preset 'nope'.*tiny-llama"):
+        load_model("preset:nope", "cpu", torch.float32)
