@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
 from pensieve.kernels import AttentionImpl, AttentionMetadata, paged_attention, write_kv
 from pensieve.models.config import ModelConfig
 

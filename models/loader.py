@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 import torch
+
 from pensieve.models.assets import smollm2_gguf_path
 from pensieve.models.config import SUPPORTED_MODEL_TYPES, Arch, ModelConfig
 from pensieve.models.llama import LlamaModel
@@ -53,9 +54,10 @@ def load_model(
         return _load_preset(spec.removeprefix("preset:"), device, dtype, seed)
     if spec == "smollm2":
         try:
-            return _load_gguf(smollm2_gguf_path(), device, dtype)
+            gguf_path = smollm2_gguf_path()
         except FileNotFoundError as e:
             raise ModelLoadError(str(e)) from None
+        return _load_gguf(gguf_path, device, dtype)
     path = Path(spec).expanduser()
     if path.is_dir():
         return _load_hf_folder(path, device, dtype)
@@ -149,7 +151,11 @@ def _load_hf_folder(path: Path, device: torch.device, dtype: torch.dtype) -> Loa
         )
     from transformers import AutoConfig
 
-    config = _config_from_hf(AutoConfig.from_pretrained(path, local_files_only=True), path)
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, OSError, KeyError) as e:
+        raise ModelLoadError(f"{config_file}: cannot read the config: {_first_line(e)}") from e
+    config = _config_from_hf(hf_config, path)
     model = build_model(config, device, dtype)
     load_weights(model, _safetensors_tensors(path), str(path))
     return LoadedModel(model, config, _folder_tokenizer(path))

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from pensieve.models.attention import AttentionBackend
 from pensieve.models.config import OPT_POSITION_OFFSET, Arch, ModelConfig, WeightSlot
-from torch import nn
 
 
 class OPTAttention(nn.Module):

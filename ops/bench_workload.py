@@ -29,7 +29,7 @@ import random
 import re
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,14 +84,22 @@ def build_workload(
     return specs
 
 
-def _turns(conv: Conversation, tokenizer: Any, vocab_size: int, max_output: int,
-           max_context: int, max_turns: int | None) -> list[Turn]:  # fmt: skip
+def _turns(
+    conv: Conversation,
+    tokenizer: Any,
+    vocab_size: int,
+    max_output: int,
+    max_context: int,
+    max_turns: int | None,
+) -> list[Turn]:
     human = list(human_turns(conv))[:max_turns]
     cut = next((i for i, t in enumerate(human) if not t.reply), len(human))
     human = human[:cut]
     if not human:
         return []
-    messages = [{"role": "system", "content": m.text} for m in conv.turns[:1] if m.role is Role.SYSTEM]
+    messages = [
+        {"role": "system", "content": m.text} for m in conv.turns[:1] if m.role is Role.SYSTEM
+    ]
     for k, turn in enumerate(human):
         messages.append({"role": "user", "content": turn.text})
         if k + 1 < len(human):
@@ -197,8 +205,12 @@ def summarize(records: Sequence[TurnRecord], seconds: float) -> dict[str, Any]:
         "norm_latency_p90": percentile(norm, 90),
         "ttft_p50": percentile(ttft, 50),
         "ttft_p90": percentile(ttft, 90),
-        "sources": {"gpu": sources.gpu, "cpu": sources.cpu,
-                    "recomputed": sources.recomputed, "new": sources.new},  # fmt: skip
+        "sources": {
+            "gpu": sources.gpu,
+            "cpu": sources.cpu,
+            "recomputed": sources.recomputed,
+            "new": sources.new,
+        },
         "suspensions": sum(r.suspensions for r in records),
         "errors": sorted({r.error for r in records if r.error})[:3],
     }
@@ -239,7 +251,9 @@ def _sampling(turn: Turn) -> SamplingParams:
     return SamplingParams(max_tokens=turn.num_output, ignore_eos=True)
 
 
-def _record(chat: _Chat, due: float, prompt: list[int], request: Request, start: float) -> TurnRecord:
+def _record(
+    chat: _Chat, due: float, prompt: list[int], request: Request, start: float
+) -> TurnRecord:
     failed = request.finish_reason is FinishReason.ABORT
     return TurnRecord(
         conv_id=chat.conv_id,
@@ -255,8 +269,13 @@ def _record(chat: _Chat, due: float, prompt: list[int], request: Request, start:
     )
 
 
-def closed_loop(engine: Engine, specs: Sequence[ConvSpec], concurrency: int,
-                history: History, time_limit_s: float) -> LoopResult:  # fmt: skip
+def closed_loop(
+    engine: Engine,
+    specs: Sequence[ConvSpec],
+    concurrency: int,
+    history: History,
+    time_limit_s: float,
+) -> LoopResult:
     """Replay `specs` with `concurrency` conversations in flight; stops submitting at the limit."""
     queue = deque(_Chat(spec, spec.conv_id, history) for spec in specs)
     active: dict[str, tuple[_Chat, float, list[int]]] = {}
@@ -286,8 +305,13 @@ def closed_loop(engine: Engine, specs: Sequence[ConvSpec], concurrency: int,
     return LoopResult(records, last - start, timed_out)
 
 
-def hf_closed_loop(manager: Any, specs: Sequence[ConvSpec], concurrency: int,
-                   time_limit_s: float, poll_s: float = 1.0) -> LoopResult:  # fmt: skip
+def hf_closed_loop(
+    manager: Any,
+    specs: Sequence[ConvSpec],
+    concurrency: int,
+    time_limit_s: float,
+    poll_s: float = 1.0,
+) -> LoopResult:
     """`closed_loop` against a started transformers ContinuousBatchingManager (recorded history).
 
     Raises if the manager's generation thread dies; every wait is bounded by `poll_s`.
@@ -303,9 +327,11 @@ def hf_closed_loop(manager: Any, specs: Sequence[ConvSpec], concurrency: int,
         prompt = chat.prompt()
         request_id = f"{chat.conv_id}#{chat.next}"
         manager.add_request(
-            input_ids=prompt, request_id=request_id, max_new_tokens=chat.turn.num_output,
+            input_ids=prompt,
+            request_id=request_id,
+            max_new_tokens=chat.turn.num_output,
             eos_token_id=-1,
-        )  # fmt: skip
+        )
         active[request_id] = (chat, time.perf_counter() - start, prompt)
 
     while (queue or active) and time.perf_counter() < deadline:
@@ -321,9 +347,18 @@ def hf_closed_loop(manager: Any, specs: Sequence[ConvSpec], concurrency: int,
         chat, due, prompt = active.pop(result.request_id)
         now = time.perf_counter()
         last = now
-        records.append(TurnRecord(chat.conv_id, chat.next, due, len(prompt),
-                                  len(result.generated_tokens), None, now - start,
-                                  error=result.error))  # fmt: skip
+        records.append(
+            TurnRecord(
+                chat.conv_id,
+                chat.next,
+                due,
+                len(prompt),
+                len(result.generated_tokens),
+                None,
+                now - start,
+                error=result.error,
+            )
+        )
         chat.advance(prompt, ())
         if chat.has_next:
             submit(chat)
@@ -347,7 +382,9 @@ class OpenLoop:
             raise ValueError("need conv_rate > 0, think_s >= 0 and 0 <= warmup_s < duration_s")
 
 
-def arrivals(specs: Sequence[ConvSpec], options: OpenLoop, history: History) -> list[tuple[float, _Chat]]:
+def arrivals(
+    specs: Sequence[ConvSpec], options: OpenLoop, history: History
+) -> list[tuple[float, _Chat]]:
     """The run's conversations with their arrival times and think times, drawn only from the
     seed, so every policy sees the same workload. Specs are reused (under new ids) if needed."""
     rng = random.Random(options.seed)
@@ -357,17 +394,25 @@ def arrivals(specs: Sequence[ConvSpec], options: OpenLoop, history: History) -> 
         n = len(out)
         spec = specs[n % len(specs)]
         chat = _Chat(spec, f"{spec.conv_id}@{n}", history)
-        chat.thinks = [rng.expovariate(1.0 / options.think_s) if options.think_s > 0 else 0.0
-                       for _ in spec.turns]  # fmt: skip
+        chat.thinks = [
+            rng.expovariate(1.0 / options.think_s) if options.think_s > 0 else 0.0
+            for _ in spec.turns
+        ]
         out.append((t, chat))
         t += rng.expovariate(options.conv_rate)
     return out
 
 
-def open_loop(engine: Engine, specs: Sequence[ConvSpec], options: OpenLoop,
-              history: History = History.GENERATED) -> LoopResult:  # fmt: skip
-    """Drive the engine in real time: send due turns, step while there is work, else sleep until
-    the next turn is due. Only turns sent in [warmup_s, duration_s) are returned."""
+def open_loop(
+    engine: Engine,
+    specs: Sequence[ConvSpec],
+    options: OpenLoop,
+    history: History = History.GENERATED,
+    sleep: Callable[[float], None] = time.sleep,
+) -> LoopResult:
+    """Drive the engine in real time (its own clock; `sleep` must advance that clock): send due
+    turns, step while there is work, else sleep until the next turn is due. Only turns sent in
+    [warmup_s, duration_s) are returned."""
     due_heap = [(t, i, chat) for i, (t, chat) in enumerate(arrivals(specs, options, history))]
     heapq.heapify(due_heap)
     seq = len(due_heap)
@@ -394,7 +439,7 @@ def open_loop(engine: Engine, specs: Sequence[ConvSpec], options: OpenLoop,
                     heapq.heappush(due_heap, (finish + chat.thinks[chat.next], seq, chat))
                     seq += 1
         elif due_heap:
-            time.sleep(max(0.0, min(due_heap[0][0], end) - (engine.clock() - start)))
+            sleep(max(0.0, min(due_heap[0][0], end) - (engine.clock() - start)))
     for chat, due, prompt in active.values():
         records.append(TurnRecord(chat.conv_id, chat.next, due, len(prompt), chat.turn.num_output))
     measured = [r for r in records if options.warmup_s <= r.due < options.duration_s]

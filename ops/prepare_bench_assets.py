@@ -46,8 +46,20 @@ def write_tokenizer(out: Path) -> None:
 
 
 def download_wheels(folder: Path, python_version: str) -> None:
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--python-version", python_version, "--implementation", "cp", "-d", str(folder)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--implementation",
+        "cp",
+        "-d",
+        str(folder),
+    ]
     for platform in WHEEL_PLATFORMS:
         command += ["--platform", platform]
     subprocess.run([*command, *WHEELS], check=True)
@@ -69,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out / 'tokenizer'}")
     if not args.no_wheels:
         download_wheels(args.wheels, args.python_version)
-        print(f"wheels in {args.wheels}: {', '.join(sorted(p.name for p in args.wheels.glob('*.whl')))}")
+        names = sorted(p.name for p in args.wheels.glob("*.whl"))
+        print(f"wheels in {args.wheels}: {', '.join(names)}")
     print(f"done in {time.perf_counter() - begin:.1f}s")
     return 0
 
