@@ -33,6 +33,7 @@ class KVCacheManager:
         self._reclaimable: OrderedDict[int, Chunk] = OrderedDict()  # reusable now
         self._reclaim_next: list[tuple[int, Chunk]] = []  # reusable from the next step on
         self._cpu_free_next: list[int] = []  # slots read by this step's swap-ins
+        self._cpu_victims: list[tuple[float, Chunk]] | None = None
         self._orders = SwapOrders()
 
     # ---- queries -------------------------------------------------------------------------
@@ -99,6 +100,7 @@ class KVCacheManager:
         chunks past `conv.num_positions` are new. Raises OutOfBlocks (changing nothing) if the
         GPU cannot hold them even after evicting every unpinned chunk.
         """
+        self._cpu_victims = None
         available = self.gpu.num_free + len(self._reclaimable) + self._num_evictable_gpu(conv)
         if self.blocks_to_admit(conv, num_positions) > available:
             raise OutOfBlocks(f"{conv.conv_id}: history does not fit on the GPU")
@@ -131,6 +133,7 @@ class KVCacheManager:
 
     def grow(self, conv: ConversationKV, num_positions: int, now: float) -> bool:
         """Give a running conversation blocks up to `num_positions`; False if the GPU is full."""
+        self._cpu_victims = None
         missing = self.num_chunks(num_positions) - len(conv.chunks)
         if missing <= 0:
             return True
@@ -161,6 +164,7 @@ class KVCacheManager:
 
     def suspend(self, conv: ConversationKV, num_positions: int, now: float) -> None:
         """Unpin a running conversation mid-turn and push its chunks off the GPU."""
+        self._cpu_victims = None
         self.truncate(conv, num_positions)
         conv.pinned = False
         conv.last_active = now
@@ -176,6 +180,7 @@ class KVCacheManager:
 
     def swap_out_ahead(self, now: float) -> int:
         """Ahead-of-time swap-out while free GPU blocks are below the threshold. Returns chunks moved."""
+        self._cpu_victims = None
         if not self.cpu.capacity:
             return 0
         target = self.config.swap_out_threshold * self.gpu.capacity
@@ -275,9 +280,17 @@ class KVCacheManager:
         slot = self.cpu.allocate()
         if slot is not None:
             return slot
-        for victim_value, victim in self._cpu_candidates(now):
+        if self._cpu_victims is None:  # ranked once per operation, not once per slot
+            self._cpu_victims = self._cpu_candidates(now)[::-1]  # lowest value last
+        victims = self._cpu_victims
+        while victims:
+            victim_value, victim = victims[-1]
+            if victim.cpu_slot is None or victim.gpu_block is not None:
+                victims.pop()  # moved since it was ranked
+                continue
             if value is not None and victim_value >= value:
                 return None
+            victims.pop()
             self._drop(victim)
             return self.cpu.allocate()
         return None

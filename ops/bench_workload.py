@@ -388,7 +388,7 @@ def arrivals(
     """The run's conversations with their arrival times and think times, drawn only from the
     seed, so every policy sees the same workload. Specs are reused (under new ids) if needed."""
     rng = random.Random(options.seed)
-    out = []
+    out: list[tuple[float, _Chat]] = []
     t = rng.expovariate(options.conv_rate)
     while t < options.duration_s:
         n = len(out)

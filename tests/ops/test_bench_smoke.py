@@ -1,0 +1,143 @@
+"""The GPU benchmark script end to end at toy sizes on the CPU (`ops/bench_gpu.py --smoke`), and
+the workload builder it shares, on the real SmolLM2 tokenizer and real ShareGPT conversations."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pensieve.ops.bench_workload import (
+    History,
+    OpenLoop,
+    TurnRecord,
+    arrivals,
+    build_workload,
+    percentile,
+)
+from pensieve.ops.sharegpt import Conversation, Message, Role
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    command = [sys.executable, str(REPO / "ops" / "bench_gpu.py"), "--smoke", "--json", str(out)]
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_every_section_reports_and_the_table_comes_last(smoke) -> None:
+    report, stdout = smoke
+    sections = report["sections"]
+    assert list(sections) == ["kernels", "decode", "swap", "policies", "replay48"]
+    for name, section in sections.items():
+        assert section["status"] == "ok" or section["status"].startswith("skipped"), name
+    assert sections["kernels"]["status"] == "skipped (no CUDA)"
+    table = stdout[stdout.rindex("=== Pensieve benchmarks") :]
+    assert "[bench" not in table  # no progress line after the table
+    for name in ("decode", "swap", "policies", "replay48"):
+        assert name in table
+
+
+def test_decode_and_swap_measure_positive_times(smoke) -> None:
+    report, _ = smoke
+    decode = report["sections"]["decode"]
+    assert set(decode["steps"]) == {"1", "4"}
+    assert all(step["seconds"] > 0 and step["kv_bytes"] > 0 for step in decode["steps"].values())
+    swap = report["sections"]["swap"]
+    assert len(swap["swap_gb_s"]) == 8 and all(v > 0 for v in swap["swap_gb_s"].values())
+    assert swap["pipelined_step"]["swapped_seconds"] > 0
+
+
+def test_policies_serve_history_from_the_tiers_they_have(smoke) -> None:
+    report, _ = smoke
+    runs = {name: results[0] for name, results in report["sections"]["policies"]["runs"].items()}
+    assert set(runs) == {"pensieve", "lru", "gpu-only", "stateless"}
+    for run in runs.values():
+        assert run["finished"] > 0 and run["output_tokens"] > 0
+    pensieve = runs["pensieve"]["sources"]
+    assert pensieve["gpu"] > 0 and pensieve["cpu"] > 0  # the GPU budget is too small for all
+    assert runs["gpu-only"]["sources"]["cpu"] == 0 and runs["gpu-only"]["sources"]["recomputed"] > 0
+    stateless = runs["stateless"]["sources"]
+    assert stateless["gpu"] == stateless["cpu"] == stateless["recomputed"] == 0
+
+
+def test_ours_and_transformers_process_identical_token_counts(smoke) -> None:
+    replay = smoke[0]["sections"]["replay48"]
+    ours, hf = replay["ours"], replay["hf"]
+    assert ours["finished"] == hf["finished"] == ours["turns"] > 0
+    assert ours["prompt_tokens"] == hf["prompt_tokens"]
+    assert ours["output_tokens"] == hf["output_tokens"]
+
+
+# ---- the workload builder --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    folder = REPO / ".bench" / "tokenizer"
+    if folder.is_dir():
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    from pensieve.models.assets import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def chat(*texts: str) -> Conversation:
+    roles = [Role.HUMAN, Role.GPT] * len(texts)
+    return Conversation("c", tuple(Message(r, t) for r, t in zip(roles, texts, strict=False)))
+
+
+def test_turn_prompts_are_the_chat_template_rendering(tokenizer) -> None:
+    texts = ("Hi there!", "Hello, how can I help?", "Name a city.", "Paris.", "Why?", "Because.")
+    [spec] = build_workload([chat(*texts)], tokenizer, 10**6, 64, 4096)
+    assert len(spec.turns) == 3
+    messages: list[dict[str, str]] = []
+    history: list[int] = []
+    for k, turn in enumerate(spec.turns):
+        messages.append({"role": "user", "content": texts[2 * k]})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert history + list(turn.user_ids) == tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(list(turn.reply_ids)) == texts[2 * k + 1]
+        messages.append({"role": "assistant", "content": texts[2 * k + 1]})
+        history += [*turn.user_ids, *turn.reply_ids]
+
+
+def test_outputs_are_capped_and_contexts_bounded(tokenizer) -> None:
+    long_reply = "word " * 300
+    [spec] = build_workload([chat("a", long_reply, "b", long_reply)], tokenizer, 32000, 50, 4096)
+    assert [t.num_output for t in spec.turns] == [50, 50]
+    assert all(max(t.user_ids + t.reply_ids) < 32000 for t in spec.turns)
+    [short] = build_workload([chat("a", long_reply, "b", long_reply)], tokenizer, 32000, 50, 100)
+    assert len(short.turns) == 1  # the second turn would not fit in 100 tokens
+    assert build_workload([chat("no reply")], tokenizer, 32000, 50, 4096) == []
+
+
+def test_arrivals_depend_only_on_the_seed(tokenizer) -> None:
+    specs = build_workload([chat("a", "b", "c", "d")], tokenizer, 32000, 8, 4096)
+    options = OpenLoop(conv_rate=5.0, think_s=1.0, duration_s=20.0, seed=3)
+    runs = [arrivals(specs, options, History.GENERATED) for _ in range(2)]
+    first, second = ([(t, c.conv_id, c.thinks) for t, c in run] for run in runs)
+    assert first == second
+    assert 50 < len(first) < 150 and all(t < 20.0 for t, _, _ in first)
+    assert len({conv_id for _, conv_id, _ in first}) == len(first)
+
+
+def test_unfinished_turns_count_as_slowest() -> None:
+    done = TurnRecord("c", 0, 1.0, prompt_tokens=5, output_tokens=10, first_token=1.5, finished=3.0)
+    lost = TurnRecord("d", 0, 1.0, prompt_tokens=5, output_tokens=10)
+    assert done.normalized_latency == pytest.approx(0.2) and done.ttft == pytest.approx(0.5)
+    assert percentile([done.latency, lost.latency], 50) == float("inf")
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
