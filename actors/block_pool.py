@@ -6,7 +6,7 @@ import heapq
 
 
 class BlockPool:
-    """Free-list allocator. Invariant: every id in [0, capacity) is either free or owned, never both.
+    """Free-list allocator. Invariant: every id in [0, capacity) is free or owned, never both.
 
     Allocation hands out the lowest free ids first, so blocks allocated together tend to be
     consecutive and swaps can copy them as one run.

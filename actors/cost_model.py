@@ -6,7 +6,7 @@ seconds to recompute, where `c` (projections, MLP, norms) does not depend on `l`
 keeps the chunks of highest retention value V = Cost(l) / T, T being how long the conversation has
 been idle, and evicts the lowest first.
 
-`Cost_attn` comes from a profile (`pensieve profile`, see ops/profile.py) measured at powers of two
+`Cost_attn` comes from a profile (`pensieve profile`, ops/cost_profile.py) measured at powers of two
 and interpolated piecewise-linearly, or from FLOP and byte counts (`CostModel.analytic`). Both give
 the same JSON table:
 

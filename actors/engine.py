@@ -43,9 +43,7 @@ class Engine:
         self.totals = EngineTotals()
         self._ids = itertools.count()
 
-    def add_request(
-        self, conv_id: str, prompt_ids: list[int], sampling: SamplingParams
-    ) -> Request:
+    def add_request(self, conv_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
         request = Request(
             request_id=f"{conv_id}#{next(self._ids)}",
             conv_id=conv_id,

@@ -9,29 +9,33 @@ from __future__ import annotations
 import torch
 
 from pensieve.actors.config import CacheConfig
+from pensieve.actors.cuda_graphs import DecodeGraphs
 from pensieve.actors.sampler import sample
 from pensieve.actors.step import StepPlan
 from pensieve.actors.swap import SwapEngine
 from pensieve.kernels import AttentionImpl, build_metadata
 from pensieve.models.attention import PagedAttention, allocate_kv_caches
+from pensieve.models.loader import CausalLM
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         cache: CacheConfig,
         device: torch.device,
         dtype: torch.dtype,
         impl: AttentionImpl = AttentionImpl.AUTO,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
-        self.config = model.config  # type: ignore[attr-defined]
+        self.config = model.config
         self.cache = cache
         self.device = device
         self.impl = impl
+        # one block more than the manager hands out: the scratch block of padded graph rows
         self.gpu_caches = allocate_kv_caches(
-            self.config, cache.num_gpu_blocks, cache.block_size, dtype, device
+            self.config, cache.num_gpu_blocks + 1, cache.block_size, dtype, device
         )
         num_cpu = cache.num_cpu_blocks if cache.uses_cpu_tier else 0
         pin = device.type == "cuda"
@@ -40,14 +44,36 @@ class ModelRunner:
             for c in self.gpu_caches
         ]
         self.swap = SwapEngine(self.gpu_caches, self.cpu_caches)
-        self.scale = self.config.head_dim**-0.5
+        self.scale = self.config.attn_scale
+        self.graphs = (
+            DecodeGraphs(
+                model,
+                self.gpu_caches,
+                cache.num_gpu_blocks,
+                cache.block_size,
+                self.config.max_context_len,
+                self.scale,
+                impl,
+            )  # fmt: skip
+            if cuda_graphs and device.type == "cuda"
+            else None
+        )
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[int]:
         """Run the plan; returns one sampled token per piece that samples, in plan order."""
         self.swap.issue(plan.orders)
+        sampling = [p for p in plan.pieces if p.sampling is not None]
         if not plan.pieces:
             return []
+        logits = self.logits(plan)
+        return sample(logits, [p.sampling for p in sampling], [p.sample_index for p in sampling])  # type: ignore[misc]
+
+    @torch.inference_mode()
+    def logits(self, plan: StepPlan) -> torch.Tensor:
+        """Logits [pieces that sample, vocab] of the plan's forward (swaps already issued)."""
+        if self.graphs is not None and self.graphs.fits(plan):
+            return self.graphs.logits(plan)
         token_ids: list[int] = []
         positions: list[int] = []
         for piece in plan.pieces:
@@ -70,15 +96,9 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         hidden = self.model(ids, pos, attn)  # [T, hidden]
-        rows, params, indices = [], [], []
-        end = 0
+        rows, end = [], 0
         for piece in plan.pieces:
             end += piece.end - piece.start
             if piece.sampling is not None:
                 rows.append(end - 1)
-                params.append(piece.sampling)
-                indices.append(piece.sample_index)
-        if not rows:
-            return []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        return sample(logits, params, indices)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

@@ -34,7 +34,7 @@ class Chunk:
 
 @dataclass
 class ConversationKV:
-    """A conversation's cached history: chunk i covers positions [i * block_size, (i+1) * block_size).
+    """A conversation's cached history: chunk i covers positions [i * size, (i + 1) * size).
 
     Positions [0, num_positions) were computed at some point; their chunk may since have moved to
     the CPU or been dropped (then its raw tokens are recomputed). A pinned conversation has a
@@ -46,6 +46,10 @@ class ConversationKV:
     chunks: list[Chunk] = field(default_factory=list)
     num_positions: int = 0
     pinned: bool = False
+    # hints that let eviction scans skip conversations: False only after a scan found no chunk
+    # of that kind; set again whenever one is placed there
+    maybe_on_gpu: bool = False
+    maybe_on_cpu: bool = False
 
     def tiers(self) -> list[Tier]:
         return [chunk.tier for chunk in self.chunks]

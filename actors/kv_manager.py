@@ -31,9 +31,9 @@ class KVCacheManager:
         self.cpu = BlockPool(config.num_cpu_blocks if config.uses_cpu_tier else 0)
         self.conversations: dict[str, ConversationKV] = {}
         self._reclaimable: OrderedDict[int, Chunk] = OrderedDict()  # reusable now
-        self._reclaim_next: list[tuple[int, Chunk]] = []  # reusable from the next step on
+        self._reclaim_next: dict[int, Chunk] = {}  # reusable from the next step on
         self._cpu_free_next: list[int] = []  # slots read by this step's swap-ins
-        self._cpu_victims: list[tuple[float, Chunk]] | None = None
+        self._cpu_victims: list[tuple[float, ConversationKV, Chunk]] | None = None
         self._orders = SwapOrders()
 
     # ---- queries -------------------------------------------------------------------------
@@ -66,7 +66,7 @@ class KVCacheManager:
     def take_orders(self) -> SwapOrders:
         """The copies decided since the last call; blocks swapped out now become reusable."""
         orders, self._orders = self._orders, SwapOrders()
-        for block, chunk in self._reclaim_next:
+        for block, chunk in self._reclaim_next.items():
             self._reclaimable[block] = chunk
         self._reclaim_next.clear()
         for slot in self._cpu_free_next:
@@ -81,10 +81,9 @@ class KVCacheManager:
         needed = 0
         for i in range(self.num_chunks(num_positions)):
             chunk = conv.chunks[i] if i < len(conv.chunks) else None
-            if chunk is None or chunk.gpu_block is None or chunk.gpu_block in self._reclaimable:
-                needed += 1
-            elif any(chunk is c for _, c in self._reclaim_next):
-                needed += 1
+            block = None if chunk is None else chunk.gpu_block
+            if block is None or block in self._reclaimable or block in self._reclaim_next:
+                needed += 1  # off the GPU, or waiting for reuse: takes one from the free count
         return needed
 
     def can_admit(self, conv: ConversationKV, num_positions: int) -> bool:
@@ -105,6 +104,7 @@ class KVCacheManager:
         if self.blocks_to_admit(conv, num_positions) > available:
             raise OutOfBlocks(f"{conv.conv_id}: history does not fit on the GPU")
         conv.pinned = True
+        conv.maybe_on_gpu = True
         for chunk in conv.chunks[: self.num_chunks(num_positions)]:
             if chunk.gpu_block is not None:
                 self._unreclaim(chunk)
@@ -143,6 +143,7 @@ class KVCacheManager:
             return False
         for _ in range(missing):
             conv.chunks.append(Chunk(gpu_block=self._take_gpu_block()))
+        conv.maybe_on_gpu = True
         return True
 
     def truncate(self, conv: ConversationKV, num_positions: int) -> None:
@@ -170,7 +171,8 @@ class KVCacheManager:
         conv.last_active = now
         for chunk in conv.chunks:
             if chunk.gpu_block is not None:
-                self._evict_now(chunk, self._take_cpu_slot(None, now) if self.cpu.capacity else None)
+                slot = self._take_cpu_slot(None, now) if self.cpu.capacity else None
+                self._evict_now(conv, chunk, slot)
 
     def forget(self, conv_id: str) -> None:
         conv = self.conversations.pop(conv_id, None)
@@ -179,7 +181,7 @@ class KVCacheManager:
                 self._drop(chunk)
 
     def swap_out_ahead(self, now: float) -> int:
-        """Ahead-of-time swap-out while free GPU blocks are below the threshold. Returns chunks moved."""
+        """Swap out ahead of time while the free GPU share is under the threshold; returns moves."""
         self._cpu_victims = None
         if not self.cpu.capacity:
             return 0
@@ -187,13 +189,13 @@ class KVCacheManager:
         moved = 0
         if self.num_free_gpu >= target:
             return 0
-        for value, chunk in self._gpu_candidates(now):
+        for value, conv, chunk in self._gpu_candidates(now):
             if self.num_free_gpu >= target:
                 break
             slot = self._take_cpu_slot(value, now)
             if slot is None:
                 break
-            self._swap_out(chunk, slot)
+            self._swap_out(conv, chunk, slot)
             moved += 1
         return moved
 
@@ -212,45 +214,50 @@ class KVCacheManager:
         idle = max(now - conv.last_active, 1e-6)
         return self.cost(context) / idle
 
-    def _gpu_candidates(self, now: float) -> list[tuple[float, Chunk]]:
+    def _gpu_candidates(self, now: float) -> list[tuple[float, ConversationKV, Chunk]]:
         """Unpinned chunks that hold a GPU block and no CPU copy, lowest value first."""
         found = []
         for conv in self.conversations.values():
-            if conv.pinned:
+            if conv.pinned or not conv.maybe_on_gpu:
                 continue
+            conv.maybe_on_gpu = any(c.gpu_block is not None for c in conv.chunks)
             for i, chunk in enumerate(conv.chunks):
                 if chunk.gpu_block is not None and chunk.cpu_slot is None:
-                    found.append((self._value(conv, i, now), i, chunk))
+                    found.append((self._value(conv, i, now), i, conv, chunk))
         found.sort(key=lambda item: (item[0], item[1]))
-        return [(value, chunk) for value, _, chunk in found]
+        return [(value, conv, chunk) for value, _, conv, chunk in found]
 
-    def _cpu_candidates(self, now: float) -> list[tuple[float, Chunk]]:
+    def _cpu_candidates(self, now: float) -> list[tuple[float, ConversationKV, Chunk]]:
         found = []
         for conv in self.conversations.values():
-            if conv.pinned:
+            if conv.pinned or not conv.maybe_on_cpu:
                 continue
+            conv.maybe_on_cpu = any(c.cpu_slot is not None for c in conv.chunks)
             for i, chunk in enumerate(conv.chunks):
                 if chunk.cpu_slot is not None and chunk.gpu_block is None:
-                    found.append((self._value(conv, i, now), i, chunk))
+                    found.append((self._value(conv, i, now), i, conv, chunk))
         found.sort(key=lambda item: (item[0], item[1]))
-        return [(value, chunk) for value, _, chunk in found]
+        return [(value, conv, chunk) for value, _, conv, chunk in found]
 
     def _num_evictable_gpu(self, exclude: ConversationKV) -> int:
-        count = 0
+        """Unpinned GPU-only chunks: every owned block that is not pinned or waiting for reuse."""
+        owned = self.gpu.capacity - self.num_free_gpu
         for conv in self.conversations.values():
             if conv.pinned or conv is exclude:
-                continue
-            count += sum(1 for c in conv.chunks if c.gpu_block is not None and c.cpu_slot is None)
-        return count
+                owned -= sum(
+                    1 for c in conv.chunks if c.gpu_block is not None and c.cpu_slot is None
+                )
+        return owned
 
     def _ensure_free_gpu(self, needed: int, now: float) -> None:
         """Evict on demand (lowest value first) until `needed` blocks can be taken."""
         if self.gpu.num_free + len(self._reclaimable) >= needed:
             return
-        for value, chunk in self._gpu_candidates(now):
+        for value, conv, chunk in self._gpu_candidates(now):
             if self.gpu.num_free + len(self._reclaimable) >= needed:
                 return
-            self._evict_now(chunk, self._take_cpu_slot(value, now) if self.cpu.capacity else None)
+            slot = self._take_cpu_slot(value, now) if self.cpu.capacity else None
+            self._evict_now(conv, chunk, slot)
         if self.gpu.num_free + len(self._reclaimable) < needed:
             raise OutOfBlocks(f"need {needed} GPU blocks, {self.gpu.num_free} free")
 
@@ -265,13 +272,14 @@ class KVCacheManager:
         self._orders.fence = True
         return block
 
-    def _evict_now(self, chunk: Chunk, slot: int | None) -> None:
+    def _evict_now(self, conv: ConversationKV, chunk: Chunk, slot: int | None) -> None:
         """Free a GPU block for reuse within this step: copy it out first, or drop it."""
         block = chunk.gpu_block
         assert block is not None and chunk.cpu_slot is None
         if slot is not None:
             self._orders.evict_first.append(CopyOp(block, slot))
             chunk.cpu_slot = slot
+            conv.maybe_on_cpu = True
         chunk.gpu_block = None
         self.gpu.free(block)
 
@@ -284,7 +292,7 @@ class KVCacheManager:
             self._cpu_victims = self._cpu_candidates(now)[::-1]  # lowest value last
         victims = self._cpu_victims
         while victims:
-            victim_value, victim = victims[-1]
+            victim_value, _, victim = victims[-1]
             if victim.cpu_slot is None or victim.gpu_block is not None:
                 victims.pop()  # moved since it was ranked
                 continue
@@ -295,11 +303,12 @@ class KVCacheManager:
             return self.cpu.allocate()
         return None
 
-    def _swap_out(self, chunk: Chunk, slot: int) -> None:
+    def _swap_out(self, conv: ConversationKV, chunk: Chunk, slot: int) -> None:
         assert chunk.gpu_block is not None and chunk.cpu_slot is None
         self._orders.swap_out.append(CopyOp(chunk.gpu_block, slot))
         chunk.cpu_slot = slot
-        self._reclaim_next.append((chunk.gpu_block, chunk))
+        conv.maybe_on_cpu = True
+        self._reclaim_next[chunk.gpu_block] = chunk
 
     def _unreclaim(self, chunk: Chunk) -> None:
         """A chunk whose block was waiting for reuse is needed again: keep the GPU copy."""
@@ -309,12 +318,11 @@ class KVCacheManager:
 
     def _cancel_swap_out(self, chunk: Chunk) -> None:
         """Withdraw a swap-out not yet issued, so its slot can be reused safely."""
-        for i, (_, pending) in enumerate(self._reclaim_next):
-            if pending is chunk:
-                del self._reclaim_next[i]
-                op = CopyOp(chunk.gpu_block, chunk.cpu_slot)  # type: ignore[arg-type]
-                self._orders.swap_out.remove(op)
-                return
+        if (
+            chunk.gpu_block is not None
+            and self._reclaim_next.pop(chunk.gpu_block, None) is not None
+        ):
+            self._orders.swap_out.remove(CopyOp(chunk.gpu_block, chunk.cpu_slot))  # type: ignore[arg-type]
 
     def _free_cpu_copy(self, chunk: Chunk) -> None:
         if chunk.cpu_slot is not None:
@@ -342,12 +350,15 @@ class KVCacheManager:
                     assert chunk.tier is Tier.GPU, f"{conv.conv_id}: pinned chunk off the GPU"
         pending_cpu = set(self._cpu_free_next)
         assert not pending_cpu & set(owned_cpu), "a slot being read is owned again"
-        for pool, owned, pending in ((self.gpu, owned_gpu, set()), (self.cpu, owned_cpu, pending_cpu)):
+        for pool, owned, pending in (
+            (self.gpu, owned_gpu, set()),
+            (self.cpu, owned_cpu, pending_cpu),
+        ):
             for block in range(pool.capacity):
                 held = block in owned or block in pending
                 assert pool.is_free(block) != held, f"block {block}: free and owned disagree"
             assert pool.num_free + len(owned) + len(pending) == pool.capacity
-        reclaim = list(self._reclaimable.items()) + self._reclaim_next
+        reclaim = list(self._reclaimable.items()) + list(self._reclaim_next.items())
         for block, chunk in reclaim:
             assert chunk.gpu_block == block and chunk.cpu_slot is not None
 

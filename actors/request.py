@@ -124,3 +124,12 @@ class Request:
         if len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

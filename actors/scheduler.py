@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 from pensieve.actors.config import SchedulerConfig
 from pensieve.actors.kv_manager import KVCacheManager, OutOfBlocks
-from pensieve.actors.request import FinishReason, Request, RequestStatus, TokenSources
+from pensieve.actors.request import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    TokenSources,
+    common_prefix,
+)
 from pensieve.actors.step import SeqPiece, StepPlan
 
 
@@ -150,14 +156,13 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit(self, request: Request, now: float) -> bool:
-        """Reuse the longest cached prefix of the conversation, then take GPU blocks for the rest."""
+        """Reuse the longest cached prefix of the conversation; take GPU blocks for the rest."""
         conv = self.kv.conversation(request.conv_id, now)
         target = request.all_ids
-        reuse = _common_prefix(self.histories.get(request.conv_id, []), target)
+        reuse = common_prefix(self.histories.get(request.conv_id, []), target)
         reuse = min(reuse, conv.num_positions, len(target) - 1)  # compute >= 1 token for logits
-        if not self.kv.can_admit(conv, len(target)):
-            if self.running:
-                return False
+        if not self.kv.can_admit(conv, len(target)) and self.running:
+            return False  # keep the reserve; an idle GPU takes whatever fits
             # nothing else runs: admit whatever the reserve says, as long as it fits at all
         self.kv.truncate(conv, reuse)
         try:
@@ -195,11 +200,3 @@ class Scheduler:
         self.kv.release(self.kv.conversations[request.conv_id], now)
         if request.conv_id not in self.kv.conversations:
             self.histories.pop(request.conv_id, None)  # stateless: forgotten with its KV
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

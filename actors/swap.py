@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pensieve.actors.kv_cache import CopyOp, SwapOrders
+from pensieve.kernels.block_copy import copy_blocks
 
 
 @dataclass
@@ -28,6 +29,9 @@ class SwapStats:
     bytes_out: int = 0
     seconds_in: float = 0.0
     seconds_out: float = 0.0
+
+
+MIN_DMA_RUN = 8  # mean run length (blocks) from which plain DMA copies beat the copy kernel
 
 
 def copy_runs(ops: list[CopyOp]) -> list[tuple[int, int, int]]:
@@ -53,9 +57,15 @@ class SwapEngine:
         self._layer_events: list[torch.cuda.Event] | None = None
         self._fence: torch.cuda.Event | None = None
         self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.zero_copy = False
         if self.cuda:
             self.in_stream = torch.cuda.Stream()
             self.out_stream = torch.cuda.Stream()
+            self.zero_copy = (
+                bool(cpu_caches)
+                and cpu_caches[0].shape[0] > 1
+                and _zero_copy_works(gpu_caches[0], cpu_caches[0])
+            )
 
     def issue(self, orders: SwapOrders) -> None:
         """Start the step's copies; `wait_layer` / `wait_fence` order compute after them."""
@@ -125,9 +135,14 @@ class SwapEngine:
             return
         begin = time.perf_counter()
         runs = copy_runs(ops)
-        for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
-            for g, c, n in runs:
-                cpu[c : c + n].copy_(gpu[g : g + n], non_blocking=self.cuda)
+        if self._use_kernel(ops, runs):
+            gpu_ids, cpu_ids = self._indices(ops)
+            for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
+                copy_blocks(gpu, cpu, gpu_ids, cpu_ids)
+        else:
+            for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
+                for g, c, n in runs:
+                    cpu[c : c + n].copy_(gpu[g : g + n], non_blocking=self.cuda)
         self.stats.blocks_out += len(ops)
         self.stats.bytes_out += len(ops) * self.block_bytes
         if not self.cuda:
@@ -135,16 +150,29 @@ class SwapEngine:
 
     def _copy_in_by_layer(self, ops: list[CopyOp]) -> list[torch.cuda.Event]:
         runs = copy_runs(ops)
+        kernel = self._use_kernel(ops, runs)
+        gpu_ids, cpu_ids = self._indices(ops) if kernel else (None, None)
         events = []
         for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
-            for g, c, n in runs:
-                gpu[g : g + n].copy_(cpu[c : c + n], non_blocking=True)
+            if kernel:
+                copy_blocks(cpu, gpu, cpu_ids, gpu_ids)
+            else:
+                for g, c, n in runs:
+                    gpu[g : g + n].copy_(cpu[c : c + n], non_blocking=True)
             event = torch.cuda.Event()
             event.record()
             events.append(event)
         self.stats.blocks_in += len(ops)
         self.stats.bytes_in += len(ops) * self.block_bytes
         return events
+
+    def _use_kernel(self, ops: list[CopyOp], runs: list[tuple[int, int, int]]) -> bool:
+        return self.zero_copy and len(ops) < MIN_DMA_RUN * len(runs)
+
+    def _indices(self, ops: list[CopyOp]) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = torch.tensor([(op.gpu_block, op.cpu_slot) for op in ops], dtype=torch.int32)
+        pairs = pairs.pin_memory().to(self.gpu_caches[0].device, non_blocking=True)
+        return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
 
     def _copy_in_all_layers(self, ops: list[CopyOp]) -> None:
         if not ops:
@@ -156,3 +184,22 @@ class SwapEngine:
         self.stats.blocks_in += len(ops)
         self.stats.bytes_in += len(ops) * self.block_bytes
         self.stats.seconds_in += time.perf_counter() - begin
+
+
+def _zero_copy_works(gpu: torch.Tensor, cpu: torch.Tensor) -> bool:
+    """Check once that the copy kernel can reach pinned host memory; else use DMA copies only."""
+    try:
+        probe = torch.randn(gpu[:2].shape, device=gpu.device).to(gpu.dtype)
+        saved_gpu, saved_cpu = gpu[:2].clone(), cpu[:2].clone()
+        gpu[:2] = probe
+        ids = torch.tensor([0, 1], dtype=torch.int32, device=gpu.device)
+        swapped = torch.tensor([1, 0], dtype=torch.int32, device=gpu.device)
+        copy_blocks(gpu, cpu, ids, swapped)
+        torch.cuda.synchronize()
+        ok = torch.equal(cpu[1].to(gpu.device), probe[0]) and torch.equal(
+            cpu[0].to(gpu.device), probe[1]
+        )
+        gpu[:2], cpu[:2] = saved_gpu, saved_cpu
+        return ok
+    except Exception:  # noqa: BLE001 - any failure means: no zero-copy on this platform
+        return False

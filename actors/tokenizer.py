@@ -28,7 +28,9 @@ class ChatTokenizer:
         return [int(t) % self.vocab_size for t in ids]
 
     def encode(self, text: str) -> list[int]:
-        return [int(t) % self.vocab_size for t in self.tokenizer.encode(text, add_special_tokens=False)]
+        return [
+            int(t) % self.vocab_size for t in self.tokenizer.encode(text, add_special_tokens=False)
+        ]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))

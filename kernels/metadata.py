@@ -55,7 +55,9 @@ def build_metadata(
 ) -> AttentionMetadata:
     """Build the metadata for one step from host lists (one entry per sub-sequence)."""
     if not (len(query_lens) == len(seq_lens) == len(block_tables)):
-        raise ValueError("query_lens, seq_lens and block_tables must have one entry per sub-sequence")
+        raise ValueError(
+            "query_lens, seq_lens and block_tables must have one entry per sub-sequence"
+        )
     slots: list[int] = []
     for qlen, slen, table in zip(query_lens, seq_lens, block_tables, strict=True):
         if qlen < 1 or slen < qlen:

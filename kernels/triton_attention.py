@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from pensieve.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634

@@ -10,8 +10,10 @@ in one is recorded in the table and the next one runs):
             against the same step with that history already on the GPU
   policies  open-loop ShareGPT (Poisson conversation arrivals, exponential think time), per cache
             policy under the same GPU/CPU budgets: throughput at a p90 normalized-latency bound
-  replay48  closed loop, 48 conversations at once: our engine, then (our model freed) transformers
-            continuous batching on a LlamaForCausalLM of the same shapes, same prompts
+  replay48  steady-state closed loop, 48 conversations always in flight (a finished one is
+            replaced by the next of a pool of 300): output tokens counted as generated in a window
+            after a warm-up, for our engine, then (our model freed) transformers continuous
+            batching on a LlamaForCausalLM of the same shapes, same prompts
 
 Model: preset:llama2-13b-gqa10 in bf16 with random weights, EOS ignored, output lengths from the
 recorded replies. Assets (tokenizer, ShareGPT subset) come from ops/prepare_bench_assets.py.
@@ -28,12 +30,13 @@ import sys
 from pathlib import Path
 
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a file: ops/profile.py would shadow the standard library's profile
+    sys.path.pop(0)  # run as a file: keep ops/ off the import path
 
 import argparse
 import dataclasses
 import functools
 import gc
+import inspect
 import itertools
 import json
 import math
@@ -64,9 +67,9 @@ from pensieve.ops.bench_workload import (
     History,
     OpenLoop,
     build_workload,
-    closed_loop,
-    hf_closed_loop,
+    hf_steady_closed_loop,
     open_loop,
+    steady_closed_loop,
     summarize,
 )
 from pensieve.ops.factory import DTYPES, EngineOptions, cache_config
@@ -90,10 +93,13 @@ class Settings:
     max_context: int | None = None  # workload contexts; None: the model's
     repeats: int = 10  # timed repetitions of one step or copy (the median is reported)
     # replay48
-    replay_conversations: int = 48
+    replay_conversations: int = 300  # the pool: the first ones of the workload
+    replay_concurrency: int = 48
     replay_turns: int = 3
     replay_max_output: int = 512
-    hf_time_limit_s: float = 120.0
+    replay_warmup_s: float = 5.0  # not measured, from the start of each closed loop
+    replay_window_s: float = 30.0  # ours
+    hf_window_s: float = 90.0  # transformers
     # decode
     decode_batches: tuple[int, ...] = (1, 64)
     decode_context: int = 4032
@@ -107,12 +113,12 @@ class Settings:
     gpu_tokens: int = 24576
     cpu_tokens: int = 98304
     policy_max_output: int = 256
-    policy_max_turns: int = 8
-    rates: tuple[float, ...] = (1.5, 2.25, 3.4, 5.0, 7.5, 11.0)  # new conversations per second
-    start_rate: int = 3  # index of the first rate tried; the sweep walks up or down from it
-    window_s: float = 30.0
-    warmup_s: float = 8.0
-    drain_s: float = 10.0
+    policy_max_turns: int = 16
+    rates: tuple[float, ...] = (3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.5)  # new conversations per second
+    start_rate: int = 2  # index of the first rate tried; the sweep walks up or down from it
+    window_s: float = 24.0
+    warmup_s: float = 6.0
+    drain_s: float = 8.0
     think_s: float = 1.5
     latency_bound: float = 0.1  # p90 normalized latency, seconds per output token
     seed: int = 0
@@ -120,8 +126,9 @@ class Settings:
 
 SMOKE = Settings(
     smoke=True, model="preset:tiny-llama", device="cpu", dtype="float32", time_limit_s=120.0,
-    source_conversations=80, max_context=384, repeats=3, replay_conversations=6, replay_turns=2,
-    replay_max_output=8, hf_time_limit_s=30.0, decode_batches=(1, 4), decode_context=256,
+    source_conversations=80, max_context=384, repeats=3, replay_conversations=24,
+    replay_concurrency=6, replay_turns=2, replay_max_output=8, replay_warmup_s=0.3,
+    replay_window_s=1.5, hf_window_s=2.0, decode_batches=(1, 4), decode_context=256,
     swap_chunks=(4, 16), swap_step_decodes=4, swap_step_context=128, swap_history=128,
     swap_new_tokens=8, gpu_tokens=512, cpu_tokens=4096, policy_max_output=8, policy_max_turns=4,
     rates=(8.0,), start_rate=0, window_s=3.0, warmup_s=0.5, drain_s=3.0, think_s=0.4,
@@ -228,8 +235,13 @@ class Bench:
             )
         return self._workloads[key]
 
-    def engine(self, policy: Policy, gpu_tokens: int | None, cpu_tokens: int | None) -> Engine:
-        """A fresh ModelRunner (new KV tiers) and Engine around the one loaded model."""
+    def engine(
+        self, policy: Policy, gpu_tokens: int | None, cpu_tokens: int | None, graphs: bool = True
+    ) -> Engine:
+        """A fresh ModelRunner (new KV tiers) and Engine around the one loaded model.
+
+        The policy sweep runs without CUDA graphs: each fresh runner would capture its graphs
+        inside the measured window, and every policy is treated the same way."""
         loaded, c = self.loaded(), self.loaded().config
         options = EngineOptions(
             self.s.model,
@@ -240,7 +252,7 @@ class Bench:
             cpu_cache_tokens=cpu_tokens,
         )
         cache = cache_config(options, c, self.device, self.dtype)
-        runner = ModelRunner(loaded.model, cache, self.device, self.dtype)
+        runner = ModelRunner(loaded.model, cache, self.device, self.dtype, cuda_graphs=graphs)
         scheduling = SchedulerConfig(
             options.max_batch_tokens, options.max_num_seqs, c.max_context_len
         )
@@ -298,7 +310,11 @@ def section_kernels(b: Bench, rows: list[Row]) -> dict[str, Any]:
     details: dict[str, Any] = {"pytest_rc": None}
     try:
         proc = subprocess.run(
-            [*command, "tests/kernels"], cwd=REPO, capture_output=True, text=True, timeout=timeout
+            [*command, "tests/kernels", "tests/actors/test_cuda_graphs.py"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
         summary = next((line for line in reversed(tail) if " in " in line), "".join(tail[-1:]))
@@ -388,9 +404,14 @@ def section_decode(b: Bench, rows: list[Row]) -> dict[str, Any]:
     runner = ModelRunner(loaded.model, cache, b.device, b.dtype)
     weights = weight_bytes_read(loaded.model)
     steps = {}
+    graphs = runner.graphs
     for batch in b.s.decode_batches:
         plan = decode_plan(batch, context, blocks_per_seq, block_size)
+        runner.graphs = None
+        eager = median_time(b, functools.partial(runner.execute, plan), b.s.repeats, warmup=3)
+        runner.graphs = graphs
         seconds = median_time(b, functools.partial(runner.execute, plan), b.s.repeats, warmup=3)
+        rows.append(Row(f"decode step b={batch} eager", eager * 1e3, "ms", note="no CUDA graph"))
         kv = batch * (context + 1) * per_token
         ideal = (weights + kv) / bandwidth
         note = f"reads {(weights + kv) / GB:.1f} GB: {ideal / seconds:.0%} of copy bandwidth"
@@ -531,7 +552,7 @@ def pipelined_step(b: Bench, rows: list[Row]) -> dict[str, Any]:
 
 def run_policy(b: Bench, policy: Policy, specs: list[ConvSpec], rate: float) -> dict[str, Any]:
     s = b.s
-    engine = b.engine(policy, s.gpu_tokens, s.cpu_tokens)
+    engine = b.engine(policy, s.gpu_tokens, s.cpu_tokens, graphs=False)
     options = OpenLoop(rate, s.think_s, s.window_s, s.warmup_s, s.drain_s, s.seed)
     result = open_loop(engine, specs, options, History.GENERATED)
     summary = summarize(result.records, s.window_s - s.warmup_s)
@@ -584,7 +605,7 @@ def section_policies(b: Bench, rows: list[Row]) -> dict[str, Any]:
     specs = b.workload(s.policy_max_output, s.policy_max_turns)
     b.warm_up()
     # replay48 runs after this section: leave it its time
-    reserve = s.hf_time_limit_s + 90 if "replay48" in b.pending and not s.smoke else 0
+    reserve = replay_seconds(s) if "replay48" in b.pending and not s.smoke else 0
     runs: dict[str, list[dict]] = {}
     for i, policy in enumerate(POLICIES):
         share = (b.remaining() - reserve - 5) / (len(POLICIES) - i)
@@ -617,40 +638,51 @@ def section_policies(b: Bench, rows: list[Row]) -> dict[str, Any]:
 # ---- B. replay48 --------------------------------------------------------------------------
 
 
+def replay_seconds(s: Settings) -> float:
+    """What replay48 needs on the GPU: both closed loops, a model load and transformers' warm-up."""
+    return 2 * s.replay_warmup_s + s.replay_window_s + s.hf_window_s + 80
+
+
+def _window_note(r: dict[str, Any]) -> str:
+    w = r["window"]
+    return (
+        f"{w['tokens']} tok in {w['seconds']:.1f}s (after {w['warmup_s']:g}s); mean batch "
+        f"{w['mean_decoding']:.1f} decoding, {w['mean_in_flight']:.1f} in flight; "
+        f"{w['turns_finished']} turns"
+    )
+
+
 def section_replay48(b: Bench, rows: list[Row]) -> dict[str, Any]:
     s = b.s
     specs = b.workload(s.replay_max_output, s.replay_turns)[: s.replay_conversations]
+    k = s.replay_concurrency
     b.warm_up()
     engine = b.engine(Policy.PENSIEVE, None if b.cuda else 16384, 0)  # None: most free memory
-    limit = max(20.0, min(120.0, b.remaining() - s.hf_time_limit_s - 60))
-    ours = closed_loop(engine, specs, len(specs), History.RECORDED, limit)
-    ours_tps = ours.output_tokens() / ours.seconds
+    ours = steady_closed_loop(engine, specs, k, s.replay_warmup_s, s.replay_window_s)
     config = b.loaded().config
     details: dict[str, Any] = {
-        "conversations": len(specs),
+        "pool": len(specs),
+        "concurrency": k,
         "history": "recorded reply ids",
-        "ours": summarize(ours.records, ours.seconds),
+        "ours": ours.summary(),
     }
-    b.log(f"ours: {ours.output_tokens()} tokens in {ours.seconds:.1f}s = {ours_tps:.0f} tok/s")
-    note = f"{len(ours.finished())} turns{' TIMED OUT' if ours.timed_out else ''}"
+    ours_tps = ours.window.summary()["tok_per_s"]
+    b.log(f"ours: {_window_note(details['ours'])} = {ours_tps:.0f} tok/s")
     target, ok = (">= 3000", ours_tps >= 3000) if b.cuda else ("", None)
-    rows.append(
-        Row(f"ours, {len(specs)} convs closed loop", ours_tps, "tok/s", None, "", target, ok, note)
-    )
+    note = f"{_window_note(details['ours'])}; {ours.extra['tokens_per_step']:.1f} tok/step"
+    rows.append(Row(f"ours, {k} convs closed loop", ours_tps, "tok/s", None, "", target, ok, note))
     del engine, ours
     b.release_model()  # 26 GB: gone before transformers loads its copy
-    hf_limit = min(s.hf_time_limit_s, b.remaining() - 40)
-    if hf_limit < 10:
+    hf_window = min(s.hf_window_s, b.remaining() - s.replay_warmup_s - 40)
+    if hf_window < min(10.0, s.hf_window_s):
         rows.append(Row("transformers CB", None, note="skipped (time limit)"))
         return {"status": "partial", **details}
-    hf, extra = run_transformers(b, config, specs, hf_limit)
-    hf_tps = hf.output_tokens() / hf.seconds if hf.seconds > 0 else math.nan
-    details["hf"] = {**summarize(hf.records, hf.seconds), **extra}
-    b.log(f"transformers: {hf.output_tokens()} tokens in {hf.seconds:.1f}s = {hf_tps:.0f} tok/s")
-    note = (
-        f"{len(hf.finished())}/{len(hf.records)} turns{' (time limit)' if hf.timed_out else ''}"
-        f", attn {extra['attn_implementation']}, transformers {extra['version']}"
-    )
+    hf, extra = run_transformers(b, config, specs, hf_window)
+    details["hf"] = {**hf.summary(), **extra}
+    hf_tps = hf.window.summary()["tok_per_s"]
+    b.log(f"transformers: {_window_note(details['hf'])} = {hf_tps:.0f} tok/s")
+    counting = "" if hf.extra["counting"] == "streamed tokens" else ", FINISHED REQUESTS ONLY"
+    note = f"{_window_note(details['hf'])}{counting}; attn {extra['attn_implementation']}"
     rows.append(Row("transformers CB, closed loop", hf_tps, "tok/s", note=note))
     rows.append(
         Row(
@@ -666,12 +698,13 @@ def section_replay48(b: Bench, rows: list[Row]) -> dict[str, Any]:
     return {"status": "ok", **details}
 
 
-def run_transformers(b: Bench, config: Any, specs: list[ConvSpec], limit_s: float) -> tuple:
+def run_transformers(b: Bench, config: Any, specs: list[ConvSpec], window_s: float) -> tuple:
     """transformers' continuous batching on a LlamaForCausalLM of our shapes, random weights."""
     import transformers
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
     from transformers.generation import ContinuousBatchingConfig
 
+    s = b.s
     hf_config = LlamaConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
@@ -688,7 +721,7 @@ def run_transformers(b: Bench, config: Any, specs: list[ConvSpec], limit_s: floa
     with torch.device(b.device):  # initialised in place, in bf16
         model = LlamaForCausalLM._from_config(hf_config, attn_implementation="sdpa", dtype=b.dtype)
     generation = GenerationConfig(
-        do_sample=False, max_new_tokens=b.s.replay_max_output, eos_token_id=-1, pad_token_id=0
+        do_sample=False, max_new_tokens=s.replay_max_output, eos_token_id=-1, pad_token_id=0
     )
     # on the GPU the manager sizes its paged cache from free memory; on the CPU it must be told
     if b.cuda:
@@ -696,6 +729,8 @@ def run_transformers(b: Bench, config: Any, specs: list[ConvSpec], limit_s: floa
     else:
         cb = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256)
     manager = model.eval().init_continuous_batching(generation, continuous_batching_config=cb)
+    # streaming: partial results as tokens arrive, so tokens count when they are generated
+    streaming = "streaming" in inspect.signature(manager.add_request).parameters
     extra = {
         "version": transformers.__version__,
         "attn_implementation": model.config._attn_implementation,
@@ -705,9 +740,12 @@ def run_transformers(b: Bench, config: Any, specs: list[ConvSpec], limit_s: floa
         manager.start()
         b.log(
             f"transformers ready in {time.perf_counter() - begin:.1f}s (attn "
-            f"{extra['attn_implementation']}); closed loop for at most {limit_s:.0f}s"
+            f"{extra['attn_implementation']}, streaming {streaming}); closed loop for "
+            f"{s.replay_warmup_s:g}+{window_s:.0f}s"
         )
-        result = hf_closed_loop(manager, specs, len(specs), limit_s)
+        result = hf_steady_closed_loop(
+            manager, specs, s.replay_concurrency, s.replay_warmup_s, window_s, streaming
+        )
     finally:
         manager.stop(block=True, timeout=30, hard_stop=True)
         manager.destroy()
@@ -789,7 +827,7 @@ def print_table(report: dict[str, Any]) -> None:
                 f"{name:<9} {r['name'][:40]:<40} {value:>9} {r['unit']:<6} {ref:>9} "
                 f"{ratio:>6}  {r['target']:<13} {ok}"
             )
-            if r["value"] is None and r["note"]:
+            if r["note"] and (r["value"] is None or name == "replay48"):
                 print(f"{'':<12}{r['note'][:110]}")
 
 
@@ -808,10 +846,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument("--gpu-tokens", type=int, help="policies: GPU KV budget in tokens")
     p.add_argument("--cpu-tokens", type=int, help="policies: CPU KV budget in tokens")
     p.add_argument(
-        "--hf-time-limit",
-        dest="hf_time_limit_s",
-        type=float,
-        help="replay48: seconds for the transformers closed loop",
+        "--replay-window", dest="replay_window_s", type=float, help="replay48: ours, seconds"
+    )
+    p.add_argument(
+        "--hf-window", dest="hf_window_s", type=float, help="replay48: transformers, seconds"
     )
     args = vars(p.parse_args(argv))
     sections = [name.strip() for name in args.pop("sections").split(",") if name.strip()]

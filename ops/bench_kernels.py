@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+
 from pensieve.kernels.metadata import AttentionMetadata, build_metadata
 from pensieve.kernels.triton_attention import KernelConfig, launch_config, paged_attention_triton
 

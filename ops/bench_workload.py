@@ -14,8 +14,10 @@ weights generate different tokens still see identical prompts (ours against tran
 engine's cache reuse the whole history; the token counts are the same either way.
 
 Drivers, all bounded in time:
-  closed_loop     K conversations at once; a conversation's next turn is sent when its reply ends.
-  hf_closed_loop  the same against a transformers continuous-batching manager.
+  steady_closed_loop     K conversations always in flight: a conversation's next turn is sent
+                         when its reply ends, and when it has none the next one of the pool starts;
+                         output tokens are counted as generated in a window after a warm-up.
+  hf_steady_closed_loop  the same against a transformers continuous-batching manager.
   open_loop       real time: conversations arrive as a Poisson process, each next turn is sent an
                   exponential think time after the previous reply.
 """
@@ -28,7 +30,6 @@ import math
 import random
 import re
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -269,103 +270,249 @@ def _record(
     )
 
 
-def closed_loop(
+@dataclass
+class Window:
+    """What happens in [begin, end) seconds of a run: output tokens counted as they are generated
+    (a turn still running at `end` counts the tokens it had by then), turns that finish, and the
+    time-averaged number of turns in flight (sent, not finished) and decoding (first token out,
+    not finished). Feed it events in time order."""
+
+    begin: float
+    end: float
+    tokens: int = 0
+    turns_finished: int = 0
+    in_flight: int = 0
+    decoding: int = 0
+    now: float = 0.0
+    _in_flight_area: float = 0.0
+    _decoding_area: float = 0.0
+
+    def at(self, t: float) -> None:
+        lo, hi = max(self.now, self.begin), min(t, self.end)
+        if hi > lo:
+            self._in_flight_area += self.in_flight * (hi - lo)
+            self._decoding_area += self.decoding * (hi - lo)
+        self.now = max(self.now, t)
+
+    def inside(self, t: float) -> bool:
+        return self.begin <= t < self.end
+
+    def sent(self, t: float) -> None:
+        self.at(t)
+        self.in_flight += 1
+
+    def generated(self, t: float, n: int, started: int) -> None:
+        """`n` tokens at `t`, the first ones of `started` turns."""
+        self.at(t)
+        self.decoding += started
+        self.tokens += n if self.inside(t) else 0
+
+    def done(self, t: float, decoded: bool) -> None:
+        self.at(t)
+        self.in_flight -= 1
+        self.decoding -= int(decoded)
+        self.turns_finished += int(self.inside(t))
+
+    @property
+    def seconds(self) -> float:
+        """The part of the window the run covered (all of it unless it stopped early)."""
+        return max(0.0, min(self.now, self.end) - self.begin)
+
+    def summary(self) -> dict[str, Any]:
+        seconds = self.seconds
+
+        def per_s(x: float) -> float:
+            return x / seconds if seconds > 0 else math.nan
+
+        return {
+            "warmup_s": self.begin,
+            "seconds": seconds,
+            "tokens": self.tokens,
+            "tok_per_s": per_s(self.tokens),
+            "turns_finished": self.turns_finished,
+            "mean_in_flight": per_s(self._in_flight_area),
+            "mean_decoding": per_s(self._decoding_area),
+        }
+
+
+@dataclass
+class SteadyResult:
+    """A steady-state closed loop: its window, every turn that finished (whenever it did), how
+    many conversations were started and how many times the pool was run through."""
+
+    window: Window
+    records: list[TurnRecord]
+    conversations_started: int
+    laps: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "window": self.window.summary(),
+            "turns_finished": len(self.records),
+            "conversations_started": self.conversations_started,
+            "pool_laps": self.laps,
+            "errors": sorted({r.error for r in self.records if r.error})[:3],
+            # (conversation, turn, prompt tokens, output tokens) of every finished turn
+            "turn_tokens": [
+                [r.conv_id, r.turn, r.prompt_tokens, r.output_tokens] for r in self.records
+            ],
+            **self.extra,
+        }
+
+
+class _Pool:
+    """Conversations in order; once all were started it starts them over under new ids."""
+
+    def __init__(self, specs: Sequence[ConvSpec], history: History) -> None:
+        if not specs:
+            raise ValueError("an empty pool of conversations")
+        self.specs = specs
+        self.history = history
+        self.started = 0
+
+    @property
+    def laps(self) -> int:
+        return -(-self.started // len(self.specs))
+
+    def next(self) -> _Chat:
+        lap, i = divmod(self.started, len(self.specs))
+        spec = self.specs[i]
+        self.started += 1
+        return _Chat(spec, spec.conv_id if lap == 0 else f"{spec.conv_id}@{lap}", self.history)
+
+
+def steady_closed_loop(
     engine: Engine,
     specs: Sequence[ConvSpec],
     concurrency: int,
-    history: History,
-    time_limit_s: float,
-) -> LoopResult:
-    """Replay `specs` with `concurrency` conversations in flight; stops submitting at the limit."""
-    queue = deque(_Chat(spec, spec.conv_id, history) for spec in specs)
-    active: dict[str, tuple[_Chat, float, list[int]]] = {}
+    warmup_s: float,
+    window_s: float,
+    history: History = History.RECORDED,
+) -> SteadyResult:
+    """Keep `concurrency` conversations in flight (a conversation's next turn is sent when its
+    reply ends; when it has none, the next conversation of the pool starts) until `warmup_s +
+    window_s`, counting the tokens each step samples in the window [warmup_s, warmup_s +
+    window_s) of the engine's clock."""
+    pool = _Pool(specs, history)
+    window = Window(warmup_s, warmup_s + window_s)
+    active: dict[str, tuple[_Chat, float, list[int]]] = {}  # request id -> chat, sent, prompt
+    decoding: set[str] = set()
     records: list[TurnRecord] = []
+    steps = step_tokens = 0
     start = engine.clock()
-    deadline = start + time_limit_s
-    last = start
 
     def submit(chat: _Chat) -> None:
         prompt = chat.prompt()
-        engine.add_request(chat.conv_id, prompt, _sampling(chat.turn))
-        active[chat.conv_id] = (chat, engine.clock() - start, prompt)
+        request = engine.add_request(chat.conv_id, prompt, _sampling(chat.turn))
+        now = engine.clock() - start
+        active[request.request_id] = (chat, now, prompt)
+        window.sent(now)
 
-    while (queue or active) and engine.clock() < deadline:
-        while queue and len(active) < concurrency:
-            submit(queue.popleft())
-        for request in engine.step().finished:
-            chat, due, prompt = active.pop(request.conv_id)
-            records.append(_record(chat, due, prompt, request, start))
-            last = max(last, request.finish_time or start)
+    for _ in range(concurrency):
+        submit(pool.next())
+    now = 0.0
+    while now < window.end:
+        outcome = engine.step()
+        now = engine.clock() - start
+        if window.inside(now):
+            steps += 1
+            step_tokens += len(outcome.new_tokens)
+        started = outcome.new_tokens.keys() - decoding
+        decoding |= started
+        window.generated(now, len(outcome.new_tokens), len(started))
+        for request in outcome.finished:
+            chat, sent, prompt = active.pop(request.request_id)
+            window.done(now, request.request_id in decoding)
+            decoding.discard(request.request_id)
+            records.append(_record(chat, sent, prompt, request, start))
             chat.advance(prompt, request.output_ids)
-            if chat.has_next:
-                submit(chat)
-    timed_out = bool(queue or active)
-    for chat, due, prompt in active.values():
-        records.append(TurnRecord(chat.conv_id, chat.next, due, len(prompt), chat.turn.num_output))
-    return LoopResult(records, last - start, timed_out)
+            submit(chat if chat.has_next else pool.next())
+    window.at(now)
+    extra = {"steps_in_window": steps, "tokens_per_step": step_tokens / max(steps, 1)}
+    return SteadyResult(window, records, pool.started, pool.laps, extra)
 
 
-def hf_closed_loop(
+def hf_steady_closed_loop(
     manager: Any,
     specs: Sequence[ConvSpec],
     concurrency: int,
-    time_limit_s: float,
+    warmup_s: float,
+    window_s: float,
+    streaming: bool = True,
     poll_s: float = 1.0,
-) -> LoopResult:
-    """`closed_loop` against a started transformers ContinuousBatchingManager (recorded history).
+) -> SteadyResult:
+    """`steady_closed_loop` against a started transformers ContinuousBatchingManager (recorded
+    history). With `streaming` each request reports its tokens as they arrive and they are
+    counted then; without it a request's tokens all count when it finishes.
 
     Raises if the manager's generation thread dies; every wait is bounded by `poll_s`.
     """
-    queue = deque(_Chat(spec, spec.conv_id, History.RECORDED) for spec in specs)
+    pool = _Pool(specs, History.RECORDED)
+    window = Window(warmup_s, warmup_s + window_s)
     active: dict[str, tuple[_Chat, float, list[int]]] = {}
+    seen: dict[str, int] = {}  # request id -> tokens counted so far
     records: list[TurnRecord] = []
+    first_token: dict[str, float] = {}
     start = time.perf_counter()
-    deadline = start + time_limit_s
-    last = start
 
     def submit(chat: _Chat) -> None:
         prompt = chat.prompt()
         request_id = f"{chat.conv_id}#{chat.next}"
-        manager.add_request(
+        accepted = manager.add_request(
             input_ids=prompt,
             request_id=request_id,
             max_new_tokens=chat.turn.num_output,
             eos_token_id=-1,
+            **({"streaming": True} if streaming else {}),
         )
-        active[request_id] = (chat, time.perf_counter() - start, prompt)
+        if accepted is None:
+            raise RuntimeError("the transformers manager refused a request")
+        now = time.perf_counter() - start
+        active[request_id] = (chat, now, prompt)
+        seen[request_id] = 0
+        window.sent(now)
 
-    while (queue or active) and time.perf_counter() < deadline:
-        while queue and len(active) < concurrency:
-            submit(queue.popleft())
-        result = manager.get_result(timeout=poll_s)
+    for _ in range(concurrency):
+        submit(pool.next())
+    now = 0.0
+    while now < window.end:
+        result = manager.get_result(timeout=max(0.01, min(poll_s, window.end - now)))
+        now = time.perf_counter() - start
         if result is None:
             if not manager.is_running():
                 raise RuntimeError("the transformers generation thread stopped")
             continue
-        if not result.is_finished() or result.request_id not in active:
+        request_id = result.request_id
+        if request_id not in active:
             continue
-        chat, due, prompt = active.pop(result.request_id)
-        now = time.perf_counter()
-        last = now
+        finished = result.is_finished()
+        count = len(result.generated_tokens)
+        if (streaming or finished) and count > seen[request_id]:
+            window.generated(now, count - seen[request_id], int(seen[request_id] == 0))
+            first_token.setdefault(request_id, now)
+            seen[request_id] = count
+        if not finished:
+            continue
+        chat, sent, prompt = active.pop(request_id)
+        window.done(now, seen.pop(request_id) > 0)
         records.append(
             TurnRecord(
                 chat.conv_id,
                 chat.next,
-                due,
+                sent,
                 len(prompt),
-                len(result.generated_tokens),
-                None,
-                now - start,
+                count,
+                first_token.pop(request_id, None),
+                now,
                 error=result.error,
             )
         )
         chat.advance(prompt, ())
-        if chat.has_next:
-            submit(chat)
-    timed_out = bool(queue or active)
-    for chat, due, prompt in active.values():
-        records.append(TurnRecord(chat.conv_id, chat.next, due, len(prompt), chat.turn.num_output))
-    return LoopResult(records, last - start, timed_out)
+        submit(chat if chat.has_next else pool.next())
+    window.at(now)
+    extra = {"counting": "streamed tokens" if streaming else "finished requests only"}
+    return SteadyResult(window, records, pool.started, pool.laps, extra)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-cache-tokens", type=int, default=None)
     p.add_argument("--gpu-cache-gb", type=float, default=None)
     p.add_argument("--cpu-cache-gb", type=float, default=None)
+    p.add_argument("--admission-reserve", type=float, default=0.10)
+    p.add_argument("--swap-out-threshold", type=float, default=0.25)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--profile", default=None, help="cost table from `pensieve profile`")
@@ -76,6 +78,8 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         cpu_cache_tokens=args.cpu_cache_tokens,
         gpu_cache_gb=args.gpu_cache_gb,
         cpu_cache_gb=args.cpu_cache_gb,
+        admission_reserve=args.admission_reserve,
+        swap_out_threshold=args.swap_out_threshold,
         max_batch_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
         profile=args.profile,
@@ -93,7 +97,9 @@ def _replay(args: argparse.Namespace) -> int:
     elif args.max_new_tokens.isdigit() and int(args.max_new_tokens) > 0:
         max_new = int(args.max_new_tokens)
     else:
-        raise ValueError(f"--max-new-tokens must be a positive number or 'dataset', got {args.max_new_tokens!r}")
+        raise ValueError(
+            f"--max-new-tokens must be a positive number or 'dataset', got {args.max_new_tokens!r}"
+        )
     if args.concurrency < 1:
         raise ValueError("--concurrency must be >= 1")
     conversations = load_conversations(args.conversations, args.num_conversations)
@@ -131,13 +137,17 @@ def _print_summary(summary, built) -> None:  # type: ignore[no-untyped-def]
         f"(cache hit rate {hit:.1%})\n"
         f"swaps: in {stats.bytes_in / 1e6:.1f} MB, out {stats.bytes_out / 1e6:.1f} MB; "
         f"suspensions {built.engine.scheduler.num_suspensions}"
-        + (f"; skipped conversations {summary.skipped_conversations}" if summary.skipped_conversations else ""),
+        + (
+            f"; skipped conversations {summary.skipped_conversations}"
+            if summary.skipped_conversations
+            else ""
+        ),
         file=sys.stderr,
     )
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from pensieve.ops.profile import main as profile_main
+    from pensieve.ops.cost_profile import main as profile_main
 
     return int(profile_main(args.rest) or 0)
 

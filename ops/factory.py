@@ -31,6 +31,8 @@ class EngineOptions:
     cpu_cache_tokens: int | None = None
     gpu_cache_gb: float | None = None
     cpu_cache_gb: float | None = None
+    admission_reserve: float = 0.10  # admit new requests only while more of the GPU is free
+    swap_out_threshold: float = 0.25  # swap out ahead of time below this free fraction
     max_batch_tokens: int = 2048
     max_num_seqs: int = 128
     profile: str | None = None  # a `pensieve profile` table; default: the analytic cost model
@@ -86,7 +88,9 @@ def cache_config(
             gpu_tokens = 16384
     cpu_tokens = _tokens(options.cpu_cache_tokens, options.cpu_cache_gb, per_block, options)
     if cpu_tokens is None:
-        cpu_tokens = 4 * gpu_tokens if device.type == "cpu" else (8 * GIB) // per_block * options.block_size
+        cpu_tokens = (
+            4 * gpu_tokens if device.type == "cpu" else (8 * GIB) // per_block * options.block_size
+        )
     if options.policy in (Policy.GPU_ONLY, Policy.STATELESS):
         cpu_tokens = 0
     return CacheConfig(
@@ -94,10 +98,14 @@ def cache_config(
         num_gpu_blocks=gpu_tokens // options.block_size,
         num_cpu_blocks=cpu_tokens // options.block_size,
         policy=options.policy,
+        admission_reserve=options.admission_reserve,
+        swap_out_threshold=options.swap_out_threshold,
     )
 
 
-def _tokens(tokens: int | None, gb: float | None, per_block: int, options: EngineOptions) -> int | None:
+def _tokens(
+    tokens: int | None, gb: float | None, per_block: int, options: EngineOptions
+) -> int | None:
     if tokens is not None and gb is not None:
         raise ValueError("give a cache size in tokens or in GB, not both")
     if gb is not None:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a file: ops/profile.py would shadow the standard library's profile
+    sys.path.pop(0)  # run as a file: keep ops/ off the import path
 
 import argparse
 import subprocess

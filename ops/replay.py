@@ -20,7 +20,7 @@ from typing import IO
 import orjson
 from tqdm import tqdm
 
-from pensieve.actors.request import FinishReason, Request, SamplingParams
+from pensieve.actors.request import FinishReason, Request, SamplingParams, common_prefix
 from pensieve.actors.tokenizer import ChatMessage
 from pensieve.ops.factory import Built
 from pensieve.ops.sharegpt import Conversation, HumanTurn, Role, human_turns
@@ -188,7 +188,7 @@ class _Replayer:
             finished_at=max(time.time(), session.started_at),
         )
         log = request.all_ids
-        keep = _common_prefix(session.log, log)
+        keep = common_prefix(session.log, log)
         self.writer.submit(self.store.commit_turn, session.conv.id, record, keep, log[keep:])
         session.log = log
         session.messages += [
@@ -226,11 +226,3 @@ class _Replayer:
         s.new_prompt_tokens += record.new_prompt_tokens
         for key in s.cached:
             s.cached[key] += line["cached_tokens"][key]  # type: ignore[index]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

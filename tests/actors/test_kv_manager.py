@@ -20,7 +20,7 @@ BLOCK = 4
 class Simulation:
     def __init__(self, policy: Policy, num_gpu: int, num_cpu: int) -> None:
         config = CacheConfig(BLOCK, num_gpu, num_cpu, policy)
-        self.kv = KVCacheManager(config, cost=lambda l: 1.0 + l / 100)
+        self.kv = KVCacheManager(config, cost=lambda context: 1.0 + context / 100)
         self.gpu: dict[int, tuple] = {}
         self.cpu: dict[int, tuple] = {}
         self.running: dict[str, int] = {}  # conv -> target positions

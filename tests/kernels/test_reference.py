@@ -13,6 +13,7 @@ import random
 
 import torch
 import torch.nn.functional as F
+
 from pensieve.kernels.metadata import build_metadata
 from pensieve.kernels.reference import paged_attention_ref, write_kv_ref
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
 from pensieve.kernels import AttentionImpl, paged_attention
 from pensieve.kernels.metadata import AttentionMetadata, build_metadata
 from pensieve.kernels.reference import paged_attention_ref, write_kv_ref

@@ -49,5 +49,5 @@ def _first_human_turns(turns: list[Message], max_turns: int) -> tuple[Message, .
 @pytest.fixture(scope="session")
 def sharegpt20(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("data") / "sharegpt20.jsonl"
-    write_jsonl(short_sharegpt(20, max_turns=3, max_chars=200), path)
+    write_jsonl(short_sharegpt(20, max_turns=3, max_chars=160), path)
     return path

@@ -16,6 +16,7 @@ from pensieve.ops.bench_workload import (
     History,
     OpenLoop,
     TurnRecord,
+    Window,
     arrivals,
     build_workload,
     percentile,
@@ -71,12 +72,28 @@ def test_policies_serve_history_from_the_tiers_they_have(smoke) -> None:
     assert stateless["gpu"] == stateless["cpu"] == stateless["recomputed"] == 0
 
 
+def test_replay_keeps_its_concurrency_and_measures_a_window(smoke) -> None:
+    replay = smoke[0]["sections"]["replay48"]
+    k = replay["concurrency"]
+    for side in (replay["ours"], replay["hf"]):
+        window = side["window"]
+        assert window["seconds"] > 0 and window["tokens"] > 0 and window["turns_finished"] > 0
+        assert window["tok_per_s"] == pytest.approx(window["tokens"] / window["seconds"])
+        assert window["mean_in_flight"] == pytest.approx(k, abs=0.5)  # always k in flight
+        assert 0 < window["mean_decoding"] <= k
+        assert side["conversations_started"] > k  # finished ones were replaced
+        assert not side["errors"]
+    assert replay["hf"]["counting"] == "streamed tokens"
+
+
 def test_ours_and_transformers_process_identical_token_counts(smoke) -> None:
     replay = smoke[0]["sections"]["replay48"]
-    ours, hf = replay["ours"], replay["hf"]
-    assert ours["finished"] == hf["finished"] == ours["turns"] > 0
-    assert ours["prompt_tokens"] == hf["prompt_tokens"]
-    assert ours["output_tokens"] == hf["output_tokens"]
+    ours, hf = (
+        {(c, t): (p, o) for c, t, p, o in replay[side]["turn_tokens"]} for side in ("ours", "hf")
+    )
+    both = ours.keys() & hf.keys()
+    assert len(both) > replay["concurrency"]
+    assert all(ours[turn] == hf[turn] for turn in both)  # same prompts, same output lengths
 
 
 # ---- the workload builder --------------------------------------------------------------------
@@ -141,3 +158,21 @@ def test_unfinished_turns_count_as_slowest() -> None:
     assert done.normalized_latency == pytest.approx(0.2) and done.ttft == pytest.approx(0.5)
     assert percentile([done.latency, lost.latency], 50) == float("inf")
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+
+
+def test_the_window_counts_tokens_and_averages_what_is_in_flight() -> None:
+    window = Window(begin=1.0, end=3.0)
+    window.sent(0.0)
+    window.sent(0.5)
+    window.generated(0.8, 5, started=1)  # before the window: not counted
+    window.generated(1.5, 4, started=0)
+    window.generated(2.0, 1, started=1)
+    window.done(2.5, decoded=True)
+    window.sent(2.5)
+    window.generated(3.0, 7, started=1)  # at the end: not counted
+    window.at(4.0)
+    summary = window.summary()
+    assert summary["tokens"] == 5 and summary["turns_finished"] == 1
+    assert summary["seconds"] == pytest.approx(2.0) and summary["tok_per_s"] == pytest.approx(2.5)
+    assert summary["mean_in_flight"] == pytest.approx(2.0)
+    assert summary["mean_decoding"] == pytest.approx((1 * 1.0 + 2 * 0.5 + 1 * 0.5) / 2)

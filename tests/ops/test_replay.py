@@ -7,6 +7,8 @@ CPU swap-in, recomputation of dropped chunks, full re-prefill). Transformers is 
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 from pathlib import Path
 
 import orjson
@@ -21,90 +23,146 @@ from pensieve.ops.sharegpt import load_conversations
 
 pytestmark = pytest.mark.slow
 
+CHAT = ["What is the capital of France?", "And of Italy?", "Which of the two is bigger?"]
+SMALL_TIERS = dict(gpu_cache_tokens=512, cpu_cache_tokens=512, admission_reserve=0.0)
 
-def run_replay(smollm2, chat, path: Path, policy: Policy, gpu_tokens: int, cpu_tokens: int,
-               concurrency: int = 6, data_dir: Path | None = None) -> tuple[list[dict], object]:  # fmt: skip
-    options = EngineOptions(
-        model="smollm2",
-        policy=policy,
-        gpu_cache_tokens=gpu_tokens,
-        cpu_cache_tokens=cpu_tokens,
-        max_batch_tokens=512,
-    )
+
+def run_replay(smollm2, chat, path: Path, policy: Policy, concurrency: int = 8,
+               data_dir: Path | None = None, **tiers) -> tuple[list[dict], object]:  # fmt: skip
+    options = EngineOptions(model="smollm2", policy=policy, max_batch_tokens=512, **tiers)
     built = assemble(options, smollm2, chat)
     out = io.BytesIO()
-    replay_options = ReplayOptions(max_new_tokens=24, concurrency=concurrency)
+    replay_options = ReplayOptions(max_new_tokens=16, concurrency=concurrency)
     replay(built, load_conversations(path), replay_options, out, data_dir)
     built.engine.kv.check_invariants()
-    lines = [orjson.loads(line) for line in out.getvalue().splitlines()]
-    return lines, built
+    return [orjson.loads(line) for line in out.getvalue().splitlines()], built
 
 
 def tokens_by_turn(lines: list[dict]) -> dict[tuple[str, int], list[int]]:
     return {(d["conversation_id"], d["turn"]): d["output_token_ids"] for d in lines}
 
 
-def test_three_turn_chat_matches_transformers(tmp_path, smollm2):
+@pytest.fixture(scope="module")
+def chat_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    record = {"id": "chat-1", "conversations": [{"from": "human", "value": t} for t in CHAT]}
+    path.write_bytes(orjson.dumps(record) + b"\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def three_turns(chat_file, tmp_path_factory) -> list[dict]:
+    """The 3-turn chat through the real command line, uninterrupted."""
+    out = tmp_path_factory.mktemp("out") / "out.jsonl"
+    argv = ["replay", str(chat_file), "--model", "smollm2", "--out", str(out),
+            "--max-new-tokens", "40", "--emit-token-ids"]  # fmt: skip
+    assert main(argv) == 0
+    return [orjson.loads(line) for line in out.read_bytes().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def stateless(smollm2, smollm2_chat, sharegpt20) -> list[dict]:
+    lines, _ = run_replay(
+        smollm2, smollm2_chat, sharegpt20, Policy.STATELESS, gpu_cache_tokens=16384
+    )
+    return lines
+
+
+def test_three_turn_chat_matches_transformers(three_turns):
     from transformers import AutoModelForCausalLM
 
     from pensieve.models.assets import smollm2_gguf_path
 
-    chat_file = tmp_path / "chat.jsonl"
-    turns = ["What is the capital of France?", "And of Italy?", "Which of the two is bigger?"]
-    record = {"id": "chat-1", "conversations": [{"from": "human", "value": t} for t in turns]}
-    chat_file.write_bytes(orjson.dumps(record) + b"\n")
-    out = tmp_path / "out.jsonl"
-    argv = [
-        "replay", str(chat_file), "--model", "smollm2", "--out", str(out),
-        "--max-new-tokens", "40", "--emit-token-ids", "--data-dir", str(tmp_path / "db"),
-    ]  # fmt: skip
-    assert main(argv) == 0
-    lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
-    assert [d["turn"] for d in lines] == [0, 1, 2]
-    assert lines[1]["cached_tokens"]["gpu"] > 0  # the second turn reused the first's KV
+    assert [d["turn"] for d in three_turns] == [0, 1, 2]
+    assert three_turns[1]["cached_tokens"]["gpu"] > 0  # the second turn reused the first's KV
+    assert three_turns[2]["new_prompt_tokens"] < three_turns[2]["prompt_tokens"] / 2
     gguf = smollm2_gguf_path()
     reference = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
-    for d in lines:
+    for d in three_turns:
         prompt = torch.tensor([d["prompt_token_ids"]])
         want = reference.generate(
             prompt, max_new_tokens=40, do_sample=False, eos_token_id=2, pad_token_id=2
         )[0, prompt.shape[1] :].tolist()
         assert d["output_token_ids"] == want, f"turn {d['turn']}"
-        # the next prompt holds this turn's reply as the assistant's message
-    assert "Paris" in lines[0]["output_text"]
+    assert "Paris" in three_turns[0]["output_text"]
 
 
-def test_stateful_equals_stateless_on_sharegpt(smollm2, smollm2_chat, sharegpt20):
-    stateless, _ = run_replay(smollm2, smollm2_chat, sharegpt20, Policy.STATELESS, 16384, 0)
-    stateful, built = run_replay(smollm2, smollm2_chat, sharegpt20, Policy.PENSIEVE, 16384, 0)
+def test_restart_continues_from_the_token_log(
+    smollm2, smollm2_chat, chat_file, three_turns, tmp_path
+):
+    data_dir = tmp_path / "db"
+    first = tmp_path / "first.jsonl"
+    # a process that answers the first turn, commits it to LMDB and exits
+    cmd = [sys.executable, "-m", "pensieve.ops.cli", "replay", str(chat_file), "--model", "smollm2",
+           "--out", str(first), "--max-new-tokens", "40", "--max-turns", "1",
+           "--data-dir", str(data_dir)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # a fresh engine on the same store continues with the turns not yet answered
+    built = assemble(EngineOptions(model="smollm2"), smollm2, smollm2_chat)
+    out = io.BytesIO()
+    replay(built, load_conversations(chat_file), ReplayOptions(max_new_tokens=40), out, data_dir)
+    rest = [orjson.loads(line) for line in out.getvalue().splitlines()]
+    resumed = [orjson.loads(line) for line in first.read_bytes().splitlines()] + rest
+    assert [d["turn"] for d in resumed] == [0, 1, 2]
+    assert [d["output_token_ids"] for d in resumed] == [d["output_token_ids"] for d in three_turns]
+    history = rest[0]["cached_tokens"]
+    assert history["recomputed"] > 0 and history["gpu"] == history["cpu"] == 0
+
+
+def test_stateful_equals_stateless_on_sharegpt(smollm2, smollm2_chat, sharegpt20, stateless):
+    stateful, built = run_replay(
+        smollm2, smollm2_chat, sharegpt20, Policy.PENSIEVE, gpu_cache_tokens=16384
+    )
     assert len(stateless) == len(stateful) >= 40
     assert tokens_by_turn(stateful) == tokens_by_turn(stateless)
-    reused = sum(d["cached_tokens"]["gpu"] for d in stateful)
-    assert reused > 0 and all(d["cached_tokens"]["gpu"] == 0 for d in stateless)
-    assert built.engine.totals.sources.new < sum(d["prompt_tokens"] for d in stateful)
+    assert sum(d["cached_tokens"]["gpu"] for d in stateful) > 0
+    assert all(d["cached_tokens"]["gpu"] == 0 for d in stateless)
+    assert built.engine.totals.sources.new < sum(d["prompt_tokens"] for d in stateful) / 2
 
 
 @pytest.mark.parametrize("policy", [Policy.PENSIEVE, Policy.LRU, Policy.GPU_ONLY])
-def test_every_cache_path_gives_the_same_tokens(smollm2, smollm2_chat, sharegpt20, policy):
-    reference, _ = run_replay(smollm2, smollm2_chat, sharegpt20, Policy.STATELESS, 16384, 0)
-    # small tiers: 16 GPU blocks, 24 CPU blocks, 8 conversations at once
-    lines, built = run_replay(smollm2, smollm2_chat, sharegpt20, policy, 512, 768, concurrency=8)
-    assert tokens_by_turn(lines) == tokens_by_turn(reference)
+def test_every_cache_path_gives_the_same_tokens(
+    smollm2, smollm2_chat, sharegpt20, stateless, policy
+):
+    # 16 GPU blocks and 16 CPU blocks for 20 conversations, 8 at a time
+    lines, built = run_replay(smollm2, smollm2_chat, sharegpt20, policy, **SMALL_TIERS)
+    assert tokens_by_turn(lines) == tokens_by_turn(stateless)
     cached = [d["cached_tokens"] for d in lines]
-    gpu_hits = sum(c["gpu"] > 0 for c in cached)
-    partial = sum(c["recomputed"] > 0 and c["gpu"] + c["cpu"] > 0 for c in cached)
-    full_drop = sum(c["recomputed"] > 0 and c["gpu"] + c["cpu"] == 0 for c in cached)
-    swapped_in = sum(c["cpu"] > 0 for c in cached)
-    suspensions = built.engine.scheduler.num_suspensions
-    counts = dict(gpu_hit=gpu_hits, partial_recompute=partial, full_drop=full_drop,
-                  swap_in=swapped_in, suspensions=suspensions)  # fmt: skip
+    counts = {
+        "gpu_hit": sum(c["gpu"] > 0 for c in cached),
+        "swap_in": sum(c["cpu"] > 0 for c in cached),
+        "partial_recompute": sum(c["recomputed"] > 0 and c["gpu"] + c["cpu"] > 0 for c in cached),
+        "full_drop": sum(c["recomputed"] > 0 and c["gpu"] + c["cpu"] == 0 for c in cached),
+        "suspensions": built.engine.scheduler.num_suspensions,
+    }
     print(policy.value, counts)
-    assert gpu_hits and (partial or full_drop) and suspensions, counts
+    assert counts["gpu_hit"] and counts["full_drop"], counts
+    stats = built.engine.runner.swap.stats
     if policy is Policy.GPU_ONLY:
-        assert swapped_in == 0 and built.engine.runner.swap.stats.bytes_out == 0
+        assert counts["swap_in"] == 0 and stats.bytes_out == 0
     else:
-        assert swapped_in and partial and full_drop, counts
-        stats = built.engine.runner.swap.stats
+        assert counts["swap_in"] and counts["partial_recompute"], counts
         assert stats.bytes_in > 0 and stats.bytes_out > 0
+
+
+def test_suspension_under_decode_pressure_keeps_tokens(smollm2, smollm2_chat):
+    """Two requests that fit when admitted but not when grown: the later one is suspended
+    (swapped to the CPU tier, requeued) and still produces the same tokens."""
+    from pensieve.actors.request import SamplingParams
+
+    prompts = [smollm2_chat.render([{"role": "user", "content": t}]) for t in CHAT[:2]]
+    sampling = SamplingParams(max_tokens=96, ignore_eos=True)
+    results = {}
+    tight = dict(SMALL_TIERS, gpu_cache_tokens=224)  # 7 blocks: each request grows to 5
+    for name, tiers in (("roomy", dict(gpu_cache_tokens=4096)), ("tight", tight)):
+        built = assemble(EngineOptions(model="smollm2", **tiers), smollm2, smollm2_chat)
+        requests = [built.engine.add_request(f"c{i}", p, sampling) for i, p in enumerate(prompts)]
+        while built.engine.has_work():
+            built.engine.step()
+        built.engine.kv.check_invariants()
+        results[name] = ([r.output_ids for r in requests], built.engine.scheduler.num_suspensions)
+    assert results["tight"][1] > 0 and results["roomy"][1] == 0
+    assert results["tight"][0] == results["roomy"][0]

@@ -10,7 +10,7 @@ import torch
 
 from pensieve.actors.cost_model import CostModel
 from pensieve.models.loader import load_model
-from pensieve.ops.profile import ProfileSettings, main, profile_model
+from pensieve.ops.cost_profile import ProfileSettings, main, profile_model
 
 TINY = "preset:tiny-llama"
 
