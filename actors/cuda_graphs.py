@@ -33,6 +33,8 @@ class _Graph:
     block_tables: torch.Tensor  # [B, W] int32
     slots: torch.Tensor  # [B] int64
     logits: torch.Tensor  # [B, vocab] float32
+    # every tensor the graph reads must outlive it: the metadata holds cu_query_lens
+    meta: AttentionMetadata | None = None
 
 
 class DecodeGraphs:
@@ -118,6 +120,7 @@ class DecodeGraphs:
             query_lens_host=(1,) * batch,
             seq_lens_host=(context,) * batch,
         )
+        g.meta = meta
         attn = PagedAttention(self.kv_caches, meta, self.scale, impl=self.impl)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
