@@ -60,6 +60,7 @@ from pensieve.actors.executor import ModelRunner
 from pensieve.actors.kv_cache import CopyOp, SwapOrders
 from pensieve.actors.request import SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
+from pensieve.actors.swap import SwapStats
 from pensieve.models.assets import smollm2_gguf_path
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops.bench_workload import (
@@ -114,8 +115,8 @@ class Settings:
     cpu_tokens: int = 98304
     policy_max_output: int = 256
     policy_max_turns: int = 16
-    rates: tuple[float, ...] = (3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.5)  # new conversations per second
-    start_rate: int = 2  # index of the first rate tried; the sweep walks up or down from it
+    rates: tuple[float, ...] = (4.0, 5.0, 6.0, 7.0, 8.0, 9.5, 11.0, 13.0)  # conversations/s
+    start_rate: int = 3  # index of the first rate tried; the sweep walks up or down from it
     window_s: float = 24.0
     warmup_s: float = 6.0
     drain_s: float = 8.0
@@ -173,6 +174,7 @@ class Bench:
         self._loaded: LoadedModel | None = None
         self._tokenizer: Any = None
         self._workloads: dict[tuple[int, int], list[ConvSpec]] = {}
+        self._runners: dict[tuple[int | None, int | None], ModelRunner] = {}
 
     def log(self, message: str) -> None:
         print(f"[bench {time.perf_counter() - self.begin:6.1f}s] {message}", flush=True)
@@ -198,6 +200,7 @@ class Bench:
         return self._loaded
 
     def release_model(self) -> None:
+        self._runners.clear()
         self._loaded = None
         self.free()
 
@@ -235,13 +238,12 @@ class Bench:
             )
         return self._workloads[key]
 
-    def engine(
-        self, policy: Policy, gpu_tokens: int | None, cpu_tokens: int | None, graphs: bool = True
-    ) -> Engine:
-        """A fresh ModelRunner (new KV tiers) and Engine around the one loaded model.
+    def engine(self, policy: Policy, gpu_tokens: int | None, cpu_tokens: int | None) -> Engine:
+        """A fresh Engine (empty cache accounting) around the one loaded model.
 
-        The policy sweep runs without CUDA graphs: each fresh runner would capture its graphs
-        inside the measured window, and every policy is treated the same way."""
+        Engines with the same tier sizes share one ModelRunner, so its KV tensors and CUDA graphs
+        are allocated and captured once, outside every measured window; a new engine never reads
+        a block before writing it. `gpu-only` and `stateless` leave the runner's CPU pool unused."""
         loaded, c = self.loaded(), self.loaded().config
         options = EngineOptions(
             self.s.model,
@@ -251,8 +253,17 @@ class Bench:
             gpu_cache_tokens=gpu_tokens,
             cpu_cache_tokens=cpu_tokens,
         )
+        key = (gpu_tokens, cpu_tokens)
+        if key not in self._runners:
+            self._runners.clear()  # one set of KV tiers at a time
+            self.free()
         cache = cache_config(options, c, self.device, self.dtype)
-        runner = ModelRunner(loaded.model, cache, self.device, self.dtype, cuda_graphs=graphs)
+        runner = self._runners.get(key)
+        if runner is None:
+            tiers = cache_config(dataclasses.replace(options, policy=Policy.PENSIEVE), c,
+                                 self.device, self.dtype)  # fmt: skip
+            runner = self._runners[key] = ModelRunner(loaded.model, tiers, self.device, self.dtype)
+        runner.swap.stats = SwapStats()
         scheduling = SchedulerConfig(
             options.max_batch_tokens, options.max_num_seqs, c.max_context_len
         )
@@ -552,7 +563,7 @@ def pipelined_step(b: Bench, rows: list[Row]) -> dict[str, Any]:
 
 def run_policy(b: Bench, policy: Policy, specs: list[ConvSpec], rate: float) -> dict[str, Any]:
     s = b.s
-    engine = b.engine(policy, s.gpu_tokens, s.cpu_tokens, graphs=False)
+    engine = b.engine(policy, s.gpu_tokens, s.cpu_tokens)
     options = OpenLoop(rate, s.think_s, s.window_s, s.warmup_s, s.drain_s, s.seed)
     result = open_loop(engine, specs, options, History.GENERATED)
     summary = summarize(result.records, s.window_s - s.warmup_s)
