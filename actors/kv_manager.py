@@ -216,25 +216,24 @@ class KVCacheManager:
 
     def _gpu_candidates(self, now: float) -> list[tuple[float, ConversationKV, Chunk]]:
         """Unpinned chunks that hold a GPU block and no CPU copy, lowest value first."""
-        found = []
-        for conv in self.conversations.values():
-            if conv.pinned or not conv.maybe_on_gpu:
-                continue
-            conv.maybe_on_gpu = any(c.gpu_block is not None for c in conv.chunks)
-            for i, chunk in enumerate(conv.chunks):
-                if chunk.gpu_block is not None and chunk.cpu_slot is None:
-                    found.append((self._value(conv, i, now), i, conv, chunk))
-        found.sort(key=lambda item: (item[0], item[1]))
-        return [(value, conv, chunk) for value, _, conv, chunk in found]
+        return self._candidates(now, Tier.GPU)
 
     def _cpu_candidates(self, now: float) -> list[tuple[float, ConversationKV, Chunk]]:
+        """Unpinned chunks that hold a CPU slot and no GPU block, lowest value first."""
+        return self._candidates(now, Tier.CPU)
+
+    def _candidates(self, now: float, tier: Tier) -> list[tuple[float, ConversationKV, Chunk]]:
+        on_gpu = tier is Tier.GPU
         found = []
         for conv in self.conversations.values():
-            if conv.pinned or not conv.maybe_on_cpu:
+            if conv.pinned or not (conv.maybe_on_gpu if on_gpu else conv.maybe_on_cpu):
                 continue
-            conv.maybe_on_cpu = any(c.cpu_slot is not None for c in conv.chunks)
+            if on_gpu:
+                conv.maybe_on_gpu = any(c.gpu_block is not None for c in conv.chunks)
+            else:
+                conv.maybe_on_cpu = any(c.cpu_slot is not None for c in conv.chunks)
             for i, chunk in enumerate(conv.chunks):
-                if chunk.cpu_slot is not None and chunk.gpu_block is None:
+                if (chunk.gpu_block is not None) == on_gpu and (chunk.cpu_slot is None) == on_gpu:
                     found.append((self._value(conv, i, now), i, conv, chunk))
         found.sort(key=lambda item: (item[0], item[1]))
         return [(value, conv, chunk) for value, _, conv, chunk in found]

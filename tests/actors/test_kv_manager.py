@@ -53,10 +53,14 @@ class Simulation:
                 if index * BLOCK >= conv.num_positions:
                     continue
                 want = self.tag(conv.conv_id, index, conv.num_positions)
-                if chunk.gpu_block is not None:
-                    assert self.gpu.get(chunk.gpu_block) == want, (conv.conv_id, index, "gpu")
-                if chunk.cpu_slot is not None:
-                    assert self.cpu.get(chunk.cpu_slot) == want, (conv.conv_id, index, "cpu")
+                for memory, block in ((self.gpu, chunk.gpu_block), (self.cpu, chunk.cpu_slot)):
+                    if block is not None:
+                        self.assert_holds(memory.get(block), want)
+
+    @staticmethod
+    def assert_holds(got: tuple | None, want: tuple) -> None:
+        # positions past a truncation may linger in a block; only the kept ones must be right
+        assert got is not None and got[:2] == want[:2] and got[2] >= want[2], (got, want)
 
 
 ops = st.lists(
@@ -69,7 +73,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
     policy=st.sampled_from(list(Policy)),
     num_gpu=st.integers(4, 24),
