@@ -11,9 +11,13 @@ from pensieve.actors.config import Policy
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["profile"]:  # its own parser takes every option after the word
+            from pensieve.ops.cost_profile import main as profile_main
+
+            return int(profile_main(argv[1:]) or 0)
+        args = _parser().parse_args(argv)
         return int(args.run(args))
     except KeyboardInterrupt:
         return 130
@@ -39,9 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--skip-too-long", action="store_true")
     replay.add_argument("--data-dir", type=Path, default=None, help="LMDB store (default: temp)")
     replay.set_defaults(run=_replay)
-    profile = commands.add_parser("profile", help="profile chunk recompute cost for eviction")
-    profile.add_argument("rest", nargs=argparse.REMAINDER)
-    profile.set_defaults(run=_profile)
+    commands.add_parser("profile", help="profile chunk recompute cost (pensieve profile --help)")
     return parser
 
 
@@ -135,7 +137,8 @@ def _print_summary(summary, built) -> None:  # type: ignore[no-untyped-def]
         f"prompt tokens {summary.prompt_tokens}: gpu {cached['gpu']}  cpu {cached['cpu']}  "
         f"recomputed {cached['recomputed']}  new {summary.new_prompt_tokens}  "
         f"(cache hit rate {hit:.1%})\n"
-        f"swaps: in {stats.bytes_in / 1e6:.1f} MB, out {stats.bytes_out / 1e6:.1f} MB; "
+        f"swaps: in {stats.bytes_in / 1e6:.1f} MB in {stats.seconds_in:.3f} s, "
+        f"out {stats.bytes_out / 1e6:.1f} MB in {stats.seconds_out:.3f} s; "
         f"suspensions {built.engine.scheduler.num_suspensions}"
         + (
             f"; skipped conversations {summary.skipped_conversations}"
@@ -144,12 +147,6 @@ def _print_summary(summary, built) -> None:  # type: ignore[no-untyped-def]
         ),
         file=sys.stderr,
     )
-
-
-def _profile(args: argparse.Namespace) -> int:
-    from pensieve.ops.cost_profile import main as profile_main
-
-    return int(profile_main(args.rest) or 0)
 
 
 if __name__ == "__main__":

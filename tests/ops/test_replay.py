@@ -139,7 +139,7 @@ def test_every_cache_path_gives_the_same_tokens(
         "suspensions": built.engine.scheduler.num_suspensions,
     }
     print(policy.value, counts)
-    assert counts["gpu_hit"] and counts["full_drop"], counts
+    assert counts["gpu_hit"] and counts["full_drop"] and counts["suspensions"], counts
     stats = built.engine.runner.swap.stats
     if policy is Policy.GPU_ONLY:
         assert counts["swap_in"] == 0 and stats.bytes_out == 0
