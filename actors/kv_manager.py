@@ -9,14 +9,16 @@ The manager decides which chunk lives where; the executor moves the bytes it is 
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from pensieve.actors.block_pool import BlockPool
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.kv_cache import Acquired, Chunk, ConversationKV, CopyOp, SwapOrders, Tier
 
-CostFn = Callable[[int], float]  # seconds to recompute one chunk that attends to l positions
+CostFn = Callable[[int], float]
+RETRY_S = 0.1  # seconds to recompute one chunk that attends to l positions
 
 
 class OutOfBlocks(Exception):
@@ -33,8 +35,12 @@ class KVCacheManager:
         self._reclaimable: OrderedDict[int, Chunk] = OrderedDict()  # reusable now
         self._reclaim_next: dict[int, Chunk] = {}  # reusable from the next step on
         self._cpu_free_next: list[int] = []  # slots read by this step's swap-ins
-        self._cpu_victims: list[tuple[float, ConversationKV, Chunk]] | None = None
+        self._cpu_victims: Iterator[tuple[float, ConversationKV, Chunk]] | None = None
+        self._cpu_victim_next: tuple[float, ConversationKV, Chunk] | None = None
         self._orders = SwapOrders()
+        # a swap-out blocked by a CPU tier of higher-valued chunks is retried only once the GPU
+        # has fewer free blocks or RETRY_S has passed (values change only as idle time grows)
+        self._blocked: tuple[float, int] | None = None
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -189,11 +195,17 @@ class KVCacheManager:
         moved = 0
         if self.num_free_gpu >= target:
             return 0
+        if self._blocked is not None:
+            since, free = self._blocked
+            if now - since < RETRY_S and self.num_free_gpu >= free:
+                return 0
+        self._blocked = None
         for value, conv, chunk in self._gpu_candidates(now):
             if self.num_free_gpu >= target:
                 break
             slot = self._take_cpu_slot(value, now)
             if slot is None:
+                self._blocked = (now, self.num_free_gpu)
                 break
             self._swap_out(conv, chunk, slot)
             moved += 1
@@ -214,29 +226,58 @@ class KVCacheManager:
         idle = max(now - conv.last_active, 1e-6)
         return self.cost(context) / idle
 
-    def _gpu_candidates(self, now: float) -> list[tuple[float, ConversationKV, Chunk]]:
+    def _gpu_candidates(self, now: float) -> Iterator[tuple[float, ConversationKV, Chunk]]:
         """Unpinned chunks that hold a GPU block and no CPU copy, lowest value first."""
         return self._candidates(now, Tier.GPU)
 
-    def _cpu_candidates(self, now: float) -> list[tuple[float, ConversationKV, Chunk]]:
+    def _cpu_candidates(self, now: float) -> Iterator[tuple[float, ConversationKV, Chunk]]:
         """Unpinned chunks that hold a CPU slot and no GPU block, lowest value first."""
         return self._candidates(now, Tier.CPU)
 
-    def _candidates(self, now: float, tier: Tier) -> list[tuple[float, ConversationKV, Chunk]]:
+    def _candidates(self, now: float, tier: Tier) -> Iterator[tuple[float, ConversationKV, Chunk]]:
+        """Lazily, lowest value first: a merge of the conversations' eligible chunks.
+
+        Within a conversation values grow with the chunk index (every chunk shares its idle time
+        and a later chunk attends to more context), so a conversation's first eligible chunk is
+        its cheapest and a heap of one entry per conversation ranks them all. Eligibility is
+        checked as the merge advances, so chunks moved meanwhile are skipped.
+        """
         on_gpu = tier is Tier.GPU
-        found = []
-        for conv in self.conversations.values():
-            if conv.pinned or not (conv.maybe_on_gpu if on_gpu else conv.maybe_on_cpu):
-                continue
-            if on_gpu:
-                conv.maybe_on_gpu = any(c.gpu_block is not None for c in conv.chunks)
-            else:
-                conv.maybe_on_cpu = any(c.cpu_slot is not None for c in conv.chunks)
+
+        def eligible(conv: ConversationKV) -> Iterator[int]:
             for i, chunk in enumerate(conv.chunks):
                 if (chunk.gpu_block is not None) == on_gpu and (chunk.cpu_slot is None) == on_gpu:
-                    found.append((self._value(conv, i, now), i, conv, chunk))
-        found.sort(key=lambda item: (item[0], item[1]))
-        return [(value, conv, chunk) for value, _, conv, chunk in found]
+                    yield i
+
+        heap: list[tuple[float, int, int, ConversationKV, Iterator[int]]] = []
+        for order, conv in enumerate(self.conversations.values()):
+            if conv.pinned or not (conv.maybe_on_gpu if on_gpu else conv.maybe_on_cpu):
+                continue
+            indices = eligible(conv)
+            first = next(indices, None)
+            if first is None:  # nothing of this tier left here: skip it until something moves in
+                if on_gpu:
+                    conv.maybe_on_gpu = any(c.gpu_block is not None for c in conv.chunks)
+                else:
+                    conv.maybe_on_cpu = any(c.cpu_slot is not None for c in conv.chunks)
+                continue
+            heap.append((self._value(conv, first, now), first, order, conv, indices))
+        heapq.heapify(heap)
+        while heap:
+            value, index, order, conv, indices = heapq.heappop(heap)
+            if conv.pinned:
+                continue
+            chunk = conv.chunks[index] if index < len(conv.chunks) else None
+            if (
+                chunk is not None
+                and (chunk.gpu_block is not None) == on_gpu
+                and (chunk.cpu_slot is None) == on_gpu
+            ):
+                yield value, conv, chunk
+            following = next(indices, None)
+            if following is not None:
+                entry = (self._value(conv, following, now), following, order, conv, indices)
+                heapq.heappush(heap, entry)
 
     def _num_evictable_gpu(self, exclude: ConversationKV) -> int:
         """Unpinned GPU-only chunks: every owned block that is not pinned or waiting for reuse."""
@@ -287,19 +328,20 @@ class KVCacheManager:
         slot = self.cpu.allocate()
         if slot is not None:
             return slot
-        if self._cpu_victims is None:  # ranked once per operation, not once per slot
-            self._cpu_victims = self._cpu_candidates(now)[::-1]  # lowest value last
-        victims = self._cpu_victims
-        while victims:
-            victim_value, _, victim = victims[-1]
-            if victim.cpu_slot is None or victim.gpu_block is not None:
-                victims.pop()  # moved since it was ranked
-                continue
-            if value is not None and victim_value >= value:
-                return None
-            victims.pop()
-            self._drop(victim)
-            return self.cpu.allocate()
+        if self._cpu_victims is None:  # one ranking per operation, consumed as it goes
+            self._cpu_victims = self._cpu_candidates(now)
+            self._cpu_victim_next = None
+        victim = self._cpu_victim_next or next(self._cpu_victims, None)
+        self._cpu_victim_next = None
+        while victim is not None:
+            victim_value, _, chunk = victim
+            if chunk.cpu_slot is not None and chunk.gpu_block is None:
+                if value is not None and victim_value >= value:
+                    self._cpu_victim_next = victim  # keep it for a later, higher-valued ask
+                    return None
+                self._drop(chunk)
+                return self.cpu.allocate()
+            victim = next(self._cpu_victims, None)  # moved since it was ranked
         return None
 
     def _swap_out(self, conv: ConversationKV, chunk: Chunk, slot: int) -> None:

@@ -115,6 +115,7 @@ class Settings:
     cpu_tokens: int = 98304
     policy_max_output: int = 256
     policy_max_turns: int = 16
+    policy_min_turns: int = 2  # multi-turn conversations only: single turns have no history
     rates: tuple[float, ...] = (4.0, 5.0, 6.0, 7.0, 8.0, 9.5, 11.0, 13.0)  # conversations/s
     start_rate: int = 3  # index of the first rate tried; the sweep walks up or down from it
     window_s: float = 24.0
@@ -614,6 +615,8 @@ def sweep(b: Bench, policy: Policy, specs: list[ConvSpec], deadline: float) -> l
 def section_policies(b: Bench, rows: list[Row]) -> dict[str, Any]:
     s = b.s
     specs = b.workload(s.policy_max_output, s.policy_max_turns)
+    specs = [spec for spec in specs if len(spec.turns) >= s.policy_min_turns]
+    b.log(f"policies: {len(specs)} conversations of >= {s.policy_min_turns} turns")
     b.warm_up()
     # replay48 runs after this section: leave it its time
     reserve = replay_seconds(s) if "replay48" in b.pending and not s.smoke else 0
