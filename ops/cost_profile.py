@@ -3,7 +3,7 @@
 For each context length l = 2^k (from the chunk size up to `max_context`) it times the attention
 of chunks of query tokens over l cached positions, through every layer, on the path the engine
 uses (`PagedAttention`: write the chunks' K/V into the paged cache, then attend). The non-attention
-cost is a whole forward of fresh chunks minus their attention at l = chunk size. The table it
+cost is a forward of fresh chunks with the attention left out. The table it
 writes is what `CostModel.from_json` loads (format: actors/cost_model.py).
 
 Chunks are measured in batches and each time is divided by the batch size: recompute runs inside
