@@ -60,10 +60,6 @@ class Scheduler:
         # the last token of a turn was sampled, never fed: its KV does not exist
         self.kv.restore(conv_id, max(len(tokens) - 1, 0), now)
 
-    def forget(self, conv_id: str) -> None:
-        self.histories.pop(conv_id, None)
-        self.kv.forget(conv_id)
-
     # ---- one step ------------------------------------------------------------------------
 
     def schedule(self, now: float) -> StepPlan:
