@@ -52,7 +52,6 @@ class Session:
     messages: list[ChatMessage]
     next_turn: int
     log: list[int]
-    request: Request | None = None
     user_message: str = ""
     started_at: float = 0.0
 
@@ -160,7 +159,7 @@ class _Replayer:
         )
         session.user_message = turn.text
         session.started_at = time.time()
-        session.request = self.engine.add_request(session.conv.id, prompt, sampling)
+        self.engine.add_request(session.conv.id, prompt, sampling)
         return True
 
     def _max_tokens(self, turn: HumanTurn) -> int:
