@@ -42,7 +42,7 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill + decode together)
-    max_num_seqs: int = 128  # running requests at most
+    max_num_seqs: int = 256  # running requests at most
     max_model_len: int = 8192
 
     def __post_init__(self) -> None:

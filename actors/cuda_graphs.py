@@ -20,7 +20,7 @@ from pensieve.kernels import AttentionImpl, AttentionMetadata
 from pensieve.models.attention import PagedAttention
 from pensieve.models.loader import CausalLM
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MIN_CONTEXT_BUCKET = 512
 
 
@@ -89,6 +89,20 @@ class DecodeGraphs:
         graph.slots.copy_(torch.tensor(slots + [self.scratch_block * self.block_size] * pad))
         graph.graph.replay()
         return graph.logits[: len(pieces)]
+
+    def capture_all(self, max_batch: int) -> int:
+        """Capture every graph a run with at most `max_batch` decodes can use (a warm-up, so no
+        capture lands inside a measured step); returns how many were captured."""
+        contexts = {self._round_up(n) for n in range(1, self.max_context + 1, MIN_CONTEXT_BUCKET)}
+        contexts.add(self._round_up(self.max_context))
+        batches = [b for b in BATCH_BUCKETS if b < max_batch] + [
+            next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
+        ]
+        keys = [(b, c) for b in batches for c in sorted(contexts)]
+        for batch, context in keys:
+            if (batch, context) not in self.graphs:
+                self._capture(batch, context)
+        return len(keys)
 
     def _round_up(self, n: int) -> int:
         return max(MIN_CONTEXT_BUCKET, 1 << (n - 1).bit_length())

@@ -63,21 +63,18 @@ from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.actors.swap import SwapStats
 from pensieve.models.assets import smollm2_gguf_path
 from pensieve.models.loader import LoadedModel, load_model
+from pensieve.ops import bench_policies
+from pensieve.ops.bench_table import Row, print_table
 from pensieve.ops.bench_workload import (
     ConvSpec,
-    History,
-    OpenLoop,
     build_workload,
     hf_steady_closed_loop,
-    open_loop,
     steady_closed_loop,
-    summarize,
 )
 from pensieve.ops.factory import DTYPES, EngineOptions, cache_config
 from pensieve.ops.sharegpt import load_conversations
 
 SECTIONS = ("kernels", "decode", "swap", "policies", "replay48")
-POLICIES = (Policy.PENSIEVE, Policy.LRU, Policy.GPU_ONLY, Policy.STATELESS)
 REPO = Path(__file__).resolve().parents[1]
 GB = 1e9
 
@@ -110,18 +107,24 @@ class Settings:
     swap_step_context: int = 2048
     swap_history: int = 2048
     swap_new_tokens: int = 32
-    # policies
-    gpu_tokens: int = 24576
-    cpu_tokens: int = 98304
+    # policies (see ops/bench_policies.py)
+    policies: tuple[str, ...] = ("pensieve", "lru", "gpu-only", "stateless")
+    gpu_tokens: int = 196608  # 40 GB of KV: what an 80 GB GPU keeps after the 13B weights
+    cpu_tokens: int = 262144  # 54 GB pinned
+    max_num_seqs: int = 256
     policy_max_output: int = 256
     policy_max_turns: int = 16
     policy_min_turns: int = 2  # multi-turn conversations only: single turns have no history
-    rates: tuple[float, ...] = (5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0, 9.0)  # conversations/s
-    start_rate: int = 3  # index of the first rate tried; the sweep walks up or down from it
-    window_s: float = 24.0
-    warmup_s: float = 6.0
-    drain_s: float = 8.0
-    think_s: float = 1.5
+    # the first rate tried per policy (conversations/s); the sweep steps from it
+    start_rates: tuple[tuple[str, float], ...] = (
+        ("pensieve", 14.0), ("lru", 14.0), ("gpu-only", 10.0), ("stateless", 8.5),
+    )  # fmt: skip
+    rate_factor: float = 1.2
+    max_points: int = 3  # runs per policy at most
+    duration_s: float = 80.0  # arrivals and turns are sent only before this
+    warmup_s: float = 40.0  # turns sent before this are served, not measured
+    drain_s: float = 10.0
+    think_s: float = 3.0
     latency_bound: float = 0.1  # p90 normalized latency, seconds per output token
     seed: int = 0
 
@@ -133,30 +136,9 @@ SMOKE = Settings(
     replay_window_s=1.5, hf_window_s=2.0, decode_batches=(1, 4), decode_context=256,
     swap_chunks=(4, 16), swap_step_decodes=4, swap_step_context=128, swap_history=128,
     swap_new_tokens=8, gpu_tokens=512, cpu_tokens=4096, policy_max_output=8, policy_max_turns=4,
-    rates=(8.0,), start_rate=0, window_s=3.0, warmup_s=0.5, drain_s=3.0, think_s=0.4,
-    latency_bound=10.0,
+    start_rates=(("pensieve", 8.0), ("lru", 8.0), ("gpu-only", 8.0), ("stateless", 8.0)),
+    max_points=1, duration_s=3.0, warmup_s=0.5, drain_s=3.0, think_s=0.4, latency_bound=10.0,
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Row:
-    """One line of the table: a measurement, what it is compared with, the target it must meet."""
-
-    name: str
-    value: float | None
-    unit: str = ""
-    ref: float | None = None
-    ref_label: str = ""
-    target: str = ""
-    ok: bool | None = None
-    note: str = ""
-
-    @property
-    def ratio(self) -> float | None:
-        return self.value / self.ref if self.value is not None and self.ref else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ratio": self.ratio}
 
 
 class Bench:
@@ -244,7 +226,8 @@ class Bench:
 
         Engines with the same tier sizes share one ModelRunner, so its KV tensors and CUDA graphs
         are allocated and captured once, outside every measured window; a new engine never reads
-        a block before writing it. `gpu-only` and `stateless` leave the runner's CPU pool unused."""
+        a block before writing it. The runner's pinned CPU pool is allocated only if a policy of
+        this run uses it (`gpu-only` and `stateless` leave it unused)."""
         loaded, c = self.loaded(), self.loaded().config
         options = EngineOptions(
             self.s.model,
@@ -253,17 +236,24 @@ class Bench:
             policy=policy,
             gpu_cache_tokens=gpu_tokens,
             cpu_cache_tokens=cpu_tokens,
+            max_num_seqs=self.s.max_num_seqs,
         )
-        key = (gpu_tokens, cpu_tokens)
+        tiered = any(Policy(name) in (Policy.PENSIEVE, Policy.LRU) for name in self.s.policies)
+        key = (gpu_tokens, cpu_tokens if tiered else 0)
         if key not in self._runners:
             self._runners.clear()  # one set of KV tiers at a time
             self.free()
         cache = cache_config(options, c, self.device, self.dtype)
         runner = self._runners.get(key)
         if runner is None:
-            tiers = cache_config(dataclasses.replace(options, policy=Policy.PENSIEVE), c,
-                                 self.device, self.dtype)  # fmt: skip
+            begin = time.perf_counter()
+            both = dataclasses.replace(options, policy=Policy.PENSIEVE, cpu_cache_tokens=key[1])
+            tiers = cache_config(both, c, self.device, self.dtype)
             runner = self._runners[key] = ModelRunner(loaded.model, tiers, self.device, self.dtype)
+            self.log(
+                f"KV tiers allocated in {time.perf_counter() - begin:.1f}s: "
+                f"{tiers.num_gpu_blocks} GPU blocks, {tiers.num_cpu_blocks} CPU blocks"
+            )
         runner.swap.stats = SwapStats()
         scheduling = SchedulerConfig(
             options.max_batch_tokens, options.max_num_seqs, c.max_context_len
@@ -271,6 +261,10 @@ class Bench:
         shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
         cost = CostModel.analytic(*shape, c.intermediate_size, options.block_size)
         return Engine(runner, cache, scheduling, cost.cost, frozenset(c.eos_token_ids))
+
+    def reserved(self) -> float:
+        """Seconds the sections after the current one need (replay48 is the long one)."""
+        return replay_seconds(self.s) if "replay48" in self.pending and not self.s.smoke else 0.0
 
     def warm_up(self) -> None:
         """Compile the Triton kernels for the launch shapes a run meets, outside any timing."""
@@ -559,117 +553,6 @@ def pipelined_step(b: Bench, rows: list[Row]) -> dict[str, Any]:
     return {"gpu_seconds": gpu_s, "swapped_seconds": cpu_s, "swap_alone_seconds": swap_s}
 
 
-# ---- E. policies --------------------------------------------------------------------------
-
-
-def run_policy(b: Bench, policy: Policy, specs: list[ConvSpec], rate: float) -> dict[str, Any]:
-    s = b.s
-    engine = b.engine(policy, s.gpu_tokens, s.cpu_tokens)
-    options = OpenLoop(rate, s.think_s, s.window_s, s.warmup_s, s.drain_s, s.seed)
-    result = open_loop(engine, specs, options, History.GENERATED)
-    summary = summarize(result.records, s.window_s - s.warmup_s)
-    stats = engine.runner.swap.collect_stats()
-    summary.update(
-        policy=policy.value,
-        rate=rate,
-        steps=engine.totals.steps,
-        unfinished=summary["turns"] - summary["finished"],
-        drained=not result.timed_out,
-        swapped_in_gb=stats.bytes_in / GB,
-        swapped_out_gb=stats.bytes_out / GB,
-        passed=summary["norm_latency_p90"] <= s.latency_bound,
-    )
-    b.log(
-        f"{policy.value:>9} @ {rate:.2f} conv/s: {_describe(summary)}; "
-        f"unfinished {summary['unfinished']}, {summary['steps']} steps"
-    )
-    del engine, result
-    b.free()
-    return summary
-
-
-def _describe(r: dict[str, Any]) -> str:
-    src = r["sources"]
-    return (
-        f"{r['req_per_s']:.2f} req/s {r['tok_per_s']:.0f} tok/s, norm p50/p90 "
-        f"{r['norm_latency_p50']:.3f}/{r['norm_latency_p90']:.3f} s/tok, ttft p50/p90 "
-        f"{r['ttft_p50']:.2f}/{r['ttft_p90']:.2f}s, gpu/cpu/recomp/new {src['gpu']}/"
-        f"{src['cpu']}/{src['recomputed']}/{src['new']}"
-    )
-
-
-def sweep(b: Bench, policy: Policy, specs: list[ConvSpec], deadline: float) -> list[dict]:
-    """Walk the rate ladder from `start_rate`: up while the bound holds, down while it does not,
-    until a passing rate sits right under a failing one (or the ladder or the time ends)."""
-    results: dict[int, dict] = {}
-    index = b.s.start_rate
-    while 0 <= index < len(b.s.rates) and index not in results:
-        if time.perf_counter() + b.s.window_s + 2 > deadline:
-            b.log(f"{policy.value}: out of time after {len(results)} rates")
-            break
-        results[index] = run_policy(b, policy, specs, b.s.rates[index])
-        index += 1 if results[index]["passed"] else -1
-    return [results[i] for i in sorted(results)]
-
-
-def section_policies(b: Bench, rows: list[Row]) -> dict[str, Any]:
-    s = b.s
-    specs = b.workload(s.policy_max_output, s.policy_max_turns)
-    specs = [spec for spec in specs if len(spec.turns) >= s.policy_min_turns]
-    b.log(f"policies: {len(specs)} conversations of >= {s.policy_min_turns} turns")
-    b.warm_up()
-    # One discarded run first: it compiles the kernel variants and captures the CUDA graphs of
-    # the shared runner, which would otherwise land inside the first measured policy's window.
-    b.log("warm-up run (discarded):")
-    run_policy(b, POLICIES[0], specs, s.rates[s.start_rate])
-    # replay48 runs after this section: leave it its time
-    reserve = replay_seconds(s) if "replay48" in b.pending and not s.smoke else 0
-    runs: dict[str, list[dict]] = {}
-    for i, policy in enumerate(POLICIES):
-        share = (b.remaining() - reserve - 5) / (len(POLICIES) - i)
-        runs[policy.value] = sweep(b, policy, specs, time.perf_counter() + share)
-    best = {}
-    for name, results in runs.items():
-        passed = [r for r in results if r["passed"]]
-        best[name] = max((r["req_per_s"] for r in passed), default=0.0)
-        top = max(passed, key=lambda r: r["req_per_s"], default=None)
-        tried = ", ".join(f"{r['rate']:g}" for r in results)
-        note = f"@{top['rate']:g} conv/s: {_describe(top)}" if top else f"none passed ({tried})"
-        rows.append(Row(f"policy {name}", best[name] or None, "req/s", ok=bool(top), note=note))
-    rate = {
-        name: max((r["rate"] for r in results if r["passed"]), default=0.0)
-        for name, results in runs.items()
-    }
-    for other in ("stateless", "lru", "gpu-only"):
-        ok = rate["pensieve"] > rate[other] > 0
-        rows.append(
-            Row(
-                f"pensieve / {other}, sustainable rate",
-                rate["pensieve"] or None,
-                "conv/s",
-                rate[other] or None,
-                other,
-                "",
-                ok,
-            )  # fmt: skip
-        )
-    for other, factor in (("stateless", 1.6), ("lru", 1.0), ("gpu-only", 1.0)):
-        ours, theirs = best["pensieve"], factor * best[other]
-        ok = bool(ours) and (ours >= theirs if factor > 1 else ours > theirs)
-        rows.append(
-            Row(
-                f"pensieve / {other}, req/s at bound",
-                best["pensieve"] or None,
-                "req/s",
-                best[other] or None,
-                other,
-                f">= {factor}x" if factor > 1 else "> 1x",
-                ok,
-            )
-        )
-    return {"status": "ok", "latency_bound_s_per_token": s.latency_bound, "runs": runs}
-
-
 # ---- B. replay48 --------------------------------------------------------------------------
 
 
@@ -795,7 +678,7 @@ SECTION_FNS: dict[str, Callable[[Bench, list[Row]], dict[str, Any]]] = {
     "kernels": section_kernels,
     "decode": section_decode,
     "swap": section_swap,
-    "policies": section_policies,
+    "policies": bench_policies.section,
     "replay48": section_replay48,
 }
 MIN_SECONDS = {"kernels": 60, "decode": 30, "swap": 30, "policies": 60, "replay48": 60}
@@ -840,32 +723,6 @@ def meta(b: Bench) -> dict[str, Any]:
     }
 
 
-def print_table(report: dict[str, Any]) -> None:
-    m = report["meta"]
-    print(
-        f"\n=== Pensieve benchmarks: {m['device']}, {m['model']} {m['dtype']}, "
-        f"torch {m['torch']}, transformers {m['transformers']} ==="
-    )
-    print(
-        f"{'section':<9} {'measurement':<40} {'value':>9} {'unit':<6} {'vs':>9} {'ratio':>6}  "
-        f"{'target':<13} ok"
-    )
-    for name, section in report["sections"].items():
-        if not section["rows"]:
-            print(f"{name:<9} {section['status']}")
-        for r in section["rows"]:
-            value = "-" if r["value"] is None else f"{r['value']:.4g}"
-            ref = "-" if r["ref"] is None else f"{r['ref']:.4g}"
-            ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
-            ok = {True: "ok", False: "MISS", None: ""}[r["ok"]]
-            print(
-                f"{name:<9} {r['name'][:40]:<40} {value:>9} {r['unit']:<6} {ref:>9} "
-                f"{ratio:>6}  {r['target']:<13} {ok}"
-            )
-            if r["note"] and (r["value"] is None or name == "replay48"):
-                print(f"{'':<12}{r['note'][:110]}")
-
-
 def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset")
@@ -873,11 +730,15 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument("--json", type=Path, help="results file (default $OUT/bench.json)")
     p.add_argument("--assets", type=Path, help="folder from ops/prepare_bench_assets.py")
     p.add_argument("--time-limit", dest="time_limit_s", type=float, help="seconds for the run")
-    p.add_argument("--rates", help="policies: comma-separated conversation arrival rates")
-    p.add_argument("--start-rate", type=int, help="policies: index of the first rate tried")
+    p.add_argument("--policies", help="policies: comma-separated subset, e.g. pensieve,lru")
+    p.add_argument(
+        "--start-rates", help="policies: first rate per policy, e.g. pensieve=14,stateless=8"
+    )
+    p.add_argument("--max-points", type=int, help="policies: runs per policy at most")
+    p.add_argument("--duration", dest="duration_s", type=float, help="policies: arrival seconds")
+    p.add_argument("--warmup", dest="warmup_s", type=float, help="policies: unmeasured seconds")
     p.add_argument("--latency-bound", type=float, help="policies: p90 s per output token")
     p.add_argument("--think", dest="think_s", type=float, help="policies: mean think time (s)")
-    p.add_argument("--window", dest="window_s", type=float, help="policies: arrival seconds")
     p.add_argument("--gpu-tokens", type=int, help="policies: GPU KV budget in tokens")
     p.add_argument("--cpu-tokens", type=int, help="policies: CPU KV budget in tokens")
     p.add_argument("--policy-max-output", type=int, help="policies: cap on reply tokens")
@@ -895,8 +756,15 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
         Path(os.environ["OUT"]) / "bench.json" if os.environ.get("OUT") else None
     )
     settings = SMOKE if args.pop("smoke") else Settings()
-    if args["rates"]:
-        args["rates"] = tuple(float(r) for r in args["rates"].split(","))
+    if args["policies"]:
+        args["policies"] = tuple(name.strip() for name in args["policies"].split(","))
+        unknown = set(args["policies"]) - {policy.value for policy in Policy}
+        if unknown:
+            p.error(f"unknown policies {sorted(unknown)}")
+    if args["start_rates"]:
+        given = dict(item.split("=", 1) for item in args["start_rates"].split(","))
+        rates = dict(settings.start_rates) | {k.strip(): float(v) for k, v in given.items()}
+        args["start_rates"] = tuple(rates.items())
     settings = dataclasses.replace(settings, **{k: v for k, v in args.items() if v is not None})
     return settings, sections, out
 

@@ -61,7 +61,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admission-reserve", type=float, default=0.10)
     p.add_argument("--swap-out-threshold", type=float, default=0.25)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--profile", default=None, help="cost table from `pensieve profile`")
     p.add_argument("--seed", type=int, default=0)
 

@@ -34,7 +34,7 @@ class EngineOptions:
     admission_reserve: float = 0.10  # admit new requests only while more of the GPU is free
     swap_out_threshold: float = 0.25  # swap out ahead of time below this free fraction
     max_batch_tokens: int = 2048
-    max_num_seqs: int = 128
+    max_num_seqs: int = 256
     profile: str | None = None  # a `pensieve profile` table; default: the analytic cost model
     seed: int = 0
 

@@ -19,12 +19,12 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("batch", [1, 5, 33])
+@pytest.mark.parametrize("batch", [1, 5, 33, 200])
 def test_graph_decode_matches_eager(batch):
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
     loaded = load_model("preset:tiny-llama", "cuda", torch.bfloat16, seed=seed)
-    cache = CacheConfig(block_size=16, num_gpu_blocks=2048)
+    cache = CacheConfig(block_size=16, num_gpu_blocks=max(2048, 60 * batch))
     eager = ModelRunner(
         loaded.model, cache, torch.device("cuda"), torch.bfloat16, cuda_graphs=False
     )
@@ -55,3 +55,24 @@ def test_graph_decode_matches_eager(batch):
     again = graphs.logits(plan)  # a second replay of the same inputs
     del junk
     assert torch.equal(again, got), f"seed {seed}"
+
+
+def test_capture_all_leaves_nothing_to_capture_later():
+    loaded = load_model("preset:tiny-llama", "cuda", torch.bfloat16, seed=0)
+    cache = CacheConfig(block_size=16, num_gpu_blocks=150 * 64)
+    runner = ModelRunner(loaded.model, cache, torch.device("cuda"), torch.bfloat16)
+    assert runner.graphs is not None
+    count = runner.graphs.capture_all(max_batch=150)
+    captured = set(runner.graphs.graphs)
+    assert len(captured) == count
+    assert {batch for batch, _ in captured} == {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160}
+    rng = random.Random(0)
+    for batch in (1, 7, 150):
+        length = rng.randint(2, loaded.config.max_context_len)
+        pieces = tuple(
+            SeqPiece(f"r{i}", (3,), length - 1, length, tuple(range(i * 64, i * 64 + 64)),
+                     SamplingParams(), 0)
+            for i in range(batch)
+        )  # fmt: skip
+        runner.logits(StepPlan(pieces))
+    assert set(runner.graphs.graphs) == captured

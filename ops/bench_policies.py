@@ -1,0 +1,250 @@
+"""The cache policies end to end: throughput of each policy at a p90 normalized-latency bound.
+
+Open loop on ShareGPT (DESIGN.md §6): conversations arrive as a Poisson process, each next turn is
+sent an exponential think time after the previous reply, replies are the recorded ones (EOS
+ignored). Every policy gets the same GPU and CPU budgets, the same model and the same arrivals.
+
+Each point of a sweep runs `duration_s` of arrivals; only turns sent after `warmup_s` count, so
+the measured turns come from a system that has filled up: a conversation lives for several turns,
+and a short run would see mostly first turns (no history) and flatter every cache.
+
+The sweep looks for the highest arrival rate whose p90 normalized latency stays within the bound:
+from a start rate it steps by `rate_factor` up (pass) or down (fail) until a pass sits under a
+fail, then tries their geometric mean once. Policies may run in separate processes (one per device
+call); `combine` merges their result files into one table:
+
+    python3 -m pensieve.ops.bench_gpu --sections policies --policies pensieve     (GPU, per call)
+    python3 -m pensieve.ops.bench_policies combine a.json b.json ...               (anywhere)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pensieve.actors.config import Policy
+from pensieve.ops.bench_table import Row, print_table
+from pensieve.ops.bench_workload import ConvSpec, History, OpenLoop, open_loop, summarize
+
+if TYPE_CHECKING:
+    from pensieve.ops.bench_gpu import Bench
+
+GB = 1e9
+POINT_OVERHEAD_S = 8.0  # a fresh engine, freeing the last one, the summary
+WARMUP_RUN_S = 20.0  # the discarded first run: kernel variants compile there, not in a window
+
+
+def run_point(
+    b: Bench, policy: Policy, specs: Sequence[ConvSpec], rate: float, options: OpenLoop
+) -> dict[str, Any]:
+    """One open-loop run of one policy at one arrival rate, summarized."""
+    engine = b.engine(policy, b.s.gpu_tokens, b.s.cpu_tokens)
+    result = open_loop(engine, specs, options, History.GENERATED)
+    summary = summarize(result.records, options.duration_s - options.warmup_s)
+    stats = engine.runner.swap.collect_stats()
+    summary.update(
+        policy=policy.value,
+        rate=rate,
+        steps=engine.totals.steps,
+        unfinished=summary["turns"] - summary["finished"],
+        drained=not result.timed_out,
+        swapped_in_gb=stats.bytes_in / GB,
+        swapped_out_gb=stats.bytes_out / GB,
+        passed=summary["norm_latency_p90"] <= b.s.latency_bound,
+    )
+    b.log(
+        f"{policy.value:>9} @ {rate:.2f} conv/s: {describe(summary)}; "
+        f"unfinished {summary['unfinished']}, {summary['steps']} steps"
+    )
+    del engine, result
+    b.free()
+    return summary
+
+
+def describe(r: dict[str, Any]) -> str:
+    src = r["sources"]
+    return (
+        f"{r['req_per_s']:.2f} req/s {r['tok_per_s']:.0f} tok/s, norm p50/p90 "
+        f"{r['norm_latency_p50']:.3f}/{r['norm_latency_p90']:.3f} s/tok, ttft p50/p90 "
+        f"{r['ttft_p50']:.2f}/{r['ttft_p90']:.2f}s, gpu/cpu/recomp/new {src['gpu']}/"
+        f"{src['cpu']}/{src['recomputed']}/{src['new']}"
+    )
+
+
+def next_rate(passed: Sequence[float], failed: Sequence[float], factor: float) -> float | None:
+    """The next rate to try given the rates that passed and failed so far; None when the
+    highest pass sits within sqrt(factor) of the lowest fail above it."""
+    low = max(passed, default=None)
+    high = min((r for r in failed if low is None or r > low), default=None)
+    if low is None:
+        return round(min(failed) / factor, 2)
+    if high is None:
+        return round(low * factor, 2)
+    if high / low <= math.sqrt(factor) * 1.001:
+        return None
+    return round(math.sqrt(low * high), 2)
+
+
+def sweep(
+    run: Callable[[float], dict[str, Any]],
+    start: float,
+    factor: float,
+    max_points: int,
+    has_time: Callable[[], bool],
+) -> list[dict[str, Any]]:
+    """Runs at the rates `next_rate` picks, from `start`, while points and time remain."""
+    results: list[dict[str, Any]] = []
+    rate: float | None = start
+    while rate is not None and len(results) < max_points and has_time():
+        results.append(run(rate))
+        passed = [r["rate"] for r in results if r["passed"]]
+        failed = [r["rate"] for r in results if not r["passed"]]
+        rate = next_rate(passed, failed, factor)
+    return sorted(results, key=lambda r: r["rate"])
+
+
+def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
+    """The `policies` section of bench_gpu: a sweep per policy in `b.s.policies`."""
+    s = b.s
+    specs = b.workload(s.policy_max_output, s.policy_max_turns)
+    specs = [spec for spec in specs if len(spec.turns) >= s.policy_min_turns]
+    b.log(f"policies: {len(specs)} conversations of >= {s.policy_min_turns} turns")
+    policies = [Policy(name) for name in s.policies]
+    starts = dict(s.start_rates)
+    b.warm_up()
+    begin = time.perf_counter()
+    engine = b.engine(policies[0], s.gpu_tokens, s.cpu_tokens)
+    if engine.runner.graphs is not None:
+        count = engine.runner.graphs.capture_all(s.max_num_seqs)
+        b.log(f"{count} decode graphs captured in {time.perf_counter() - begin:.1f}s")
+    del engine
+    # Kernel variants of mixed steps compile on first use: a short discarded run meets most.
+    warm = OpenLoop(starts[policies[0].value], s.think_s, min(WARMUP_RUN_S, s.duration_s),
+                    0.0, s.drain_s, s.seed + 1)  # fmt: skip
+    b.log("warm-up run (discarded):")
+    run_point(b, policies[0], specs, warm.conv_rate, warm)
+    point_s = s.duration_s + s.drain_s + POINT_OVERHEAD_S
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for i, policy in enumerate(policies):
+        share = (b.remaining() - b.reserved() - 5) / (len(policies) - i)
+        deadline = time.perf_counter() + share
+        options = OpenLoop(1.0, s.think_s, s.duration_s, s.warmup_s, s.drain_s, s.seed)
+
+        def run(rate: float, policy: Policy = policy, options: OpenLoop = options) -> dict:
+            return run_point(b, policy, specs, rate, _at(options, rate))
+
+        def has_time(deadline: float = deadline) -> bool:
+            return time.perf_counter() + point_s <= deadline
+
+        runs[policy.value] = sweep(run, starts[policy.value], s.rate_factor, s.max_points, has_time)
+    rows += compare(runs, s.latency_bound)
+    return {"status": "ok", "latency_bound_s_per_token": s.latency_bound, "runs": runs}
+
+
+def _at(options: OpenLoop, rate: float) -> OpenLoop:
+    return OpenLoop(
+        rate, options.think_s, options.duration_s, options.warmup_s, options.drain_s, options.seed
+    )
+
+
+def best_passing(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The passing run at the highest rate (None if none passed)."""
+    return max((r for r in results if r["passed"]), key=lambda r: r["rate"], default=None)
+
+
+def compare(runs: dict[str, list[dict[str, Any]]], bound: float) -> list[Row]:
+    """A row per policy (its best passing run) and pensieve against each other policy, by
+    throughput at the bound (req/s of that run) and by the highest passing arrival rate."""
+    rows: list[Row] = []
+    best = {name: best_passing(results) for name, results in runs.items()}
+    for name, results in runs.items():
+        top = best[name]
+        tried = ", ".join(f"{r['rate']:g}{'' if r['passed'] else 'x'}" for r in results)
+        note = f"tried {tried} (x: over the bound); "
+        note += f"@{top['rate']:g}: {describe(top)}" if top else "none passed"
+        value = top["req_per_s"] if top else None
+        rows.append(Row(f"policy {name}", value, "req/s", ok=top is not None, note=note))
+    ours = best.get("pensieve")
+    for other, factor in (("stateless", 1.6), ("lru", 1.0), ("gpu-only", 1.0)):
+        theirs = best.get(other)
+        if other not in runs or "pensieve" not in runs:
+            continue
+        for label, key, unit in (("req/s at bound", "req_per_s", "req/s"),
+                                 ("highest rate", "rate", "conv/s")):  # fmt: skip
+            value = ours[key] if ours else None
+            ref = theirs[key] if theirs else None
+            ok = (
+                value is not None
+                and ref is not None
+                and (value >= factor * ref if factor > 1 else value > ref)
+            )
+            target = f">= {factor}x" if factor > 1 else "> 1x"
+            rows.append(Row(f"pensieve / {other}, {label}", value, unit, ref, other, target, ok))
+    return rows
+
+
+# ---- combine: one table from the result files of several calls ----------------------------
+
+
+def combine(paths: Sequence[Path]) -> dict[str, Any]:
+    """Merge the `policies` runs of several bench.json files (a later file's policy replaces an
+    earlier one's) into one report. Refuses files from different devices or settings."""
+    reports = [_numbers(json.loads(Path(p).read_text())) for p in paths]
+    first = reports[0]
+    fixed = {k: v for k, v in first["settings"].items() if k not in _PER_CALL}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for path, report in zip(paths, reports, strict=True):
+        if report["meta"]["device"] != first["meta"]["device"]:
+            raise ValueError(f"{path}: measured on {report['meta']['device']}, not on "
+                             f"{first['meta']['device']}")  # fmt: skip
+        settings = {k: v for k, v in report["settings"].items() if k not in _PER_CALL}
+        if settings != fixed:
+            diff = sorted(
+                k for k in settings.keys() | fixed.keys() if settings.get(k) != fixed.get(k)
+            )
+            raise ValueError(f"{path}: settings differ from {paths[0]} in {', '.join(diff)}")
+        runs.update(report["sections"]["policies"].get("runs", {}))
+    bound = first["settings"]["latency_bound"]
+    rows = compare(runs, bound)
+    section = {"status": "ok", "latency_bound_s_per_token": bound, "runs": runs, "seconds": 0.0}
+    section["rows"] = [row.to_json() for row in rows]
+    return {"meta": first["meta"], "settings": first["settings"], "sections": {"policies": section}}
+
+
+def _numbers(value: Any) -> Any:
+    """bench.json writes infinite latencies as the string "inf": read them back as floats."""
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    return math.inf if value == "inf" else value
+
+
+_PER_CALL = {"policies", "start_rates", "time_limit_s"}  # may differ between the merged calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="merge policy sweeps from several bench_gpu calls")
+    p.add_argument("command", choices=["combine"])
+    p.add_argument("files", nargs="+", type=Path, help="bench.json files of bench_gpu")
+    p.add_argument("--json", type=Path, help="write the merged report here")
+    args = p.parse_args(argv)
+    try:
+        report = combine(args.files)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print_table(report)
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

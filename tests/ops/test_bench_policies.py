@@ -1,0 +1,98 @@
+"""The policy sweep's rate search and the merging of result files from separate calls."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pensieve.ops.bench_policies import combine, main, next_rate, sweep
+
+
+def test_next_rate_steps_until_a_pass_sits_under_a_fail() -> None:
+    assert next_rate([10.0], [], 1.2) == 12.0
+    assert next_rate([], [10.0], 1.2) == pytest.approx(8.33)
+    assert next_rate([10.0], [12.0], 1.2) == pytest.approx(10.95)
+    assert next_rate([10.0, 10.95], [12.0], 1.2) is None
+    assert next_rate([10.0], [10.95, 12.0], 1.2) is None
+    assert next_rate([8.0, 10.0], [14.0], 1.2) == pytest.approx(11.83)  # from the highest pass
+
+
+@pytest.mark.parametrize(
+    ("capacity", "want"), [(11.3, [10.0, 10.95, 12.0]), (7.0, [6.94, 8.33, 10.0])]
+)
+def test_sweep_brackets_the_capacity(capacity: float, want: list[float]) -> None:
+    def run(rate: float) -> dict[str, Any]:
+        return {"rate": rate, "passed": rate <= capacity}
+
+    results = sweep(run, 10.0, 1.2, max_points=3, has_time=lambda: True)
+    assert [r["rate"] for r in results] == pytest.approx(want)
+    passed = [r["rate"] for r in results if r["passed"]]
+    failed = [r["rate"] for r in results if not r["passed"]]
+    assert max(passed) <= capacity < min(failed)
+
+
+def test_sweep_stops_when_time_runs_out() -> None:
+    calls = []
+
+    def run(rate: float) -> dict[str, Any]:
+        calls.append(rate)
+        return {"rate": rate, "passed": True}
+
+    sweep(run, 5.0, 1.2, max_points=5, has_time=lambda: len(calls) < 2)
+    assert calls == [5.0, 6.0]
+
+
+def _run(policy: str, rate: float, req_per_s: float, p90: float) -> dict[str, Any]:
+    return {
+        "policy": policy, "rate": rate, "req_per_s": req_per_s, "tok_per_s": 100 * req_per_s,
+        "norm_latency_p50": p90 / 2, "norm_latency_p90": p90, "ttft_p50": 0.1, "ttft_p90": 0.2,
+        "sources": {"gpu": 1, "cpu": 2, "recomputed": 3, "new": 4}, "passed": p90 <= 0.1,
+    }  # fmt: skip
+
+
+def _report(path: Path, device: str, runs: dict[str, list[dict]], **settings: Any) -> Path:
+    report = {
+        "meta": {
+            "device": device,
+            "model": "m",
+            "dtype": "bf16",
+            "torch": "t",
+            "transformers": "x",
+        },
+        "settings": {"latency_bound": 0.1, "think_s": 3.0, "policies": list(runs), **settings},
+        "sections": {"policies": {"status": "ok", "runs": runs, "rows": []}},
+    }
+    path.write_text(json.dumps(report).replace("Infinity", '"inf"'))
+    return path
+
+
+def test_combine_merges_calls_into_one_comparison(tmp_path: Path, capsys) -> None:
+    ours = [_run("pensieve", 14, 45.0, 0.08), _run("pensieve", 16.8, 30.0, math.inf)]
+    theirs = [_run("stateless", 8.5, 25.0, 0.09), _run("stateless", 10.2, 20.0, 0.3)]
+    a = _report(tmp_path / "a.json", "H200", {"pensieve": ours})
+    b = _report(tmp_path / "b.json", "H200", {"stateless": theirs})
+    report = combine([a, b])
+    rows = {r["name"]: r for r in report["sections"]["policies"]["rows"]}
+    ratio = rows["pensieve / stateless, req/s at bound"]
+    assert ratio["value"] == 45.0 and ratio["ref"] == 25.0 and ratio["ok"] is True
+    assert rows["pensieve / stateless, highest rate"]["ratio"] == pytest.approx(14 / 8.5)
+    assert rows["pensieve / stateless, highest rate"]["ok"] is True  # 1.65 >= 1.6
+    assert "pensieve / lru, req/s at bound" not in rows  # lru was not run
+    assert main(["combine", str(a), str(b)]) == 0
+    assert "pensieve / stateless, req/s at bound" in capsys.readouterr().out
+
+
+def test_combine_refuses_other_devices_or_settings(tmp_path: Path, capsys) -> None:
+    a = _report(tmp_path / "a.json", "H200", {"pensieve": [_run("pensieve", 14, 45.0, 0.08)]})
+    b = _report(tmp_path / "b.json", "H100", {"stateless": [_run("stateless", 8, 25.0, 0.09)]})
+    c = _report(tmp_path / "c.json", "H200", {"lru": [_run("lru", 8, 25.0, 0.09)]}, think_s=1.0)
+    with pytest.raises(ValueError, match="H100"):
+        combine([a, b])
+    with pytest.raises(ValueError, match="think_s"):
+        combine([a, c])
+    assert main(["combine", str(a), str(tmp_path / "missing.json")]) == 2
+    assert "error:" in capsys.readouterr().err
