@@ -17,6 +17,7 @@ import torch
 
 from pensieve.actors.step import StepPlan
 from pensieve.kernels import AttentionImpl, AttentionMetadata
+from pensieve.kernels.metadata import pad_tables
 from pensieve.models.attention import PagedAttention
 from pensieve.models.loader import CausalLM
 
@@ -79,13 +80,12 @@ class DecodeGraphs:
         width = graph.block_tables.shape[1]
         pad = batch - len(pieces)
         scratch, size = self.scratch_block, self.block_size
-        tables = [list(p.block_table[:width]) for p in pieces]
-        tables = [t + [scratch] * (width - len(t)) for t in tables] + [[scratch] * width] * pad
+        tables = pad_tables([p.block_table for p in pieces] + [()] * pad, width, scratch)
         slots = [p.block_table[p.start // size] * size + p.start % size for p in pieces]
         graph.ids.copy_(torch.tensor([p.token_ids[0] for p in pieces] + [0] * pad))
         graph.positions.copy_(torch.tensor([p.start for p in pieces] + [0] * pad))
         graph.seq_lens.copy_(torch.tensor([p.end for p in pieces] + [1] * pad, dtype=torch.int32))
-        graph.block_tables.copy_(torch.tensor(tables, dtype=torch.int32))
+        graph.block_tables.copy_(torch.from_numpy(tables))
         graph.slots.copy_(torch.tensor(slots + [self.scratch_block * self.block_size] * pad))
         graph.graph.replay()
         return graph.logits[: len(pieces)]

@@ -56,7 +56,7 @@ class ConversationKV:
 
     def block_table(self) -> list[int]:
         table = [chunk.gpu_block for chunk in self.chunks]
-        if any(block is None for block in table):
+        if None in table:
             raise AssertionError(f"{self.conv_id}: block table asked for with chunks off the GPU")
         return table  # type: ignore[return-value]
 

@@ -83,6 +83,15 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
+        """`tuple(all_ids[start:end])` without joining the whole prompt and output."""
+        split = len(self.prompt_ids)
+        if end <= split:
+            return tuple(self.prompt_ids[start:end])
+        if start >= split:
+            return tuple(self.output_ids[start - split : end - split])
+        return (*self.prompt_ids[start:], *self.output_ids[: end - split])
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

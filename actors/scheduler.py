@@ -115,14 +115,13 @@ class Scheduler:
             return []
         conv = self.kv.conversations[request.conv_id]
         table = tuple(conv.block_table())
-        ids = request.all_ids
         pieces = []
         for start, end in taken:
             samples = end == request.num_tokens and not request.pending
             pieces.append(
                 SeqPiece(
                     request.request_id,
-                    tuple(ids[start:end]),
+                    request.token_slice(start, end),
                     start,
                     end,
                     table,

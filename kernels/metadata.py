@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -67,14 +68,13 @@ def build_metadata(
         for pos in range(slen - qlen, slen):
             slots.append(table[pos // block_size] * block_size + pos % block_size)
     max_blocks = max(len(t) for t in block_tables)
-    padded = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
     cu = [0]
     for qlen in query_lens:
         cu.append(cu[-1] + qlen)
     return AttentionMetadata(
         cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(pad_tables(block_tables, max_blocks, 0)).to(device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
@@ -82,3 +82,12 @@ def build_metadata(
         query_lens_host=tuple(int(q) for q in query_lens),
         seq_lens_host=tuple(int(s) for s in seq_lens),
     )
+
+
+def pad_tables(tables: Sequence[Sequence[int]], width: int, fill: int) -> np.ndarray:
+    """Block tables as one int32 array [len(tables), width]: each row cut or padded with `fill`."""
+    out = np.full((len(tables), width), fill, dtype=np.int32)
+    for row, table in enumerate(tables):
+        n = min(len(table), width)
+        out[row, :n] = table[:n]
+    return out
