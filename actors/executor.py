@@ -71,18 +71,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:
-        """Logits [pieces that sample, vocab] of the plan's forward (swaps already issued)."""
+        """Logits [pieces that sample, vocab] of the plan's forward (swaps already issued), rows
+        in plan order."""
         if self.graphs is not None and self.graphs.fits(plan):
             return self.graphs.logits(plan)
+        # single-token pieces (decodes) first: attention then runs them on decode tiles
+        order = sorted(
+            range(len(plan.pieces)), key=lambda i: plan.pieces[i].end - plan.pieces[i].start > 1
+        )
+        pieces = [plan.pieces[i] for i in order]
         token_ids: list[int] = []
         positions: list[int] = []
-        for piece in plan.pieces:
+        last_row: dict[int, int] = {}  # plan index of a sampling piece -> its last token's row
+        for i, piece in zip(order, pieces, strict=True):
             token_ids += piece.token_ids
             positions += range(piece.start, piece.end)
+            if piece.sampling is not None:
+                last_row[i] = len(token_ids) - 1
         meta = build_metadata(
-            [p.end - p.start for p in plan.pieces],
-            [p.end for p in plan.pieces],
-            [p.block_table for p in plan.pieces],
+            [p.end - p.start for p in pieces],
+            [p.end for p in pieces],
+            [p.block_table for p in pieces],
             self.cache.block_size,
             self.device,
         )
@@ -96,9 +105,5 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         hidden = self.model(ids, pos, attn)  # [T, hidden]
-        rows, end = [], 0
-        for piece in plan.pieces:
-            end += piece.end - piece.start
-            if piece.sampling is not None:
-                rows.append(end - 1)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        rows = torch.tensor([last_row[i] for i in sorted(last_row)]).to(self.device)
+        return self.model.compute_logits(hidden[rows])

@@ -37,6 +37,8 @@ class AttentionMetadata:
     # host copies, so reference code and launch heuristics never read the device
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
+    # leading sub-sequences with one query token each (decodes; the executor puts them first)
+    num_single: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -45,6 +47,31 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(sum(self.query_lens_host))
+
+    def split_singles(self) -> tuple[AttentionMetadata, AttentionMetadata] | None:
+        """The leading single-token sub-sequences and the rest as two metadata, each indexing
+        its own tokens from 0 (the rest's tokens start at `num_single`); None if one is empty.
+
+        A mixed step launches attention once per part, so decodes keep decode-sized tiles
+        instead of sharing the multi-token tiles the longest query needs."""
+        n = self.num_single
+        if not 0 < n < self.num_seqs:
+            return None
+        cached = self.__dict__.get("_split")
+        if cached is None:
+            singles = AttentionMetadata(
+                self.cu_query_lens[: n + 1], self.seq_lens[:n], self.block_tables[:n],
+                self.slot_mapping[:n], 1, max(self.seq_lens_host[:n]), self.block_size,
+                self.query_lens_host[:n], self.seq_lens_host[:n], n,
+            )  # fmt: skip
+            rest = AttentionMetadata(
+                self.cu_query_lens[n:] - n, self.seq_lens[n:], self.block_tables[n:],
+                self.slot_mapping[n:], max(self.query_lens_host[n:]),
+                max(self.seq_lens_host[n:]), self.block_size, self.query_lens_host[n:],
+                self.seq_lens_host[n:], 0,
+            )  # fmt: skip
+            cached = self.__dict__["_split"] = (singles, rest)  # frozen: cache by hand
+        return cached  # type: ignore[no-any-return]
 
 
 def build_metadata(
@@ -81,6 +108,7 @@ def build_metadata(
         block_size=block_size,
         query_lens_host=tuple(int(q) for q in query_lens),
         seq_lens_host=tuple(int(s) for s in seq_lens),
+        num_single=next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens)),
     )
 
 

@@ -37,6 +37,7 @@ from pensieve.kernels.metadata import AttentionMetadata
 _LOG2E = 1.4426950408889634
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SMEM_LIMIT = 228 * 1024  # shared memory per SM on Hopper
+_DECODE_ROWS = 64  # query rows (tokens x group) up to which a launch takes decode tiles
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ def choose_config(
     """
     rows = max_query_len * group
     min_m = max(16, triton.next_power_of_2(group))
-    if rows <= 64:  # decode and short multi-token steps: memory-bound
+    if rows <= _DECODE_ROWS:  # decode and short multi-token steps: memory-bound
         block_m = max(min_m, triton.next_power_of_2(rows))
         config = KernelConfig(block_m, 64, num_warps=4, num_stages=2)
     elif head_dim >= 256:
@@ -374,6 +375,14 @@ def paged_attention_triton(
     if out is None:
         out = torch.empty_like(query)
     if num_tokens == 0:
+        return out
+    parts = meta.split_singles() if config is None else None
+    if parts is not None and meta.max_query_len * group > _DECODE_ROWS:
+        singles, rest = parts  # decodes first, on decode tiles; then the multi-token rest
+        paged_attention_triton(query[: singles.num_seqs], kv_cache, singles, scale,
+                               out=out[: singles.num_seqs])  # fmt: skip
+        paged_attention_triton(query[singles.num_seqs :], kv_cache, rest, scale,
+                               out=out[singles.num_seqs :])  # fmt: skip
         return out
     if config is None:
         config = launch_config(query, kv_cache, meta)

@@ -192,6 +192,23 @@ def test_decode_batch_takes_split_path(rng):
     check(case)
 
 
+def test_mixed_step_runs_decodes_on_their_own_tiles(rng):
+    # leading decodes, then a prompt long enough for multi-token tiles and a shared-table pair
+    decodes = [SubSeq(i, 1, rng.randint(1, 300)) for i in range(rng.randint(1, 4))]
+    n = len(decodes)
+    subseqs = [*decodes, SubSeq(n, rng.randint(20, 40), rng.randint(40, 200))]
+    subseqs += prefix_recompute(rng, n + 1, 120)
+    case = make_case(
+        rng, subseqs, block_size=16, num_kv_heads=2, group=4, head_dim=16, dtype=torch.float32
+    )
+    parts = case.meta.split_singles()
+    assert parts is not None and parts[0].num_seqs == len(decodes)
+    assert parts[1].cu_query_lens.tolist() == [
+        c - len(decodes) for c in case.meta.cu_query_lens.tolist()[len(decodes) :]
+    ]
+    check(case)  # the two launches together cover every row (NaN-poisoned output)
+
+
 def test_dispatch_runs_triton(rng):
     case = make_case(
         rng, [SubSeq(0, 3, 20)], block_size=16, num_kv_heads=1, group=2, head_dim=16,

@@ -1,0 +1,38 @@
+"""The model runner's eager step: pieces may come in any order; logits follow the plan's order."""
+
+from __future__ import annotations
+
+import torch
+
+from pensieve.actors.config import CacheConfig
+from pensieve.actors.executor import ModelRunner
+from pensieve.actors.request import SamplingParams
+from pensieve.actors.step import SeqPiece, StepPlan
+from pensieve.models.loader import load_model
+
+
+def test_logits_follow_plan_order_whatever_the_mix_of_decodes_and_prompts() -> None:
+    loaded = load_model("preset:tiny-llama", "cpu", torch.float32, seed=3)
+    cache = CacheConfig(block_size=16, num_gpu_blocks=64)
+    runner = ModelRunner(loaded.model, cache, torch.device("cpu"), torch.float32)
+    for layer in runner.gpu_caches:
+        layer.normal_(generator=torch.Generator().manual_seed(1))
+    sampled = SamplingParams()
+    pieces = [
+        SeqPiece("a", tuple(range(3, 23)), 10, 30, (0, 1), sampled),  # a prompt, samples
+        SeqPiece("b", (7,), 40, 41, (2, 3, 4), sampled),  # a decode
+        SeqPiece("c", tuple(range(5, 15)), 0, 10, (5,), None),  # a recomputed prefix
+        SeqPiece("c", tuple(range(9, 21)), 20, 32, (5, 6), sampled),  # its new prompt
+        SeqPiece("d", (11,), 16, 17, (7, 8), sampled),  # a decode
+    ]
+    mixed = runner.logits(StepPlan(tuple(pieces)))
+    singles = [
+        runner.logits(StepPlan((p,)))
+        for p in pieces
+        if p.sampling is not None and p.request_id != "c"
+    ]
+    assert mixed.shape == (4, loaded.config.vocab_size)
+    # each sampling piece's row equals what that piece gives alone (c's pair runs together)
+    pair = runner.logits(StepPlan((pieces[2], pieces[3])))
+    want = torch.cat([singles[0], singles[1], pair, singles[2]])
+    torch.testing.assert_close(mixed, want, rtol=1e-4, atol=1e-4)
