@@ -53,4 +53,4 @@ def print_table(report: dict[str, Any]) -> None:
                 f"{ratio:>6}  {r['target']:<13} {ok}"
             )
             if r["note"] and (r["value"] is None or name in NOTED_SECTIONS):
-                print(f"{'':<12}{r['note'][:150]}")
+                print(f"{'':<12}{r['note'][:240]}")
