@@ -226,6 +226,15 @@ def _numbers(value: Any) -> Any:
     return math.inf if value == "inf" else value
 
 
+def _strings(value: Any) -> Any:
+    """The inverse of `_numbers`, so the merged file is strict JSON like bench.json."""
+    if isinstance(value, dict):
+        return {k: _strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strings(v) for v in value]
+    return "inf" if isinstance(value, float) and math.isinf(value) else value
+
+
 _PER_CALL = {"policies", "start_rates", "time_limit_s"}  # may differ between the merged calls
 
 
@@ -242,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print_table(report)
     if args.json is not None:
-        args.json.write_text(json.dumps(report, indent=1))
+        args.json.write_text(json.dumps(_strings(report), indent=1))
     return 0
 
 

@@ -82,8 +82,11 @@ def test_combine_merges_calls_into_one_comparison(tmp_path: Path, capsys) -> Non
     assert rows["pensieve / stateless, highest rate"]["ratio"] == pytest.approx(14 / 8.5)
     assert rows["pensieve / stateless, highest rate"]["ok"] is True  # 1.65 >= 1.6
     assert "pensieve / lru, req/s at bound" not in rows  # lru was not run
-    assert main(["combine", str(a), str(b)]) == 0
+    merged = tmp_path / "merged.json"
+    assert main(["combine", str(a), str(b), "--json", str(merged)]) == 0
     assert "pensieve / stateless, req/s at bound" in capsys.readouterr().out
+    text = merged.read_text()
+    assert "Infinity" not in text and json.loads(text)["sections"]["policies"]["runs"]["pensieve"]
 
 
 def test_combine_refuses_other_devices_or_settings(tmp_path: Path, capsys) -> None:
