@@ -64,7 +64,7 @@ from pensieve.actors.swap import SwapStats
 from pensieve.models.assets import smollm2_gguf_path
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops import bench_policies
-from pensieve.ops.bench_table import Row, print_table
+from pensieve.ops.bench_table import Row, jsonable, print_table
 from pensieve.ops.bench_workload import (
     ConvSpec,
     build_workload,
@@ -776,30 +776,18 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA GPU: run with --smoke for the CPU version", file=sys.stderr)
         return 2
     b = Bench(settings)
-    report = {"meta": meta(b), "settings": _jsonable(asdict(settings)), "sections": {}}
+    report = {"meta": meta(b), "settings": jsonable(asdict(settings)), "sections": {}}
     chosen = [name for name in SECTIONS if name in sections]
     for i, name in enumerate(chosen):
         b.pending = chosen[i + 1 :]
         report["sections"][name] = run_section(b, name)
         if out is not None:  # after every section, so a run cut short keeps what it measured
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(_jsonable(report), indent=1))
+            out.write_text(json.dumps(jsonable(report), indent=1))
     print_table(report)
     if out is not None:
         print(f"results: {out}")
     return 1 if any(s["status"] == "error" for s in report["sections"].values()) else 0
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else str(value)
-    if isinstance(value, Path):
-        return str(value)
-    return value
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pensieve.actors.config import Policy
-from pensieve.ops.bench_table import Row, print_table
+from pensieve.ops.bench_table import Row, jsonable, print_table
 from pensieve.ops.bench_workload import ConvSpec, History, OpenLoop, open_loop, summarize
 
 if TYPE_CHECKING:
@@ -218,21 +218,12 @@ def combine(paths: Sequence[Path]) -> dict[str, Any]:
 
 
 def _numbers(value: Any) -> Any:
-    """bench.json writes infinite latencies as the string "inf": read them back as floats."""
+    """`jsonable` writes infinite latencies as the string "inf": read them back as floats."""
     if isinstance(value, dict):
         return {k: _numbers(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_numbers(v) for v in value]
     return math.inf if value == "inf" else value
-
-
-def _strings(value: Any) -> Any:
-    """The inverse of `_numbers`, so the merged file is strict JSON like bench.json."""
-    if isinstance(value, dict):
-        return {k: _strings(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_strings(v) for v in value]
-    return "inf" if isinstance(value, float) and math.isinf(value) else value
 
 
 _PER_CALL = {"policies", "start_rates", "time_limit_s"}  # may differ between the merged calls
@@ -251,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print_table(report)
     if args.json is not None:
-        args.json.write_text(json.dumps(_strings(report), indent=1))
+        args.json.write_text(json.dumps(jsonable(report), indent=1))
     return 0
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -54,3 +56,16 @@ def print_table(report: dict[str, Any]) -> None:
             )
             if r["note"] and (r["value"] is None or name in NOTED_SECTIONS):
                 print(f"{'':<12}{r['note'][:240]}")
+
+
+def jsonable(value: Any) -> Any:
+    """Strict JSON for a report: inf as the string "inf", NaN as null, paths as strings."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else str(value)
+    if isinstance(value, Path):
+        return str(value)
+    return value
