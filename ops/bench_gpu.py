@@ -115,9 +115,9 @@ class Settings:
     policy_max_output: int = 256
     policy_max_turns: int = 16
     policy_min_turns: int = 2  # multi-turn conversations only: single turns have no history
-    # the first rate tried per policy (conversations/s); the sweep steps from it
+    # the first rate tried per policy (conversations/s; the H200 run's); the sweep steps from it
     start_rates: tuple[tuple[str, float], ...] = (
-        ("pensieve", 14.0), ("lru", 14.0), ("gpu-only", 10.0), ("stateless", 8.5),
+        ("pensieve", 11.0), ("lru", 11.0), ("gpu-only", 9.0), ("stateless", 8.5),
     )  # fmt: skip
     rate_factor: float = 1.2
     max_points: int = 3  # runs per policy at most
