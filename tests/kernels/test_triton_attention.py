@@ -271,6 +271,20 @@ def test_gpu_mixed_batch(rng, dtype, block_size, group, head_dim):
     check(case)
 
 
+@pytest.mark.parametrize("num_decodes", [1, 40, 200])
+@gpu
+def test_gpu_mixed_step_as_the_executor_orders_it(rng, num_decodes):
+    # decodes first (their own launch on decode tiles, split-KV when long), then prompts
+    subseqs = [SubSeq(i, 1, rng.randint(1, 4000)) for i in range(num_decodes)]
+    subseqs += [SubSeq(num_decodes, rng.randint(65, 600), rng.randint(700, 3000))]
+    subseqs += prefix_recompute(rng, num_decodes + 1, 2300)
+    case = make_case(
+        rng, subseqs, block_size=32, num_kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16
+    )
+    assert case.meta.split_singles() is not None
+    check(case)
+
+
 @pytest.mark.parametrize(
     ("head_dim", "dtype"),
     [(16, torch.bfloat16), (32, torch.float16), (256, torch.bfloat16), (256, torch.float32)],
