@@ -20,6 +20,7 @@ call); `combine` merges their result files into one table:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -137,7 +138,7 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
         options = OpenLoop(1.0, s.think_s, s.duration_s, s.warmup_s, s.drain_s, s.seed)
 
         def run(rate: float, policy: Policy = policy, options: OpenLoop = options) -> dict:
-            return run_point(b, policy, specs, rate, _at(options, rate))
+            return run_point(b, policy, specs, rate, dataclasses.replace(options, conv_rate=rate))
 
         def has_time(deadline: float = deadline) -> bool:
             return time.perf_counter() + point_s <= deadline
@@ -145,12 +146,6 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
         runs[policy.value] = sweep(run, starts[policy.value], s.rate_factor, s.max_points, has_time)
     rows += compare(runs, s.latency_bound)
     return {"status": "ok", "latency_bound_s_per_token": s.latency_bound, "runs": runs}
-
-
-def _at(options: OpenLoop, rate: float) -> OpenLoop:
-    return OpenLoop(
-        rate, options.think_s, options.duration_s, options.warmup_s, options.drain_s, options.seed
-    )
 
 
 def best_passing(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
