@@ -4,7 +4,11 @@ The manager decides which chunk lives where; the executor moves the bytes it is 
 (`SwapOrders`). Invariants, checked by `check_invariants` and the property tests:
   - every GPU block and CPU slot is either free or owned by exactly one chunk;
   - a pinned (running) conversation has every chunk on the GPU, and none of them is evicted;
-  - a reclaimable GPU block belongs to an unpinned chunk that also has a CPU copy.
+  - a reclaimable GPU block belongs to an unpinned chunk that also has a CPU copy;
+  - a chunk may hold a live GPU block and a CPU copy at once ("backed"): a full chunk's KV never
+    changes, so the copy made when it was last swapped out stays valid after it comes back. Its
+    next eviction from the GPU then copies nothing, and the CPU tier gives up a backed copy
+    (which loses nothing) before it drops any chunk that lives only on the CPU.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ class KVCacheManager:
         self._reclaimable: OrderedDict[int, Chunk] = OrderedDict()  # reusable now
         self._reclaim_next: dict[int, Chunk] = {}  # reusable from the next step on
         self._cpu_free_next: list[int] = []  # slots read by this step's swap-ins
+        # CPU slots of backed chunks, oldest first; a slot read by this step's swap-in is held
+        # apart until the step's copies are issued (an evict-first copy must not overwrite it)
+        self._backed: OrderedDict[int, Chunk] = OrderedDict()
+        self._backed_next: dict[int, Chunk] = {}
         self._cpu_victims: Iterator[tuple[float, ConversationKV, Chunk]] | None = None
         self._cpu_victim_next: tuple[float, ConversationKV, Chunk] | None = None
         self._orders = SwapOrders()
@@ -78,6 +86,8 @@ class KVCacheManager:
         for slot in self._cpu_free_next:
             self.cpu.free(slot)
         self._cpu_free_next.clear()
+        self._backed.update(self._backed_next)
+        self._backed_next.clear()
         return orders
 
     # ---- admission and growth ------------------------------------------------------------
@@ -112,8 +122,8 @@ class KVCacheManager:
         conv.pinned = True
         conv.maybe_on_gpu = True
         for chunk in conv.chunks[: self.num_chunks(num_positions)]:
-            if chunk.gpu_block is not None:
-                self._unreclaim(chunk)
+            if chunk.gpu_block is not None and not self._unreclaim(chunk):
+                self._free_cpu_copy(chunk)  # its swap-out was withdrawn: the copy never happened
         self._ensure_free_gpu(self.blocks_to_admit(conv, num_positions), now)
         gpu_tokens = cpu_tokens = 0
         recompute: list[tuple[int, int]] = []
@@ -122,14 +132,21 @@ class KVCacheManager:
                 conv.chunks.append(Chunk())
             chunk = conv.chunks[i]
             start, end = self._known_range(conv, i)
+            full = end - start == self.config.block_size  # else this turn writes into it
             if chunk.gpu_block is not None:
                 gpu_tokens += end - start
-                self._free_cpu_copy(chunk)
+                if chunk.cpu_slot is not None and not full:
+                    self._free_cpu_copy(chunk)  # stale once the turn writes its tail
+                elif chunk.cpu_slot is not None and not self._is_backed(chunk):
+                    self._backed[chunk.cpu_slot] = chunk  # its swap-out was issued earlier
             elif chunk.cpu_slot is not None:
                 chunk.gpu_block = self._take_gpu_block()
                 self._orders.swap_in.append(CopyOp(chunk.gpu_block, chunk.cpu_slot))
-                self._cpu_free_next.append(chunk.cpu_slot)  # read by this step's swap-in
-                chunk.cpu_slot = None
+                if full:
+                    self._backed_next[chunk.cpu_slot] = chunk  # read by this step's swap-in
+                else:
+                    self._cpu_free_next.append(chunk.cpu_slot)  # read by this step's swap-in
+                    chunk.cpu_slot = None
                 cpu_tokens += end - start
             else:
                 chunk.gpu_block = self._take_gpu_block()
@@ -177,7 +194,7 @@ class KVCacheManager:
         conv.last_active = now
         for chunk in conv.chunks:
             if chunk.gpu_block is not None:
-                slot = self._take_cpu_slot(None, now) if self.cpu.capacity else None
+                slot = self._slot_for_eviction(chunk, None, now)
                 self._evict_now(conv, chunk, slot)
 
     def forget(self, conv_id: str) -> None:
@@ -203,6 +220,12 @@ class KVCacheManager:
         for value, conv, chunk in self._gpu_candidates(now):
             if self.num_free_gpu >= target:
                 break
+            if chunk.cpu_slot is not None:  # backed: its CPU copy is valid, nothing to copy
+                if chunk.cpu_slot in self._backed:
+                    del self._backed[chunk.cpu_slot]
+                    self._reclaimable[chunk.gpu_block] = chunk  # type: ignore[index]
+                    moved += 1
+                continue
             slot = self._take_cpu_slot(value, now)
             if slot is None:
                 self._blocked = (now, self.num_free_gpu)
@@ -244,9 +267,14 @@ class KVCacheManager:
         """
         on_gpu = tier is Tier.GPU
 
+        def movable(chunk: Chunk) -> bool:
+            if on_gpu:  # a live GPU copy (not already swapped out and waiting for reuse)
+                return chunk.gpu_block is not None and not self._reclaiming(chunk)
+            return chunk.cpu_slot is not None and chunk.gpu_block is None
+
         def eligible(conv: ConversationKV) -> Iterator[int]:
             for i, chunk in enumerate(conv.chunks):
-                if (chunk.gpu_block is not None) == on_gpu and (chunk.cpu_slot is None) == on_gpu:
+                if movable(chunk):
                     yield i
 
         heap: list[tuple[float, int, int, ConversationKV, Iterator[int]]] = []
@@ -268,11 +296,7 @@ class KVCacheManager:
             if conv.pinned:
                 continue
             chunk = conv.chunks[index] if index < len(conv.chunks) else None
-            if (
-                chunk is not None
-                and (chunk.gpu_block is not None) == on_gpu
-                and (chunk.cpu_slot is None) == on_gpu
-            ):
+            if chunk is not None and movable(chunk):
                 yield value, conv, chunk
             following = next(indices, None)
             if following is not None:
@@ -280,14 +304,27 @@ class KVCacheManager:
                 heapq.heappush(heap, entry)
 
     def _num_evictable_gpu(self, exclude: ConversationKV) -> int:
-        """Unpinned GPU-only chunks: every owned block that is not pinned or waiting for reuse."""
+        """Unpinned live GPU chunks: every owned block that is not pinned or waiting for reuse."""
         owned = self.gpu.capacity - self.num_free_gpu
         for conv in self.conversations.values():
             if conv.pinned or conv is exclude:
                 owned -= sum(
-                    1 for c in conv.chunks if c.gpu_block is not None and c.cpu_slot is None
+                    1 for c in conv.chunks if c.gpu_block is not None and not self._reclaiming(c)
                 )
         return owned
+
+    def _reclaiming(self, chunk: Chunk) -> bool:
+        """Swapped out, its GPU block kept until reused."""
+        return chunk.gpu_block in self._reclaimable or chunk.gpu_block in self._reclaim_next
+
+    def _is_backed(self, chunk: Chunk) -> bool:
+        return chunk.cpu_slot in self._backed or chunk.cpu_slot in self._backed_next
+
+    def _slot_for_eviction(self, chunk: Chunk, value: float | None, now: float) -> int | None:
+        """Where an evicted chunk's KV goes: its valid CPU copy, a new slot, or nowhere."""
+        if chunk.cpu_slot is not None:
+            return chunk.cpu_slot
+        return self._take_cpu_slot(value, now) if self.cpu.capacity else None
 
     def _ensure_free_gpu(self, needed: int, now: float) -> None:
         """Evict on demand (lowest value first) until `needed` blocks can be taken."""
@@ -296,8 +333,7 @@ class KVCacheManager:
         for value, conv, chunk in self._gpu_candidates(now):
             if self.gpu.num_free + len(self._reclaimable) >= needed:
                 return
-            slot = self._take_cpu_slot(value, now) if self.cpu.capacity else None
-            self._evict_now(conv, chunk, slot)
+            self._evict_now(conv, chunk, self._slot_for_eviction(chunk, value, now))
         if self.gpu.num_free + len(self._reclaimable) < needed:
             raise OutOfBlocks(f"need {needed} GPU blocks, {self.gpu.num_free} free")
 
@@ -313,13 +349,17 @@ class KVCacheManager:
         return block
 
     def _evict_now(self, conv: ConversationKV, chunk: Chunk, slot: int | None) -> None:
-        """Free a GPU block for reuse within this step: copy it out first, or drop it."""
+        """Free a GPU block for reuse within this step: copy it out first (unless its CPU copy
+        is valid already), or drop it."""
         block = chunk.gpu_block
-        assert block is not None and chunk.cpu_slot is None
-        if slot is not None:
+        assert block is not None and not self._reclaiming(chunk)
+        if slot is not None and slot == chunk.cpu_slot:
+            self._backed.pop(slot, None)
+            self._backed_next.pop(slot, None)  # stays owned: the swap-in reading it comes first
+        elif slot is not None:
             self._orders.evict_first.append(CopyOp(block, slot))
             chunk.cpu_slot = slot
-            conv.maybe_on_cpu = True
+        conv.maybe_on_cpu = conv.maybe_on_cpu or slot is not None
         chunk.gpu_block = None
         self.gpu.free(block)
 
@@ -327,6 +367,10 @@ class KVCacheManager:
         """A free CPU slot, dropping lower-valued CPU chunks if needed (any, if value is None)."""
         slot = self.cpu.allocate()
         if slot is not None:
+            return slot
+        if self._backed:  # a copy of a chunk that lives on the GPU too: nothing is lost
+            slot, chunk = self._backed.popitem(last=False)
+            chunk.cpu_slot = None
             return slot
         if self._cpu_victims is None:  # one ranking per operation, consumed as it goes
             self._cpu_victims = self._cpu_candidates(now)
@@ -351,24 +395,36 @@ class KVCacheManager:
         conv.maybe_on_cpu = True
         self._reclaim_next[chunk.gpu_block] = chunk
 
-    def _unreclaim(self, chunk: Chunk) -> None:
-        """A chunk whose block was waiting for reuse is needed again: keep the GPU copy."""
-        assert chunk.gpu_block is not None
-        if self._reclaimable.pop(chunk.gpu_block, None) is None:
-            self._cancel_swap_out(chunk)
+    def _unreclaim(self, chunk: Chunk) -> bool:
+        """A chunk whose block was waiting for reuse is needed again: keep the GPU copy.
 
-    def _cancel_swap_out(self, chunk: Chunk) -> None:
+        False if its swap-out was withdrawn (decided this step, never issued): then its CPU
+        slot holds nothing."""
+        assert chunk.gpu_block is not None
+        if self._reclaimable.pop(chunk.gpu_block, None) is not None:
+            return True
+        return not self._cancel_swap_out(chunk)
+
+    def _cancel_swap_out(self, chunk: Chunk) -> bool:
         """Withdraw a swap-out not yet issued, so its slot can be reused safely."""
         if (
             chunk.gpu_block is not None
             and self._reclaim_next.pop(chunk.gpu_block, None) is not None
         ):
             self._orders.swap_out.remove(CopyOp(chunk.gpu_block, chunk.cpu_slot))  # type: ignore[arg-type]
+            return True
+        return False
 
     def _free_cpu_copy(self, chunk: Chunk) -> None:
-        if chunk.cpu_slot is not None:
-            self.cpu.free(chunk.cpu_slot)
-            chunk.cpu_slot = None
+        slot = chunk.cpu_slot
+        if slot is None:
+            return
+        chunk.cpu_slot = None
+        self._backed.pop(slot, None)
+        if self._backed_next.pop(slot, None) is not None:
+            self._cpu_free_next.append(slot)  # read by this step's swap-in
+        else:
+            self.cpu.free(slot)
 
     def _drop(self, chunk: Chunk) -> None:
         if chunk.gpu_block is not None:
@@ -402,6 +458,17 @@ class KVCacheManager:
         reclaim = list(self._reclaimable.items()) + list(self._reclaim_next.items())
         for block, chunk in reclaim:
             assert chunk.gpu_block == block and chunk.cpu_slot is not None
+        backed = list(self._backed.items()) + list(self._backed_next.items())
+        for slot, chunk in backed:
+            assert chunk.cpu_slot == slot and chunk.gpu_block is not None
+            assert not self._reclaiming(chunk), f"slot {slot}: backed and swapped out at once"
+        both = sum(
+            1
+            for conv in self.conversations.values()
+            for c in conv.chunks
+            if c.gpu_block is not None and c.cpu_slot is not None
+        )
+        assert both == len(reclaim) + len(backed), "a chunk on both tiers is unaccounted for"
 
 
 def _extend(ranges: list[tuple[int, int]], start: int, end: int) -> None:

@@ -32,6 +32,10 @@ class SwapStats:
 
 
 MIN_DMA_RUN = 8  # mean run length (blocks) from which plain DMA copies beat the copy kernel
+# grid caps of the copy kernel (see kernels/block_copy.py): a swap-out runs beside compute and is
+# not waited for, so it takes few SMs; a swap-in gates each layer's attention, so it takes more
+OUT_PROGRAMS = 8
+IN_PROGRAMS = 32
 
 
 def copy_runs(ops: list[CopyOp]) -> list[tuple[int, int, int]]:
@@ -138,7 +142,7 @@ class SwapEngine:
         if self._use_kernel(ops, runs):
             gpu_ids, cpu_ids = self._indices(ops)
             for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
-                copy_blocks(gpu, cpu, gpu_ids, cpu_ids)
+                copy_blocks(gpu, cpu, gpu_ids, cpu_ids, OUT_PROGRAMS)
         else:
             for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
                 for g, c, n in runs:
@@ -155,7 +159,7 @@ class SwapEngine:
         events = []
         for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
             if kernel:
-                copy_blocks(cpu, gpu, cpu_ids, gpu_ids)
+                copy_blocks(cpu, gpu, cpu_ids, gpu_ids, IN_PROGRAMS)
             else:
                 for g, c, n in runs:
                     gpu[g : g + n].copy_(cpu[c : c + n], non_blocking=True)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pensieve.actors.config import CacheConfig, Policy
-from pensieve.actors.kv_cache import Tier
+from pensieve.actors.kv_cache import SwapOrders, Tier
 from pensieve.actors.kv_manager import KVCacheManager, OutOfBlocks
 
 BLOCK = 4
@@ -30,7 +30,7 @@ class Simulation:
         fill = min(BLOCK, num_positions - index * BLOCK)
         return (conv_id, index, fill)
 
-    def apply_orders(self) -> None:
+    def apply_orders(self) -> SwapOrders:
         orders = self.kv.take_orders()
         for op in orders.evict_first:
             self.cpu[op.cpu_slot] = self.gpu[op.gpu_block]
@@ -38,6 +38,7 @@ class Simulation:
             self.gpu[op.gpu_block] = self.cpu[op.cpu_slot]
         for op in orders.swap_out:
             self.cpu[op.cpu_slot] = self.gpu[op.gpu_block]
+        return orders
 
     def compute(self, conv_id: str, start: int, end: int) -> None:
         """The step writes positions [start, end): their chunks get fresh tags."""
@@ -155,3 +156,33 @@ def test_eviction_takes_the_leading_chunks_of_the_idlest_conversation_first():
     assert kv.conversations["old"].chunks[0].cpu_slot is not None
     assert all(c.cpu_slot is None for c in kv.conversations["new"].chunks)
     sim.check()
+
+
+def test_a_chunk_swapped_back_in_keeps_its_cpu_copy_and_leaves_again_without_a_copy():
+    sim = Simulation(Policy.PENSIEVE, num_gpu=8, num_cpu=8)
+    kv = sim.kv
+
+    def turn(name: str, target: int, t: float) -> SwapOrders:
+        conv = kv.conversation(name, t)
+        kv.acquire(conv, target, t)
+        orders = sim.apply_orders()
+        sim.compute(name, conv.num_positions, target)
+        kv.release(conv, t)
+        sim.check()
+        return orders
+
+    turn("a", 16, 0.0)  # 4 full chunks
+    first = turn("b", 28, 1.0)  # 7 blocks: 3 of a's chunks are copied out to make room
+    assert len(first.evict_first) == 3
+    a = kv.conversations["a"]
+    back = turn("a", 20, 2.0)  # a returns: 3 chunks swapped in, one new chunk
+    swapped_in = {op.cpu_slot for op in back.swap_in}
+    assert len(swapped_in) == 3
+    assert {c.cpu_slot for c in a.chunks[:4]} - {None} == swapped_in, (
+        "a full chunk keeps its CPU copy after a swap-in"
+    )
+    backed = {i: c.cpu_slot for i, c in enumerate(a.chunks) if c.cpu_slot is not None}
+    again = turn("b", 28, 3.0)  # b needs room again: a's backed chunks leave without copies
+    assert not {op.cpu_slot for op in again.evict_first + again.swap_out} & swapped_in
+    left = [i for i in backed if a.chunks[i].gpu_block is None]
+    assert len(left) == 3 and all(a.chunks[i].cpu_slot == backed[i] for i in left)

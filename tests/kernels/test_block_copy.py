@@ -5,21 +5,28 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
 import torch
 
 from pensieve.kernels.block_copy import copy_blocks
 
 
-def test_scattered_blocks_land_where_asked_and_nothing_else_changes():
+@pytest.mark.parametrize("max_programs", [None, 1, 3])
+def test_scattered_blocks_land_where_asked_and_nothing_else_changes(max_programs: int | None):
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    src = torch.randn(12, 2, 8, 3, 16)  # [blocks, K/V, page, heads, dim]; not a multiple of TILE
-    dst = torch.full((20, 2, 8, 3, 16), float("nan"))
+    # [blocks, K/V, page, heads, dim]: 3 tiles per block, the last one partial
+    src = torch.randn(12, 2, 8, 34, 16)
+    dst = torch.full((20, 2, 8, 34, 16), float("nan"))
     src_ids = rng.sample(range(12), 7)
     dst_ids = rng.sample(range(20), 7)
     copy_blocks(
-        src, dst, torch.tensor(src_ids, dtype=torch.int32), torch.tensor(dst_ids, dtype=torch.int32)
+        src,
+        dst,
+        torch.tensor(src_ids, dtype=torch.int32),
+        torch.tensor(dst_ids, dtype=torch.int32),
+        max_programs,  # a capped grid walks the (block, tile) pairs with a stride
     )
     for s, d in zip(src_ids, dst_ids, strict=True):
         assert torch.equal(dst[d], src[s]), f"seed {seed}: block {s} -> {d}"
