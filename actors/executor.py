@@ -74,6 +74,7 @@ class ModelRunner:
         """Logits [pieces that sample, vocab] of the plan's forward (swaps already issued), rows
         in plan order."""
         if self.graphs is not None and self.graphs.fits(plan):
+            self.swap.wait_all()
             return self.graphs.logits(plan)
         # single-token pieces (decodes) first: attention then runs them on decode tiles
         order = sorted(

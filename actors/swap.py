@@ -1,12 +1,15 @@
 """The swap manager's copy engine: moves KV blocks between the GPU tier and the CPU tier.
 
-On CUDA, copies run on two dedicated streams (one per direction) and overlap compute:
+On CUDA, copies run on two dedicated streams and overlap compute:
 
-    out-stream:  [evict_first] ---------------------------(wait last swap-in)--[swap_out ...]
-    in-stream:        (wait evict_first)--[layer 0][layer 1] ... [layer L-1]
-    compute:                              (wait L0) attn 0 (wait L1) attn 1 ...
+    in-stream:   (wait earlier out copies)--[L0: evict, in][L1: evict, in] ... [L-1: evict, in]
+    out-stream:  -------------------------------------------(wait last layer)--[swap_out ...]
+    compute:                  (wait L0) layer 0 (wait L1) layer 1 ...
 
-Swap-in has priority: no GPU->CPU copy of the step starts before its CPU->GPU copies are done.
+The step's evict-first copies (blocks it reuses at once) and its swap-ins both go layer by layer
+on one stream: layer i computes as soon as its own blocks are saved and loaded, so neither stalls
+the whole step up front. Swap-in has priority over ahead-of-time swap-out: no swap-out of the step
+starts before its CPU->GPU copies are done.
 On a machine without a GPU both tiers are ordinary memory and the same copies run in order.
 """
 
@@ -32,8 +35,9 @@ class SwapStats:
 
 
 MIN_DMA_RUN = 8  # mean run length (blocks) from which plain DMA copies beat the copy kernel
-# grid caps of the copy kernel (see kernels/block_copy.py): a swap-out runs beside compute and is
-# not waited for, so it takes few SMs; a swap-in gates each layer's attention, so it takes more
+# grid caps of the copy kernel (see kernels/block_copy.py): an ahead-of-time swap-out runs beside
+# compute and nothing waits for it, so it takes few SMs; a swap-in gates each layer's attention,
+# so it takes more; an evict-first copy gates the whole step, so it takes the whole GPU
 OUT_PROGRAMS = 8
 IN_PROGRAMS = 32
 
@@ -59,7 +63,6 @@ class SwapEngine:
         self.block_bytes = gpu_caches[0][0].numel() * gpu_caches[0].element_size() * len(gpu_caches)
         self.stats = SwapStats()
         self._layer_events: list[torch.cuda.Event] | None = None
-        self._fence: torch.cuda.Event | None = None
         self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.zero_copy = False
         if self.cuda:
@@ -72,39 +75,44 @@ class SwapEngine:
             )
 
     def issue(self, orders: SwapOrders) -> None:
-        """Start the step's copies; `wait_layer` / `wait_fence` order compute after them."""
+        """Start the step's copies; `wait_layer` / `wait_all` order compute after them."""
         self._layer_events = None
-        self._fence = None
         if orders.is_empty() and not orders.fence:
             return
         if not self.cuda:
-            self._copy_out(orders.evict_first)
+            self._copy_out(orders.evict_first, None)
             self._copy_in_all_layers(orders.swap_in)
-            self._copy_out(orders.swap_out)
+            self._copy_out(orders.swap_out, None)
             return
         compute = torch.cuda.current_stream()
-        self.out_stream.wait_stream(compute)
-        with torch.cuda.stream(self.out_stream):
-            self._timed("out", self._copy_out, orders.evict_first)
-            self._fence = torch.cuda.Event()
-            self._fence.record()
-        if orders.swap_in:
-            self.in_stream.wait_event(self._fence)
+        if orders.evict_first or orders.swap_in:
+            # after every GPU->CPU copy issued earlier: a block or slot reused now may still be
+            # the source or target of one (the `fence` case)
             self.in_stream.wait_stream(compute)
+            self.in_stream.wait_stream(self.out_stream)
             with torch.cuda.stream(self.in_stream):
-                self._layer_events = self._timed("in", self._copy_in_by_layer, orders.swap_in)
+                direction = "in" if orders.swap_in else "out"
+                self._layer_events = self._timed(
+                    direction, self._copy_by_layer, orders.evict_first, orders.swap_in
+                )
+        elif orders.fence:
+            compute.wait_stream(self.out_stream)
         if orders.swap_out:
+            self.out_stream.wait_stream(compute)
             if self._layer_events:
                 self.out_stream.wait_event(self._layer_events[-1])
             with torch.cuda.stream(self.out_stream):
-                self._timed("out", self._copy_out, orders.swap_out)
-        if orders.evict_first or orders.fence:
-            compute.wait_event(self._fence)
+                self._timed("out", self._copy_out, orders.swap_out, OUT_PROGRAMS)
 
     def wait_layer(self, layer: int) -> None:
-        """Compute waits for layer `layer`'s swap-in copies only (pipelined swap-in)."""
+        """Compute waits for layer `layer`'s copies only (pipelined swap-in)."""
         if self._layer_events is not None:
             torch.cuda.current_stream().wait_event(self._layer_events[layer])
+
+    def wait_all(self) -> None:
+        """Compute waits for every layer's copies (a captured graph cannot wait per layer)."""
+        if self._layer_events:
+            torch.cuda.current_stream().wait_event(self._layer_events[-1])
 
     @property
     def pipelined(self) -> bool:
@@ -124,17 +132,17 @@ class SwapEngine:
 
     # ---- copies --------------------------------------------------------------------------
 
-    def _timed(self, direction: str, fn, ops):  # type: ignore[no-untyped-def]
+    def _timed(self, direction: str, fn, ops, *args):  # type: ignore[no-untyped-def]
         if not ops:
             return None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        result = fn(ops)
+        result = fn(ops, *args)
         end.record()
         self._timings.append((direction, start, end))
         return result
 
-    def _copy_out(self, ops: list[CopyOp]) -> None:
+    def _copy_out(self, ops: list[CopyOp], max_programs: int | None) -> None:
         if not ops:
             return
         begin = time.perf_counter()
@@ -142,7 +150,7 @@ class SwapEngine:
         if self._use_kernel(ops, runs):
             gpu_ids, cpu_ids = self._indices(ops)
             for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
-                copy_blocks(gpu, cpu, gpu_ids, cpu_ids, OUT_PROGRAMS)
+                copy_blocks(gpu, cpu, gpu_ids, cpu_ids, max_programs)
         else:
             for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
                 for g, c, n in runs:
@@ -152,23 +160,48 @@ class SwapEngine:
         if not self.cuda:
             self.stats.seconds_out += time.perf_counter() - begin
 
-    def _copy_in_by_layer(self, ops: list[CopyOp]) -> list[torch.cuda.Event]:
-        runs = copy_runs(ops)
-        kernel = self._use_kernel(ops, runs)
-        gpu_ids, cpu_ids = self._indices(ops) if kernel else (None, None)
+    def _copy_by_layer(self, evict: list[CopyOp], swap_in: list[CopyOp]) -> list[torch.cuda.Event]:
+        """Per layer: save the evicted blocks, then load the swapped-in ones; one event each."""
+        out_plan, in_plan = self._layer_plan(evict), self._layer_plan(swap_in)
         events = []
         for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
-            if kernel:
-                copy_blocks(cpu, gpu, cpu_ids, gpu_ids, IN_PROGRAMS)
-            else:
-                for g, c, n in runs:
-                    gpu[g : g + n].copy_(cpu[c : c + n], non_blocking=True)
+            self._copy_layer(gpu, cpu, out_plan, None)
+            self._copy_layer(cpu, gpu, in_plan, IN_PROGRAMS)
             event = torch.cuda.Event()
             event.record()
             events.append(event)
-        self.stats.blocks_in += len(ops)
-        self.stats.bytes_in += len(ops) * self.block_bytes
+        self.stats.blocks_out += len(evict)
+        self.stats.bytes_out += len(evict) * self.block_bytes
+        self.stats.blocks_in += len(swap_in)
+        self.stats.bytes_in += len(swap_in) * self.block_bytes
         return events
+
+    def _layer_plan(self, ops: list[CopyOp]) -> _LayerPlan | None:
+        if not ops:
+            return None
+        runs = copy_runs(ops)
+        if self._use_kernel(ops, runs):
+            return _LayerPlan(runs, self._indices(ops))
+        return _LayerPlan(runs, None)
+
+    @staticmethod
+    def _copy_layer(
+        src: torch.Tensor, dst: torch.Tensor, plan: _LayerPlan | None, max_programs: int | None
+    ) -> None:
+        """One layer of a planned copy; `src` and `dst` are that layer's two tiers."""
+        if plan is None:
+            return
+        to_gpu = dst.is_cuda
+        if plan.ids is not None:
+            gpu_ids, cpu_ids = plan.ids
+            src_ids, dst_ids = (cpu_ids, gpu_ids) if to_gpu else (gpu_ids, cpu_ids)
+            copy_blocks(src, dst, src_ids, dst_ids, max_programs)
+            return
+        for g, c, n in plan.runs:
+            if to_gpu:
+                dst[g : g + n].copy_(src[c : c + n], non_blocking=True)
+            else:
+                dst[c : c + n].copy_(src[g : g + n], non_blocking=True)
 
     def _use_kernel(self, ops: list[CopyOp], runs: list[tuple[int, int, int]]) -> bool:
         return self.zero_copy and len(ops) < MIN_DMA_RUN * len(runs)
@@ -188,6 +221,14 @@ class SwapEngine:
         self.stats.blocks_in += len(ops)
         self.stats.bytes_in += len(ops) * self.block_bytes
         self.stats.seconds_in += time.perf_counter() - begin
+
+
+@dataclass
+class _LayerPlan:
+    """A batch of block copies, prepared once and issued for every layer."""
+
+    runs: list[tuple[int, int, int]]  # (gpu_start, cpu_start, length)
+    ids: tuple[torch.Tensor, torch.Tensor] | None  # (gpu ids, cpu ids) for the copy kernel
 
 
 def _zero_copy_works(gpu: torch.Tensor, cpu: torch.Tensor) -> bool:
