@@ -36,6 +36,7 @@ class KVCacheManager:
         self.gpu = BlockPool(config.num_gpu_blocks)
         self.cpu = BlockPool(config.num_cpu_blocks if config.uses_cpu_tier else 0)
         self.conversations: dict[str, ConversationKV] = {}
+        self._pinned: dict[str, ConversationKV] = {}  # the running ones
         self._reclaimable: OrderedDict[int, Chunk] = OrderedDict()  # reusable now
         self._reclaim_next: dict[int, Chunk] = {}  # reusable from the next step on
         self._cpu_free_next: list[int] = []  # slots read by this step's swap-ins
@@ -120,6 +121,7 @@ class KVCacheManager:
         if self.blocks_to_admit(conv, num_positions) > available:
             raise OutOfBlocks(f"{conv.conv_id}: history does not fit on the GPU")
         conv.pinned = True
+        self._pinned[conv.conv_id] = conv
         conv.maybe_on_gpu = True
         for chunk in conv.chunks[: self.num_chunks(num_positions)]:
             if chunk.gpu_block is not None and not self._unreclaim(chunk):
@@ -182,6 +184,7 @@ class KVCacheManager:
     def release(self, conv: ConversationKV, now: float) -> None:
         """The conversation's request finished: its chunks become evictable."""
         conv.pinned = False
+        self._pinned.pop(conv.conv_id, None)
         conv.last_active = now
         if self.config.policy is Policy.STATELESS:
             self.forget(conv.conv_id)
@@ -191,6 +194,7 @@ class KVCacheManager:
         self._cpu_victims = None
         self.truncate(conv, num_positions)
         conv.pinned = False
+        self._pinned.pop(conv.conv_id, None)
         conv.last_active = now
         for chunk in conv.chunks:
             if chunk.gpu_block is not None:
@@ -199,6 +203,7 @@ class KVCacheManager:
 
     def forget(self, conv_id: str) -> None:
         conv = self.conversations.pop(conv_id, None)
+        self._pinned.pop(conv_id, None)
         if conv is not None:
             for chunk in conv.chunks:
                 self._drop(chunk)
@@ -306,11 +311,12 @@ class KVCacheManager:
     def _num_evictable_gpu(self, exclude: ConversationKV) -> int:
         """Unpinned live GPU chunks: every owned block that is not pinned or waiting for reuse."""
         owned = self.gpu.capacity - self.num_free_gpu
-        for conv in self.conversations.values():
-            if conv.pinned or conv is exclude:
-                owned -= sum(
-                    1 for c in conv.chunks if c.gpu_block is not None and not self._reclaiming(c)
-                )
+        for conv in self._pinned.values():
+            owned -= len(conv.chunks)  # a pinned conversation has every chunk live on the GPU
+        if not exclude.pinned:
+            owned -= sum(
+                1 for c in exclude.chunks if c.gpu_block is not None and not self._reclaiming(c)
+            )
         return owned
 
     def _reclaiming(self, chunk: Chunk) -> bool:
@@ -445,6 +451,9 @@ class KVCacheManager:
                         owned[block] = chunk
                 if conv.pinned:
                     assert chunk.tier is Tier.GPU, f"{conv.conv_id}: pinned chunk off the GPU"
+                    assert not self._reclaiming(chunk), f"{conv.conv_id}: pinned chunk reclaimed"
+        pinned = {c.conv_id for c in self.conversations.values() if c.pinned}
+        assert pinned == set(self._pinned), "the running set is out of step"
         pending_cpu = set(self._cpu_free_next)
         assert not pending_cpu & set(owned_cpu), "a slot being read is owned again"
         for pool, owned, pending in (

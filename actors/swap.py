@@ -38,7 +38,7 @@ MIN_DMA_RUN = 8  # mean run length (blocks) from which plain DMA copies beat the
 # grid caps of the copy kernel (see kernels/block_copy.py): an ahead-of-time swap-out runs beside
 # compute and nothing waits for it, so it takes few SMs; a swap-in gates each layer's attention,
 # so it takes more; an evict-first copy gates the whole step, so it takes the whole GPU
-OUT_PROGRAMS = 8
+OUT_PROGRAMS = 16
 IN_PROGRAMS = 32
 
 
@@ -132,12 +132,11 @@ class SwapEngine:
 
     # ---- copies --------------------------------------------------------------------------
 
-    def _timed(self, direction: str, fn, ops, *args):  # type: ignore[no-untyped-def]
-        if not ops:
-            return None
+    def _timed(self, direction: str, fn, *args):  # type: ignore[no-untyped-def]
+        """Run fn(*args) between two timing events on the current stream (args not empty)."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        result = fn(ops, *args)
+        result = fn(*args)
         end.record()
         self._timings.append((direction, start, end))
         return result

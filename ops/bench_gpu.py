@@ -111,7 +111,7 @@ class Settings:
     policies: tuple[str, ...] = ("pensieve", "lru", "gpu-only", "stateless")
     gpu_tokens: int = 196608  # 40 GB of KV: what an 80 GB GPU keeps after the 13B weights
     cpu_tokens: int = 262144  # 54 GB pinned
-    max_num_seqs: int = 384  # memory, not a request count, bounds every policy's batch
+    max_num_seqs: int = 256
     policy_max_output: int = 256
     policy_max_turns: int = 16
     policy_min_turns: int = 2  # multi-turn conversations only: single turns have no history
