@@ -21,7 +21,8 @@ import triton.language as tl
 TILE = 4096
 
 
-@triton.jit
+# sizes are not specialized on: every batch size then runs the kernel compiled at start-up
+@triton.jit(do_not_specialize=["block_numel", "num_work", "tiles_per_block"])
 def _copy_blocks_kernel(src_ptr, dst_ptr, src_index_ptr, dst_index_ptr, block_numel, num_work,
                         tiles_per_block, TILE: tl.constexpr):  # fmt: skip
     for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
