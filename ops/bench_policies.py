@@ -149,8 +149,14 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
 
 
 def best_passing(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """The passing run at the highest rate (None if none passed)."""
-    return max((r for r in results if r["passed"]), key=lambda r: r["rate"], default=None)
+    """The run at the highest rate that passed every time it was run (None if none did); of
+    repeats at that rate, the one with the lowest throughput."""
+    failed = {r["rate"] for r in results if not r["passed"]}
+    held = [r for r in results if r["passed"] and r["rate"] not in failed]
+    if not held:
+        return None
+    top = max(r["rate"] for r in held)
+    return min((r for r in held if r["rate"] == top), key=lambda r: r["req_per_s"])
 
 
 def compare(runs: dict[str, list[dict[str, Any]]], bound: float) -> list[Row]:
@@ -188,8 +194,9 @@ def compare(runs: dict[str, list[dict[str, Any]]], bound: float) -> list[Row]:
 
 
 def combine(paths: Sequence[Path]) -> dict[str, Any]:
-    """Merge the `policies` runs of several bench.json files (a later file's policy replaces an
-    earlier one's) into one report. Refuses files from different devices or settings."""
+    """Merge the `policies` runs of several bench.json files into one report; a policy run in
+    several calls keeps every point (repeats included). Refuses files from different devices or
+    settings."""
     reports = [_numbers(json.loads(Path(p).read_text())) for p in paths]
     first = reports[0]
     fixed = {k: v for k, v in first["settings"].items() if k not in _PER_CALL}
@@ -204,7 +211,8 @@ def combine(paths: Sequence[Path]) -> dict[str, Any]:
                 k for k in settings.keys() | fixed.keys() if settings.get(k) != fixed.get(k)
             )
             raise ValueError(f"{path}: settings differ from {paths[0]} in {', '.join(diff)}")
-        runs.update(report["sections"]["policies"].get("runs", {}))
+        for policy, points in report["sections"]["policies"].get("runs", {}).items():
+            runs[policy] = sorted(runs.get(policy, []) + points, key=lambda r: r["rate"])
     bound = first["settings"]["latency_bound"]
     rows = compare(runs, bound)
     section = {"status": "ok", "latency_bound_s_per_token": bound, "runs": runs, "seconds": 0.0}
@@ -221,7 +229,8 @@ def _numbers(value: Any) -> Any:
     return math.inf if value == "inf" else value
 
 
-_PER_CALL = {"policies", "start_rates", "time_limit_s"}  # may differ between the merged calls
+# may differ between the merged calls: they choose which points run, not how one is measured
+_PER_CALL = {"policies", "start_rates", "time_limit_s", "max_points"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,20 @@ def test_combine_merges_calls_into_one_comparison(tmp_path: Path, capsys) -> Non
     assert "Infinity" not in text and json.loads(text)["sections"]["policies"]["runs"]["pensieve"]
 
 
+def test_combine_keeps_repeats_and_a_rate_counts_only_if_it_always_passed(tmp_path: Path) -> None:
+    first = [_run("pensieve", 11, 35.0, 0.09), _run("pensieve", 12, 40.0, 0.06)]
+    again = [_run("pensieve", 12, 31.0, math.inf)]  # the same rate over the bound on a repeat
+    theirs = [_run("stateless", 9, 28.0, 0.08), _run("stateless", 9, 27.0, 0.09)]
+    a = _report(tmp_path / "a.json", "H200", {"pensieve": first}, max_points=3)
+    b = _report(tmp_path / "b.json", "H200", {"pensieve": again, "stateless": theirs}, max_points=1)
+    report = combine([a, b])
+    runs = report["sections"]["policies"]["runs"]
+    assert [r["rate"] for r in runs["pensieve"]] == [11, 12, 12]
+    rows = {r["name"]: r for r in report["sections"]["policies"]["rows"]}
+    assert rows["policy pensieve"]["value"] == 35.0  # 12 failed once: 11 is the best that held
+    assert rows["policy stateless"]["value"] == 27.0  # of two passes at one rate, the lower
+
+
 def test_combine_refuses_other_devices_or_settings(tmp_path: Path, capsys) -> None:
     a = _report(tmp_path / "a.json", "H200", {"pensieve": [_run("pensieve", 14, 45.0, 0.08)]})
     b = _report(tmp_path / "b.json", "H100", {"stateless": [_run("stateless", 8, 25.0, 0.09)]})
