@@ -93,15 +93,10 @@ def _attend_tile(
 
 # Triton specializes integer arguments on "== 1" and "divisible by 16" and compiles a variant for
 # each combination it meets. Arguments that change from step to step (the batch, the table width,
-# the split buffers' strides) are left unspecialized: otherwise a long-running server keeps meeting
-# new combinations, and each one compiled inside a step stalled every running request for ~1 s on
-# an H200.
-@triton.jit(
-    do_not_specialize=[
-        "num_seqs", "kv_split_len", "stride_bt",
-        "stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt",
-    ]
-)  # fmt: skip
+# the split buffers' outer strides) are left unspecialized: otherwise a long-running server keeps
+# meeting new combinations, and each one compiled inside a step stalled every running request for
+# ~1 s on an H200.
+@triton.jit(do_not_specialize=["num_seqs", "kv_split_len", "stride_bt", "stride_ps", "stride_ls"])
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_q_ptr, seq_lens_ptr, block_tables_ptr,
@@ -189,12 +184,7 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(
-    do_not_specialize=[
-        "num_splits", "stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt",
-        "stride_ot", "stride_oh",
-    ]
-)  # fmt: skip
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ls"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
