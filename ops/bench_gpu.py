@@ -117,7 +117,7 @@ class Settings:
     policy_min_turns: int = 2  # multi-turn conversations only: single turns have no history
     # the first rate tried per policy (conversations/s; the H200 run's); the sweep steps from it
     start_rates: tuple[tuple[str, float], ...] = (
-        ("pensieve", 11.0), ("lru", 11.0), ("gpu-only", 9.0), ("stateless", 8.5),
+        ("pensieve", 12.05), ("lru", 12.05), ("gpu-only", 10.8), ("stateless", 9.31),
     )  # fmt: skip
     rate_factor: float = 1.2
     max_points: int = 3  # runs per policy at most
