@@ -31,7 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 from pensieve.actors.config import Policy
 from pensieve.ops.bench_table import Row, jsonable, print_table
-from pensieve.ops.bench_workload import ConvSpec, History, OpenLoop, open_loop, summarize
+from pensieve.ops.bench_workload import (
+    SLOW_STEP_S,
+    ConvSpec,
+    History,
+    OpenLoop,
+    open_loop,
+    summarize,
+)
 
 if TYPE_CHECKING:
     from pensieve.ops.bench_gpu import Bench
@@ -58,10 +65,13 @@ def run_point(
         swapped_in_gb=stats.bytes_in / GB,
         swapped_out_gb=stats.bytes_out / GB,
         passed=summary["norm_latency_p90"] <= b.s.latency_bound,
+        **result.extra,  # step times: a stalled step shows as step_ms_max and slow_steps
     )
     b.log(
         f"{policy.value:>9} @ {rate:.2f} conv/s: {describe(summary)}; "
-        f"unfinished {summary['unfinished']}, {summary['steps']} steps"
+        f"unfinished {summary['unfinished']}, {summary['steps']} steps "
+        f"(p50/p99/max {summary['step_ms_p50']:.0f}/{summary['step_ms_p99']:.0f}/"
+        f"{summary['step_ms_max']:.0f} ms, {summary['slow_steps']} over {SLOW_STEP_S} s)"
     )
     del engine, result
     b.free()

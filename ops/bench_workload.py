@@ -565,6 +565,7 @@ def open_loop(
     seq = len(due_heap)
     active: dict[str, tuple[_Chat, float, list[int]]] = {}
     records: list[TurnRecord] = []
+    step_seconds: list[float] = []
     start = engine.clock()
     end = options.duration_s + options.drain_s
     while True:
@@ -577,7 +578,10 @@ def open_loop(
             engine.add_request(chat.conv_id, prompt, _sampling(chat.turn))
             active[chat.conv_id] = (chat, due, prompt)
         if engine.has_work():
-            for request in engine.step().finished:
+            begin = engine.clock()
+            outcome = engine.step()
+            step_seconds.append(engine.clock() - begin)
+            for request in outcome.finished:
                 chat, due, prompt = active.pop(request.conv_id)
                 records.append(_record(chat, due, prompt, request, start))
                 chat.advance(prompt, request.output_ids)
@@ -590,4 +594,20 @@ def open_loop(
     for chat, due, prompt in active.values():
         records.append(TurnRecord(chat.conv_id, chat.next, due, len(prompt), chat.turn.num_output))
     measured = [r for r in records if options.warmup_s <= r.due < options.duration_s]
-    return LoopResult(measured, engine.clock() - start, timed_out=bool(active))
+    return LoopResult(
+        measured, engine.clock() - start, timed_out=bool(active), extra=step_times(step_seconds)
+    )
+
+
+SLOW_STEP_S = 0.5  # a step this long stalls every running request (e.g. a kernel compiled mid-run)
+
+
+def step_times(seconds: Sequence[float]) -> dict[str, Any]:
+    """Step durations of a run in ms: median, p99, the longest, and how many were slow."""
+    ms = [t * 1e3 for t in seconds] or [0.0]
+    return {
+        "step_ms_p50": percentile(ms, 50),
+        "step_ms_p99": percentile(ms, 99),
+        "step_ms_max": max(ms),
+        "slow_steps": sum(1 for t in seconds if t >= SLOW_STEP_S),
+    }

@@ -20,6 +20,7 @@ from pensieve.ops.bench_workload import (
     arrivals,
     build_workload,
     percentile,
+    step_times,
 )
 from pensieve.ops.sharegpt import Conversation, Message, Role
 
@@ -70,6 +71,17 @@ def test_policies_serve_history_from_the_tiers_they_have(smoke) -> None:
     assert runs["gpu-only"]["sources"]["cpu"] == 0 and runs["gpu-only"]["sources"]["recomputed"] > 0
     stateless = runs["stateless"]["sources"]
     assert stateless["gpu"] == stateless["cpu"] == stateless["recomputed"] == 0
+    for run in runs.values():  # every point reports its step times (stalls show as slow steps)
+        assert 0 < run["step_ms_p50"] <= run["step_ms_p99"] <= run["step_ms_max"]
+        assert run["slow_steps"] >= 0
+
+
+def test_step_times_count_the_stalls() -> None:
+    times = step_times([0.02] * 97 + [0.03, 0.9, 1.2])
+    assert times["step_ms_p50"] == pytest.approx(20.0)
+    assert times["step_ms_max"] == pytest.approx(1200.0)
+    assert times["slow_steps"] == 2 and 20.0 < times["step_ms_p99"] <= 1200.0
+    assert step_times([])["slow_steps"] == 0
 
 
 def test_replay_keeps_its_concurrency_and_measures_a_window(smoke) -> None:
