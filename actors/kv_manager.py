@@ -289,8 +289,8 @@ class KVCacheManager:
             indices = eligible(conv)
             first = next(indices, None)
             if first is None:  # nothing of this tier left here: skip it until something moves in
-                if on_gpu:
-                    conv.maybe_on_gpu = any(c.gpu_block is not None for c in conv.chunks)
+                if on_gpu:  # a live GPU chunk of an idle conversation appears only through
+                    conv.maybe_on_gpu = False  # acquire / grow, which set the hint again
                 else:
                     conv.maybe_on_cpu = any(c.cpu_slot is not None for c in conv.chunks)
                 continue

@@ -78,6 +78,9 @@ class Request:
     error: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # the block table of its conversation while running: pinned chunks never move, so it only
+    # grows by the blocks of new chunks (rebuilt on admission)
+    block_table: tuple[int, ...] = ()
 
     @property
     def all_ids(self) -> list[int]:

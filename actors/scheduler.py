@@ -114,7 +114,11 @@ class Scheduler:
         if not taken:
             return []
         conv = self.kv.conversations[request.conv_id]
-        table = tuple(conv.block_table())
+        table = request.block_table
+        if len(table) != len(conv.chunks):
+            grown = [chunk.gpu_block for chunk in conv.chunks[len(table) :]]
+            assert None not in grown, f"{conv.conv_id}: a running chunk is off the GPU"
+            table = request.block_table = table + tuple(grown)  # type: ignore[arg-type]
         pieces = []
         for start, end in taken:
             samples = end == request.num_tokens and not request.pending
@@ -167,6 +171,7 @@ class Scheduler:
                 self._reject(request, now)  # it can never fit, even on an idle GPU
             return False
         self.histories[request.conv_id] = list(target)
+        request.block_table = ()  # its blocks may all be new
         request.pending = [*acquired.recompute_ranges, (reuse, len(target))]
         request.sources = request.sources + TokenSources(
             gpu=acquired.gpu_tokens,
