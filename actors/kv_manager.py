@@ -454,6 +454,9 @@ class KVCacheManager:
                     assert not self._reclaiming(chunk), f"{conv.conv_id}: pinned chunk reclaimed"
         pinned = {c.conv_id for c in self.conversations.values() if c.pinned}
         assert pinned == set(self._pinned), "the running set is out of step"
+        for conv in self.conversations.values():  # the scan hint never hides an evictable chunk
+            live = any(c.gpu_block is not None and not self._reclaiming(c) for c in conv.chunks)
+            assert conv.maybe_on_gpu or not live, f"{conv.conv_id}: live chunks hidden from scans"
         pending_cpu = set(self._cpu_free_next)
         assert not pending_cpu & set(owned_cpu), "a slot being read is owned again"
         for pool, owned, pending in (
