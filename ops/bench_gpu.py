@@ -119,6 +119,7 @@ class Settings:
     start_rates: tuple[tuple[str, float], ...] = (
         ("pensieve", 12.05), ("lru", 12.05), ("gpu-only", 10.8), ("stateless", 9.31),
     )  # fmt: skip
+    fixed_rates: tuple[tuple[str, tuple[float, ...]], ...] = ()  # these rates instead of a sweep
     rate_factor: float = 1.2
     max_points: int = 3  # runs per policy at most
     duration_s: float = 80.0  # arrivals and turns are sent only before this
@@ -734,6 +735,9 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument(
         "--start-rates", help="policies: first rate per policy, e.g. pensieve=14,stateless=8"
     )
+    p.add_argument(
+        "--rates", dest="fixed_rates", help="policies: exact rates, no sweep, e.g. stateless=9/10"
+    )
     p.add_argument("--max-points", type=int, help="policies: runs per policy at most")
     p.add_argument("--duration", dest="duration_s", type=float, help="policies: arrival seconds")
     p.add_argument("--warmup", dest="warmup_s", type=float, help="policies: unmeasured seconds")
@@ -742,6 +746,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument("--gpu-tokens", type=int, help="policies: GPU KV budget in tokens")
     p.add_argument("--cpu-tokens", type=int, help="policies: CPU KV budget in tokens")
     p.add_argument("--policy-max-output", type=int, help="policies: cap on reply tokens")
+    p.add_argument("--max-num-seqs", type=int, help="policies: running requests at most")
     p.add_argument(
         "--replay-window", dest="replay_window_s", type=float, help="replay48: ours, seconds"
     )
@@ -765,6 +770,11 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
         given = dict(item.split("=", 1) for item in args["start_rates"].split(","))
         rates = dict(settings.start_rates) | {k.strip(): float(v) for k, v in given.items()}
         args["start_rates"] = tuple(rates.items())
+    if args["fixed_rates"]:
+        given = dict(item.split("=", 1) for item in args["fixed_rates"].split(","))
+        args["fixed_rates"] = tuple(
+            (k.strip(), tuple(float(r) for r in v.split("/"))) for k, v in given.items()
+        )
     settings = dataclasses.replace(settings, **{k: v for k, v in args.items() if v is not None})
     return settings, sections, out
 

@@ -153,7 +153,14 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
         def has_time(deadline: float = deadline) -> bool:
             return time.perf_counter() + point_s <= deadline
 
-        runs[policy.value] = sweep(run, starts[policy.value], s.rate_factor, s.max_points, has_time)
+        fixed = dict(s.fixed_rates).get(policy.value)
+        if fixed:
+            runs[policy.value] = sorted(
+                (run(rate) for rate in fixed if has_time()), key=lambda r: r["rate"]
+            )
+        else:
+            start = starts[policy.value]
+            runs[policy.value] = sweep(run, start, s.rate_factor, s.max_points, has_time)
     rows += compare(runs, s.latency_bound)
     return {"status": "ok", "latency_bound_s_per_token": s.latency_bound, "runs": runs}
 
@@ -203,10 +210,11 @@ def compare(runs: dict[str, list[dict[str, Any]]], bound: float) -> list[Row]:
 # ---- combine: one table from the result files of several calls ----------------------------
 
 
-def combine(paths: Sequence[Path]) -> dict[str, Any]:
+def combine(paths: Sequence[Path], bound: float | None = None) -> dict[str, Any]:
     """Merge the `policies` runs of several bench.json files into one report; a policy run in
     several calls keeps every point (repeats included). Refuses files from different devices or
-    settings."""
+    settings. With `bound`, every point is judged again against that p90 normalized latency
+    instead of the one it ran under (a point records its p90; an unfinished turn makes it inf)."""
     reports = [_numbers(json.loads(Path(p).read_text())) for p in paths]
     first = reports[0]
     fixed = {k: v for k, v in first["settings"].items() if k not in _PER_CALL}
@@ -223,7 +231,11 @@ def combine(paths: Sequence[Path]) -> dict[str, Any]:
             raise ValueError(f"{path}: settings differ from {paths[0]} in {', '.join(diff)}")
         for policy, points in report["sections"]["policies"].get("runs", {}).items():
             runs[policy] = sorted(runs.get(policy, []) + points, key=lambda r: r["rate"])
-    bound = first["settings"]["latency_bound"]
+    if bound is None:
+        bound = float(first["settings"]["latency_bound"])
+    else:
+        for point in (point for points in runs.values() for point in points):
+            point["passed"] = point["norm_latency_p90"] <= bound
     rows = compare(runs, bound)
     section = {"status": "ok", "latency_bound_s_per_token": bound, "runs": runs, "seconds": 0.0}
     section["rows"] = [row.to_json() for row in rows]
@@ -240,7 +252,7 @@ def _numbers(value: Any) -> Any:
 
 
 # may differ between the merged calls: they choose which points run, not how one is measured
-_PER_CALL = {"policies", "start_rates", "time_limit_s", "max_points"}
+_PER_CALL = {"policies", "start_rates", "fixed_rates", "time_limit_s", "max_points"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,9 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("command", choices=["combine"])
     p.add_argument("files", nargs="+", type=Path, help="bench.json files of bench_gpu")
     p.add_argument("--json", type=Path, help="write the merged report here")
+    p.add_argument("--bound", type=float, help="judge every point at this p90 s/token instead")
     args = p.parse_args(argv)
     try:
-        report = combine(args.files)
+        report = combine(args.files, args.bound)
     except (OSError, ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -103,6 +103,22 @@ def test_combine_keeps_repeats_and_a_rate_counts_only_if_it_always_passed(tmp_pa
     assert rows["policy stateless"]["value"] == 27.0  # of two passes at one rate, the lower
 
 
+def test_combine_judges_the_points_again_at_another_bound(tmp_path: Path) -> None:
+    ours = [_run("pensieve", 12, 40.0, 0.058), _run("pensieve", 13, 43.0, 0.09)]
+    theirs = [_run("stateless", 8, 25.0, 0.059), _run("stateless", 9, 28.0, 0.076)]
+    a = _report(tmp_path / "a.json", "H200", {"pensieve": ours, "stateless": theirs})
+    at_run_bound = {r["name"]: r for r in combine([a])["sections"]["policies"]["rows"]}
+    assert at_run_bound["policy pensieve"]["value"] == 43.0
+    assert at_run_bound["policy stateless"]["value"] == 28.0
+    report = combine([a], bound=0.06)
+    tighter = {r["name"]: r for r in report["sections"]["policies"]["rows"]}
+    assert report["sections"]["policies"]["latency_bound_s_per_token"] == 0.06
+    assert tighter["policy pensieve"]["value"] == 40.0  # 13 is over 0.06
+    assert tighter["policy stateless"]["value"] == 25.0
+    assert tighter["pensieve / stateless, req/s at bound"]["ratio"] == pytest.approx(1.6)
+    assert combine([a], bound=0.05)["sections"]["policies"]["rows"][0]["ok"] is False
+
+
 def test_combine_refuses_other_devices_or_settings(tmp_path: Path, capsys) -> None:
     a = _report(tmp_path / "a.json", "H200", {"pensieve": [_run("pensieve", 14, 45.0, 0.08)]})
     b = _report(tmp_path / "b.json", "H100", {"stateless": [_run("stateless", 8, 25.0, 0.09)]})

@@ -32,6 +32,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     command = [sys.executable, str(REPO / "ops" / "bench_gpu.py"), "--smoke", "--json", str(out)]
+    command += ["--rates", "stateless=8/6"]  # exact rates for one policy, a sweep for the others
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads(out.read_text()), proc.stdout
@@ -62,7 +63,10 @@ def test_decode_and_swap_measure_positive_times(smoke) -> None:
 
 def test_policies_serve_history_from_the_tiers_they_have(smoke) -> None:
     report, _ = smoke
-    runs = {name: results[0] for name, results in report["sections"]["policies"]["runs"].items()}
+    points = report["sections"]["policies"]["runs"]
+    assert [r["rate"] for r in points["stateless"]] == [6.0, 8.0]  # --rates: both, in order
+    assert all(len(points[name]) == 1 for name in ("pensieve", "lru", "gpu-only"))  # max_points
+    runs = {name: results[0] for name, results in points.items()}
     assert set(runs) == {"pensieve", "lru", "gpu-only", "stateless"}
     for run in runs.values():
         assert run["finished"] > 0 and run["output_tokens"] > 0
