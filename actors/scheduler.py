@@ -52,6 +52,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def stop(self, request: Request, now: float) -> bool:
+        """Finish a running request before its end (a stop string appeared in its text); False if
+        it is not running (a suspended request is stopped once it runs again)."""
+        if request not in self.running:
+            return False
+        request.pending.clear()  # its last sampled token is never fed, as at a normal finish
+        self._finish(request, FinishReason.STOP, now)
+        return True
+
     def restore_history(self, conv_id: str, tokens: list[int], now: float) -> None:
         """Adopt a conversation known only from its token log (e.g. after a restart)."""
         if conv_id in self.histories:

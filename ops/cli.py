@@ -1,4 +1,4 @@
-"""The `pensieve` command line: replay, profile."""
+"""The `pensieve` command line: serve, replay, profile."""
 
 from __future__ import annotations
 
@@ -43,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--skip-too-long", action="store_true")
     replay.add_argument("--data-dir", type=Path, default=None, help="LMDB store (default: temp)")
     replay.set_defaults(run=_replay)
+    serve = commands.add_parser("serve", help="serve the chat API on NATS (all actors here)")
+    _engine_args(serve)
+    serve.add_argument("--nats-url", default=None, help="default: start nats-server on loopback")
+    serve.add_argument("--data-dir", type=Path, default=None, help="LMDB store (default: "
+                       "$XDG_DATA_HOME/pensieve or ~/.local/share/pensieve)")  # fmt: skip
+    serve.add_argument("--max-waiting", type=int, default=1024, help="then: 'overloaded'")
+    serve.set_defaults(run=_serve)
     commands.add_parser("profile", help="profile chunk recompute cost (pensieve profile --help)")
     return parser
 
@@ -87,6 +94,16 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         profile=args.profile,
         seed=args.seed,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pensieve.ops.factory import build
+    from pensieve.ops.serve import default_data_dir, run
+
+    if args.max_waiting < 1:
+        raise ValueError("--max-waiting must be >= 1")
+    built = build(engine_options(args))
+    return run(built, args.data_dir or default_data_dir(), args.nats_url, args.max_waiting)
 
 
 def _replay(args: argparse.Namespace) -> int:

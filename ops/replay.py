@@ -20,7 +20,8 @@ from typing import IO
 import orjson
 from tqdm import tqdm
 
-from pensieve.actors.request import FinishReason, Request, SamplingParams, common_prefix
+from pensieve.actors.chat_service import commit_turn, turn_record
+from pensieve.actors.request import FinishReason, Request, SamplingParams
 from pensieve.actors.tokenizer import ChatMessage
 from pensieve.ops.factory import Built
 from pensieve.ops.sharegpt import Conversation, HumanTurn, Role, human_turns
@@ -171,24 +172,11 @@ class _Replayer:
         if request.finish_reason is FinishReason.ABORT:
             raise ContextTooLong(f"conversation {session.conv.id!r}: {request.error}")
         text = self.chat.decode(request.output_ids)
-        sources = request.sources
-        record = TurnRecord(
-            turn=session.next_turn,
-            user_message=session.user_message,
-            assistant_text=text,
-            prompt_tokens=len(request.prompt_ids),
-            new_prompt_tokens=min(sources.new, len(request.prompt_ids)),
-            output_token_ids=tuple(request.output_ids),
-            finish_reason=request.finish_reason.value if request.finish_reason else "abort",
-            cached_gpu=sources.gpu,
-            cached_cpu=sources.cpu,
-            cached_recomputed=sources.recomputed,
-            started_at=session.started_at,
-            finished_at=max(time.time(), session.started_at),
+        record = turn_record(
+            session.next_turn, session.user_message, text, request, session.started_at
         )
         log = request.all_ids
-        keep = common_prefix(session.log, log)
-        self.writer.submit(self.store.commit_turn, session.conv.id, record, keep, log[keep:])
+        commit_turn(self.store, self.writer, session.conv.id, record, session.log, log)
         session.log = log
         session.messages += [
             {"role": "user", "content": session.user_message},

@@ -1,0 +1,77 @@
+"""The message bus: the only module that imports `nats`.
+
+Handlers get an `Incoming` message and answer on its reply subject. Each message is handled in a
+task of its own, so a long turn never holds up the next request on the same subject; a handler
+that raises is answered with an `internal` error and logged, and the subscription keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from pensieve.actors.schemas import ApiError
+
+logger = logging.getLogger(__name__)
+
+ERROR_HEADER = "Pensieve-Error"  # set to the error code on every error reply
+
+
+@dataclass
+class Incoming:
+    data: bytes
+    reply: str
+    _client: Client
+
+    async def send(self, body: bytes, error: str | None = None) -> None:
+        """Publish one message to the requester's inbox (nothing if it gave none)."""
+        if self.reply:
+            headers = {ERROR_HEADER: error} if error else None
+            await self._client.publish(self.reply, body, headers=headers)
+
+    async def send_error(self, error: ApiError) -> None:
+        await self.send(error.body(), error.code)
+
+
+Handler = Callable[[Incoming], Awaitable[None]]
+
+
+class Bus:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def connect(cls, url: str, name: str = "pensieve") -> Bus:
+        return cls(await nats.connect(url, name=name, max_reconnect_attempts=-1))
+
+    async def serve(self, subject: str, handler: Handler, queue: str = "pensieve") -> None:
+        """Answer requests on `subject` (members of one queue group share them)."""
+
+        async def on_message(msg: Msg) -> None:
+            task = asyncio.create_task(self._handle(handler, msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        await self.client.subscribe(subject, queue=queue, cb=on_message)
+
+    async def _handle(self, handler: Handler, msg: Msg) -> None:
+        incoming = Incoming(msg.data, msg.reply, self.client)
+        try:
+            await handler(incoming)
+        except ApiError as error:
+            await incoming.send_error(error)
+        except Exception as error:  # a bug must not take the subscription down
+            logger.exception("handler for %s failed", msg.subject)
+            await incoming.send_error(ApiError("internal", f"{type(error).__name__}: {error}"))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self.client.drain()

