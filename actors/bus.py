@@ -27,6 +27,7 @@ ERROR_HEADER = "Pensieve-Error"  # set to the error code on every error reply
 class Incoming:
     data: bytes
     reply: str
+    headers: dict[str, str]  # W3C trace context rides here ("traceparent")
     _client: Client
 
     async def send(self, body: bytes, error: str | None = None) -> None:
@@ -62,7 +63,7 @@ class Bus:
         await self.client.subscribe(subject, queue=queue, cb=on_message)
 
     async def _handle(self, handler: Handler, msg: Msg) -> None:
-        incoming = Incoming(msg.data, msg.reply, self.client)
+        incoming = Incoming(msg.data, msg.reply, dict(msg.headers or {}), self.client)
         try:
             await handler(incoming)
         except ApiError as error:

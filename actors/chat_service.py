@@ -21,6 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from opentelemetry import trace
+
 from pensieve.actors.engine import Engine
 from pensieve.actors.request import FinishReason, Request, SamplingParams, common_prefix
 from pensieve.actors.schemas import ApiError, ChatRequest, chat_reply
@@ -28,6 +30,7 @@ from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
 from pensieve.store import ConversationStore, StoreWriter, TurnRecord
 
 logger = logging.getLogger(__name__)
+tracer = trace.get_tracer("pensieve.chat")
 
 
 class TurnSink(Protocol):
@@ -56,6 +59,7 @@ class _Turn:
     stream: bool
     stop: tuple[str, ...]
     started_at: float
+    span: trace.Span
     sent: int = 0  # characters of text already streamed
     text: str | None = None  # set when a stop string ended the turn
     holdback: int = field(init=False)
@@ -121,8 +125,11 @@ class ChatService:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def chat_turn(self, request: ChatRequest, sink: TurnSink) -> None:
-        """Start a turn; raises ApiError (and changes nothing) if it cannot be served."""
+    def chat_turn(
+        self, request: ChatRequest, sink: TurnSink, span: trace.Span = trace.INVALID_SPAN
+    ) -> None:
+        """Start a turn; raises ApiError (and changes nothing) if it cannot be served. The turn's
+        phases are recorded under `span` (the request's span; a no-op by default)."""
         if len(self.engine.scheduler.waiting) >= self.max_waiting:
             raise ApiError("overloaded", f"{self.max_waiting} turns are waiting already; retry")
         if request.conversation_id is None:
@@ -155,8 +162,13 @@ class ChatService:
         self.conversations[conv.conv_id] = conv
         conv.busy = True
         self.turns[engine_request.request_id] = _Turn(
-            conv, engine_request, messages, sink, request.stream, request.stop, time.time()
+            conv, engine_request, messages, sink, request.stream, request.stop, time.time(), span
         )
+        span.set_attributes({
+            "pensieve.conversation_id": conv.conv_id,
+            "pensieve.turn": conv.turns,
+            "pensieve.prompt_tokens": len(prompt),
+        })  # fmt: skip
 
     def get(self, conv_id: str) -> dict[str, Any]:
         if self.store.meta(conv_id) is None:
@@ -233,6 +245,29 @@ class ChatService:
         self.engine.scheduler.restore_history(conv_id, log, self.engine.clock())
         return _Conversation(conv_id, messages, log, len(records))
 
+    def _trace(self, turn: _Turn, record: TurnRecord) -> None:
+        """The turn's phases as child spans of its request span ("prefill": from queued to the
+        first token, "decode": to the last), and where its prompt's KV came from as attributes."""
+        request, span = turn.request, turn.span
+        span.set_attributes({
+            "pensieve.cached_tokens.gpu": record.cached_gpu,
+            "pensieve.cached_tokens.cpu": record.cached_cpu,
+            "pensieve.cached_tokens.recomputed": record.cached_recomputed,
+            "pensieve.new_prompt_tokens": record.new_prompt_tokens,
+            "pensieve.completion_tokens": len(request.output_ids),
+            "pensieve.finish_reason": record.finish_reason,
+            "pensieve.suspensions": request.num_suspensions,
+        })  # fmt: skip
+        if not span.is_recording():
+            return
+        offset = time.time_ns() - int(self.engine.clock() * 1e9)  # engine clock -> epoch ns
+        first = request.first_token_time or request.finish_time or request.arrival
+        finish = request.finish_time or first
+        parent = trace.set_span_in_context(span)
+        for name, start, end in (("prefill", request.arrival, first), ("decode", first, finish)):
+            child = tracer.start_span(name, context=parent, start_time=offset + int(start * 1e9))
+            child.end(end_time=offset + int(end * 1e9))
+
     def _follow_text(self, turn: _Turn) -> bool:
         """Stream what is safe to show and watch for stop strings; True if one ended the turn."""
         text = self.chat.decode(turn.request.output_ids)
@@ -263,6 +298,7 @@ class ChatService:
             turn.sink.delta(text[turn.sent :])
         user = turn.messages[-1]["content"]
         record = turn_record(conv.turns, user, text, request, turn.started_at)
+        self._trace(turn, record)
         future = commit_turn(self.store, self.writer, conv.conv_id, record, conv.log,
                              request.all_ids)  # fmt: skip
         conv.log = request.all_ids

@@ -10,11 +10,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from opentelemetry import trace
+
 from pensieve.actors.config import CacheConfig, SchedulerConfig
 from pensieve.actors.executor import ModelRunner
 from pensieve.actors.kv_manager import CostFn, KVCacheManager
 from pensieve.actors.request import Request, SamplingParams, TokenSources
 from pensieve.actors.scheduler import Scheduler, StepOutcome
+
+tracer = trace.get_tracer("pensieve.engine")
 
 
 @dataclass
@@ -60,7 +64,19 @@ class Engine:
 
     def step(self) -> StepOutcome:
         plan = self.scheduler.schedule(self.clock())
-        sampled = self.runner.execute(plan)
+        orders = plan.orders
+        if orders.swap_in or orders.swap_out or orders.evict_first:  # a span for steps that move KV
+            with tracer.start_as_current_span("step") as span:
+                span.set_attributes({
+                    "pensieve.swap_in_blocks": len(orders.swap_in),
+                    "pensieve.swap_out_blocks": len(orders.swap_out),
+                    "pensieve.evict_first_blocks": len(orders.evict_first),
+                    "pensieve.sequences": len(plan.pieces),
+                    "pensieve.tokens": plan.num_tokens,
+                })  # fmt: skip
+                sampled = self.runner.execute(plan)
+        else:
+            sampled = self.runner.execute(plan)
         outcome = self.scheduler.update(plan, sampled, self.clock())
         rejected = self.scheduler.rejected
         self.scheduler.rejected = []

@@ -20,6 +20,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import orjson
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pensieve.actors import subjects
 from pensieve.actors.bus import Bus, Incoming
@@ -27,6 +29,7 @@ from pensieve.actors.chat_service import ChatService
 from pensieve.actors.schemas import ApiError, conversation_id, load_object, parse_chat
 
 logger = logging.getLogger(__name__)
+tracer = trace.get_tracer("pensieve.server")
 
 _T = TypeVar("_T")
 _STOP = object()
@@ -108,17 +111,27 @@ class ChatServer:
         return await asyncio.wrap_future(self.engine.call(fn, *args))
 
     async def _chat(self, msg: Incoming) -> None:
+        parent = propagate.extract(msg.headers)
+        with tracer.start_as_current_span(subjects.CHAT, context=parent, kind=SpanKind.SERVER,
+                                          record_exception=False) as span:  # fmt: skip
+            try:
+                await self._chat_turn(msg, span)
+            except ApiError as error:
+                span.set_attribute("pensieve.error", error.code)
+                span.set_status(Status(StatusCode.ERROR, error.message))
+                raise
+
+    async def _chat_turn(self, msg: Incoming, span: trace.Span) -> None:
         request = parse_chat(msg.data)
         sink = _Reply(asyncio.get_running_loop())
-        await self._call(self.engine.service.chat_turn, request, sink)
+        await self._call(self.engine.service.chat_turn, request, sink, span)
         while True:
             kind, value = await sink.items.get()
             if kind == "delta":
                 if request.stream:
                     await msg.send(orjson.dumps({"delta": value}))
             elif kind == "error":
-                await msg.send_error(value)
-                return
+                raise value
             else:
                 await msg.send(orjson.dumps({**value, "done": True} if request.stream else value))
                 return

@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", type=Path, default=None, help="LMDB store (default: "
                        "$XDG_DATA_HOME/pensieve or ~/.local/share/pensieve)")  # fmt: skip
     serve.add_argument("--max-waiting", type=int, default=1024, help="then: 'overloaded'")
+    serve.add_argument(
+        "--trace", default="none", choices=["none", "console", "otlp"],
+        help="OpenTelemetry spans (otlp: to $OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )  # fmt: skip
     serve.set_defaults(run=_serve)
     commands.add_parser("profile", help="profile chunk recompute cost (pensieve profile --help)")
     return parser
@@ -99,11 +103,17 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _serve(args: argparse.Namespace) -> int:
     from pensieve.ops.factory import build
     from pensieve.ops.serve import default_data_dir, run
+    from pensieve.ops.telemetry import setup_tracing
 
     if args.max_waiting < 1:
         raise ValueError("--max-waiting must be >= 1")
+    provider = setup_tracing(args.trace)
     built = build(engine_options(args))
-    return run(built, args.data_dir or default_data_dir(), args.nats_url, args.max_waiting)
+    try:
+        return run(built, args.data_dir or default_data_dir(), args.nats_url, args.max_waiting)
+    finally:
+        if provider is not None:
+            provider.shutdown()  # flush the spans still batched
 
 
 def _replay(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 import nats
 import orjson
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pensieve.actors import subjects
 from pensieve.actors.bus import ERROR_HEADER
@@ -33,6 +34,7 @@ from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.replay import ReplayOptions, replay
 from pensieve.ops.serve import serving
 from pensieve.ops.sharegpt import load_conversations
+from pensieve.ops.telemetry import setup_tracing
 from pensieve.store import ConversationStore
 
 pytestmark = pytest.mark.slow
@@ -78,7 +80,9 @@ def running_server(smollm2, chat, data_dir: Path, url: str) -> Iterator[Any]:
         built.engine.kv.check_invariants()
 
 
-def ask(url: str, subject: str, body: Any, timeout: float = 120.0) -> tuple[list[dict], dict]:
+def ask(
+    url: str, subject: str, body: Any, timeout: float = 120.0, headers: dict | None = None
+) -> tuple[list[dict], dict]:
     """Send one request; returns every message that came back (streamed deltas, then the
     final one) and the final message's headers."""
 
@@ -88,7 +92,7 @@ def ask(url: str, subject: str, body: Any, timeout: float = 120.0) -> tuple[list
             data = body if isinstance(body, bytes) else orjson.dumps(body)
             inbox = client.new_inbox()
             sub = await client.subscribe(inbox)
-            await client.publish(subject, data, reply=inbox)
+            await client.publish(subject, data, reply=inbox, headers=headers)
             got: list[dict] = []
             while True:
                 msg = await sub.next_msg(timeout=timeout)
@@ -101,8 +105,8 @@ def ask(url: str, subject: str, body: Any, timeout: float = 120.0) -> tuple[list
     return asyncio.run(go())
 
 
-def chat(url: str, **body: Any) -> dict:
-    replies, headers = ask(url, subjects.CHAT, body)
+def chat(url: str, headers: dict | None = None, **body: Any) -> dict:
+    replies, headers = ask(url, subjects.CHAT, body, headers=headers)
     assert ERROR_HEADER not in headers, replies[-1]
     return replies[-1]
 
@@ -126,7 +130,15 @@ def nats_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def served(smollm2, smollm2_chat, nats_url, tmp_path_factory) -> Iterator[tuple[str, Any]]:
+def spans() -> InMemorySpanExporter:
+    """Every span of this process, kept in memory (the global provider is set once)."""
+    exporter = InMemorySpanExporter()
+    setup_tracing(exporter)
+    return exporter
+
+
+@pytest.fixture(scope="module")
+def served(smollm2, smollm2_chat, nats_url, tmp_path_factory, spans) -> Iterator[tuple[str, Any]]:
     store = tmp_path_factory.mktemp("store")
     with running_server(smollm2, smollm2_chat, store, nats_url) as built:
         yield nats_url, built
@@ -297,3 +309,73 @@ def test_the_command_serves_with_its_own_nats_server_and_stops_on_sigterm(tmp_pa
             proc.wait()
     with ConversationStore(tmp_path) as store:  # the turn was durable before the reply
         assert store.turns(reply["conversation_id"])[0].assistant_text == reply["text"]
+
+
+def _finished_span(spans: InMemorySpanExporter, match: Any, wait_s: float = 10.0) -> Any:
+    """The first finished span that `match` accepts (a request's span ends after its reply)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        found = [span for span in spans.get_finished_spans() if match(span)]
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    raise AssertionError("no such span")
+
+
+def test_a_request_is_traced_in_the_callers_trace_through_its_phases(served, spans) -> None:
+    server, _ = served
+    trace_id, caller = 0x5E551E7E0000000000000000000000AB, 0x00000000C0FFEE01
+    traceparent = {"traceparent": f"00-{trace_id:032x}-{caller:016x}-01"}
+    first = chat(server, headers=traceparent, message=CHAT[0], max_tokens=8)
+    second = chat(server, headers=traceparent, conversation_id=first["conversation_id"],
+                  message=CHAT[1], max_tokens=8)  # fmt: skip
+
+    def request_span(turn: int) -> Any:
+        return _finished_span(spans, lambda s: s.name == subjects.CHAT
+                              and s.context.trace_id == trace_id
+                              and s.attributes.get("pensieve.turn") == turn)  # fmt: skip
+
+    span = request_span(1)
+    assert span.parent.span_id == caller
+    attrs = span.attributes
+    assert attrs["pensieve.conversation_id"] == first["conversation_id"]
+    assert attrs["pensieve.completion_tokens"] == len(second["token_ids"])
+    cached = second["usage"]["cached_tokens"]
+    assert [attrs[f"pensieve.cached_tokens.{k}"] for k in ("gpu", "cpu", "recomputed")] == [
+        cached["gpu"],
+        cached["cpu"],
+        cached["recomputed"],
+    ]
+    assert request_span(0).attributes["pensieve.cached_tokens.gpu"] == 0
+    phases = {s.name: s for s in spans.get_finished_spans()
+              if s.parent is not None and s.parent.span_id == span.context.span_id}  # fmt: skip
+    assert set(phases) == {"prefill", "decode"}
+    assert span.start_time <= phases["prefill"].start_time <= phases["prefill"].end_time
+    assert phases["prefill"].end_time <= phases["decode"].start_time <= phases["decode"].end_time
+    assert phases["decode"].end_time <= span.end_time
+
+
+def test_a_refused_request_is_traced_as_an_error(server, spans) -> None:
+    trace_id = 0x5E551E7E0000000000000000000000CD
+    header = {"traceparent": f"00-{trace_id:032x}-{1:016x}-01"}
+    ask(server, subjects.CHAT, {"message": ""}, headers=header)
+    span = _finished_span(spans, lambda s: s.context.trace_id == trace_id)
+    assert span.attributes["pensieve.error"] == "invalid_request"
+    assert span.status.status_code.name == "ERROR"
+
+
+def test_steps_that_move_kv_are_traced(server, spans) -> None:
+    """More conversations than 8 GPU blocks hold: history leaves the GPU, and a returning
+    conversation whose history waits in the CPU tier brings it back."""
+    ids = [chat(server, message=f"{CHAT[0]} ({i})", max_tokens=40)["conversation_id"]
+           for i in range(5)]  # fmt: skip
+    from_cpu = 0
+    for conv_id in reversed(ids[:-1]):  # the most recently idle first: likeliest still on the CPU
+        reply = chat(server, conversation_id=conv_id, message=CHAT[1], max_tokens=4)
+        from_cpu = reply["usage"]["cached_tokens"]["cpu"]
+        if from_cpu:
+            break
+    assert from_cpu > 0
+    steps = [s.attributes for s in spans.get_finished_spans() if s.name == "step"]
+    assert any(a["pensieve.swap_out_blocks"] + a["pensieve.evict_first_blocks"] > 0 for a in steps)
+    assert any(a["pensieve.swap_in_blocks"] > 0 for a in steps)
