@@ -50,6 +50,16 @@ class _Conversation:
     busy: bool = False
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """A turn that holds its conversation but has no prompt yet (see `ChatService.reserve`)."""
+
+    request: ChatRequest
+    conv: _Conversation
+    messages: list[ChatMessage]  # to render
+    new: bool  # a conversation this turn creates
+
+
 @dataclass
 class _Turn:
     conv: _Conversation
@@ -128,14 +138,26 @@ class ChatService:
     def chat_turn(
         self, request: ChatRequest, sink: TurnSink, span: trace.Span = trace.INVALID_SPAN
     ) -> None:
-        """Start a turn; raises ApiError (and changes nothing) if it cannot be served. The turn's
-        phases are recorded under `span` (the request's span; a no-op by default)."""
+        """Start a turn in one call (`reserve`, render, `start`); raises ApiError and changes
+        nothing if it cannot be served. The server renders on its tokenizer thread instead."""
+        reservation = self.reserve(request)
+        try:
+            prompt = self.chat.render(reservation.messages)
+        except BaseException:
+            self.release(reservation)
+            raise
+        self.start(reservation, prompt, sink, span)
+
+    def reserve(self, request: ChatRequest) -> Reservation:
+        """Claim the turn's conversation (no other turn may start on it) and give the messages
+        to render; raises ApiError if the turn cannot be taken."""
         if len(self.engine.scheduler.waiting) >= self.max_waiting:
             raise ApiError("overloaded", f"{self.max_waiting} turns are waiting already; retry")
-        if request.conversation_id is None:
+        new = request.conversation_id is None
+        if new:
             conv = _Conversation(self.new_id(), [], [], 0)
         else:
-            conv = self._conversation(request.conversation_id)
+            conv = self._conversation(request.conversation_id or "")
             if conv.busy:
                 raise ApiError("invalid_request", f"conversation {conv.conv_id!r} has a turn "
                                "in progress; send the next message after its reply")  # fmt: skip
@@ -143,9 +165,29 @@ class ChatService:
             messages = list(request.messages)
         else:
             messages = [*conv.messages, {"role": "user", "content": request.message or ""}]
-        prompt = self.chat.render(messages)
+        conv.busy = True
+        self.conversations[conv.conv_id] = conv
+        return Reservation(request, conv, messages, new)
+
+    def release(self, reservation: Reservation) -> None:
+        """The reserved turn will not start: free its conversation again."""
+        reservation.conv.busy = False
+        if reservation.new:
+            self.conversations.pop(reservation.conv.conv_id, None)
+
+    def start(
+        self,
+        reservation: Reservation,
+        prompt: list[int],
+        sink: TurnSink,
+        span: trace.Span = trace.INVALID_SPAN,
+    ) -> None:
+        """Queue the reserved turn with its rendered prompt; its phases are recorded under
+        `span` (the request's span; a no-op by default). On ApiError the reservation is freed."""
+        request, conv = reservation.request, reservation.conv
         room = self.max_context - len(prompt)
         if room < 1:
+            self.release(reservation)
             raise ApiError("too_long", f"the prompt has {len(prompt)} tokens; the model's "
                            f"context holds {self.max_context}")  # fmt: skip
         seed = request.seed
@@ -158,12 +200,15 @@ class ChatService:
             seed=seed,
             ignore_eos=request.ignore_eos,
         )
-        engine_request = self.engine.add_request(conv.conv_id, prompt, sampling)
-        self.conversations[conv.conv_id] = conv
-        conv.busy = True
+        try:
+            engine_request = self.engine.add_request(conv.conv_id, prompt, sampling)
+        except ValueError as error:
+            self.release(reservation)
+            raise ApiError("invalid_request", str(error)) from None
         self.turns[engine_request.request_id] = _Turn(
-            conv, engine_request, messages, sink, request.stream, request.stop, time.time(), span
-        )
+            conv, engine_request, reservation.messages, sink, request.stream, request.stop,
+            time.time(), span,
+        )  # fmt: skip
         span.set_attributes({
             "pensieve.conversation_id": conv.conv_id,
             "pensieve.turn": conv.turns,

@@ -5,18 +5,19 @@ every call into it runs on that thread, between steps, so none of them needs a l
 steps the engine while there is work and otherwise sleeps on its command queue.
 
 `ChatServer` answers the client API (`actors/subjects.py`) over the bus: it parses and validates
-requests on the event loop, hands them to the engine thread, and sends replies (or streamed
-deltas) back to the requester's inbox.
+requests on the event loop, renders the chat template on its tokenizer thread, hands the turn to
+the engine thread, and sends replies (or streamed deltas) back to the requester's inbox.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import orjson
@@ -27,6 +28,7 @@ from pensieve.actors import subjects
 from pensieve.actors.bus import Bus, Incoming
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.schemas import ApiError, conversation_id, load_object, parse_chat
+from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
 
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("pensieve.server")
@@ -76,6 +78,19 @@ class EngineThread:
                 self.service.fail_all(ApiError("internal", f"engine step failed: {error}"))
 
 
+_thread_tokenizer = threading.local()
+
+
+def _set_tokenizer(chat: ChatTokenizer) -> None:
+    _thread_tokenizer.chat = chat
+
+
+def render(messages: list[ChatMessage]) -> list[int]:
+    """The chat template over `messages`, on the tokenizer thread."""
+    chat: ChatTokenizer = _thread_tokenizer.chat
+    return chat.render(messages)
+
+
 class _Reply:
     """A turn's sink: forwards the engine thread's calls to the event loop as queue items."""
 
@@ -100,6 +115,16 @@ class ChatServer:
     def __init__(self, bus: Bus, engine: EngineThread) -> None:
         self.bus = bus
         self.engine = engine
+        # the tokenizer actor: one thread with a tokenizer of its own (a Rust tokenizer shared
+        # with the engine thread, which decodes replies, could refuse a concurrent borrow)
+        chat = engine.service.chat
+        own = ChatTokenizer(copy.deepcopy(chat.tokenizer), chat.vocab_size)
+        self.tokenizer = ThreadPoolExecutor(
+            1, thread_name_prefix="pensieve-tokenizer", initializer=_set_tokenizer, initargs=(own,)
+        )
+
+    def close(self) -> None:
+        self.tokenizer.shutdown(wait=True, cancel_futures=True)
 
     async def start(self) -> None:
         await self.bus.serve(subjects.CHAT, self._chat)
@@ -124,7 +149,17 @@ class ChatServer:
     async def _chat_turn(self, msg: Incoming, span: trace.Span) -> None:
         request = parse_chat(msg.data)
         sink = _Reply(asyncio.get_running_loop())
-        await self._call(self.engine.service.chat_turn, request, sink, span)
+        service = self.engine.service
+        reservation = await self._call(service.reserve, request)
+        try:  # the chat template runs here, not between two engine steps
+            prompt = await asyncio.wrap_future(self.tokenizer.submit(render, reservation.messages))
+        except BaseException as error:
+            self.engine.call(service.release, reservation)
+            if isinstance(error, Exception):  # the template's own checks (role order, ...)
+                raise ApiError("invalid_request", f"the chat template refused the messages: "
+                               f"{type(error).__name__}: {error}") from None  # fmt: skip
+            raise
+        await self._call(service.start, reservation, prompt, sink, span)
         while True:
             kind, value = await sink.items.get()
             if kind == "delta":

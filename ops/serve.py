@@ -40,11 +40,13 @@ async def serving(
         engine = EngineThread(service)
         try:
             bus = await Bus.connect(nats_url)
+            server = ChatServer(bus, engine)
             try:
-                await ChatServer(bus, engine).start()
+                await server.start()
                 yield service
             finally:
                 await bus.close()
+                server.close()
         finally:
             engine.stop()
 

@@ -251,6 +251,15 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(
     assert chat(server, message=CHAT[0], max_tokens=4)["token_ids"] == reference[0][:4]
 
 
+def test_a_refused_turn_leaves_its_conversation_free_for_the_next(server) -> None:
+    conv_id = chat(server, message=CHAT[0], max_tokens=4)["conversation_id"]
+    replies, headers = ask(server, subjects.CHAT, {"conversation_id": conv_id,
+                                                   "message": "tell me " * 9000})  # fmt: skip
+    assert headers.get(ERROR_HEADER) == "too_long", replies
+    again = chat(server, conversation_id=conv_id, message=CHAT[1], max_tokens=4)
+    assert again["turn"] == 1
+
+
 def test_conversations_are_listed_read_and_deleted(server) -> None:
     conv_id = chat(server, message=CHAT[0], max_tokens=4)["conversation_id"]
     listed, _ = ask(server, subjects.CONVERSATIONS_LIST, {})
