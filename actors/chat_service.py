@@ -1,8 +1,9 @@
 """The chat service's core: conversations, turns and replies around the engine (no I/O).
 
 Everything here runs on one thread, the one that steps the engine (see `actors/server.py`): the
-async shell hands it requests and receives replies through a `TurnSink`. A turn's prompt is the
-chat template rendered over the conversation's messages plus the new one; the scheduler reuses
+async shell hands it requests and receives replies through a `TurnSink`. A turn starts in two
+calls: `reserve` claims its conversation and gives the messages, which the shell renders with the
+chat template elsewhere, and `start` queues the rendered prompt. The scheduler reuses
 the conversation's KV up to the first token where the prompt differs from its token log, so a
 stateless client that resends its history (`messages`) hits the cache as well.
 
@@ -134,19 +135,6 @@ class ChatService:
         self.turns: dict[str, _Turn] = {}  # request id -> turn in flight
 
     # ---- requests ------------------------------------------------------------------------
-
-    def chat_turn(
-        self, request: ChatRequest, sink: TurnSink, span: trace.Span = trace.INVALID_SPAN
-    ) -> None:
-        """Start a turn in one call (`reserve`, render, `start`); raises ApiError and changes
-        nothing if it cannot be served. The server renders on its tokenizer thread instead."""
-        reservation = self.reserve(request)
-        try:
-            prompt = self.chat.render(reservation.messages)
-        except BaseException:
-            self.release(reservation)
-            raise
-        self.start(reservation, prompt, sink, span)
 
     def reserve(self, request: ChatRequest) -> Reservation:
         """Claim the turn's conversation (no other turn may start on it) and give the messages
