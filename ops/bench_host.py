@@ -7,11 +7,18 @@ updated with random sampled tokens; nothing runs on a device. The host work meas
 overlapped with the GPU in the engine, so every millisecond of it is a millisecond of every step.
 
     python3 -m pensieve.ops.bench_host [--steps 3000] [--seed 0]
+
+`--streams N` times instead the text work the engine thread does per step for N streamed replies
+(ShareGPT replies through SmolLM2's tokenizer, one token each per step): following each reply
+with a `TextStream` against decoding each whole reply again every step.
+
+    python3 -m pensieve.ops.bench_host --streams 256 [--tokens 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import time
 
@@ -19,6 +26,7 @@ from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.kv_manager import KVCacheManager
 from pensieve.actors.request import Request, SamplingParams
 from pensieve.actors.scheduler import Scheduler
+from pensieve.actors.tokenizer import ChatTokenizer
 
 STEP_S = 0.03  # simulated time per step (the H200's steady-state step is 25-45 ms)
 VOCAB = 32000
@@ -73,11 +81,51 @@ def run(steps: int, seed: int, policy: Policy = Policy.PENSIEVE) -> dict[str, fl
     }
 
 
+def follow_cost(chat: ChatTokenizer, streams: int, tokens: int) -> dict[str, float]:
+    """Mean text time per step (ms) of `streams` replies growing one token a step, followed
+    incrementally and decoded whole, over `tokens` steps."""
+    from pensieve.ops.sharegpt import Role, load_conversations
+
+    replies: list[list[int]] = []
+    for conv in itertools.islice(load_conversations("sharegpt", 4 * streams), 4 * streams):
+        for message in conv.turns:
+            ids = chat.encode(message.text) if message.role is Role.GPT else []
+            if len(ids) >= tokens and len(replies) < streams:
+                replies.append(ids[:tokens])
+    if len(replies) < streams:
+        raise SystemExit(f"only {len(replies)} replies of {tokens} tokens in the dataset")
+    followers = [chat.text_stream() for _ in replies]
+    begin = time.perf_counter()
+    for step in range(1, tokens + 1):
+        for follower, ids in zip(followers, replies, strict=True):
+            follower.push(ids[:step])
+    incremental_s = time.perf_counter() - begin
+    begin = time.perf_counter()
+    for step in range(1, tokens + 1):
+        for ids in replies:
+            chat.decode(ids[:step])
+    whole_s = time.perf_counter() - begin
+    assert all(f.text == chat.decode(ids) for f, ids in zip(followers, replies, strict=True))
+    return {"stream_ms": incremental_s / tokens * 1e3, "whole_ms": whole_s / tokens * 1e3}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="host time per step of scheduler + cache manager")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--streams", type=int, default=0, help="time the text work of N streams")
+    p.add_argument("--tokens", type=int, default=256, help="tokens of each streamed reply")
     args = p.parse_args(argv)
+    if args.streams:
+        from pensieve.models.assets import smollm2_tokenizer
+
+        chat = ChatTokenizer(smollm2_tokenizer(), vocab_size=2**31)
+        cost = follow_cost(chat, args.streams, args.tokens)
+        print(
+            f"per step, {args.streams} streams of {args.tokens} tokens: TextStream "
+            f"{cost['stream_ms']:.2f} ms, whole-reply decode {cost['whole_ms']:.2f} ms"
+        )
+        return 0
     result = run(args.steps, args.seed)
     print(
         f"per step: schedule {result['schedule_ms']:.2f} ms, update {result['update_ms']:.2f} ms "

@@ -123,10 +123,9 @@ def _tokenizer(options: EngineOptions, loaded: LoadedModel) -> object:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if loaded.tokenizer is not None:
         return loaded.tokenizer
-    from pensieve.models.assets import smollm2_gguf_path
+    from pensieve.models.assets import smollm2_tokenizer
 
-    gguf = smollm2_gguf_path()  # presets borrow SmolLM2's tokenizer for realistic lengths
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return smollm2_tokenizer()  # presets borrow SmolLM2's tokenizer for realistic lengths
 
 
 def _cost_model(options: EngineOptions, config: ModelConfig) -> CostModel:

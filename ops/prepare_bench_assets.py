@@ -36,12 +36,9 @@ def write_sharegpt(out: Path, num: int) -> int:
 
 
 def write_tokenizer(out: Path) -> None:
-    from transformers import AutoTokenizer
+    from pensieve.models.assets import smollm2_tokenizer
 
-    from pensieve.models.assets import smollm2_gguf_path
-
-    gguf = smollm2_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = smollm2_tokenizer()
     tokenizer.save_pretrained(str(out / "tokenizer"))
 
 
