@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import nats
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -50,7 +51,14 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str = "pensieve") -> Bus:
-        return cls(await nats.connect(url, name=name, max_reconnect_attempts=-1))
+        """Connect, retrying until the server answers (in a compose stack the engine may start
+        before NATS does); each failed try is one log line."""
+
+        async def on_error(error: Exception) -> None:
+            logger.warning("NATS at %s: %s: %s", url, type(error).__name__, error)
+
+        client = await nats.connect(url, name=name, max_reconnect_attempts=-1, error_cb=on_error)
+        return cls(client)
 
     async def serve(self, subject: str, handler: Handler, queue: str = "pensieve") -> None:
         """Answer requests on `subject` (members of one queue group share them)."""
@@ -73,6 +81,14 @@ class Bus:
             await incoming.send_error(ApiError("internal", f"{type(error).__name__}: {error}"))
 
     async def close(self) -> None:
+        """Stop handling requests and leave the bus: drain (let queued messages and replies go
+        out) when connected; when NATS is down, just close, as there is nothing to drain to."""
         for task in list(self._tasks):
             task.cancel()
-        await self.client.drain()
+        if self.client.is_connected:
+            try:
+                await self.client.drain()
+                return
+            except nats.errors.Error as error:  # NATS went away while draining
+                logger.warning("NATS drain failed: %s", error)
+        await self.client.close()

@@ -17,7 +17,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pensieve.ops.cost_profile import main as profile_main
 
             return int(profile_main(argv[1:]) or 0)
-        args = _parser().parse_args(argv)
+        args = build_parser().parse_args(argv)
         return int(args.run(args))
     except KeyboardInterrupt:
         return 130
@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pensieve", description=__doc__)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     replay = commands.add_parser("replay", help="replay conversations through the engine offline")

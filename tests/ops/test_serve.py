@@ -30,7 +30,7 @@ from pensieve.actors import subjects
 from pensieve.actors.bus import ERROR_HEADER
 from pensieve.actors.config import Policy
 from pensieve.ops.factory import EngineOptions, assemble
-from pensieve.ops.nats_server import EmbeddedNats
+from pensieve.ops.nats_server import EmbeddedNats, free_port
 from pensieve.ops.replay import ReplayOptions, replay
 from pensieve.ops.serve import serving
 from pensieve.ops.sharegpt import load_conversations
@@ -78,6 +78,7 @@ def running_server(smollm2, chat, data_dir: Path, url: str) -> Iterator[Any]:
         thread.join(60)
         loop.close()
         built.engine.kv.check_invariants()
+    assert not thread.is_alive() and not failed, f"the server did not stop cleanly: {failed}"
 
 
 def ask(
@@ -290,6 +291,44 @@ def test_a_restarted_server_continues_a_conversation_from_the_store(
                           max_tokens=MAX_TOKENS)  # fmt: skip
     assert first["token_ids"] == reference[0] and second["token_ids"] == reference[1]
     assert second["usage"]["cached_tokens"]["recomputed"] > 0  # the KV came from the token log
+
+
+def _wait_until_served(url: str, within_s: float = 60.0) -> None:
+    """Ask until the server answers (after a NATS restart it reconnects on its own schedule)."""
+
+    async def wait() -> None:
+        client = await nats.connect(url)
+        try:
+            deadline = time.monotonic() + within_s
+            while True:
+                try:  # "no responders" until the server has subscribed again
+                    await client.request(subjects.CONVERSATIONS_LIST, b"{}", timeout=1.0)
+                    return
+                except nats.errors.Error:
+                    assert time.monotonic() < deadline, f"no answer on {url} in {within_s} s"
+                    await asyncio.sleep(0.2)
+        finally:
+            await client.close()
+
+    asyncio.run(wait())
+
+
+def test_the_server_rides_out_a_nats_restart_and_stops_while_nats_is_down(
+    smollm2, smollm2_chat, reference, tmp_path
+) -> None:
+    """NATS goes away between two turns and comes back on the same port: the server reconnects
+    and the conversation goes on with the same tokens; then NATS goes away again and the
+    server still stops cleanly (a drain towards a missing server used to raise)."""
+    port = free_port()
+    first_nats = EmbeddedNats(port).__enter__()
+    with running_server(smollm2, smollm2_chat, tmp_path, first_nats.url):
+        first = chat(first_nats.url, message=CHAT[0], max_tokens=MAX_TOKENS)
+        first_nats.__exit__(None, None, None)
+        with EmbeddedNats(port) as second_nats:
+            _wait_until_served(second_nats.url)
+            second = chat(second_nats.url, conversation_id=first["conversation_id"],
+                          message=CHAT[1], max_tokens=MAX_TOKENS)  # fmt: skip
+    assert first["token_ids"] == reference[0] and second["token_ids"] == reference[1]
 
 
 def test_the_command_serves_with_its_own_nats_server_and_stops_on_sigterm(tmp_path) -> None:
