@@ -53,7 +53,9 @@ class TextStream:
     split over several tokens (multi-byte UTF-8, byte-fallback pieces) waits until it is whole.
     With a fast tokenizer this is the `tokenizers` library's `DecodeStream` (Rust, a few
     microseconds a token: it decodes only a short window of the latest tokens); a tokenizer
-    without a Rust backend decodes the whole reply each time, which is correct but quadratic.
+    without a Rust backend decodes the whole reply each time, which is correct but quadratic, and
+    so does a stream from the moment `DecodeStream` refuses its tokens (it raises on some
+    sequences of byte pieces that are not valid UTF-8).
     """
 
     def __init__(self, chat: ChatTokenizer) -> None:
@@ -70,12 +72,16 @@ class TextStream:
     def push(self, token_ids: Sequence[int]) -> str:
         new_ids = token_ids[self._fed :]
         self._fed = len(token_ids)
-        if self._stream is None:
+        added = None
+        if self._stream is not None:
+            try:
+                pieces = [self._stream.step(self._backend, int(t)) for t in new_ids]
+                added = "".join(p for p in pieces if p)
+            except Exception:  # it refuses some invalid byte sequences: decode whole from here
+                self._stream = None
+        if added is None:
             whole = self.chat.decode(token_ids)
             end = len(whole.rstrip("\ufffd"))  # an unfinished character waits
             added = whole[len(self.text) : end] if end > len(self.text) else ""
-        else:
-            pieces = [self._stream.step(self._backend, int(t)) for t in new_ids]
-            added = "".join(p for p in pieces if p)
         self.text += added
         return added

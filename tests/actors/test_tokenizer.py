@@ -110,6 +110,19 @@ def test_special_tokens_add_no_text(chat: ChatTokenizer) -> None:
     assert stream.text == "First part 你 and after 🎉" == chat.decode(ids)
 
 
+def test_a_sequence_the_rust_stream_refuses_is_still_followed() -> None:
+    """`DecodeStream` raises on these byte pieces (found by the test below); the follower goes
+    on by decoding the whole reply, and the engine thread never sees the exception."""
+    chat = ChatTokenizer(_SENTENCEPIECE, vocab_size=len(_SENTENCEPIECE))
+    ids = [*_byte_pieces(b"\x00\x80"), *chat.encode(" then text 你好")]
+    stream = _follow(chat, ids, random.Random(0))
+    assert stream.text.endswith("then text 你好")
+
+
+def _byte_pieces(data: bytes) -> list[int]:
+    return [_SENTENCEPIECE.convert_tokens_to_ids(f"<0x{b:02X}>") for b in data]
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_any_token_sequence_is_followed(data: st.DataObject) -> None:
