@@ -40,6 +40,12 @@ class Incoming:
     async def send_error(self, error: ApiError) -> None:
         await self.send(error.body(), error.code)
 
+    async def forward(self, subject: str) -> None:
+        """Hand the request on to `subject` as it came: the answer goes to the requester."""
+        await self._client.publish(
+            subject, self.data, reply=self.reply, headers=self.headers or None
+        )
+
 
 Handler = Callable[[Incoming], Awaitable[None]]
 

@@ -25,7 +25,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pensieve.actors import subjects
-from pensieve.actors.bus import Bus, Incoming
+from pensieve.actors.bus import Bus, Handler, Incoming
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.schemas import ApiError, conversation_id, load_object, parse_chat
 from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
@@ -112,9 +112,10 @@ class _Reply:
 
 
 class ChatServer:
-    def __init__(self, bus: Bus, engine: EngineThread) -> None:
+    def __init__(self, bus: Bus, engine: EngineThread, engine_id: str) -> None:
         self.bus = bus
         self.engine = engine
+        self.engine_id = engine_id
         # the tokenizer actor: one thread with a tokenizer of its own (a Rust tokenizer shared
         # with the engine thread, which decodes replies, could refuse a concurrent borrow)
         chat = engine.service.chat
@@ -127,10 +128,33 @@ class ChatServer:
         self.tokenizer.shutdown(wait=True, cancel_futures=True)
 
     async def start(self) -> None:
-        await self.bus.serve(subjects.CHAT, self._chat)
-        await self.bus.serve(subjects.CONVERSATIONS_GET, self._get)
-        await self.bus.serve(subjects.CONVERSATIONS_DELETE, self._delete)
-        await self.bus.serve(subjects.CONVERSATIONS_LIST, self._list)
+        """Answer the shared subjects and this engine's own (see `actors/subjects.py`)."""
+        handlers: dict[str, Handler] = {
+            subjects.CHAT: self._owned(subjects.CHAT, self._chat),
+            subjects.CONVERSATIONS_GET: self._owned(subjects.CONVERSATIONS_GET, self._get),
+            subjects.CONVERSATIONS_DELETE: self._owned(subjects.CONVERSATIONS_DELETE, self._delete),
+            subjects.CONVERSATIONS_LIST: self._list,
+        }
+        for subject, handler in handlers.items():
+            await self.bus.serve(subject, handler)
+            await self.bus.serve(subjects.engine_subject(self.engine_id, subject), handler)
+
+    def _owned(self, subject: str, handler: Handler) -> Handler:
+        """`handler` for the requests whose conversation lives here; the others are forwarded
+        to the engine that owns them (which never forwards them again)."""
+
+        async def route(msg: Incoming) -> None:
+            try:
+                body = orjson.loads(msg.data)
+            except orjson.JSONDecodeError:
+                body = None  # the handler reports it
+            owner = subjects.owner(body.get("conversation_id") if isinstance(body, dict) else None)
+            if owner is not None and owner != self.engine_id:
+                await msg.forward(subjects.engine_subject(owner, subject))
+            else:
+                await handler(msg)
+
+        return route
 
     async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.wrap_future(self.engine.call(fn, *args))
@@ -183,4 +207,5 @@ class ChatServer:
 
     async def _list(self, msg: Incoming) -> None:
         load_object(msg.data)
-        await msg.send(orjson.dumps(await self._call(self.engine.service.list)))
+        listed = await self._call(self.engine.service.list)
+        await msg.send(orjson.dumps({**listed, "engine_id": self.engine_id}))

@@ -1,7 +1,36 @@
-"""NATS subject names of the client API (version 1)."""
+"""NATS subject names of the client API (version 1), and which engine owns a conversation.
+
+Every engine answers the shared subjects (one queue group) and its own
+`pensieve.v1.engine.<id>.*` subjects. A conversation's id names the engine that created it
+(`c-<engine id>-<hex>`); a request for it that reaches another engine is forwarded there, so its
+KV is used where it lives.
+"""
+
+from __future__ import annotations
+
+import re
 
 PREFIX = "pensieve.v1"
 CHAT = f"{PREFIX}.chat"
 CONVERSATIONS_GET = f"{PREFIX}.conversations.get"
 CONVERSATIONS_DELETE = f"{PREFIX}.conversations.delete"
 CONVERSATIONS_LIST = f"{PREFIX}.conversations.list"
+
+_OWNED_ID = re.compile(r"c-([0-9a-f]{8})-[0-9a-f]+")
+
+
+def engine_subject(engine_id: str, subject: str) -> str:
+    """`subject` as addressed to one engine: pensieve.v1.chat -> pensieve.v1.engine.<id>.chat."""
+    return f"{PREFIX}.engine.{engine_id}.{subject.removeprefix(PREFIX + '.')}"
+
+
+def new_conversation_id(engine_id: str, suffix: str) -> str:
+    return f"c-{engine_id}-{suffix}"
+
+
+def owner(conversation_id: object) -> str | None:
+    """The engine id in a conversation id (None for ids that name no engine)."""
+    if not isinstance(conversation_id, str):
+        return None
+    match = _OWNED_ID.fullmatch(conversation_id)
+    return match.group(1) if match else None

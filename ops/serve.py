@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from pensieve.actors import subjects
 from pensieve.actors.bus import Bus
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.server import ChatServer, EngineThread
@@ -35,12 +37,17 @@ async def serving(
     """Serve the client API on `nats_url` while the context is open."""
     store.clear_spills()  # the CPU tier does not survive a restart
     with StoreWriter() as writer:
+        engine_id = store.engine_id()
+
+        def new_id() -> str:  # names this engine, so other engines forward its turns here
+            return subjects.new_conversation_id(engine_id, secrets.token_hex(8))
+
         service = ChatService(built.engine, built.chat, built.loaded.config.max_context_len,
-                              store, writer, max_waiting)  # fmt: skip
+                              store, writer, max_waiting, new_id)  # fmt: skip
         engine = EngineThread(service)
         try:
             bus = await Bus.connect(nats_url)
-            server = ChatServer(bus, engine)
+            server = ChatServer(bus, engine, engine_id)
             try:
                 await server.start()
                 yield service
@@ -59,8 +66,9 @@ async def _serve_until_signal(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with serving(built, store, url, waiting):
-        print(f"pensieve: serving on {url} (pensieve.v1.chat, pensieve.v1.conversations.*)",
-              file=sys.stderr, flush=True)  # fmt: skip
+        own = subjects.engine_subject(store.engine_id(), ">")
+        print(f"pensieve: serving on {url} (pensieve.v1.chat, pensieve.v1.conversations.*; "
+              f"this engine: {own})", file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -41,7 +42,7 @@ class ConversationStore:
         self._path = Path(path)
         self._path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         self._env = lmdb.open(
-            str(self._path), map_size=map_size, max_dbs=4, mode=FILE_MODE, readahead=False
+            str(self._path), map_size=map_size, max_dbs=5, mode=FILE_MODE, readahead=False
         )
         _restrict_file_modes(self._path)
         self._gate = ResizeGate()
@@ -50,6 +51,7 @@ class ConversationStore:
         self._logs = self._open_db(b"logs")
         self._turns = self._open_db(b"turns")
         self._spills = self._open_db(b"spills")
+        self._info = self._open_db(b"info")
 
     @property
     def path(self) -> Path:
@@ -150,6 +152,19 @@ class ConversationStore:
                 for item_key in [k for k, _ in _prefix_items(txn, db, key)]:
                     txn.delete(item_key, db=db)
             return existed
+
+        return self._transact(apply, write=True)
+
+    def engine_id(self) -> str:
+        """This store's engine id: 8 hex digits, made on first use and kept, so the conversations
+        in the store and the engine serving them keep one name across restarts."""
+
+        def apply(txn: lmdb.Transaction[bytes]) -> str:
+            value = txn.get(b"engine_id", db=self._info)
+            if value is None:
+                value = secrets.token_hex(4).encode()
+                txn.put(b"engine_id", value, db=self._info)
+            return value.decode()
 
         return self._transact(apply, write=True)
 

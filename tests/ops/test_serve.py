@@ -293,6 +293,47 @@ def test_a_restarted_server_continues_a_conversation_from_the_store(
     assert second["usage"]["cached_tokens"]["recomputed"] > 0  # the KV came from the token log
 
 
+def test_two_engines_on_one_bus_keep_each_conversation_where_its_kv_is(
+    smollm2, smollm2_chat, reference, tmp_path
+) -> None:
+    """Each engine has its own store and tiers. A conversation started on one engine and
+    continued through the other engine's own subject, or through the shared subject (which
+    either engine may take), is forwarded to the engine that holds it: the tokens are the
+    reference's and the history comes from the cache, never `not_found`."""
+    engine_ids = []
+    for name in ("a", "b"):
+        with ConversationStore(tmp_path / name) as store:
+            engine_ids.append(store.engine_id())
+            assert store.engine_id() == engine_ids[-1]  # kept, not drawn again
+    assert engine_ids[0] != engine_ids[1]
+    with EmbeddedNats() as bus, contextlib.ExitStack() as servers:
+        for name in ("a", "b"):
+            servers.enter_context(running_server(smollm2, smollm2_chat, tmp_path / name, bus.url))
+        owned = {}
+        for engine_id in engine_ids:  # one conversation started on each engine
+            (first,), _ = ask(bus.url, subjects.engine_subject(engine_id, subjects.CHAT),
+                              {"message": CHAT[0], "max_tokens": MAX_TOKENS})  # fmt: skip
+            assert first["conversation_id"].startswith(f"c-{engine_id}-")
+            assert first["token_ids"] == reference[0]
+            owned[engine_id] = first["conversation_id"]
+        for turn in (1, 2):
+            for engine_id, other in zip(engine_ids, reversed(engine_ids), strict=True):
+                body = {"conversation_id": owned[engine_id], "message": CHAT[turn],
+                        "max_tokens": MAX_TOKENS}  # fmt: skip
+                subject = subjects.engine_subject(other, subjects.CHAT) if turn == 1 else None
+                replies, headers = ask(bus.url, subject or subjects.CHAT, body)
+                assert ERROR_HEADER not in headers, replies
+                assert replies[-1]["token_ids"] == reference[turn]
+                assert replies[-1]["usage"]["cached_tokens"]["gpu"] > 0
+        for engine_id, other in zip(engine_ids, reversed(engine_ids), strict=True):
+            (stored,), _ = ask(bus.url, subjects.engine_subject(other, subjects.CONVERSATIONS_GET),
+                               {"conversation_id": owned[engine_id]})  # fmt: skip
+            assert [t["message"] for t in stored["turns"]] == CHAT
+            (listed,), _ = ask(bus.url, subjects.engine_subject(engine_id,
+                               subjects.CONVERSATIONS_LIST), {})  # fmt: skip
+            assert listed == {"conversations": [owned[engine_id]], "engine_id": engine_id}
+
+
 def _wait_until_served(url: str, within_s: float = 60.0) -> None:
     """Ask until the server answers (after a NATS restart it reconnects on its own schedule)."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -234,3 +235,14 @@ def test_closed_store_refuses_work(tmp_path: Path) -> None:
     store.close()
     with pytest.raises(RuntimeError, match="closed"):
         store.token_log("c")
+
+
+def test_the_engine_id_is_made_once_and_kept(tmp_path: Path) -> None:
+    with ConversationStore(tmp_path / "one") as store:
+        engine_id = store.engine_id()
+        assert re.fullmatch(r"[0-9a-f]{8}", engine_id)
+        assert store.list_conversations() == []  # not a conversation
+    with ConversationStore(tmp_path / "one") as store:
+        assert store.engine_id() == engine_id
+    with ConversationStore(tmp_path / "two") as store:
+        assert store.engine_id() != engine_id
