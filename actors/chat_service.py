@@ -256,6 +256,14 @@ class ChatService:
             if turn is not None:
                 self._complete(turn)
 
+    def recover(self, error: Exception) -> None:
+        """The engine's step raised: answer every turn in flight with `internal` and reset the
+        engine (`Engine.reset`); conversations keep their committed turns, and a turn sent again
+        recomputes its history and gives the output it would have given."""
+        message = f"engine step failed ({type(error).__name__}: {error}); nothing was stored"
+        self.engine.reset(message)
+        self.fail_all(ApiError("internal", f"{message}, send the turn again"))
+
     def fail_all(self, error: ApiError) -> None:
         """Answer every turn in flight with `error` (the engine cannot go on with them)."""
         for turn in self.turns.values():

@@ -12,10 +12,16 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from pensieve.actors.config import CacheConfig, SchedulerConfig
+from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.executor import ModelRunner
 from pensieve.actors.kv_manager import CostFn, KVCacheManager
-from pensieve.actors.request import Request, SamplingParams, TokenSources
+from pensieve.actors.request import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    TokenSources,
+)
 from pensieve.actors.scheduler import Scheduler, StepOutcome
 
 tracer = trace.get_tracer("pensieve.engine")
@@ -61,6 +67,33 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def reset(self, error: str) -> list[Request]:
+        """Recover from a step that raised: abort every request in flight and forget all KV.
+
+        The failed step's plan had already taken its requests' positions and issued its swap
+        orders, so neither those requests nor any chunk a copy touched can be trusted. Every
+        conversation is kept as history with all chunks dropped (as after a restart), so its next
+        turn recomputes the KV from its tokens and the output does not change.
+        """
+        self.runner.swap.settle()
+        now = self.clock()
+        aborted = [*self.scheduler.running, *self.scheduler.waiting]
+        for request in aborted:
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = FinishReason.ABORT
+            request.error = error
+            request.finish_time = now
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        for conv_id in list(self.kv.conversations):
+            self.kv.forget(conv_id)
+        self.kv.take_orders()  # the cancelled copies, and slots freed for the next step
+        if self.kv.config.policy is Policy.STATELESS:
+            self.scheduler.histories.clear()  # only turns in flight had one
+        for conv_id, tokens in self.scheduler.histories.items():
+            self.kv.restore(conv_id, max(len(tokens) - 1, 0), now)
+        return aborted
 
     def step(self) -> StepOutcome:
         plan = self.scheduler.schedule(self.clock())

