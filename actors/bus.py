@@ -3,17 +3,24 @@
 Handlers get an `Incoming` message and answer on its reply subject. Each message is handled in a
 task of its own, so a long turn never holds up the next request on the same subject; a handler
 that raises is answered with an `internal` error and logged, and the subscription keeps serving.
+Every endpoint counts its requests, errors and processing time, which `advertise` reports through
+the NATS service discovery protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime
 import logging
+import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import nats
 import nats.errors
+import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -50,10 +57,36 @@ class Incoming:
 Handler = Callable[[Incoming], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class ServiceInfo:
+    """Who answers on this bus, for NATS service discovery (one engine = one service id)."""
+
+    name: str
+    id: str
+    version: str
+    description: str
+
+
+@dataclass
+class EndpointStats:
+    name: str
+    subject: str
+    queue_group: str
+    num_requests: int = 0
+    num_errors: int = 0
+    last_error: str = ""
+    processing_time: int = 0  # ns, over all requests
+
+    def as_json(self) -> dict[str, object]:
+        average = self.processing_time // self.num_requests if self.num_requests else 0
+        return {**dataclasses.asdict(self), "average_processing_time": average, "data": None}
+
+
 class Bus:
     def __init__(self, client: Client) -> None:
         self.client = client
         self._tasks: set[asyncio.Task[None]] = set()
+        self.endpoints: dict[str, EndpointStats] = {}  # by subject
 
     @classmethod
     async def connect(cls, url: str, name: str = "pensieve") -> Bus:
@@ -68,23 +101,69 @@ class Bus:
 
     async def serve(self, subject: str, handler: Handler, queue: str = "pensieve") -> None:
         """Answer requests on `subject` (members of one queue group share them)."""
+        stats = EndpointStats(re.sub(r"[^A-Za-z0-9_-]", "-", subject), subject, queue)
+        self.endpoints[subject] = stats
 
         async def on_message(msg: Msg) -> None:
-            task = asyncio.create_task(self._handle(handler, msg))
+            task = asyncio.create_task(self._handle(handler, msg, stats))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
         await self.client.subscribe(subject, queue=queue, cb=on_message)
 
-    async def _handle(self, handler: Handler, msg: Msg) -> None:
+    async def advertise(self, service: ServiceInfo) -> None:
+        """Answer the NATS service discovery protocol (`$SRV.PING|INFO|STATS[.name[.id]]`), so
+        `nats micro list|info|stats pensieve` show every engine with the endpoints above and
+        their request counts, errors and processing times.
+
+        nats-py's own `nats.micro` answers these too, but it also runs each endpoint's requests
+        one after another (its handler is awaited in the subscription's callback), which a
+        streamed turn of several seconds would hold up; so the endpoints stay ours and only the
+        discovery answers are written here."""
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        identity = {"name": service.name, "id": service.id, "version": service.version,
+                    "metadata": {}}  # fmt: skip
+
+        def body(kind: str) -> dict[str, object]:
+            reply: dict[str, object] = {"type": f"io.nats.micro.v1.{kind}_response", **identity}
+            if kind == "info":
+                reply["description"] = service.description
+                reply["endpoints"] = [
+                    {"name": e.name, "subject": e.subject, "queue_group": e.queue_group,
+                     "metadata": None} for e in self.endpoints.values()
+                ]  # fmt: skip
+            elif kind == "stats":
+                reply["started"] = started
+                reply["endpoints"] = [e.as_json() for e in self.endpoints.values()]
+            return reply
+
+        for kind in ("ping", "info", "stats"):
+
+            async def answer(msg: Msg, kind: str = kind) -> None:
+                await self.client.publish(msg.reply, orjson.dumps(body(kind)))
+
+            for subject in (f"$SRV.{kind.upper()}", f"$SRV.{kind.upper()}.{service.name}",
+                            f"$SRV.{kind.upper()}.{service.name}.{service.id}"):  # fmt: skip
+                await self.client.subscribe(subject, cb=answer)
+
+    async def _handle(self, handler: Handler, msg: Msg, stats: EndpointStats) -> None:
         incoming = Incoming(msg.data, msg.reply, dict(msg.headers or {}), self.client)
+        stats.num_requests += 1
+        begin = time.perf_counter_ns()
+        error: ApiError | None = None
         try:
             await handler(incoming)
-        except ApiError as error:
-            await incoming.send_error(error)
-        except Exception as error:  # a bug must not take the subscription down
+        except ApiError as refused:
+            error = refused
+        except Exception as failure:  # a bug must not take the subscription down
             logger.exception("handler for %s failed", msg.subject)
-            await incoming.send_error(ApiError("internal", f"{type(error).__name__}: {error}"))
+            error = ApiError("internal", f"{type(failure).__name__}: {failure}")
+        finally:
+            stats.processing_time += time.perf_counter_ns() - begin
+        if error is not None:
+            stats.num_errors += 1
+            stats.last_error = f"{error.code}: {error.message}"
+            await incoming.send_error(error)
 
     async def close(self) -> None:
         """Stop handling requests and leave the bus: drain (let queued messages and replies go

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.metadata
 import logging
 import queue
 import threading
@@ -25,7 +26,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pensieve.actors import subjects
-from pensieve.actors.bus import Bus, Handler, Incoming
+from pensieve.actors.bus import Bus, Handler, Incoming, ServiceInfo
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.schemas import ApiError, conversation_id, load_object, parse_chat
 from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
@@ -80,6 +81,13 @@ class EngineThread:
                 except Exception:
                     logger.exception("the engine could not be reset")
                     self.service.fail_all(ApiError("internal", f"engine step failed: {error}"))
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pensieve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "0.0.0"
 
 
 _thread_tokenizer = threading.local()
@@ -142,6 +150,10 @@ class ChatServer:
         for subject, handler in handlers.items():
             await self.bus.serve(subject, handler)
             await self.bus.serve(subjects.engine_subject(self.engine_id, subject), handler)
+        await self.bus.advertise(ServiceInfo(
+            "pensieve", self.engine_id, _version(),
+            "stateful LLM serving: chat turns whose KV cache is kept across turns",
+        ))  # fmt: skip
 
     def _owned(self, subject: str, handler: Handler) -> Handler:
         """`handler` for the requests whose conversation lives here; the others are forwarded

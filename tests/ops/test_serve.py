@@ -150,6 +150,46 @@ def server(served) -> str:
     return served[0]
 
 
+def _service(url: str, subject: str) -> dict[str, Any]:
+    async def go() -> dict[str, Any]:
+        client = await nats.connect(url)
+        try:
+            return dict(orjson.loads((await client.request(subject, b"", timeout=10)).data))
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def test_the_engine_answers_nats_service_discovery(server) -> None:
+    """`nats micro list|info|stats` see the engine: its endpoints, and request and error counts
+    that move with the requests it answers."""
+    ping = _service(server, "$SRV.PING.pensieve")
+    assert ping["type"] == "io.nats.micro.v1.ping_response" and ping["name"] == "pensieve"
+    engine_id = ping["id"]
+    info = _service(server, f"$SRV.INFO.pensieve.{engine_id}")
+    assert info["type"] == "io.nats.micro.v1.info_response" and info["id"] == engine_id
+    endpoints = {e["subject"]: e for e in info["endpoints"]}
+    own_chat = subjects.engine_subject(engine_id, subjects.CHAT)
+    assert {subjects.CHAT, subjects.CONVERSATIONS_LIST, own_chat} <= set(endpoints)
+    assert endpoints[subjects.CHAT]["queue_group"] == "pensieve"
+
+    def chat_stats() -> dict[str, Any]:
+        stats = _service(server, "$SRV.STATS.pensieve")
+        assert stats["type"] == "io.nats.micro.v1.stats_response" and stats["started"]
+        return next(e for e in stats["endpoints"] if e["subject"] == subjects.CHAT)
+
+    before = chat_stats()
+    chat(server, message=CHAT[0], max_tokens=4)
+    ask(server, subjects.CHAT, {"message": 7})
+    after = chat_stats()
+    assert after["num_requests"] == before["num_requests"] + 2
+    assert after["num_errors"] == before["num_errors"] + 1
+    assert after["last_error"].startswith("invalid_request")
+    assert after["processing_time"] > before["processing_time"]
+    assert after["average_processing_time"] == after["processing_time"] // after["num_requests"]
+
+
 def test_a_conversation_over_nats_gives_the_stateless_tokens(server, reference) -> None:
     first = chat(server, message=CHAT[0], max_tokens=MAX_TOKENS)
     conv_id = first["conversation_id"]
