@@ -15,7 +15,7 @@ import datetime
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import nats
@@ -110,6 +110,28 @@ class Bus:
             task.add_done_callback(self._tasks.discard)
 
         await self.client.subscribe(subject, queue=queue, cb=on_message)
+
+    async def ask(
+        self, subject: str, body: bytes, timeout: float, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[bytes]:
+        """The client side: send one request and yield each message of its answer as it comes
+        (a streamed answer has several); the caller stops when it has the last. Raises
+        TimeoutError after `timeout` s without a message, ConnectionError if nothing answers
+        on `subject`."""
+        inbox = self.client.new_inbox()
+        sub = await self.client.subscribe(inbox)
+        try:
+            await self.client.publish(subject, body, reply=inbox, headers=headers)
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=timeout)
+                except nats.errors.TimeoutError:
+                    raise TimeoutError(f"no answer on {subject} in {timeout} s") from None
+                if not msg.data and (msg.headers or {}).get("Status") == "503":
+                    raise ConnectionError(f"nothing answers on {subject}")
+                yield msg.data
+        finally:
+            await sub.unsubscribe()
 
     async def advertise(self, service: ServiceInfo) -> None:
         """Answer the NATS service discovery protocol (`$SRV.PING|INFO|STATS[.name[.id]]`), so

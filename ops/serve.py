@@ -44,7 +44,8 @@ async def serving(
 
         service = ChatService(built.engine, built.chat, built.loaded.config.max_context_len,
                               store, writer, max_waiting, new_id)  # fmt: skip
-        engine = EngineThread(service)
+        on_cpu = built.engine.runner.device.type == "cpu"  # leave a core to the serving layer
+        engine = EngineThread(service, max(1, (os.cpu_count() or 1) - 1) if on_cpu else None)
         try:
             bus = await Bus.connect(nats_url)
             server = ChatServer(bus, engine, engine_id)

@@ -24,18 +24,22 @@ from typing import Any
 import nats
 import orjson
 import pytest
+import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pensieve.actors import subjects
-from pensieve.actors.bus import ERROR_HEADER
+from pensieve.actors.bus import ERROR_HEADER, Bus
+from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import Policy
+from pensieve.actors.server import EngineThread
+from pensieve.ops.bench_serve import LoadOptions, run_load
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
 from pensieve.ops.replay import ReplayOptions, replay
 from pensieve.ops.serve import serving
 from pensieve.ops.sharegpt import load_conversations
 from pensieve.ops.telemetry import setup_tracing
-from pensieve.store import ConversationStore
+from pensieve.store import ConversationStore, StoreWriter
 
 pytestmark = pytest.mark.slow
 
@@ -159,6 +163,27 @@ def _service(url: str, subject: str) -> dict[str, Any]:
             await client.close()
 
     return asyncio.run(go())
+
+
+def test_the_load_client_drives_conversations_through_the_api(server, sharegpt20) -> None:
+    """`ops/bench_serve.py`: three real conversations, two at a time, two streamed turns each;
+    every turn is answered, later turns reuse the history, and the timings are consistent."""
+    conversations = load_conversations(sharegpt20)[:3]
+    options = LoadOptions(concurrency=2, max_turns=2, max_tokens=8, ignore_eos=True)
+
+    async def go() -> dict[str, Any]:
+        bus = await Bus.connect(server)
+        try:
+            return await run_load(bus, conversations, options)
+        finally:
+            await bus.close()
+
+    summary = asyncio.run(go())
+    assert summary["turns"] == 6 and summary["errors"] == {}
+    assert summary["output_tokens"] == 6 * 8
+    assert sum(summary["cached_tokens"].values()) > 0  # second turns hit the cache
+    assert 0 < summary["ttft_s_p50"] <= summary["latency_s_p90"]
+    assert summary["output_tok_per_s"] > 0
 
 
 def test_the_engine_answers_nats_service_discovery(server) -> None:
@@ -408,6 +433,21 @@ def test_a_failed_engine_step_is_answered_and_the_conversations_go_on_unchanged(
     for reply in (again, later):  # the KV came back from the tokens, not from a suspect cache
         assert reply["usage"]["cached_tokens"]["recomputed"] > 0
         assert reply["usage"]["cached_tokens"]["gpu"] == reply["usage"]["cached_tokens"]["cpu"] == 0
+
+
+def test_a_cpu_engine_thread_runs_torch_on_the_threads_it_is_given(
+    smollm2, smollm2_chat, tmp_path
+) -> None:
+    built = assemble(EngineOptions(model="smollm2", **TIERS), smollm2, smollm2_chat)
+    before = torch.get_num_threads()
+    with ConversationStore(tmp_path) as store, StoreWriter() as writer:
+        service = ChatService(built.engine, built.chat, 2048, store, writer)
+        engine = EngineThread(service, cpu_threads=1)
+        try:
+            assert engine.call(torch.get_num_threads).result(timeout=10) == 1
+        finally:
+            engine.stop()
+    assert torch.get_num_threads() == before  # the caller's threads are left alone
 
 
 def _wait_until_served(url: str, within_s: float = 60.0) -> None:
