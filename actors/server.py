@@ -68,8 +68,9 @@ class EngineThread:
     def _run(self) -> None:
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # this thread's parallel regions
+        broken: ApiError | None = None  # set when a reset failed too: no more steps
         while True:
-            busy = self.service.has_work()
+            busy = broken is None and self.service.has_work()
             try:
                 command = self._commands.get(block=not busy)
             except queue.Empty:
@@ -80,6 +81,8 @@ class EngineThread:
             if command is not None:
                 fn, args, future = command
                 try:
+                    if broken is not None:
+                        raise broken
                     future.set_result(fn(*args))
                 except BaseException as error:  # handed to the caller, who answers with it
                     future.set_exception(error)
@@ -90,9 +93,11 @@ class EngineThread:
                 logger.exception("engine step failed; resetting the engine")
                 try:
                     self.service.recover(error)
-                except Exception:
-                    logger.exception("the engine could not be reset")
-                    self.service.fail_all(ApiError("internal", f"engine step failed: {error}"))
+                except Exception as failure:  # e.g. a device error that does not go away
+                    logger.exception("the engine could not be reset; it takes no more turns")
+                    broken = ApiError("internal", f"the engine failed and could not be reset "
+                                      f"({failure}); restart the server")  # fmt: skip
+                    self.service.fail_all(broken)
 
 
 def _version() -> str:

@@ -435,6 +435,31 @@ def test_a_failed_engine_step_is_answered_and_the_conversations_go_on_unchanged(
         assert reply["usage"]["cached_tokens"]["gpu"] == reply["usage"]["cached_tokens"]["cpu"] == 0
 
 
+def test_an_engine_that_cannot_be_reset_refuses_turns_at_once(
+    smollm2, smollm2_chat, tmp_path
+) -> None:
+    """A step fails and so does the reset (as a device error that does not go away would): the
+    turn in flight and every later one get `internal` at once, without another step."""
+    with EmbeddedNats() as own, running_server(smollm2, smollm2_chat, tmp_path, own.url) as built:
+        steps = []
+
+        def broken_step(plan: Any) -> list[int]:
+            steps.append(plan)
+            raise RuntimeError("injected device error")
+
+        def broken_reset(error: str) -> list[Any]:
+            raise RuntimeError("injected: the device is gone")
+
+        built.engine.runner.execute = broken_step
+        built.engine.reset = broken_reset
+        replies = [ask(own.url, subjects.CHAT, {"message": CHAT[0], "max_tokens": 4})
+                   for _ in range(3)]  # fmt: skip
+        assert len(steps) == 1  # the engine stopped stepping after the failed reset
+        for messages, headers in replies:
+            assert headers.get(ERROR_HEADER) == "internal", messages
+        assert "restart the server" in replies[-1][0][-1]["error"]["message"]
+
+
 def test_a_cpu_engine_thread_runs_torch_on_the_threads_it_is_given(
     smollm2, smollm2_chat, tmp_path
 ) -> None:
