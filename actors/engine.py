@@ -27,6 +27,37 @@ from pensieve.actors.scheduler import Scheduler, StepOutcome
 tracer = trace.get_tracer("pensieve.engine")
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """What the last step did and where its wall time went, in host seconds: scheduling, issuing
+    the copies and the forward (`launch_s`), choosing the next ahead-of-time swap-outs while the
+    device runs (`ahead_s`), waiting for the sampled tokens (`wait_s`), applying them. A small
+    `wait_s` means the device finished before the host did: the host is on the critical path."""
+
+    schedule_s: float
+    launch_s: float
+    ahead_s: float
+    wait_s: float
+    update_s: float
+    decodes: int  # single-token pieces
+    prefill_tokens: int  # tokens of multi-token pieces (new prompt and recomputed history)
+    swap_in: int  # blocks
+    swap_out: int
+    evict_first: int
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.launch_s + self.ahead_s + self.wait_s + self.update_s
+
+    @property
+    def kind(self) -> str:
+        """decode | mixed | prefill, with "+in" when the step swapped in."""
+        shape = "mixed" if self.decodes and self.prefill_tokens else "decode"
+        if not self.decodes:
+            shape = "prefill"
+        return shape + ("+in" if self.swap_in else "")
+
+
 @dataclass
 class EngineTotals:
     steps: int = 0
@@ -52,6 +83,7 @@ class Engine:
         self.clock = clock
         self.totals = EngineTotals()
         self._ids = itertools.count()
+        self.last_timing: StepTiming | None = None
 
     def add_request(self, conv_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
         request = Request(
@@ -96,7 +128,9 @@ class Engine:
         return aborted
 
     def step(self) -> StepOutcome:
+        begin = time.perf_counter()
         plan = self.scheduler.schedule(self.clock())
+        scheduled = time.perf_counter()
         orders = plan.orders
         if orders.swap_in or orders.swap_out or orders.evict_first:  # a span for steps that move KV
             with tracer.start_as_current_span("step") as span:
@@ -107,10 +141,30 @@ class Engine:
                     "pensieve.sequences": len(plan.pieces),
                     "pensieve.tokens": plan.num_tokens,
                 })  # fmt: skip
-                sampled = self.runner.execute(plan)
+                tokens = self.runner.launch(plan)
         else:
-            sampled = self.runner.execute(plan)
+            tokens = self.runner.launch(plan)
+        launched = time.perf_counter()
+        # while the device runs the step: choose the next ahead-of-time swap-outs (their copies
+        # go out with the next step); nothing here depends on this step's tokens
+        self.kv.swap_out_ahead(self.clock())
+        chosen = time.perf_counter()
+        sampled = tokens.tolist()
+        executed = time.perf_counter()
         outcome = self.scheduler.update(plan, sampled, self.clock())
+        decodes = sum(1 for piece in plan.pieces if piece.end - piece.start == 1)
+        self.last_timing = StepTiming(
+            scheduled - begin,
+            launched - scheduled,
+            chosen - launched,
+            executed - chosen,
+            time.perf_counter() - executed,
+            decodes,
+            plan.num_tokens - decodes,
+            len(orders.swap_in),
+            len(orders.swap_out),
+            len(orders.evict_first),
+        )
         rejected = self.scheduler.rejected
         self.scheduler.rejected = []
         self.totals.steps += 1

@@ -10,7 +10,7 @@ import torch
 
 from pensieve.actors.config import CacheConfig
 from pensieve.actors.cuda_graphs import DecodeGraphs
-from pensieve.actors.sampler import sample
+from pensieve.actors.sampler import sample_async
 from pensieve.actors.step import StepPlan
 from pensieve.actors.swap import SwapEngine
 from pensieve.kernels import AttentionImpl, build_metadata
@@ -59,15 +59,22 @@ class ModelRunner:
             else None
         )
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[int]:
         """Run the plan; returns one sampled token per piece that samples, in plan order."""
+        return self.launch(plan).tolist()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> torch.Tensor:
+        """Issue the plan's copies and forward; returns its sampled tokens [pieces that sample]
+        on the device, in plan order. With greedy sampling the step may still be running: the
+        host can work until it reads them."""
         self.swap.issue(plan.orders)
         sampling = [p for p in plan.pieces if p.sampling is not None]
         if not plan.pieces:
-            return []
+            return torch.empty(0, dtype=torch.long)
         logits = self.logits(plan)
-        return sample(logits, [p.sampling for p in sampling], [p.sample_index for p in sampling])  # type: ignore[misc]
+        params = [p.sampling for p in sampling]
+        return sample_async(logits, params, [p.sample_index for p in sampling])  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor:

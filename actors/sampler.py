@@ -16,11 +16,19 @@ from pensieve.actors.request import SamplingParams
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], sample_indices: Sequence[int]
 ) -> list[int]:  # logits: [N, V] float32
+    return sample_async(logits, params, sample_indices).tolist()
+
+
+def sample_async(
+    logits: torch.Tensor, params: Sequence[SamplingParams], sample_indices: Sequence[int]
+) -> torch.Tensor:
+    """The sampled tokens [N] on the logits' device. When every row is greedy nothing waits for
+    the device, so the caller can do host work before reading them (`.tolist()`)."""
     tokens = torch.argmax(logits, dim=-1)  # [N]
     for row, (p, index) in enumerate(zip(params, sample_indices, strict=True)):
         if not p.greedy:
             tokens[row] = _sample_row(logits[row], p, index)
-    return tokens.tolist()
+    return tokens
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:  # logits: [V]

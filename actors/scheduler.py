@@ -89,7 +89,7 @@ class Scheduler:
             taken = request.take(budget)
             pieces += self._pieces(request, taken)
             budget -= sum(end - start for start, end in taken)
-        self.kv.swap_out_ahead(now)
+        # ahead-of-time swap-outs are chosen by the engine while the device runs a step
         return StepPlan(tuple(pieces), self.kv.take_orders())
 
     def update(self, plan: StepPlan, sampled: list[int], now: float) -> StepOutcome:

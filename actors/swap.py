@@ -40,6 +40,7 @@ MIN_DMA_RUN = 8  # mean run length (blocks) from which plain DMA copies beat the
 # so it takes more; an evict-first copy gates the whole step, so it takes the whole GPU
 OUT_PROGRAMS = 16
 IN_PROGRAMS = 32
+HIGHEST_PRIORITY = -64  # CUDA maps it to the device's highest stream priority
 
 
 def copy_runs(ops: list[CopyOp]) -> list[tuple[int, int, int]]:
@@ -66,7 +67,11 @@ class SwapEngine:
         self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.zero_copy = False
         if self.cuda:
-            self.in_stream = torch.cuda.Stream()
+            # swap-ins gate attention layer by layer: their copy kernel's programs go first when
+            # SMs free up (at equal priority the step's matrix products kept them waiting, and
+            # every layer then waited for its copies); ahead-of-time swap-outs, which nothing
+            # waits for, stay at the default, lowest priority, like compute
+            self.in_stream = torch.cuda.Stream(priority=HIGHEST_PRIORITY)
             self.out_stream = torch.cuda.Stream()
             self.zero_copy = (
                 bool(cpu_caches)

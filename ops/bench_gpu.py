@@ -128,6 +128,7 @@ class Settings:
     think_s: float = 3.0
     latency_bound: float = 0.1  # p90 normalized latency, seconds per output token
     seed: int = 0
+    profile_s: float = 0.0  # policies: torch.profiler over this long of each measured window
 
 
 SMOKE = Settings(
@@ -744,6 +745,9 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument("--cpu-tokens", type=int, help="policies: CPU KV budget in tokens")
     p.add_argument("--policy-max-output", type=int, help="policies: cap on reply tokens")
     p.add_argument("--max-num-seqs", type=int, help="policies: running requests at most")
+    p.add_argument(
+        "--profile", dest="profile_s", type=float, help="policies: seconds of kernel profile"
+    )
     p.add_argument(
         "--replay-window", dest="replay_window_s", type=float, help="replay48: ours, seconds"
     )

@@ -36,6 +36,7 @@ from pensieve.ops.bench_workload import (
     ConvSpec,
     History,
     OpenLoop,
+    describe_breakdown,
     open_loop,
     summarize,
 )
@@ -53,8 +54,14 @@ def run_point(
 ) -> dict[str, Any]:
     """One open-loop run of one policy at one arrival rate, summarized."""
     engine = b.engine(policy, b.s.gpu_tokens, b.s.cpu_tokens)
-    result = open_loop(engine, specs, options, History.GENERATED)
+    window = None
+    if b.s.profile_s > 0 and b.cuda and options.warmup_s > 0:
+        window = ProfileWindow(options.warmup_s + PROFILE_AFTER_S, b.s.profile_s)
+    on_step = window.on_step if window is not None else None
+    result = open_loop(engine, specs, options, History.GENERATED, on_step=on_step)
     summary = summarize(result.records, options.duration_s - options.warmup_s)
+    if window is not None:
+        result.extra["kernels"] = window.finish()
     stats = engine.runner.swap.collect_stats()
     summary.update(
         policy=policy.value,
@@ -73,9 +80,123 @@ def run_point(
         f"(p50/p99/max {summary['step_ms_p50']:.0f}/{summary['step_ms_p99']:.0f}/"
         f"{summary['step_ms_max']:.0f} ms, {summary['slow_steps']} over {SLOW_STEP_S} s)"
     )
+    b.log(f"    steps in the window: {describe_breakdown(summary['step_breakdown'])}")
+    if "kernels" in summary:
+        b.log(f"    GPU kernels: {describe_kernels(summary['kernels'])}")
     del engine, result
     b.free()
     return summary
+
+
+PROFILE_AFTER_S = 10.0  # the profiled slice starts this long into the measured window
+
+# kernel name fragments -> what the kernel does (first match wins)
+KERNEL_KINDS = (
+    ("copy_blocks", "swap copy"),
+    ("memcpy", "memcpy"),
+    ("paged_attention", "attention"),
+    ("merge_splits", "attention"),
+    ("write_kv", "kv write"),
+    ("gemm", "matmul"),
+    ("nvjet", "matmul"),
+    ("cutlass", "matmul"),
+    ("xmma", "matmul"),
+)
+
+
+class ProfileWindow:
+    """torch.profiler (CUDA activity only) over steps whose start falls in [start, start +
+    seconds) of a run; `finish` sums the kernels' device time by kind and measures how much of
+    the slice the GPU was busy (union of kernel intervals, with and without the copies)."""
+
+    def __init__(self, start: float, seconds: float) -> None:
+        self.start, self.end = start, start + seconds
+        self.profiler: Any = None
+        self.began = self.ended = 0.0
+
+    def on_step(self, now: float) -> None:
+        if self.profiler is None and self.start <= now < self.end:
+            import torch.profiler
+
+            activity = torch.profiler.ProfilerActivity.CUDA
+            self.profiler = torch.profiler.profile(activities=[activity])
+            self.profiler.__enter__()
+            self.began = time.perf_counter()
+        elif self.profiler is not None and not self.ended and now >= self.end:
+            self.stop()
+
+    def stop(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self.ended = time.perf_counter()
+        self.profiler.__exit__(None, None, None)
+
+    def finish(self) -> dict[str, Any]:
+        if self.profiler is None:
+            return {"status": "no step in the window"}
+        try:
+            if not self.ended:
+                self.stop()
+            return self._summary()
+        except Exception as exc:  # noqa: BLE001 - a profile is a diagnostic, never a failure
+            return {"status": f"profile failed: {type(exc).__name__}: {exc}"}
+
+    def _summary(self) -> dict[str, Any]:
+        kinds: dict[str, float] = {}
+        names: dict[str, float] = {}
+        spans: list[tuple[float, float, bool]] = []  # (start us, end us, is a copy)
+        for event in self.profiler.events():
+            if str(event.device_type).split(".")[-1] != "CUDA":
+                continue
+            name = event.name
+            us = event.time_range.end - event.time_range.start
+            kind = kernel_kind(name)
+            kinds[kind] = kinds.get(kind, 0.0) + us / 1e6
+            names[name] = names.get(name, 0.0) + us / 1e6
+            spans.append(
+                (event.time_range.start, event.time_range.end, kind in ("swap copy", "memcpy"))
+            )
+        if not spans:  # no per-kernel events: the per-name totals only
+            for avg in self.profiler.key_averages():
+                us = getattr(avg, "self_device_time_total", 0.0)
+                if us > 0:
+                    kinds[kernel_kind(avg.key)] = kinds.get(kernel_kind(avg.key), 0.0) + us / 1e6
+                    names[avg.key] = us / 1e6
+        top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
+        return {
+            "wall_s": self.ended - self.began,
+            "busy_s": _union(spans) / 1e6,
+            "compute_busy_s": _union([sp for sp in spans if not sp[2]]) / 1e6,
+            "kinds_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top_kernels_s": [[name[:80], sec] for name, sec in top],
+        }
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for part, kind in KERNEL_KINDS if part in low), "other")
+
+
+def _union(spans: Sequence[tuple[float, float, bool]]) -> float:
+    """Total length covered by the intervals."""
+    total = 0.0
+    reach = -math.inf
+    for start, end, _ in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def describe_kernels(k: dict[str, Any]) -> str:
+    if "wall_s" not in k:
+        return k.get("status", "")
+    kinds = ", ".join(f"{kind} {sec:.2f}s" for kind, sec in k["kinds_s"].items())
+    return (
+        f"{k['wall_s']:.1f}s profiled, GPU busy {k['busy_s']:.2f}s (compute "
+        f"{k['compute_busy_s']:.2f}s); {kinds}"
+    )
 
 
 def describe(r: dict[str, Any]) -> str:
@@ -252,7 +373,9 @@ def _numbers(value: Any) -> Any:
 
 
 # may differ between the merged calls: they choose which points run, not how one is measured
-_PER_CALL = {"policies", "start_rates", "fixed_rates", "time_limit_s", "max_points"}
+_PER_CALL = {
+    "policies", "start_rates", "fixed_rates", "time_limit_s", "max_points", "profile_s"
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

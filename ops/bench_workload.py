@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pensieve.actors.engine import Engine
+from pensieve.actors.engine import Engine, StepTiming
 from pensieve.actors.request import FinishReason, Request, SamplingParams, TokenSources
 from pensieve.ops.sharegpt import Conversation, Role, human_turns
 
@@ -556,16 +556,20 @@ def open_loop(
     options: OpenLoop,
     history: History = History.GENERATED,
     sleep: Callable[[float], None] = time.sleep,
+    on_step: Callable[[float], None] | None = None,
 ) -> LoopResult:
     """Drive the engine in real time (its own clock; `sleep` must advance that clock): send due
     turns, step while there is work, else sleep until the next turn is due. Only turns sent in
-    [warmup_s, duration_s) are returned."""
+    [warmup_s, duration_s) are returned. `on_step(now)` runs before every step (a profiler's
+    window). The result's `extra` has the step times and, for the steps of the measured
+    window, where their time went (`step_breakdown`)."""
     due_heap = [(t, i, chat) for i, (t, chat) in enumerate(arrivals(specs, options, history))]
     heapq.heapify(due_heap)
     seq = len(due_heap)
     active: dict[str, tuple[_Chat, float, list[int]]] = {}
     records: list[TurnRecord] = []
     step_seconds: list[float] = []
+    timings: list[StepTiming] = []
     start = engine.clock()
     end = options.duration_s + options.drain_s
     while True:
@@ -578,9 +582,13 @@ def open_loop(
             engine.add_request(chat.conv_id, prompt, _sampling(chat.turn))
             active[chat.conv_id] = (chat, due, prompt)
         if engine.has_work():
+            if on_step is not None:
+                on_step(now)
             begin = engine.clock()
             outcome = engine.step()
             step_seconds.append(engine.clock() - begin)
+            if options.warmup_s <= now < options.duration_s and engine.last_timing is not None:
+                timings.append(engine.last_timing)
             for request in outcome.finished:
                 chat, due, prompt = active.pop(request.conv_id)
                 records.append(_record(chat, due, prompt, request, start))
@@ -594,12 +602,56 @@ def open_loop(
     for chat, due, prompt in active.values():
         records.append(TurnRecord(chat.conv_id, chat.next, due, len(prompt), chat.turn.num_output))
     measured = [r for r in records if options.warmup_s <= r.due < options.duration_s]
-    return LoopResult(
-        measured, engine.clock() - start, timed_out=bool(active), extra=step_times(step_seconds)
-    )
+    extra = step_times(step_seconds)
+    extra["step_breakdown"] = step_breakdown(timings, options.duration_s - options.warmup_s)
+    return LoopResult(measured, engine.clock() - start, timed_out=bool(active), extra=extra)
 
 
 SLOW_STEP_S = 0.5  # a step this long stalls every running request (e.g. a kernel compiled mid-run)
+
+
+def step_breakdown(timings: Sequence[StepTiming], window_s: float) -> dict[str, Any]:
+    """Where a window's wall time went: per kind of step (`StepTiming.kind`) its count, seconds,
+    mean ms and mean decodes / prefill tokens / swapped-in blocks, and over all steps the host
+    phases of `StepTiming` (the wait for the device is what the host could not fill)."""
+    kinds: dict[str, list[StepTiming]] = {}
+    for t in timings:
+        kinds.setdefault(t.kind, []).append(t)
+    out: dict[str, Any] = {"window_s": window_s, "steps": len(timings)}
+    for kind, group in sorted(kinds.items()):
+        seconds = sum(t.total_s for t in group)
+        n = len(group)
+        out[kind] = {
+            "steps": n,
+            "seconds": seconds,
+            "ms_mean": 1e3 * seconds / n,
+            "decodes_mean": sum(t.decodes for t in group) / n,
+            "prefill_tokens_mean": sum(t.prefill_tokens for t in group) / n,
+            "swap_in_blocks_mean": sum(t.swap_in for t in group) / n,
+            "swap_out_blocks_mean": sum(t.swap_out for t in group) / n,
+            "wait_ms_mean": 1e3 * sum(t.wait_s for t in group) / n,
+        }
+    for phase in PHASES:
+        out[phase] = sum(getattr(t, phase) for t in timings)
+    out["idle_s"] = max(0.0, window_s - sum(out[phase] for phase in PHASES))
+    return out
+
+
+PHASES = ("schedule_s", "launch_s", "ahead_s", "wait_s", "update_s")
+
+
+def describe_breakdown(b: dict[str, Any]) -> str:
+    """One line of `step_breakdown`."""
+    parts = [
+        f"{kind} {v['steps']}x{v['ms_mean']:.1f}ms ({v['decodes_mean']:.0f}d+"
+        f"{v['prefill_tokens_mean']:.0f}p, in {v['swap_in_blocks_mean']:.0f} out "
+        f"{v['swap_out_blocks_mean']:.0f}, wait {v['wait_ms_mean']:.1f}ms)"
+        for kind, v in b.items()
+        if isinstance(v, dict)
+    ]
+    phases = ", ".join(f"{phase[:-2]} {b[phase]:.1f}s" for phase in (*PHASES, "idle_s"))
+    parts.append(f"{phases} of {b['window_s']:.0f}s")
+    return "; ".join(parts)
 
 
 def step_times(seconds: Sequence[float]) -> dict[str, Any]:

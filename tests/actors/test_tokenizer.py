@@ -8,6 +8,7 @@ its vocabulary), trained here on ShareGPT text with the `tokenizers` library.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
@@ -32,7 +33,10 @@ def _sharegpt_texts(num: int) -> list[str]:
     return [m.text for c in conversations for m in c.turns][:num]
 
 
+@functools.cache
 def _sentencepiece_style() -> Any:
+    """A byte-fallback BPE trained on ShareGPT text (built on first use: collecting the tests,
+    e.g. the GPU ones on a machine without the dataset, must not need it)."""
     trained = Tokenizer(models.BPE())
     trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"])
@@ -113,14 +117,14 @@ def test_special_tokens_add_no_text(chat: ChatTokenizer) -> None:
 def test_a_sequence_the_rust_stream_refuses_is_still_followed() -> None:
     """`DecodeStream` raises on these byte pieces (found by the test below); the follower goes
     on by decoding the whole reply, and the engine thread never sees the exception."""
-    chat = ChatTokenizer(_SENTENCEPIECE, vocab_size=len(_SENTENCEPIECE))
+    chat = ChatTokenizer(_sentencepiece_style(), vocab_size=len(_sentencepiece_style()))
     ids = [*_byte_pieces(b"\x00\x80"), *chat.encode(" then text 你好")]
     stream = _follow(chat, ids, random.Random(0))
     assert stream.text.endswith("then text 你好")
 
 
 def _byte_pieces(data: bytes) -> list[int]:
-    return [_SENTENCEPIECE.convert_tokens_to_ids(f"<0x{b:02X}>") for b in data]
+    return [_sentencepiece_style().convert_tokens_to_ids(f"<0x{b:02X}>") for b in data]
 
 
 @settings(max_examples=100, deadline=None)
@@ -131,11 +135,8 @@ def test_any_token_sequence_is_followed(data: st.DataObject) -> None:
     may differ (`ByteFallback` turns a whole run of bytes into U+FFFD once any of it is invalid,
     while the stream has already shown the valid start of the run); the stream then still never
     shows an unfinished character, and the chat service logs the mismatch."""
-    chat = ChatTokenizer(_SENTENCEPIECE, vocab_size=len(_SENTENCEPIECE))
+    chat = ChatTokenizer(_sentencepiece_style(), vocab_size=len(_sentencepiece_style()))
     ids = data.draw(st.lists(st.integers(0, chat.vocab_size - 1), max_size=40))
     stream = _follow(chat, ids, random.Random(data.draw(st.integers(0, 99))))
     if "\ufffd" not in chat.decode(ids):
         assert stream.text == chat.decode(ids)
-
-
-_SENTENCEPIECE = _sentencepiece_style()

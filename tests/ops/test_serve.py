@@ -410,15 +410,15 @@ def test_a_failed_engine_step_is_answered_and_the_conversations_go_on_unchanged(
         idle = chat(own.url, message=CHAT[0], max_tokens=MAX_TOKENS)
         first = chat(own.url, message=CHAT[0], max_tokens=MAX_TOKENS)
         runner = built.engine.runner
-        execute, failures = runner.execute, []
+        launch, failures = runner.launch, []
 
-        def fail_once(plan: Any) -> list[int]:
+        def fail_once(plan: Any) -> Any:
             if not failures:
                 failures.append(plan)
                 raise RuntimeError("injected step failure")
-            return execute(plan)
+            return launch(plan)
 
-        runner.execute = fail_once
+        runner.launch = fail_once
         body = {"conversation_id": first["conversation_id"], "message": CHAT[1],
                 "max_tokens": MAX_TOKENS}  # fmt: skip
         replies, headers = ask(own.url, subjects.CHAT, body)
@@ -443,14 +443,14 @@ def test_an_engine_that_cannot_be_reset_refuses_turns_at_once(
     with EmbeddedNats() as own, running_server(smollm2, smollm2_chat, tmp_path, own.url) as built:
         steps = []
 
-        def broken_step(plan: Any) -> list[int]:
+        def broken_step(plan: Any) -> Any:
             steps.append(plan)
             raise RuntimeError("injected device error")
 
         def broken_reset(error: str) -> list[Any]:
             raise RuntimeError("injected: the device is gone")
 
-        built.engine.runner.execute = broken_step
+        built.engine.runner.launch = broken_step
         built.engine.reset = broken_reset
         replies = [ask(own.url, subjects.CHAT, {"message": CHAT[0], "max_tokens": 4})
                    for _ in range(3)]  # fmt: skip
