@@ -44,7 +44,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefill + decode together)
     max_num_seqs: int = 256  # running requests at most
     max_model_len: int = 8192
+    # a step that would decode only admits waiting requests once this many can start together
+    # (capped at max_num_seqs / 8, and at the number waiting): see `Scheduler.schedule`
+    admit_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
             raise ValueError("scheduler limits must be positive")
+        if self.admit_batch < 1:
+            raise ValueError(f"admit_batch must be >= 1, got {self.admit_batch}")
+
+    @property
+    def admit_group(self) -> int:
+        """Running-request slots that must be free before a decode-only step admits."""
+        return max(1, min(self.admit_batch, self.max_num_seqs // 8))

@@ -82,6 +82,8 @@ class Scheduler:
             taken = self._grow_or_suspend(request, budget, now)
             pieces += self._pieces(request, taken)
             budget -= sum(end - start for start, end in taken)
+        if self._defer_admission(pieces):
+            return StepPlan(tuple(pieces), self.kv.take_orders())
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if not self._admit(self.waiting[0], now):
                 break
@@ -91,6 +93,21 @@ class Scheduler:
             budget -= sum(end - start for start, end in taken)
         # ahead-of-time swap-outs are chosen by the engine while the device runs a step
         return StepPlan(tuple(pieces), self.kv.take_orders())
+
+    def _defer_admission(self, pieces: list[SeqPiece]) -> bool:
+        """Whether this step admits nobody: it would decode only, and fewer running slots are
+        free than the admit group (or than the requests waiting, if fewer wait).
+
+        A step with a multi-token piece pays for an eager forward; a pure-decode step replays a
+        CUDA graph. At the running-request cap, requests finish one or two at a time, and
+        admitting each into the next slot made most steps mixed ones carrying a single short
+        prompt (a stateful turn's new prompt is small). Waiting until a few slots are free
+        starts those turns together in one mixed step; below the cap, and whenever a step has
+        prefill work anyway, requests are admitted at once."""
+        if not self.waiting or not self.running or any(p.end - p.start > 1 for p in pieces):
+            return False
+        free = self.config.max_num_seqs - len(self.running)
+        return free < min(self.config.admit_group, len(self.waiting))
 
     def update(self, plan: StepPlan, sampled: list[int], now: float) -> StepOutcome:
         """Apply a finished step: record computed positions and sampled tokens."""

@@ -112,6 +112,7 @@ class Settings:
     gpu_tokens: int = 196608  # 40 GB of KV: what an 80 GB GPU keeps after the 13B weights
     cpu_tokens: int = 262144  # 54 GB pinned
     max_num_seqs: int = 256
+    admit_batch: int = 8  # SchedulerConfig.admit_batch (1: every waiting request at once)
     policy_max_output: int = 256
     policy_max_turns: int = 16
     policy_min_turns: int = 2  # multi-turn conversations only: single turns have no history
@@ -255,7 +256,7 @@ class Bench:
             )
         runner.swap.stats = SwapStats()
         scheduling = SchedulerConfig(
-            options.max_batch_tokens, options.max_num_seqs, c.max_context_len
+            options.max_batch_tokens, options.max_num_seqs, c.max_context_len, self.s.admit_batch
         )
         shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
         cost = CostModel.analytic(*shape, c.intermediate_size, options.block_size)
@@ -745,6 +746,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument("--cpu-tokens", type=int, help="policies: CPU KV budget in tokens")
     p.add_argument("--policy-max-output", type=int, help="policies: cap on reply tokens")
     p.add_argument("--max-num-seqs", type=int, help="policies: running requests at most")
+    p.add_argument("--admit-batch", type=int, help="policies: slots free before a decode admits")
     p.add_argument(
         "--profile", dest="profile_s", type=float, help="policies: seconds of kernel profile"
     )

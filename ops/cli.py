@@ -73,6 +73,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-out-threshold", type=float, default=0.25)
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--admit-batch",
+        type=int,
+        default=8,
+        help="a decode-only step admits once this many running slots are free (1: at once)",
+    )
     p.add_argument("--profile", default=None, help="cost table from `pensieve profile`")
     p.add_argument("--seed", type=int, default=0)
 
@@ -95,6 +101,7 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         swap_out_threshold=args.swap_out_threshold,
         max_batch_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
+        admit_batch=args.admit_batch,
         profile=args.profile,
         seed=args.seed,
     )

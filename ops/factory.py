@@ -35,6 +35,7 @@ class EngineOptions:
     swap_out_threshold: float = 0.25  # swap out ahead of time below this free fraction
     max_batch_tokens: int = 2048
     max_num_seqs: int = 256
+    admit_batch: int = 8  # see SchedulerConfig.admit_batch
     profile: str | None = None  # a `pensieve profile` table; default: the analytic cost model
     seed: int = 0
 
@@ -68,6 +69,7 @@ def assemble(options: EngineOptions, loaded: LoadedModel, chat: ChatTokenizer) -
         max_num_batched_tokens=options.max_batch_tokens,
         max_num_seqs=options.max_num_seqs,
         max_model_len=loaded.config.max_context_len,
+        admit_batch=options.admit_batch,
     )
     cost = _cost_model(options, loaded.config)
     engine = Engine(runner, cache, scheduling, cost.cost, chat.eos_token_ids)
