@@ -62,7 +62,9 @@ def test_at_the_cap_a_decode_step_waits_for_a_group_of_free_slots() -> None:
     assert all(c in (0, 2) for c in counts), counts  # admissions come in pairs
     assert sum(counts) >= 4
     assert all(
-        all(p.end - p.start == 1 for p in plan.pieces) for plan, c in zip(plans, counts) if c == 0
+        all(p.end - p.start == 1 for p in plan.pieces)
+        for plan, c in zip(plans, counts, strict=True)
+        if c == 0
     )
 
 
