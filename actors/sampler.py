@@ -13,15 +13,9 @@ import torch
 from pensieve.actors.request import SamplingParams
 
 
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], sample_indices: Sequence[int]
-) -> list[int]:  # logits: [N, V] float32
-    return sample_async(logits, params, sample_indices).tolist()
-
-
 def sample_async(
     logits: torch.Tensor, params: Sequence[SamplingParams], sample_indices: Sequence[int]
-) -> torch.Tensor:
+) -> torch.Tensor:  # logits: [N, V] float32
     """The sampled tokens [N] on the logits' device. When every row is greedy nothing waits for
     the device, so the caller can do host work before reading them (`.tolist()`)."""
     tokens = torch.argmax(logits, dim=-1)  # [N]

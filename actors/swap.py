@@ -68,9 +68,9 @@ class SwapEngine:
         self.zero_copy = False
         if self.cuda:
             # swap-ins gate attention layer by layer: their copy kernel's programs go first when
-            # SMs free up (at equal priority the step's matrix products kept them waiting, and
-            # every layer then waited for its copies); ahead-of-time swap-outs, which nothing
-            # waits for, stay at the default, lowest priority, like compute
+            # SMs free up, rather than queue behind the step's matrix products while each layer
+            # waits for its copies; ahead-of-time swap-outs, which nothing waits for, stay at
+            # the default, lowest priority, like compute
             self.in_stream = torch.cuda.Stream(priority=HIGHEST_PRIORITY)
             self.out_stream = torch.cuda.Stream()
             self.zero_copy = (
