@@ -52,9 +52,7 @@ class StepTiming:
     @property
     def kind(self) -> str:
         """decode | mixed | prefill, with "+in" when the step swapped in."""
-        shape = "mixed" if self.decodes and self.prefill_tokens else "decode"
-        if not self.decodes:
-            shape = "prefill"
+        shape = "prefill" if not self.decodes else "mixed" if self.prefill_tokens else "decode"
         return shape + ("+in" if self.swap_in else "")
 
 

@@ -78,6 +78,18 @@ def test_policies_serve_history_from_the_tiers_they_have(smoke) -> None:
     for run in runs.values():  # every point reports its step times (stalls show as slow steps)
         assert 0 < run["step_ms_p50"] <= run["step_ms_p99"] <= run["step_ms_max"]
         assert run["slow_steps"] >= 0
+    for name, run in runs.items():  # and where the window's time went, per kind of step
+        b = run["step_breakdown"]
+        kinds = {k: v for k, v in b.items() if isinstance(v, dict)}
+        assert b["steps"] == sum(v["steps"] for v in kinds.values()) > 0
+        assert kinds["decode"]["decodes_mean"] >= 1 and kinds["decode"]["prefill_tokens_mean"] == 0
+        phases = sum(b[p] for p in ("schedule_s", "launch_s", "ahead_s", "wait_s", "update_s"))
+        assert phases > 0 and b["idle_s"] >= 0
+        swapped_in = [k for k in kinds if k.endswith("+in")]
+        if name in ("gpu-only", "stateless"):  # no CPU tier: nothing comes back from one
+            assert not swapped_in, (name, sorted(kinds))
+        if name == "pensieve":  # its turns drew history from the CPU tier (asserted above)
+            assert swapped_in, sorted(kinds)
 
 
 def test_step_times_count_the_stalls() -> None:
