@@ -64,6 +64,9 @@ class SwapEngine:
         self.block_bytes = gpu_caches[0][0].numel() * gpu_caches[0].element_size() * len(gpu_caches)
         self.stats = SwapStats()
         self._layer_events: list[torch.cuda.Event] | None = None
+        # swap-outs held back by `issue(defer_out=True)`: (copies, compute mark, last swap-in)
+        self._deferred: tuple[list[CopyOp], torch.cuda.Event, torch.cuda.Event | None] | None
+        self._deferred = None
         self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.zero_copy = False
         if self.cuda:
@@ -79,9 +82,15 @@ class SwapEngine:
                 and _zero_copy_works(gpu_caches[0], cpu_caches[0])
             )
 
-    def issue(self, orders: SwapOrders) -> None:
-        """Start the step's copies; `wait_layer` / `wait_all` order compute after them."""
+    def issue(self, orders: SwapOrders, defer_out: bool = False) -> None:
+        """Start the step's copies; `wait_layer` / `wait_all` order compute after them.
+
+        `defer_out`: hold the ahead-of-time swap-outs until `issue_out`. The runner issues them
+        after the step's forward: their copies still start as soon as the step's swap-ins are
+        done (they wait for nothing the forward does, as it never writes a block being swapped
+        out), but the host's ~40 copy launches no longer delay the forward's start."""
         self._layer_events = None
+        self._deferred = None
         if orders.is_empty() and not orders.fence:
             return
         if not self.cuda:
@@ -103,16 +112,30 @@ class SwapEngine:
         elif orders.fence:
             compute.wait_stream(self.out_stream)
         if orders.swap_out:
-            self.out_stream.wait_stream(compute)
-            if self._layer_events:
-                self.out_stream.wait_event(self._layer_events[-1])
-            with torch.cuda.stream(self.out_stream):
-                self._timed("out", self._copy_out, orders.swap_out, OUT_PROGRAMS)
+            before = torch.cuda.Event()  # the copies wait for compute issued so far, only
+            before.record(compute)
+            after = self._layer_events[-1] if self._layer_events else None
+            self._deferred = (orders.swap_out, before, after)
+            if not defer_out:
+                self.issue_out()
+
+    def issue_out(self) -> None:
+        """Issue the ahead-of-time swap-outs `issue(..., defer_out=True)` held back, if any."""
+        if self._deferred is None:
+            return
+        ops, before, after = self._deferred
+        self._deferred = None
+        self.out_stream.wait_event(before)
+        if after is not None:
+            self.out_stream.wait_event(after)
+        with torch.cuda.stream(self.out_stream):
+            self._timed("out", self._copy_out, ops, OUT_PROGRAMS)
 
     def settle(self) -> None:
         """Wait for every copy issued so far and forget the step's layer events (after a step
         that failed: its copies may still be running)."""
         self._layer_events = None
+        self._deferred = None
         if self.cuda:
             torch.cuda.synchronize(self.gpu_caches[0].device)
 

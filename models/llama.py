@@ -98,10 +98,10 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        # x: [T, hidden]
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D], with QK-norm and RoPE applied."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -110,9 +110,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn(self.layer_idx, q, k, v)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 class LlamaMLP(nn.Module):
@@ -143,7 +141,21 @@ class LlamaLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         # x: [T, hidden] (the residual stream)
-        x = x + self.attention(self.input_norm(x), cos, sin, attn)
+        q, k, v = self.pre_attention(x, cos, sin)
+        return self.post_attention(x, attn(self.attention.layer_idx, q, k, v))
+
+    # The layer's two halves around attention: a step's forward may capture them in CUDA graphs
+    # and launch only attention eagerly (actors/piecewise.py).
+
+    def pre_attention(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The residual stream x [T, hidden] -> this layer's q, k, v (see `LlamaAttention.qkv`)."""
+        return self.attention.qkv(self.input_norm(x), cos, sin)
+
+    def post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] and attention's output [T, Hq, D] -> the residual stream after it."""
+        x = x + self.attention.o_proj(attn_out.reshape(x.shape[0], -1))
         return x + self.mlp(self.post_attention_norm(x))
 
 
@@ -167,11 +179,18 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary(positions, x.dtype)  # [T, D] each, shared by all layers
+        x, cos, sin = self.embed(input_ids, positions)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return self.norm(x)
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The residual stream [T, hidden] and the RoPE tables cos, sin [T, D] all layers share."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        return x, cos, sin
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] float32
