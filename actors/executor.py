@@ -10,14 +10,11 @@ import torch
 
 from pensieve.actors.config import CacheConfig
 from pensieve.actors.cuda_graphs import DecodeGraphs
-from pensieve.actors.piecewise import PiecewiseGraphs
 from pensieve.actors.sampler import sample_async
 from pensieve.actors.step import StepPlan
 from pensieve.actors.swap import SwapEngine
 from pensieve.kernels import AttentionImpl, build_metadata
-from pensieve.kernels.metadata import slot_list
 from pensieve.models.attention import PagedAttention, allocate_kv_caches
-from pensieve.models.llama import LlamaModel
 from pensieve.models.loader import CausalLM
 
 
@@ -30,14 +27,7 @@ class ModelRunner:
         dtype: torch.dtype,
         impl: AttentionImpl = AttentionImpl.AUTO,
         cuda_graphs: bool = True,
-        max_step_tokens: int = 2048,
-        piecewise: bool | None = None,
     ) -> None:
-        """`cuda_graphs`: replay pure-decode steps from CUDA graphs and capture the rest of the
-        other steps' forward around attention (on CUDA). `piecewise` overrides the latter: True
-        runs the same pieces uncaptured on a CPU (tests), False keeps those steps eager.
-        `max_step_tokens`: the largest step the pieces are prepared for; larger ones run eagerly.
-        """
         self.model = model
         self.config = model.config
         self.cache = cache
@@ -66,20 +56,6 @@ class ModelRunner:
                 impl,
             )  # fmt: skip
             if cuda_graphs and device.type == "cuda"
-            else None
-        )
-        if piecewise is None:
-            piecewise = cuda_graphs and device.type == "cuda"
-        self.piecewise = (
-            PiecewiseGraphs(
-                model,
-                self.gpu_caches,
-                cache.num_gpu_blocks * cache.block_size,  # the scratch block's first slot
-                max_step_tokens,
-                self.scale,
-                impl,
-            )  # fmt: skip
-            if piecewise and isinstance(model, LlamaModel)
             else None
         )
 
@@ -123,23 +99,23 @@ class ModelRunner:
             positions += range(piece.start, piece.end)
             if piece.sampling is not None:
                 last_row[i] = len(token_ids) - 1
-        query_lens = [p.end - p.start for p in pieces]
-        seq_lens = [p.end for p in pieces]
-        tables = [p.block_table for p in pieces]
-        slots = slot_list(query_lens, seq_lens, tables, self.cache.block_size)
         meta = build_metadata(
-            query_lens, seq_lens, tables, self.cache.block_size, self.device, slots=slots
+            [p.end - p.start for p in pieces],
+            [p.end for p in pieces],
+            [p.block_table for p in pieces],
+            self.cache.block_size,
+            self.device,
         )
-        before_layer = self.swap.wait_layer if self.swap.pipelined else None
-        if self.piecewise is not None and self.piecewise.fits(len(token_ids)):
-            hidden = self.piecewise.forward(token_ids, positions, slots, meta, before_layer)
-        else:
-            attn = PagedAttention(
-                self.gpu_caches, meta, self.scale, impl=self.impl, before_layer=before_layer
-            )
-            ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-            hidden = self.model(ids, pos, attn)  # [T, hidden]
+        attn = PagedAttention(
+            self.gpu_caches,
+            meta,
+            self.scale,
+            impl=self.impl,
+            before_layer=self.swap.wait_layer if self.swap.pipelined else None,
+        )
+        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        hidden = self.model(ids, pos, attn)  # [T, hidden]
         # from pinned memory: a plain copy would make the host wait for the whole forward
         rows = torch.tensor([last_row[i] for i in sorted(last_row)])
         if self.device.type == "cuda":

@@ -47,15 +47,12 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     impl: AttentionImpl = AttentionImpl.AUTO,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention output [T, Hq, D], written into `out` when given."""
     if _use_triton(impl, query):
         from pensieve.kernels.triton_attention import paged_attention_triton
 
-        return paged_attention_triton(query, kv_cache, meta, scale, out=out)
-    result = paged_attention_ref(query, kv_cache, meta, scale)
-    return result if out is None else out.copy_(result)
+        return paged_attention_triton(query, kv_cache, meta, scale)
+    return paged_attention_ref(query, kv_cache, meta, scale)
 
 
 __all__ = [

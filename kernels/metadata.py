@@ -80,16 +80,20 @@ def build_metadata(
     block_tables: Sequence[Sequence[int]],
     block_size: int,
     device: torch.device | str = "cpu",
-    slots: Sequence[int] | None = None,
 ) -> AttentionMetadata:
-    """Build the metadata for one step from host lists (one entry per sub-sequence); `slots`
-    is `slot_list` of the same lists, when the caller has it already."""
+    """Build the metadata for one step from host lists (one entry per sub-sequence)."""
     if not (len(query_lens) == len(seq_lens) == len(block_tables)):
         raise ValueError(
             "query_lens, seq_lens and block_tables must have one entry per sub-sequence"
         )
-    if slots is None:
-        slots = slot_list(query_lens, seq_lens, block_tables, block_size)
+    slots: list[int] = []
+    for qlen, slen, table in zip(query_lens, seq_lens, block_tables, strict=True):
+        if qlen < 1 or slen < qlen:
+            raise ValueError(f"bad sub-sequence: query_len={qlen} seq_len={slen}")
+        if len(table) * block_size < slen:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {slen} positions")
+        for pos in range(slen - qlen, slen):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
     max_blocks = max(len(t) for t in block_tables)
     cu = [0]
     for qlen in query_lens:
@@ -106,25 +110,6 @@ def build_metadata(
         seq_lens_host=tuple(int(s) for s in seq_lens),
         num_single=next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens)),
     )
-
-
-def slot_list(
-    query_lens: Sequence[int],
-    seq_lens: Sequence[int],
-    block_tables: Sequence[Sequence[int]],
-    block_size: int,
-) -> list[int]:
-    """Each query token's cache slot (block * block_size + offset), in token order; checks that
-    every sub-sequence is well formed and fits its block table."""
-    slots: list[int] = []
-    for qlen, slen, table in zip(query_lens, seq_lens, block_tables, strict=True):
-        if qlen < 1 or slen < qlen:
-            raise ValueError(f"bad sub-sequence: query_len={qlen} seq_len={slen}")
-        if len(table) * block_size < slen:
-            raise ValueError(f"block table of {len(table)} blocks cannot hold {slen} positions")
-        for pos in range(slen - qlen, slen):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-    return slots
 
 
 def pad_tables(tables: Sequence[Sequence[int]], width: int, fill: int) -> np.ndarray:

@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from pensieve.kernels import AttentionImpl, AttentionMetadata, paged_attention, write_kv
+from pensieve.kernels.fused import rope_write_kv
 from pensieve.models.config import ModelConfig
 
 
@@ -25,6 +26,18 @@ class AttentionBackend(Protocol):
         q: [T, Hq, D], k and v: [T, Hkv, D], all contiguous, with RoPE and QK-norm already
         applied. Returns [T, Hq, D] in q's dtype. Layers are called in order 0..L-1.
         """
+        ...
+
+    def attend_qkv(
+        self,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        num_q_heads: int,
+    ) -> torch.Tensor:
+        """The same from the QKV projection's output [T, (Hq + 2 Hkv) D] and the RoPE tables
+        [T, D] (see kernels/fused.py), so RoPE and the K/V write can be one kernel."""
         ...
 
 
@@ -56,6 +69,22 @@ class PagedAttention:
             self.before_layer(layer_idx)
         cache = self.kv_caches[layer_idx]  # [num_blocks, 2, block_size, Hkv, D]
         write_kv(k, v, cache, self.meta.slot_mapping, self.impl)
+        return paged_attention(q, cache, self.meta, self.scale, self.impl)
+
+    def attend_qkv(
+        self,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        num_q_heads: int,
+    ) -> torch.Tensor:
+        if self.before_layer is not None:
+            self.before_layer(layer_idx)
+        cache = self.kv_caches[layer_idx]
+        q = rope_write_kv(
+            qkv, cos, signed_sin, cache, self.meta.slot_mapping, num_q_heads, self.impl
+        )
         return paged_attention(q, cache, self.meta, self.scale, self.impl)
 
 

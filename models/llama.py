@@ -2,7 +2,10 @@
 
 The model sees a flat batch of T tokens from many sequences (no batch dimension); everything that
 mixes tokens across positions goes through the attention backend. Q, K and V come out of one fused
-projection and gate/up out of another, so a layer runs four matmuls.
+projection and gate/up out of another, so a layer runs four matmuls. On GPU the element-wise work
+between them is fused (kernels/fused.py): each residual add with the norm after it, RoPE with the
+K/V write, SiLU with the gate product; a layer then launches four small kernels besides the
+matmuls and attention instead of sixteen.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pensieve.kernels import AttentionImpl
+from pensieve.kernels.fused import add_rms_norm, apply_rope_ref, silu_mul
 from pensieve.models.attention import AttentionBackend
 from pensieve.models.config import Arch, ModelConfig, RopeScaling, RopeType, WeightSlot
 
@@ -24,6 +29,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.fused = True  # see LlamaModel.set_fused
+
+    def add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, this norm of it) in one kernel on GPU; (x, norm of x) without a delta."""
+        if delta is None:
+            return x, self(x)
+        impl = AttentionImpl.AUTO if self.fused else AttentionImpl.TORCH
+        return add_rms_norm(x, delta, self.weight, self.eps, impl)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one fused kernel on GPU (the op-by-op form was ~20% of a 13B decode step); in float32
@@ -74,14 +89,6 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos = [c, c], signed_sin = [-s, s]: [T, D]. Rotates the pairs (i, i + D/2),
-    # the Hugging Face layout: x * cos + [-x2, x1] * sin, with the sign moved into the table.
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # [x2, x1]
-    return x * cos[:, None, :] + swapped * signed_sin[:, None, :]
-
-
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -97,20 +104,26 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.fused = True
 
-    def qkv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D], with QK-norm and RoPE applied."""
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        # x: [T, hidden]
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        if self.q_norm is None and self.fused:  # RoPE, K/V write, attention from the output
+            out = attn.attend_qkv(self.layer_idx, qkv, cos, sin, self.num_heads)
+            return self.o_proj(out.reshape(num_tokens, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k = apply_rope_ref(q, cos, sin), apply_rope_ref(k, cos, sin)
+        out = attn(self.layer_idx, q, k, v)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -123,10 +136,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
+        self.fused = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        impl = AttentionImpl.AUTO if self.fused else AttentionImpl.TORCH
+        # x: [T, hidden] -> gate and up [T, 2I] -> [T, I] -> [T, hidden]
+        return self.down_proj(silu_mul(self.gate_up_proj(x), impl))
 
 
 class LlamaLayer(nn.Module):
@@ -138,25 +153,19 @@ class LlamaLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        # x: [T, hidden] (the residual stream)
-        q, k, v = self.pre_attention(x, cos, sin)
-        return self.post_attention(x, attn(self.attention.layer_idx, q, k, v))
-
-    # The layer's two halves around attention: a step's forward may capture them in CUDA graphs
-    # and launch only attention eagerly (actors/piecewise.py).
-
-    def pre_attention(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The residual stream x [T, hidden] -> this layer's q, k, v (see `LlamaAttention.qkv`)."""
-        return self.attention.qkv(self.input_norm(x), cos, sin)
-
-    def post_attention(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] and attention's output [T, Hq, D] -> the residual stream after it."""
-        x = x + self.attention.o_proj(attn_out.reshape(x.shape[0], -1))
-        return x + self.mlp(self.post_attention_norm(x))
+        self,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream [T, hidden]; pending: the previous layer's MLP output, not yet
+        added to it (None before the first layer). Returns (x, this layer's MLP output): each
+        residual add is fused with the norm that follows it."""
+        x, h = self.input_norm.add_norm(x, pending)
+        x, h = self.post_attention_norm.add_norm(x, self.attention(h, cos, sin, attn))
+        return x, self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -179,18 +188,19 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
-        x, cos, sin = self.embed(input_ids, positions)
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions, x.dtype)  # [T, D] each, shared by all layers
+        pending = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, pending = layer(x, pending, cos, sin, attn)
+        return self.norm.add_norm(x, pending)[1]
 
-    def embed(
-        self, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The residual stream [T, hidden] and the RoPE tables cos, sin [T, D] all layers share."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
-        return x, cos, sin
+    def set_fused(self, fused: bool) -> None:
+        """Fused element-wise kernels on GPU (kernels/fused.py; the default), or the unfused torch
+        operations they replace (for benchmarks side by side). CPUs run the latter either way."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | LlamaAttention | LlamaMLP):
+                module.fused = fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] float32

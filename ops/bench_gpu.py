@@ -62,6 +62,7 @@ from pensieve.actors.request import SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.actors.swap import SwapStats
 from pensieve.models.assets import smollm2_tokenizer
+from pensieve.models.llama import LlamaModel
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops import bench_policies
 from pensieve.ops.bench_table import Row, jsonable, print_table
@@ -107,10 +108,11 @@ class Settings:
     swap_step_context: int = 2048
     swap_history: int = 2048
     swap_new_tokens: int = 32
-    # steps with prompt tokens, eager against piecewise graphs: (decodes, their context, prompt
-    # tokens); the first two are the policy benchmark's mean mixed steps at 12 conversations/s
-    mixed_steps: tuple[tuple[int, int, int], ...] = ((240, 1024, 150), (245, 1024, 470),
-                                                     (0, 0, 2048))  # fmt: skip
+    # steps with and without the fused element-wise kernels: (decodes, their context, prompt
+    # tokens); 2-3 are the policy benchmark's mean mixed steps at 12 conversations/s
+    mixed_steps: tuple[tuple[int, int, int], ...] = (
+        (250, 1024, 0), (240, 1024, 150), (245, 1024, 470), (0, 0, 2048),
+    )  # fmt: skip
     # policies (see ops/bench_policies.py)
     policies: tuple[str, ...] = ("pensieve", "lru", "gpu-only", "stateless")
     gpu_tokens: int = 196608  # 40 GB of KV: what an 80 GB GPU keeps after the 13B weights
@@ -142,8 +144,8 @@ SMOKE = Settings(
     replay_concurrency=6, replay_turns=2, replay_max_output=8, replay_warmup_s=0.3,
     replay_window_s=1.5, hf_window_s=2.0, decode_batches=(1, 4), decode_context=256,
     swap_chunks=(4, 16), swap_step_decodes=4, swap_step_context=128, swap_history=128,
-    swap_new_tokens=8, mixed_steps=((4, 64, 20), (0, 0, 64)), gpu_tokens=512, cpu_tokens=4096,
-    policy_max_output=8, policy_max_turns=4,
+    swap_new_tokens=8, mixed_steps=((4, 64, 0), (4, 64, 20), (0, 0, 64)), gpu_tokens=512,
+    cpu_tokens=4096, policy_max_output=8, policy_max_turns=4,
     start_rates=(("pensieve", 8.0), ("lru", 8.0), ("gpu-only", 8.0), ("stateless", 8.0)),
     max_points=1, duration_s=3.0, warmup_s=0.5, drain_s=3.0, think_s=0.4, latency_bound=10.0,
 )  # fmt: skip
@@ -254,10 +256,7 @@ class Bench:
             begin = time.perf_counter()
             both = dataclasses.replace(options, policy=Policy.PENSIEVE, cpu_cache_tokens=key[1])
             tiers = cache_config(both, c, self.device, self.dtype)
-            runner = self._runners[key] = ModelRunner(
-                loaded.model, tiers, self.device, self.dtype,
-                max_step_tokens=options.max_batch_tokens,
-            )  # fmt: skip
+            runner = self._runners[key] = ModelRunner(loaded.model, tiers, self.device, self.dtype)
             self.log(
                 f"KV tiers allocated in {time.perf_counter() - begin:.1f}s: "
                 f"{tiers.num_gpu_blocks} GPU blocks, {tiers.num_cpu_blocks} CPU blocks"
@@ -523,44 +522,6 @@ def section_swap(b: Bench, rows: list[Row]) -> dict[str, Any]:
     }
 
 
-def mixed_steps(b: Bench, rows: list[Row]) -> list[dict[str, Any]]:
-    """Steps with prompt tokens (decodes beside one prompt, or a prompt alone), run eagerly and
-    with everything but attention replayed from piecewise graphs, on the same runner and KV."""
-    block_size = 32
-    shapes = b.s.mixed_steps
-    per_seq = max(-(-(context + 1) // block_size) for _, context, _ in shapes)
-    most_prompt = max(prompt for _, _, prompt in shapes)
-    first = max(decodes for decodes, _, _ in shapes) * per_seq
-    prompt_blocks = -(-most_prompt // block_size)
-    cache = CacheConfig(block_size, first + prompt_blocks + 1, 0, Policy.GPU_ONLY)
-    runner = ModelRunner(b.loaded().model, cache, b.device, b.dtype, max_step_tokens=most_prompt,
-                         piecewise=True)  # fmt: skip
-    pieces = runner.piecewise
-    results = []
-    for decodes, context, prompt in shapes:
-        plan = decode_plan(decodes, context, per_seq, block_size).pieces
-        table = tuple(range(first, first + -(-prompt // block_size)))
-        new = SeqPiece("p", tuple(range(5, 5 + prompt)), 0, prompt, table,
-                       SamplingParams(max_tokens=1))  # fmt: skip
-        step = StepPlan((*plan, new))
-        timed = {}
-        for name, chosen in (("eager", None), ("piecewise", pieces)):
-            runner.piecewise = chosen
-            timed[name] = median_time(b, functools.partial(runner.execute, step), b.s.repeats,
-                                      warmup=3)  # fmt: skip
-        what = f"{decodes} decodes@{context} + {prompt} prompt tokens"
-        ratio = timed["eager"] / timed["piecewise"]
-        rows.append(Row(f"step, {what}, piecewise", timed["piecewise"] * 1e3, "ms",
-                        timed["eager"] * 1e3, "eager", note=f"{ratio:.2f}x faster"))  # fmt: skip
-        b.log(f"{what}: eager {timed['eager'] * 1e3:.2f} ms, "
-              f"piecewise {timed['piecewise'] * 1e3:.2f} ms")  # fmt: skip
-        results.append({"decodes": decodes, "context": context, "prompt": prompt,
-                        **{f"{k}_seconds": v for k, v in timed.items()}})  # fmt: skip
-    del runner, pieces
-    b.free()
-    return results
-
-
 def pipelined_step(b: Bench, rows: list[Row]) -> dict[str, Any]:
     """Decodes plus one returning request, its history already on the GPU vs swapped in."""
     s, block_size = b.s, 32
@@ -604,6 +565,49 @@ def pipelined_step(b: Bench, rows: list[Row]) -> dict[str, Any]:
     )
     b.log(f"pipelined swap-in step: {cpu_s * 1e3:.2f} ms vs {gpu_s * 1e3:.2f} ms on GPU")
     return {"gpu_seconds": gpu_s, "swapped_seconds": cpu_s, "swap_alone_seconds": swap_s}
+
+
+def mixed_steps(b: Bench, rows: list[Row]) -> list[dict[str, Any]]:
+    """Steps of the policy benchmark's shapes (decodes, decodes beside a prompt, a prompt alone)
+    with the fused element-wise kernels and with the torch operations they replace, on the same
+    runner and KV; a pure-decode step replays a CUDA graph captured in each mode."""
+    block_size = 32
+    shapes = b.s.mixed_steps
+    per_seq = max(-(-(context + 1) // block_size) for _, context, _ in shapes)
+    most_prompt = max(prompt for _, _, prompt in shapes)
+    first = max(decodes for decodes, _, _ in shapes) * per_seq
+    prompt_blocks = -(-most_prompt // block_size)
+    cache = CacheConfig(block_size, first + prompt_blocks + 1, 0, Policy.GPU_ONLY)
+    model = b.loaded().model
+    runner = ModelRunner(model, cache, b.device, b.dtype)
+    results = []
+    for decodes, context, prompt in shapes:
+        pieces = decode_plan(decodes, context, per_seq, block_size).pieces
+        if prompt:
+            table = tuple(range(first, first + -(-prompt // block_size)))
+            pieces += (SeqPiece("p", tuple(range(5, 5 + prompt)), 0, prompt, table,
+                                SamplingParams(max_tokens=1)),)  # fmt: skip
+        step = StepPlan(pieces)
+        timed = {}
+        for name, fused in (("unfused", False), ("fused", True)):
+            if isinstance(model, LlamaModel):
+                model.set_fused(fused)
+            if runner.graphs is not None:
+                runner.graphs.graphs.clear()  # recaptured in this mode
+            timed[name] = median_time(b, functools.partial(runner.execute, step), b.s.repeats,
+                                      warmup=3)  # fmt: skip
+        what = f"{decodes} decodes@{context}" + (f" + {prompt} prompt tokens" if prompt else "")
+        ratio = timed["unfused"] / timed["fused"]
+        note = f"{ratio:.2f}x faster"
+        rows.append(Row(f"step, {what}, fused", timed["fused"] * 1e3, "ms",
+                        timed["unfused"] * 1e3, "unfused", note=note))  # fmt: skip
+        b.log(f"{what}: unfused {timed['unfused'] * 1e3:.2f} ms, "
+              f"fused {timed['fused'] * 1e3:.2f} ms")  # fmt: skip
+        results.append({"decodes": decodes, "context": context, "prompt": prompt,
+                        **{f"{k}_seconds": v for k, v in timed.items()}})  # fmt: skip
+    del runner
+    b.free()
+    return results
 
 
 # ---- B. replay48 --------------------------------------------------------------------------

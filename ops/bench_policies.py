@@ -255,10 +255,6 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
     if engine.runner.graphs is not None:
         count = engine.runner.graphs.capture_all(s.max_num_seqs)
         b.log(f"{count} decode graphs captured in {time.perf_counter() - begin:.1f}s")
-    if engine.runner.piecewise is not None:
-        begin = time.perf_counter()
-        count = engine.runner.piecewise.capture_all()
-        b.log(f"{count} token buckets of piecewise graphs in {time.perf_counter() - begin:.1f}s")
     del engine
     # Kernel variants of mixed steps compile on first use: a short discarded run meets most.
     warm = OpenLoop(starts[policies[0].value], s.think_s, min(WARMUP_RUN_S, s.duration_s),

@@ -64,9 +64,7 @@ def assemble(options: EngineOptions, loaded: LoadedModel, chat: ChatTokenizer) -
     device = next(loaded.model.parameters()).device
     dtype = DTYPES[options.dtype]
     cache = cache_config(options, loaded.config, device, dtype)
-    runner = ModelRunner(
-        loaded.model, cache, device, dtype, max_step_tokens=options.max_batch_tokens
-    )
+    runner = ModelRunner(loaded.model, cache, device, dtype)
     scheduling = SchedulerConfig(
         max_num_batched_tokens=options.max_batch_tokens,
         max_num_seqs=options.max_num_seqs,

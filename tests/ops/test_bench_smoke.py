@@ -60,8 +60,8 @@ def test_decode_and_swap_measure_positive_times(smoke) -> None:
     assert len(swap["swap_gb_s"]) == 8 and all(v > 0 for v in swap["swap_gb_s"].values())
     assert swap["pipelined_step"]["swapped_seconds"] > 0
     mixed = swap["mixed_steps"]
-    assert [m["prompt"] for m in mixed] == [20, 64]
-    assert all(m["eager_seconds"] > 0 and m["piecewise_seconds"] > 0 for m in mixed)
+    assert [m["prompt"] for m in mixed] == [0, 20, 64]
+    assert all(m["unfused_seconds"] > 0 and m["fused_seconds"] > 0 for m in mixed)
 
 
 def test_policies_serve_history_from_the_tiers_they_have(smoke) -> None:

@@ -1,0 +1,87 @@
+"""The fused element-wise kernels against their unfused torch references (Triton runs under
+TRITON_INTERPRET=1 on a CPU, natively on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pensieve.kernels import AttentionImpl
+from pensieve.kernels.fused import add_rms_norm, apply_rope_ref, rope_write_kv, silu_mul
+from pensieve.kernels.reference import write_kv_ref
+
+TRITON, TORCH = AttentionImpl.TRITON, AttentionImpl.TORCH
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.float16]
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    # one rounding against several: a unit or two in the last place of the low-precision types
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width", [(1, 64), (7, 576), (33, 1000)])
+def test_add_rms_norm_matches_add_then_norm(rows, width, dtype):
+    gen = torch.Generator().manual_seed(rows * width)
+    x, delta = (torch.randn(rows, width, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    weight = torch.rand(width, generator=gen).to(DEVICE, dtype) + 0.5
+    total, normed = add_rms_norm(x, delta, weight, 1e-5, TRITON)
+    want_total, want_normed = add_rms_norm(x, delta, weight, 1e-5, TORCH)
+    torch.testing.assert_close(total, want_total, **tolerance(dtype))
+    torch.testing.assert_close(normed, want_normed, **tolerance(dtype))
+    assert total.data_ptr() != x.data_ptr()  # the inputs are left as they were
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 64), (5, 1536), (40, 100)])
+def test_silu_mul_matches_silu_times_up(rows, inter, dtype):
+    gen = torch.Generator().manual_seed(rows + inter)
+    gate_up = (3 * torch.randn(rows, 2 * inter, generator=gen)).to(DEVICE, dtype)
+    torch.testing.assert_close(
+        silu_mul(gate_up, TRITON), silu_mul(gate_up, TORCH), **tolerance(dtype)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (9, 3, 64), (8, 1, 32)])
+def test_rope_write_kv_rotates_q_and_k_and_stores_k_and_v(heads, kv_heads, head_dim, dtype):
+    tokens, block_size, num_blocks = 11, 4, 9
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(DEVICE, dtype)
+    angles = torch.rand(tokens, head_dim // 2, generator=gen) * 6.3
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(DEVICE, dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).to(DEVICE, dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(DEVICE)
+    shape = (num_blocks, 2, block_size, kv_heads, head_dim)
+    fused, ref = torch.zeros(shape, dtype=dtype, device=DEVICE), torch.zeros(shape, dtype=dtype)
+    ref = ref.to(DEVICE)
+    q = rope_write_kv(qkv, cos, sin, fused, slots, heads, TRITON)
+    want_q = rope_write_kv(qkv, cos, sin, ref, slots, heads, TORCH)
+    torch.testing.assert_close(q, want_q, **tolerance(dtype))
+    torch.testing.assert_close(fused, ref, **tolerance(dtype))
+    # the reference itself: q and k rotated pair-wise (i, i + D/2), v stored as it came
+    q_raw, k_raw, v_raw = qkv.float().split(
+        [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1
+    )
+    half = head_dim // 2
+    q_raw = q_raw.view(tokens, heads, head_dim)
+    x1, x2 = q_raw[..., :half], q_raw[..., half:]
+    c, s = angles.cos().to(DEVICE)[:, None, :], angles.sin().to(DEVICE)[:, None, :]
+    rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    torch.testing.assert_close(want_q.float(), rotated, **tolerance(dtype))
+    check = torch.zeros(shape, dtype=dtype, device=DEVICE)
+    k = apply_rope_ref(k_raw.view(tokens, kv_heads, head_dim).to(dtype), cos, sin)
+    write_kv_ref(k, v_raw.view(tokens, kv_heads, head_dim), check, slots)
+    torch.testing.assert_close(ref, check)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    flat = fused.transpose(1, 2).reshape(num_blocks * block_size, 2, kv_heads, head_dim)
+    assert not flat[untouched.to(DEVICE)].any()  # nothing written outside the slots
+
+
+def test_rope_write_kv_rejects_a_projection_of_the_wrong_width():
+    cache = torch.zeros(2, 2, 4, 2, 16)
+    with pytest.raises(ValueError, match="qkv of width"):
+        rope_write_kv(torch.zeros(3, 100), torch.zeros(3, 16), torch.zeros(3, 16), cache,
+                      torch.arange(3), 4, TRITON)  # fmt: skip
