@@ -55,6 +55,7 @@ import torch
 
 from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.cost_model import CostModel
+from pensieve.actors.cuda_graphs import DecodeGraphs
 from pensieve.actors.engine import Engine
 from pensieve.actors.executor import ModelRunner
 from pensieve.actors.kv_cache import CopyOp, SwapOrders
@@ -580,6 +581,7 @@ def mixed_steps(b: Bench, rows: list[Row]) -> list[dict[str, Any]]:
     cache = CacheConfig(block_size, first + prompt_blocks + 1, 0, Policy.GPU_ONLY)
     model = b.loaded().model
     runner = ModelRunner(model, cache, b.device, b.dtype)
+    kept: list[DecodeGraphs] = []
     results = []
     for decodes, context, prompt in shapes:
         pieces = decode_plan(decodes, context, per_seq, block_size).pieces
@@ -592,8 +594,12 @@ def mixed_steps(b: Bench, rows: list[Row]) -> list[dict[str, Any]]:
         for name, fused in (("unfused", False), ("fused", True)):
             if isinstance(model, LlamaModel):
                 model.set_fused(fused)
-            if runner.graphs is not None:
-                runner.graphs.graphs.clear()  # recaptured in this mode
+            if runner.graphs is not None:  # graphs captured in this mode, in a pool of their own
+                kept.append(runner.graphs)  # (a pool must outlive every graph captured in it)
+                runner.graphs = DecodeGraphs(
+                    model, runner.gpu_caches, cache.num_gpu_blocks, block_size,
+                    model.config.max_context_len, runner.scale, runner.impl,
+                )  # fmt: skip
             timed[name] = median_time(b, functools.partial(runner.execute, step), b.s.repeats,
                                       warmup=3)  # fmt: skip
         what = f"{decodes} decodes@{context}" + (f" + {prompt} prompt tokens" if prompt else "")
@@ -605,7 +611,7 @@ def mixed_steps(b: Bench, rows: list[Row]) -> list[dict[str, Any]]:
               f"fused {timed['fused'] * 1e3:.2f} ms")  # fmt: skip
         results.append({"decodes": decodes, "context": context, "prompt": prompt,
                         **{f"{k}_seconds": v for k, v in timed.items()}})  # fmt: skip
-    del runner
+    del runner, kept
     b.free()
     return results
 
