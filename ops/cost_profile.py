@@ -30,6 +30,7 @@ import torch
 
 from pensieve.actors.cost_model import PROFILE_FORMAT, CostModel, context_lens_to_profile
 from pensieve.kernels import build_metadata
+from pensieve.kernels.fused import rope_write_kv
 from pensieve.models.attention import PagedAttention, allocate_kv_caches
 from pensieve.models.config import ModelConfig
 from pensieve.models.loader import CausalLM, load_model
@@ -153,10 +154,33 @@ def _time_attention(t: _Target, s: ProfileSettings, context_len: int, timer: _Ti
     return timer.median_s(all_layers) / num_chunks
 
 
-def _skip_attention(
-    layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> torch.Tensor:
-    return q  # [T, Hq, D]: the layer's shapes without the attention itself
+class _NoAttention:
+    """An attention backend that leaves attention itself out: the layer's shapes, without it.
+
+    A model whose RoPE is fused with the K/V write (kernels/fused.py) gets that kernel run into a
+    scratch cache, since RoPE is per-token work; so its non-attention time includes the K/V write,
+    which the attention timing counts as well (a few microseconds a layer, twice)."""
+
+    def __init__(self, t: _Target, num_tokens: int, block_size: int) -> None:
+        self.cache = allocate_kv_caches(
+            t.config, -(-num_tokens // block_size), block_size, t.dtype, t.device
+        )[0]
+        self.slots = torch.arange(num_tokens, device=t.device)
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        return q  # [T, Hq, D]
+
+    def attend_qkv(
+        self,
+        layer_idx: int,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        num_q_heads: int,
+    ) -> torch.Tensor:
+        return rope_write_kv(qkv, cos, signed_sin, self.cache, self.slots, num_q_heads)
 
 
 def _time_non_attention(t: _Target, s: ProfileSettings, timer: _Timer) -> float:
@@ -166,8 +190,8 @@ def _time_non_attention(t: _Target, s: ProfileSettings, timer: _Timer) -> float:
     noisy timings can come out at or below zero.
     """
     num_chunks, size = s.batch_chunks, s.chunk_size
-    attn = _skip_attention
     num_tokens = num_chunks * size
+    attn = _NoAttention(t, num_tokens, size)
     input_ids = torch.randint(
         t.config.vocab_size, (num_tokens,), generator=t.generator, device=t.device
     )  # [N]
