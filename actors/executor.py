@@ -27,6 +27,7 @@ class ModelRunner:
         dtype: torch.dtype,
         impl: AttentionImpl = AttentionImpl.AUTO,
         cuda_graphs: bool = True,
+        swap_out_dma: bool = False,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -43,7 +44,7 @@ class ModelRunner:
             torch.empty((num_cpu, *c.shape[1:]), dtype=dtype, pin_memory=pin)
             for c in self.gpu_caches
         ]
-        self.swap = SwapEngine(self.gpu_caches, self.cpu_caches)
+        self.swap = SwapEngine(self.gpu_caches, self.cpu_caches, out_dma=swap_out_dma)
         self.scale = self.config.attn_scale
         self.graphs = (
             DecodeGraphs(

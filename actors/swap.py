@@ -57,7 +57,13 @@ def copy_runs(ops: list[CopyOp]) -> list[tuple[int, int, int]]:
 
 
 class SwapEngine:
-    def __init__(self, gpu_caches: list[torch.Tensor], cpu_caches: list[torch.Tensor]) -> None:
+    def __init__(
+        self, gpu_caches: list[torch.Tensor], cpu_caches: list[torch.Tensor], out_dma: bool = False
+    ) -> None:
+        """`out_dma`: ahead-of-time swap-outs always by DMA (the copy engines) rather than the copy
+        kernel, which holds SMs while it waits on PCIe; slower for scattered blocks, but it leaves
+        every SM to the step it runs beside (an experiment, see the README)."""
+        self.out_dma = out_dma
         self.gpu_caches = gpu_caches  # per layer [num_gpu_blocks, 2, bs, Hkv, D]
         self.cpu_caches = cpu_caches  # per layer [num_cpu_blocks, 2, bs, Hkv, D], pinned on CUDA
         self.cuda = bool(gpu_caches) and gpu_caches[0].is_cuda
@@ -129,7 +135,7 @@ class SwapEngine:
         if after is not None:
             self.out_stream.wait_event(after)
         with torch.cuda.stream(self.out_stream):
-            self._timed("out", self._copy_out, ops, OUT_PROGRAMS)
+            self._timed("out", self._copy_out, ops, OUT_PROGRAMS, self.out_dma)
 
     def settle(self) -> None:
         """Wait for every copy issued so far and forget the step's layer events (after a step
@@ -176,12 +182,12 @@ class SwapEngine:
         self._timings.append((direction, start, end))
         return result
 
-    def _copy_out(self, ops: list[CopyOp], max_programs: int | None) -> None:
+    def _copy_out(self, ops: list[CopyOp], max_programs: int | None, dma: bool = False) -> None:
         if not ops:
             return
         begin = time.perf_counter()
         runs = copy_runs(ops)
-        if self._use_kernel(ops, runs):
+        if not dma and self._use_kernel(ops, runs):
             gpu_ids, cpu_ids = self._indices(ops)
             for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
                 copy_blocks(gpu, cpu, gpu_ids, cpu_ids, max_programs)

@@ -120,6 +120,7 @@ class Settings:
     cpu_tokens: int = 262144  # 54 GB pinned
     max_num_seqs: int = 256
     admit_batch: int = 8  # SchedulerConfig.admit_batch (1: every waiting request at once)
+    swap_out_dma: bool = False  # ahead-of-time swap-outs by DMA only (SwapEngine.out_dma)
     policy_max_output: int = 256
     policy_max_turns: int = 16
     policy_min_turns: int = 2  # multi-turn conversations only: single turns have no history
@@ -257,7 +258,9 @@ class Bench:
             begin = time.perf_counter()
             both = dataclasses.replace(options, policy=Policy.PENSIEVE, cpu_cache_tokens=key[1])
             tiers = cache_config(both, c, self.device, self.dtype)
-            runner = self._runners[key] = ModelRunner(loaded.model, tiers, self.device, self.dtype)
+            runner = self._runners[key] = ModelRunner(
+                loaded.model, tiers, self.device, self.dtype, swap_out_dma=self.s.swap_out_dma
+            )
             self.log(
                 f"KV tiers allocated in {time.perf_counter() - begin:.1f}s: "
                 f"{tiers.num_gpu_blocks} GPU blocks, {tiers.num_cpu_blocks} CPU blocks"
@@ -810,6 +813,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument("--policy-max-output", type=int, help="policies: cap on reply tokens")
     p.add_argument("--max-num-seqs", type=int, help="policies: running requests at most")
     p.add_argument("--admit-batch", type=int, help="policies: slots free before a decode admits")
+    p.add_argument(
+        "--swap-out-dma", action="store_const", const=True,
+        help="policies: ahead-of-time swap-outs by DMA, not the copy kernel",
+    )  # fmt: skip
     p.add_argument(
         "--profile", dest="profile_s", type=float, help="policies: seconds of kernel profile"
     )
