@@ -85,3 +85,68 @@ def test_rope_write_kv_rejects_a_projection_of_the_wrong_width():
     with pytest.raises(ValueError, match="qkv of width"):
         rope_write_kv(torch.zeros(3, 100), torch.zeros(3, 16), torch.zeros(3, 16), cache,
                       torch.arange(3), 4, TRITON)  # fmt: skip
+
+
+def gpu(test):
+    """Full-size on CUDA: marked gpu, skipped without one."""
+    return pytest.mark.gpu(
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test)
+    )
+
+
+@gpu
+def test_gpu_fused_kernels_at_13b_shapes():
+    """The 13B preset's shapes in bf16 (hidden 5120, 40 / 10 heads of 128, MLP 13824)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens, hidden, heads, kv_heads, dim, inter = 300, 5120, 40, 10, 128, 13824
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+    x, delta, weight = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
+    for got, want in zip(add_rms_norm(x, delta, weight, 1e-5, TRITON),
+                         add_rms_norm(x, delta, weight, 1e-5, TORCH), strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, **tolerance(torch.bfloat16))
+    gate_up = randn(tokens, 2 * inter)
+    torch.testing.assert_close(
+        silu_mul(gate_up, TRITON), silu_mul(gate_up, TORCH), **tolerance(torch.bfloat16)
+    )
+    qkv = randn(tokens, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(tokens, dim // 2, generator=gen, device="cuda") * 100
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(torch.bfloat16)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).to(torch.bfloat16)
+    slots = torch.randperm(64 * 32, generator=gen, device="cuda")[:tokens]
+    fused = torch.zeros(64, 2, 32, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+    ref = torch.zeros_like(fused)
+    q = rope_write_kv(qkv, cos, sin, fused, slots, heads, TRITON)
+    torch.testing.assert_close(q, rope_write_kv(qkv, cos, sin, ref, slots, heads, TORCH),
+                               **tolerance(torch.bfloat16))  # fmt: skip
+    torch.testing.assert_close(fused, ref, **tolerance(torch.bfloat16))
+
+
+@gpu
+def test_gpu_model_logits_fused_against_torch_ops():
+    """A whole forward (tiny Llama, bf16) with the fused kernels against the torch operations."""
+    from pensieve.actors.config import CacheConfig
+    from pensieve.actors.executor import ModelRunner
+    from pensieve.actors.request import SamplingParams
+    from pensieve.actors.step import SeqPiece, StepPlan
+    from pensieve.models.loader import load_model
+
+    loaded = load_model("preset:tiny-llama", "cuda", torch.bfloat16, seed=0)
+    cache = CacheConfig(block_size=16, num_gpu_blocks=64)
+    runner = ModelRunner(loaded.model, cache, torch.device("cuda"), torch.bfloat16,
+                         cuda_graphs=False)  # fmt: skip
+    sampled = SamplingParams()
+    plan = StepPlan((
+        SeqPiece("a", tuple(range(3, 103)), 0, 100, tuple(range(7)), sampled),
+        SeqPiece("b", (9,), 40, 41, tuple(range(7, 10)), sampled),
+    ))  # fmt: skip
+    logits = {}
+    for fused in (False, True):
+        loaded.model.set_fused(fused)
+        for layer in runner.gpu_caches:
+            layer.zero_()
+        logits[fused] = runner.logits(plan).float()
+    error = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
+    assert error < 2e-2, f"relative error {error}"
