@@ -150,3 +150,29 @@ def test_gpu_model_logits_fused_against_torch_ops():
         logits[fused] = runner.logits(plan).float()
     error = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
     assert error < 2e-2, f"relative error {error}"
+
+
+def test_set_fused_picks_the_attention_entry_point():
+    """The fused path hands the projection's output to `attend_qkv`; `set_fused(False)` goes back
+    to q, k, v through `__call__` (so the GPU comparison above compares two different paths)."""
+    from pensieve.models.loader import load_model
+
+    loaded = load_model("preset:tiny-llama", "cpu", torch.float32, seed=0)
+    calls: list[str] = []
+
+    class Recorder:
+        def __call__(self, layer_idx, q, k, v):
+            calls.append("qkv-split")
+            return q
+
+        def attend_qkv(self, layer_idx, qkv, cos, signed_sin, num_q_heads):
+            calls.append("fused")
+            return qkv[:, : num_q_heads * loaded.config.head_dim].reshape(qkv.shape[0], -1)
+
+    ids, positions = torch.arange(5), torch.arange(5)
+    for fused, want in ((True, "fused"), (False, "qkv-split")):
+        loaded.model.set_fused(fused)
+        calls.clear()
+        loaded.model(ids, positions, Recorder())
+        assert calls == [want] * loaded.config.num_layers
+    loaded.model.set_fused(True)
