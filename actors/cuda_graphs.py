@@ -11,13 +11,15 @@ conversation owns, so they write and read nothing real.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pensieve.actors.step import StepPlan
 from pensieve.kernels import AttentionImpl, AttentionMetadata
-from pensieve.kernels.metadata import pad_tables
+from pensieve.kernels.metadata import pad_tables, upload
 from pensieve.models.attention import PagedAttention
 from pensieve.models.loader import CausalLM
 
@@ -71,8 +73,11 @@ class DecodeGraphs:
             and max(p.end for p in pieces) <= self.max_context
         )
 
-    def logits(self, plan: StepPlan) -> torch.Tensor:
-        """Logits [len(plan.pieces), vocab] of a pure-decode plan (see `fits`)."""
+    def logits(
+        self, plan: StepPlan, feed: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor:
+        """Logits [len(plan.pieces), vocab] of a pure-decode plan (see `fits`); `feed` may
+        rewrite the graph's input ids on the device (one row per piece) before the replay."""
         pieces = plan.pieces
         batch = next(b for b in BATCH_BUCKETS if b >= len(pieces))
         longest = max(p.end for p in pieces)
@@ -85,11 +90,24 @@ class DecodeGraphs:
         scratch, size = self.scratch_block, self.block_size
         tables = pad_tables([p.block_table for p in pieces] + [()] * pad, width, scratch)
         slots = [p.block_table[p.start // size] * size + p.start % size for p in pieces]
-        graph.ids.copy_(torch.tensor([p.token_ids[0] for p in pieces] + [0] * pad))
-        graph.positions.copy_(torch.tensor([p.start for p in pieces] + [0] * pad))
-        graph.seq_lens.copy_(torch.tensor([p.end for p in pieces] + [1] * pad, dtype=torch.int32))
-        graph.block_tables.copy_(torch.from_numpy(tables))
-        graph.slots.copy_(torch.tensor(slots + [self.scratch_block * self.block_size] * pad))
+        rows = np.array(  # every input in one pinned copy: nothing waits for the device
+            [
+                [p.token_ids[0] for p in pieces] + [0] * pad,
+                [p.start for p in pieces] + [0] * pad,
+                [p.end for p in pieces] + [1] * pad,
+                slots + [scratch * size] * pad,
+            ],
+            dtype=np.int64,
+        )
+        host = torch.from_numpy(np.concatenate([rows.ravel(), tables.ravel().astype(np.int64)]))
+        inputs = upload(host, graph.ids.device)
+        graph.ids.copy_(inputs[:batch])
+        graph.positions.copy_(inputs[batch : 2 * batch])
+        graph.seq_lens.copy_(inputs[2 * batch : 3 * batch])
+        graph.slots.copy_(inputs[3 * batch : 4 * batch])
+        graph.block_tables.copy_(inputs[4 * batch :].view(batch, width))
+        if feed is not None:
+            feed(graph.ids)
         graph.graph.replay()
         return graph.logits[: len(pieces)]
 

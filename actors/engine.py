@@ -1,6 +1,13 @@
-"""The engine: scheduler + cache manager + executor in one synchronous step loop (no I/O).
+"""The engine: scheduler + cache manager + executor in one step loop (no I/O).
 
 `pensieve replay` drives it directly; the async actor shells drive the same cores over NATS.
+
+With `overlap` (the default) the loop keeps the device one step ahead of the host: each call
+plans and launches step N+1 while step N runs, then waits for step N's tokens and applies them.
+Step N+1's decodes read step N's tokens on the device, so the host's planning, input building and
+bookkeeping hide behind the device's work instead of leaving it idle between steps. The price is
+one step of delay for whatever arrives (a new turn joins a step later) and, for a turn that ends
+on an end-of-sequence token, one wasted decode position.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
-from pensieve.actors.executor import ModelRunner
+from pensieve.actors.executor import Launched, ModelRunner
 from pensieve.actors.kv_manager import CostFn, KVCacheManager
 from pensieve.actors.request import (
     FinishReason,
@@ -23,16 +30,18 @@ from pensieve.actors.request import (
     TokenSources,
 )
 from pensieve.actors.scheduler import Scheduler, StepOutcome
+from pensieve.actors.step import StepPlan
 
 tracer = trace.get_tracer("pensieve.engine")
 
 
 @dataclass(frozen=True)
 class StepTiming:
-    """What the last step did and where its wall time went, in host seconds: scheduling, issuing
+    """Where the last `Engine.step` call's wall time went, in host seconds: scheduling, issuing
     the copies and the forward (`launch_s`), choosing the next ahead-of-time swap-outs while the
-    device runs (`ahead_s`), waiting for the sampled tokens (`wait_s`), applying them. A small
-    `wait_s` means the device finished before the host did: the host is on the critical path."""
+    device runs (`ahead_s`), waiting for the sampled tokens (`wait_s`), applying them; and what
+    the step it applied did (with overlap, the one launched by the call before). A small `wait_s`
+    means the device finished before the host did: the host is on the critical path."""
 
     schedule_s: float
     launch_s: float
@@ -73,6 +82,7 @@ class Engine:
         cost: CostFn,
         eos_token_ids: frozenset[int],
         clock: Callable[[], float] = time.monotonic,
+        overlap: bool = True,
     ) -> None:
         self.runner = runner
         self.kv = KVCacheManager(cache, cost)
@@ -82,6 +92,8 @@ class Engine:
         self.totals = EngineTotals()
         self._ids = itertools.count()
         self.last_timing: StepTiming | None = None
+        self.overlap = overlap
+        self._inflight: Launched | None = None  # launched, its tokens not applied yet
 
     def add_request(self, conv_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
         request = Request(
@@ -96,7 +108,7 @@ class Engine:
         return request
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def reset(self, error: str) -> list[Request]:
         """Recover from a step that raised: abort every request in flight and forget all KV.
@@ -107,9 +119,13 @@ class Engine:
         turn recomputes the KV from its tokens and the output does not change.
         """
         self.runner.swap.settle()
+        self._inflight = None
         now = self.clock()
         aborted = [*self.scheduler.running, *self.scheduler.waiting]
+        self.scheduler.live.clear()
         for request in aborted:
+            request.pending = []
+            request.inflight = 0
             request.status = RequestStatus.FINISHED
             request.finish_reason = FinishReason.ABORT
             request.error = error
@@ -126,29 +142,26 @@ class Engine:
         return aborted
 
     def step(self) -> StepOutcome:
+        """Plan and launch a step; apply the tokens of the step before it (with `overlap`) or
+        of this one (without). The outcome is that of the step applied."""
         begin = time.perf_counter()
         plan = self.scheduler.schedule(self.clock())
         scheduled = time.perf_counter()
-        orders = plan.orders
-        if orders.swap_in or orders.swap_out or orders.evict_first:  # a span for steps that move KV
-            with tracer.start_as_current_span("step") as span:
-                span.set_attributes({
-                    "pensieve.swap_in_blocks": len(orders.swap_in),
-                    "pensieve.swap_out_blocks": len(orders.swap_out),
-                    "pensieve.evict_first_blocks": len(orders.evict_first),
-                    "pensieve.sequences": len(plan.pieces),
-                    "pensieve.tokens": plan.num_tokens,
-                })  # fmt: skip
-                tokens = self.runner.launch(plan)
-        else:
-            tokens = self.runner.launch(plan)
+        launched_step = self._launch(plan)
         launched = time.perf_counter()
-        # while the device runs the step: choose the next ahead-of-time swap-outs (their copies
-        # go out with the next step); nothing here depends on this step's tokens
+        # while the device runs: choose the next ahead-of-time swap-outs (their copies go out
+        # with the next step); nothing here depends on sampled tokens
         self.kv.swap_out_ahead(self.clock())
         chosen = time.perf_counter()
-        sampled = tokens.tolist()
+        done = self._inflight if self.overlap else launched_step
+        # a step without pieces samples nothing, so nothing waits on it
+        self._inflight = launched_step if self.overlap and plan.pieces else None
+        if done is None:  # the first step of a busy period: nothing to apply yet
+            self.last_timing = None
+            return StepOutcome({}, [])
+        sampled = done.result()
         executed = time.perf_counter()
+        plan, orders = done.plan, done.plan.orders
         outcome = self.scheduler.update(plan, sampled, self.clock())
         decodes = sum(1 for piece in plan.pieces if piece.end - piece.start == 1)
         self.last_timing = StepTiming(
@@ -173,3 +186,17 @@ class Engine:
         if rejected:
             return StepOutcome(outcome.new_tokens, outcome.finished + rejected)
         return outcome
+
+    def _launch(self, plan: StepPlan) -> Launched:
+        orders = plan.orders
+        if not (orders.swap_in or orders.swap_out or orders.evict_first):
+            return self.runner.launch(plan, self._inflight)
+        with tracer.start_as_current_span("step") as span:  # a span for steps that move KV
+            span.set_attributes({
+                "pensieve.swap_in_blocks": len(orders.swap_in),
+                "pensieve.swap_out_blocks": len(orders.swap_out),
+                "pensieve.evict_first_blocks": len(orders.evict_first),
+                "pensieve.sequences": len(plan.pieces),
+                "pensieve.tokens": plan.num_tokens,
+            })  # fmt: skip
+            return self.runner.launch(plan, self._inflight)

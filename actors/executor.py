@@ -2,20 +2,58 @@
 
 Per step it issues the step's swaps, builds the attention metadata once (every layer reuses it),
 runs the flat batch of query tokens through the model, and samples the pieces that end a request.
+
+Nothing in a launch waits for the device: host inputs go up from pinned memory and the sampled
+tokens come back into pinned memory behind an event. So the next step can be launched while this
+one runs, its decodes fed the tokens this one samples straight from the device (`feed`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from pensieve.actors.config import CacheConfig
 from pensieve.actors.cuda_graphs import DecodeGraphs
+from pensieve.actors.request import PLACEHOLDER
 from pensieve.actors.sampler import sample_async
-from pensieve.actors.step import StepPlan
+from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.actors.swap import SwapEngine
-from pensieve.kernels import AttentionImpl, build_metadata
+from pensieve.kernels import AttentionImpl, AttentionMetadata, build_metadata
+from pensieve.kernels.metadata import upload
 from pensieve.models.attention import PagedAttention, allocate_kv_caches
 from pensieve.models.loader import CausalLM
+
+
+@dataclass
+class Launched:
+    """A step issued to the device: its sampled tokens, on the device and (once `ready`) on
+    the host, one per piece that samples, in plan order."""
+
+    plan: StepPlan
+    tokens: torch.Tensor  # [pieces that sample] long, on the device
+    host: torch.Tensor  # its copy in (pinned) host memory
+    ready: torch.cuda.Event | None  # recorded after the copy; None: done already
+    rows: dict[str, int] = field(init=False)  # request id -> its row of `tokens`
+
+    def __post_init__(self) -> None:
+        sampling = (p.request_id for p in self.plan.pieces if p.sampling is not None)
+        self.rows = {request_id: row for row, request_id in enumerate(sampling)}
+
+    def result(self) -> list[int]:
+        """The sampled tokens (waits for the step)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    meta: AttentionMetadata
+    ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    rows: torch.Tensor  # [pieces that sample] long: the row of each one's last token
 
 
 class ModelRunner:
@@ -62,31 +100,51 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> list[int]:
         """Run the plan; returns one sampled token per piece that samples, in plan order."""
-        return self.launch(plan).tolist()
+        return self.launch(plan).result()
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> torch.Tensor:
-        """Issue the plan's copies and forward; returns its sampled tokens [pieces that sample]
-        on the device, in plan order. With greedy sampling the step may still be running: the
-        host can work until it reads them."""
-        self.swap.issue(plan.orders, defer_out=True)
+    def launch(self, plan: StepPlan, feed: Launched | None = None) -> Launched:
+        """Issue the plan's copies and forward. With greedy sampling the step may still be
+        running when this returns: the host can work (or launch the next step) meanwhile.
+
+        `feed`: the step issued just before, which samples the tokens this plan's PLACEHOLDER
+        positions stand for."""
         sampling = [p for p in plan.pieces if p.sampling is not None]
         if not plan.pieces:
-            self.swap.issue_out()
-            return torch.empty(0, dtype=torch.long)
-        logits = self.logits(plan)
+            self.swap.issue(plan.orders)
+            empty = torch.empty(0, dtype=torch.long)
+            return Launched(plan, empty, empty, None)
+        if self.graphs is not None and self.graphs.fits(plan):
+            self.swap.issue(plan.orders, defer_out=True)
+            logits = self.logits(plan, feed)
+        else:
+            # the step's inputs go up first: behind the swap-ins they would share the
+            # host-to-device copy queue with them and hold back the first layer
+            inputs = self._inputs(plan, feed)
+            self.swap.issue(plan.orders, defer_out=True)
+            logits = self._forward(inputs)
         params = [p.sampling for p in sampling]
         tokens = sample_async(logits, params, [p.sample_index for p in sampling])  # type: ignore[arg-type]
         self.swap.issue_out()  # while the device runs the forward
-        return tokens
+        if tokens.device.type != "cuda":
+            return Launched(plan, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Launched(plan, tokens, host, ready)
 
     @torch.inference_mode()
-    def logits(self, plan: StepPlan) -> torch.Tensor:
+    def logits(self, plan: StepPlan, feed: Launched | None = None) -> torch.Tensor:
         """Logits [pieces that sample, vocab] of the plan's forward (swaps already issued), rows
         in plan order."""
         if self.graphs is not None and self.graphs.fits(plan):
             self.swap.wait_all()
-            return self.graphs.logits(plan)
+            return self.graphs.logits(plan, lambda ids: self._feed(ids, plan.pieces, feed))
+        return self._forward(self._inputs(plan, feed))
+
+    def _inputs(self, plan: StepPlan, feed: Launched | None) -> _Inputs:
+        """An eager forward's inputs, on the device."""
         # single-token pieces (decodes) first: attention then runs them on decode tiles
         order = sorted(
             range(len(plan.pieces)), key=lambda i: plan.pieces[i].end - plan.pieces[i].start > 1
@@ -107,18 +165,36 @@ class ModelRunner:
             self.cache.block_size,
             self.device,
         )
+        rows = [last_row[i] for i in sorted(last_row)]
+        ids, pos = upload(torch.tensor([token_ids, positions], dtype=torch.long), self.device)
+        self._feed(ids, pieces, feed)
+        return _Inputs(meta, ids, pos, upload(torch.tensor(rows), self.device))
+
+    def _forward(self, inputs: _Inputs) -> torch.Tensor:
         attn = PagedAttention(
             self.gpu_caches,
-            meta,
+            inputs.meta,
             self.scale,
             impl=self.impl,
             before_layer=self.swap.wait_layer if self.swap.pipelined else None,
         )
-        ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = self.model(ids, pos, attn)  # [T, hidden]
-        # from pinned memory: a plain copy would make the host wait for the whole forward
-        rows = torch.tensor([last_row[i] for i in sorted(last_row)])
-        if self.device.type == "cuda":
-            rows = rows.pin_memory()
-        return self.model.compute_logits(hidden[rows.to(self.device, non_blocking=True)])
+        hidden = self.model(inputs.ids, inputs.positions, attn)  # [T, hidden]
+        return self.model.compute_logits(hidden[inputs.rows])
+
+    def _feed(self, ids: torch.Tensor, pieces: list[SeqPiece] | tuple[SeqPiece, ...],
+              feed: Launched | None) -> None:  # fmt: skip
+        """Put the tokens `feed` samples into the rows of `ids` (one per single-token piece, in
+        order, then the rest) that hold a PLACEHOLDER."""
+        into: list[int] = []
+        take: list[int] = []
+        row = 0
+        for piece in pieces:
+            if piece.token_ids[-1] == PLACEHOLDER:
+                if feed is None or piece.end - piece.start != 1:
+                    raise ValueError(f"{piece.request_id}: a placeholder with nothing to feed it")
+                into.append(row)
+                take.append(feed.rows[piece.request_id])
+            row += piece.end - piece.start
+        if into:
+            where = upload(torch.tensor([into, take], dtype=torch.long), ids.device)
+            ids[where[0]] = feed.tokens[where[1]]  # type: ignore[union-attr]

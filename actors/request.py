@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+PLACEHOLDER = -1  # a position whose token an unfinished step is sampling (see `Request.inflight`)
+
 
 class FinishReason(enum.Enum):
     STOP = "stop"  # an end-of-sequence or stop token
@@ -72,6 +74,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     pending: list[tuple[int, int]] = field(default_factory=list)  # positions still to compute
+    # tokens sampled by steps whose results are not applied yet: they count as positions (the
+    # next step may already feed them, straight from the device) but not as output
+    inflight: int = 0
     sources: TokenSources = TokenSources()
     num_suspensions: int = 0
     finish_reason: FinishReason | None = None
@@ -87,7 +92,11 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     def token_slice(self, start: int, end: int) -> tuple[int, ...]:
-        """`tuple(all_ids[start:end])` without joining the whole prompt and output."""
+        """`tuple(all_ids[start:end])` without joining the whole prompt and output; a position
+        still being sampled reads PLACEHOLDER."""
+        known = len(self.prompt_ids) + len(self.output_ids)
+        if end > known:
+            return (*self.token_slice(start, known), *[PLACEHOLDER] * (end - max(start, known)))
         split = len(self.prompt_ids)
         if end <= split:
             return tuple(self.prompt_ids[start:end])
@@ -97,7 +106,16 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Positions of the turn so far, the in-flight ones included."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.inflight
+
+    def expect_sample(self, max_model_len: int) -> None:
+        """A step that samples the next token was planned: its position exists from now on, and
+        is pending unless that token ends the turn by length whatever its value."""
+        self.inflight += 1
+        count = len(self.output_ids) + self.inflight
+        if count < self.sampling.max_tokens and self.num_tokens < max_model_len:
+            self.pending.append((self.num_tokens - 1, self.num_tokens))
 
     @property
     def first_pending(self) -> int:
@@ -128,12 +146,14 @@ class Request:
         return taken
 
     def finish_check(self, max_model_len: int) -> FinishReason | None:
+        """Whether the last applied token ends the turn (`expect_sample` predicted the lengths)."""
         last = self.output_ids[-1]
         if not self.sampling.ignore_eos and last in self.eos_token_ids:
             return FinishReason.STOP
         if last in self.sampling.stop_token_ids:
             return FinishReason.STOP
-        if len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= max_model_len:
+        applied = len(self.prompt_ids) + len(self.output_ids)
+        if len(self.output_ids) >= self.sampling.max_tokens or applied >= max_model_len:
             return FinishReason.LENGTH
         return None
 

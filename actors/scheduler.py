@@ -3,6 +3,11 @@
 Every request is "computed positions vs target positions": each step gives every running request
 its next pending positions (a decode is one position) under a token budget, first come first
 served, then admits waiting requests while the GPU keeps its reserve.
+
+A planned sample makes its position pending at once (`Request.expect_sample`), so the next step
+can be planned before this one's tokens are known: the engine overlaps planning with the device.
+Its token is applied by `update`; a request that ends meanwhile (an end-of-sequence token) has
+its pieces in the step planned ahead ignored.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class Scheduler:
         self.histories: dict[str, list[int]] = {}  # conversation -> its token log
         self.num_suspensions = 0
         self.rejected: list[Request] = []  # drained by the engine
+        self.live: dict[str, Request] = {}  # unfinished requests, waiting or running
 
     def add(self, request: Request) -> None:
         if request.num_tokens >= self.config.max_model_len:
@@ -48,6 +54,7 @@ class Scheduler:
         if any(r.conv_id == request.conv_id for r in (*self.running, *self.waiting)):
             raise ValueError(f"conversation {request.conv_id!r} already has a turn in progress")
         self.waiting.append(request)
+        self.live[request.request_id] = request
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -57,7 +64,6 @@ class Scheduler:
         it is not running (a suspended request is stopped once it runs again)."""
         if request not in self.running:
             return False
-        request.pending.clear()  # its last sampled token is never fed, as at a normal finish
         self._finish(request, FinishReason.STOP, now)
         return True
 
@@ -77,15 +83,16 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # suspended while an earlier request grew
+            if request.status is not RequestStatus.RUNNING or not request.pending:
+                continue  # suspended while an earlier request grew; or its last token is out
             taken = self._grow_or_suspend(request, budget, now)
             pieces += self._pieces(request, taken)
             budget -= sum(end - start for start, end in taken)
         if self._defer_admission(pieces):
             return StepPlan(tuple(pieces), self.kv.take_orders())
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if not self._admit(self.waiting[0], now):
+            if self.waiting[0].inflight or not self._admit(self.waiting[0], now):
+                # (a suspended request whose last token is still being sampled waits for it)
                 break
             request = self.waiting.popleft()
             taken = request.take(budget)
@@ -110,26 +117,27 @@ class Scheduler:
         return free < min(self.config.admit_group, len(self.waiting))
 
     def update(self, plan: StepPlan, sampled: list[int], now: float) -> StepOutcome:
-        """Apply a finished step: record computed positions and sampled tokens."""
+        """Apply a finished step: record computed positions and sampled tokens (steps are
+        applied in the order they were planned)."""
         new_tokens: dict[str, int] = {}
         finished: list[Request] = []
-        by_id = {request.request_id: request for request in self.running}
         samples = iter(sampled)
         for piece in plan.pieces:
-            request = by_id[piece.request_id]
+            token = next(samples) if piece.sampling is not None else None
+            request = self.live.get(piece.request_id)
+            if request is None:
+                continue  # it ended after this step was planned: its positions are not kept
             conv = self.kv.conversations[request.conv_id]
             conv.num_positions = max(conv.num_positions, piece.end)
-            if piece.sampling is None:
+            if token is None:
                 continue
-            token = next(samples)
+            request.inflight -= 1
             request.output_ids.append(token)
             new_tokens[request.request_id] = token
             if request.first_token_time is None:
                 request.first_token_time = now
             reason = request.finish_check(self.config.max_model_len)
-            if reason is None:
-                request.pending.append((request.num_tokens - 1, request.num_tokens))
-            else:
+            if reason is not None:
                 self._finish(request, reason, now)
                 finished.append(request)
         return StepOutcome(new_tokens, finished)
@@ -148,6 +156,9 @@ class Scheduler:
         pieces = []
         for start, end in taken:
             samples = end == request.num_tokens and not request.pending
+            index = len(request.output_ids) + request.inflight  # which output token it samples
+            if samples:
+                request.expect_sample(self.config.max_model_len)
             pieces.append(
                 SeqPiece(
                     request.request_id,
@@ -156,7 +167,7 @@ class Scheduler:
                     end,
                     table,
                     request.sampling if samples else None,
-                    len(request.output_ids),
+                    index,
                 )
             )
         return pieces
@@ -165,7 +176,9 @@ class Scheduler:
         conv = self.kv.conversations[request.conv_id]
         end = request.peek_end(budget)
         while not self.kv.grow(conv, end, now):
-            victim = self.running[-1]  # the latest arrival gives way (running is in arrival order)
+            # the latest arrival gives way (running is in arrival order); one whose last token
+            # is already being sampled is about to end, which frees its blocks anyway
+            victim = next(r for r in reversed(self.running) if r.pending)
             self._suspend(victim, now)
             if victim is request:
                 return []
@@ -175,7 +188,7 @@ class Scheduler:
         self.kv.suspend(self.kv.conversations[request.conv_id], request.first_pending, now)
         self.running.remove(request)
         request.status = RequestStatus.WAITING
-        request.pending = []
+        request.pending = []  # an in-flight token is applied while it waits
         request.num_suspensions += 1
         self.num_suspensions += 1
         self.waiting.appendleft(request)
@@ -211,6 +224,7 @@ class Scheduler:
 
     def _reject(self, request: Request, now: float) -> None:
         self.waiting.remove(request)
+        del self.live[request.request_id]
         request.status = RequestStatus.FINISHED
         request.finish_reason = FinishReason.ABORT
         request.error = "too_long: the conversation does not fit in the GPU KV cache"
@@ -218,10 +232,18 @@ class Scheduler:
         self.rejected.append(request)
 
     def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
+        """End a turn (running, or suspended with its last token in flight); tokens sampled
+        after its last one are discarded, as its last token is never fed."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = now
-        self.running.remove(request)
+        request.pending = []
+        request.inflight = 0
+        del self.live[request.request_id]
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
         self.histories[request.conv_id] = request.all_ids
         self.kv.release(self.kv.conversations[request.conv_id], now)
         if request.conv_id not in self.kv.conversations:

@@ -98,11 +98,20 @@ def build_metadata(
     cu = [0]
     for qlen in query_lens:
         cu.append(cu[-1] + qlen)
+    num_seqs = len(query_lens)
+    ints = torch.from_numpy(  # the int32 inputs go up in one copy
+        np.concatenate([
+            np.asarray(cu, dtype=np.int32),
+            np.asarray(seq_lens, dtype=np.int32),
+            pad_tables(block_tables, max_blocks, 0).ravel(),
+        ])
+    )  # fmt: skip
+    ints = upload(ints, torch.device(device))
     return AttentionMetadata(
-        cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-        block_tables=torch.from_numpy(pad_tables(block_tables, max_blocks, 0)).to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        cu_query_lens=ints[: num_seqs + 1],
+        seq_lens=ints[num_seqs + 1 : 2 * num_seqs + 1],
+        block_tables=ints[2 * num_seqs + 1 :].view(num_seqs, max_blocks),
+        slot_mapping=upload(torch.tensor(slots, dtype=torch.int64), torch.device(device)),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         block_size=block_size,
@@ -110,6 +119,14 @@ def build_metadata(
         seq_lens_host=tuple(int(s) for s in seq_lens),
         num_single=next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens)),
     )
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`, without making the host wait: a CUDA copy goes from pinned memory
+    (a pageable one waits for the stream, i.e. for every step issued before it)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def pad_tables(tables: Sequence[Sequence[int]], width: int, fill: int) -> np.ndarray:

@@ -114,6 +114,9 @@ class Settings:
     mixed_steps: tuple[tuple[int, int, int], ...] = (
         (250, 1024, 0), (240, 1024, 150), (245, 1024, 470), (0, 0, 2048),
     )  # fmt: skip
+    # the engine's own loop over a full decode batch, each step planned after the one before
+    # is applied, or while it runs (`Engine.overlap`): (requests, prompt tokens, measured steps)
+    loop_decodes: tuple[int, int, int] = (250, 256, 60)
     # policies (see ops/bench_policies.py)
     policies: tuple[str, ...] = ("pensieve", "lru", "gpu-only", "stateless")
     gpu_tokens: int = 196608  # 40 GB of KV: what an 80 GB GPU keeps after the 13B weights
@@ -121,6 +124,7 @@ class Settings:
     max_num_seqs: int = 256
     admit_batch: int = 8  # SchedulerConfig.admit_batch (1: every waiting request at once)
     swap_out_dma: bool = False  # ahead-of-time swap-outs by DMA only (SwapEngine.out_dma)
+    overlap: bool = True  # plan each step while the one before runs (Engine.overlap)
     policy_max_output: int = 256
     policy_max_turns: int = 16
     policy_min_turns: int = 2  # multi-turn conversations only: single turns have no history
@@ -146,7 +150,8 @@ SMOKE = Settings(
     replay_concurrency=6, replay_turns=2, replay_max_output=8, replay_warmup_s=0.3,
     replay_window_s=1.5, hf_window_s=2.0, decode_batches=(1, 4), decode_context=256,
     swap_chunks=(4, 16), swap_step_decodes=4, swap_step_context=128, swap_history=128,
-    swap_new_tokens=8, mixed_steps=((4, 64, 0), (4, 64, 20), (0, 0, 64)), gpu_tokens=512,
+    swap_new_tokens=8, mixed_steps=((4, 64, 0), (4, 64, 20), (0, 0, 64)),
+    loop_decodes=(6, 16, 5), gpu_tokens=512,
     cpu_tokens=4096, policy_max_output=8, policy_max_turns=4,
     start_rates=(("pensieve", 8.0), ("lru", 8.0), ("gpu-only", 8.0), ("stateless", 8.0)),
     max_points=1, duration_s=3.0, warmup_s=0.5, drain_s=3.0, think_s=0.4, latency_bound=10.0,
@@ -271,7 +276,8 @@ class Bench:
         )
         shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
         cost = CostModel.analytic(*shape, c.intermediate_size, options.block_size)
-        return Engine(runner, cache, scheduling, cost.cost, frozenset(c.eos_token_ids))
+        eos = frozenset(c.eos_token_ids)
+        return Engine(runner, cache, scheduling, cost.cost, eos, overlap=self.s.overlap)
 
     def reserved(self) -> float:
         """Seconds the sections after the current one need (replay48 is the long one)."""
@@ -517,13 +523,63 @@ def section_swap(b: Bench, rows: list[Row]) -> dict[str, Any]:
     b.free()
     step = pipelined_step(b, rows)
     mixed = mixed_steps(b, rows)
+    loop = loop_steps(b, rows)
     return {
         "status": "ok",
         "peak_gb_s": peaks,
         "swap_gb_s": measured,
         "pipelined_step": step,
         "mixed_steps": mixed,
+        "loop_steps": loop,
     }
+
+
+def loop_steps(b: Bench, rows: list[Row]) -> dict[str, Any]:
+    """The engine's whole step (plan, launch, wait, apply) over a full batch of decodes, with
+    each step planned after the previous one is applied and with it planned while that one runs
+    (`Engine.overlap`): the device time of a step against the host time left exposed."""
+    num, prompt_len, steps = b.s.loop_decodes
+    num = min(num, b.s.max_num_seqs)
+    config = b.loaded().config
+    results: dict[str, Any] = {}
+    for name, overlap in (("sequential", False), ("overlapped", True)):
+        engine = b.engine(Policy.PENSIEVE, num * (prompt_len + 2 * steps + 64), 0)
+        engine.overlap = overlap
+        rng = random.Random(b.s.seed)
+        sampling = SamplingParams(max_tokens=prompt_len + 2 * steps + 32, ignore_eos=True)
+        for i in range(num):
+            prompt = [rng.randrange(3, config.vocab_size) for _ in range(prompt_len)]
+            engine.add_request(f"loop-{i}", prompt, sampling)
+        warm = 0
+        while warm < 5:  # every request decoding (graphs captured), then a few more steps
+            engine.step()
+            t = engine.last_timing
+            warm = warm + 1 if t is not None and (t.decodes, t.prefill_tokens) == (num, 0) else 0
+        b.sync()
+        begin = time.perf_counter()
+        timings = []
+        for _ in range(steps):
+            engine.step()
+            timings.append(engine.last_timing)
+        b.sync()
+        seconds = (time.perf_counter() - begin) / steps
+        assert all(t is not None and t.decodes == num for t in timings), "a step did not decode"
+        host = sum(t.total_s - t.wait_s for t in timings if t is not None) / steps
+        results[name] = {"step_seconds": seconds, "host_seconds": host}
+        engine.reset("benchmark over")
+        del engine
+    seq, ovl = results["sequential"], results["overlapped"]
+    what = f"{num} decodes@{prompt_len}+"
+    for name in ("sequential", "overlapped"):
+        r = results[name]
+        note = f"host {r['host_seconds'] * 1e3:.2f} ms of it"
+        ref = None if name == "sequential" else seq["step_seconds"] * 1e3
+        rows.append(Row(f"engine loop, {what}, {name}", r["step_seconds"] * 1e3, "ms", ref,
+                        "sequential" if ref else "", note=note))  # fmt: skip
+    b.log(f"engine loop {what}: sequential {seq['step_seconds'] * 1e3:.2f} ms, overlapped "
+          f"{ovl['step_seconds'] * 1e3:.2f} ms per step")  # fmt: skip
+    b.free()
+    return results
 
 
 def pipelined_step(b: Bench, rows: list[Row]) -> dict[str, Any]:
@@ -813,6 +869,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument("--policy-max-output", type=int, help="policies: cap on reply tokens")
     p.add_argument("--max-num-seqs", type=int, help="policies: running requests at most")
     p.add_argument("--admit-batch", type=int, help="policies: slots free before a decode admits")
+    p.add_argument(
+        "--no-overlap", dest="overlap", action="store_const", const=False,
+        help="policies: plan each step only after the one before is applied",
+    )  # fmt: skip
     p.add_argument(
         "--swap-out-dma", action="store_const", const=True,
         help="policies: ahead-of-time swap-outs by DMA, not the copy kernel",

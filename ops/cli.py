@@ -79,6 +79,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=8,
         help="a decode-only step admits once this many running slots are free (1: at once)",
     )
+    p.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="plan each step only after the one before is applied (default: while it runs)",
+    )
     p.add_argument("--profile", default=None, help="cost table from `pensieve profile`")
     p.add_argument("--seed", type=int, default=0)
 
@@ -102,6 +108,7 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         max_batch_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
         admit_batch=args.admit_batch,
+        overlap=args.overlap,
         profile=args.profile,
         seed=args.seed,
     )

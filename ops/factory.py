@@ -36,6 +36,7 @@ class EngineOptions:
     max_batch_tokens: int = 2048
     max_num_seqs: int = 256
     admit_batch: int = 8  # see SchedulerConfig.admit_batch
+    overlap: bool = True  # plan each step while the one before runs (see Engine)
     profile: str | None = None  # a `pensieve profile` table; default: the analytic cost model
     seed: int = 0
 
@@ -72,7 +73,8 @@ def assemble(options: EngineOptions, loaded: LoadedModel, chat: ChatTokenizer) -
         admit_batch=options.admit_batch,
     )
     cost = _cost_model(options, loaded.config)
-    engine = Engine(runner, cache, scheduling, cost.cost, chat.eos_token_ids)
+    eos = chat.eos_token_ids
+    engine = Engine(runner, cache, scheduling, cost.cost, eos, overlap=options.overlap)
     return Built(engine, loaded, chat)
 
 

@@ -27,12 +27,14 @@ pytestmark = [
 NUM_CONVERSATIONS, TURNS, CONCURRENCY, MAX_TOKENS = 16, 3, 6, 16
 
 
-def chat(policy: Policy, loaded, gpu_blocks: int, cpu_blocks: int) -> tuple[dict, Engine]:
+def chat(policy: Policy, loaded, gpu_blocks: int, cpu_blocks: int,
+         overlap: bool = True) -> tuple[dict, Engine]:  # fmt: skip
     """Every conversation's turns, `CONCURRENCY` conversations at a time; outputs by turn."""
     cache = CacheConfig(32, gpu_blocks, cpu_blocks, policy, admission_reserve=0.0)
     runner = ModelRunner(loaded.model, cache, torch.device("cuda"), torch.float32)
     scheduling = SchedulerConfig(256, 64, loaded.config.max_context_len)
-    engine = Engine(runner, cache, scheduling, lambda context: 1.0 + context / 512, frozenset())
+    cost = lambda context: 1.0 + context / 512  # noqa: E731
+    engine = Engine(runner, cache, scheduling, cost, frozenset(), overlap=overlap)
     rng = random.Random(7)  # the same conversations for every policy
     vocab = loaded.config.vocab_size
     messages = {
@@ -69,7 +71,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def stateless(model) -> dict:
-    outputs, _ = chat(Policy.STATELESS, model, 256, 0)
+    """Sequential steps; the runs compared with it plan each step while the one before runs,
+    its decodes fed (through CUDA graphs too) the tokens still on the device."""
+    outputs, engine = chat(Policy.STATELESS, model, 256, 0, overlap=False)
+    assert engine.runner.graphs is not None and engine.runner.graphs.graphs  # graphs replayed
     return outputs
 
 
@@ -78,7 +83,7 @@ def test_gpu_every_cache_path_gives_the_same_tokens(model, stateless, policy):
     # 40 GPU blocks (1280 tokens) and 24 CPU blocks for 6 conversations of up to ~450 tokens:
     # hits, swaps and drops in one run (checked with these tiers on the CPU as well)
     outputs, engine = chat(policy, model, 40, 24)
-    assert outputs == stateless
+    assert engine.overlap and outputs == stateless
     sources = engine.totals.sources
     stats = engine.runner.swap.stats
     assert sources.gpu > 0 and sources.recomputed > 0, sources

@@ -4,10 +4,12 @@ tokens are made up, as the scheduler never looks at their values)."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pensieve.actors.config import CacheConfig, SchedulerConfig
 from pensieve.actors.kv_manager import KVCacheManager
-from pensieve.actors.request import Request, SamplingParams
+from pensieve.actors.request import PLACEHOLDER, Request, RequestStatus, SamplingParams
 from pensieve.actors.scheduler import Scheduler
 from pensieve.actors.step import StepPlan
 
@@ -106,3 +108,77 @@ def test_a_step_with_prefill_work_admits_into_a_single_free_slot() -> None:
 def test_admit_batch_must_be_positive() -> None:
     with pytest.raises(ValueError, match="admit_batch"):
         SchedulerConfig(admit_batch=0)
+
+
+# ---- planning a step ahead (the engine's overlap) --------------------------------------------
+
+EOS = 2
+
+
+def model_token(conv_id: str, position: int, fed: int) -> int:
+    """A deterministic stand-in for the model: the token after `position` depends on the token
+    fed there, so a wrong or missing feed changes every later token. EOS now and then."""
+    value = (hash(conv_id) % 997 + 31 * position + 7 * fed) % 50
+    return EOS if value == 0 else 3 + value
+
+
+def run_pipelined(requests: list[tuple[int, int]], depth: int, gpu_blocks: int) -> dict:
+    """Serve `requests` (prompt length, max_tokens) with `depth` steps in flight (1: plan after
+    applying; 2: plan step N+1 before applying step N, feeding its decodes step N's tokens as
+    the executor does). Returns every request's output and checks the accounting each step."""
+    kv = KVCacheManager(CacheConfig(4, gpu_blocks, 64), cost=lambda context: 1.0 + context)
+    scheduler = Scheduler(SchedulerConfig(24, 6, 4096, 1), kv)
+    made = []
+    for i, (prompt_len, max_tokens) in enumerate(requests):
+        prompt = [3 + (i * 5 + j) % 40 for j in range(prompt_len)]
+        request = Request(f"r{i}", f"c{i}", prompt, SamplingParams(max_tokens=max_tokens),
+                          float(i), eos_token_ids=frozenset({EOS}))  # fmt: skip
+        scheduler.add(request)
+        made.append(request)
+    inflight: list[tuple[StepPlan, list[int]]] = []
+    now, placeholders = 0.0, 0
+    previous: dict[str, int] = {}  # request id -> token sampled by the step launched last
+    while scheduler.has_work() or inflight:
+        now += 1.0
+        plan = scheduler.schedule(now)
+        sampled, fed = [], {}
+        for piece in plan.pieces:
+            tokens = list(piece.token_ids)
+            if tokens[-1] == PLACEHOLDER:
+                assert piece.end - piece.start == 1 and depth == 2
+                tokens[-1] = previous[piece.request_id]  # what the executor's feed does
+                placeholders += 1
+            assert PLACEHOLDER not in tokens
+            if piece.sampling is not None:
+                token = model_token(piece.request_id, piece.end - 1, tokens[-1])
+                sampled.append(token)
+                fed[piece.request_id] = token
+        previous = fed
+        if plan.pieces:  # as in the engine, a step that samples nothing is not waited for
+            inflight.append((plan, sampled))
+        if inflight and (len(inflight) == depth or not plan.pieces):
+            done, tokens = inflight.pop(0)
+            scheduler.update(done, tokens, now)
+            kv.swap_out_ahead(now)
+        kv.take_orders()
+        kv.check_invariants()
+        for request in scheduler.running:
+            assert all(c.gpu_block is not None for c in kv.conversations[request.conv_id].chunks)
+    assert all(r.status is RequestStatus.FINISHED and not r.inflight for r in made)
+    return {r.request_id: (r.output_ids, r.finish_reason, placeholders > 0) for r in made}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 40)), min_size=1, max_size=10),
+    gpu_blocks=st.integers(12, 40),
+)
+def test_planning_a_step_ahead_gives_the_same_tokens(requests, gpu_blocks) -> None:
+    """Tokens, finish reasons and block accounting do not depend on whether a step is planned
+    before the one in flight is applied: turns that end on EOS with a decode already planned,
+    suspensions with a token in flight, and requests that finish by length all included."""
+    sync = run_pipelined(requests, depth=1, gpu_blocks=gpu_blocks)
+    ahead = run_pipelined(requests, depth=2, gpu_blocks=gpu_blocks)
+    assert {k: v[:2] for k, v in ahead.items()} == {k: v[:2] for k, v in sync.items()}
+    if any(max_tokens > 2 for _, max_tokens in requests):
+        assert all(v[2] for v in ahead.values())  # decodes were fed from the step in flight

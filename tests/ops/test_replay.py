@@ -62,9 +62,12 @@ def three_turns(chat_file, tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def stateless(smollm2, smollm2_chat, sharegpt20) -> list[dict]:
+    """The reference: every turn re-prefilled, each step planned after the one before is
+    applied; every other run here plans a step while the one before is in flight."""
     lines, _ = run_replay(
-        smollm2, smollm2_chat, sharegpt20, Policy.STATELESS, gpu_cache_tokens=16384
-    )
+        smollm2, smollm2_chat, sharegpt20, Policy.STATELESS, gpu_cache_tokens=16384,
+        overlap=False,
+    )  # fmt: skip
     return lines
 
 
@@ -157,7 +160,8 @@ def test_suspension_under_decode_pressure_keeps_tokens(smollm2, smollm2_chat):
     sampling = SamplingParams(max_tokens=96, ignore_eos=True)
     results = {}
     tight = dict(SMALL_TIERS, gpu_cache_tokens=224)  # 7 blocks: each request grows to 5
-    for name, tiers in (("roomy", dict(gpu_cache_tokens=4096)), ("tight", tight)):
+    roomy = dict(gpu_cache_tokens=4096, overlap=False)  # suspended with a token in flight: tight
+    for name, tiers in (("roomy", roomy), ("tight", tight)):
         built = assemble(EngineOptions(model="smollm2", **tiers), smollm2, smollm2_chat)
         requests = [built.engine.add_request(f"c{i}", p, sampling) for i, p in enumerate(prompts)]
         while built.engine.has_work():

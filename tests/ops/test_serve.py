@@ -412,11 +412,11 @@ def test_a_failed_engine_step_is_answered_and_the_conversations_go_on_unchanged(
         runner = built.engine.runner
         launch, failures = runner.launch, []
 
-        def fail_once(plan: Any) -> Any:
+        def fail_once(plan: Any, feed: Any = None) -> Any:
             if not failures:
                 failures.append(plan)
                 raise RuntimeError("injected step failure")
-            return launch(plan)
+            return launch(plan, feed)
 
         runner.launch = fail_once
         body = {"conversation_id": first["conversation_id"], "message": CHAT[1],
@@ -443,7 +443,7 @@ def test_an_engine_that_cannot_be_reset_refuses_turns_at_once(
     with EmbeddedNats() as own, running_server(smollm2, smollm2_chat, tmp_path, own.url) as built:
         steps = []
 
-        def broken_step(plan: Any) -> Any:
+        def broken_step(plan: Any, feed: Any = None) -> Any:
             steps.append(plan)
             raise RuntimeError("injected device error")
 
