@@ -16,6 +16,7 @@ On a machine without a GPU both tiers are ordinary memory and the same copies ru
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,8 @@ class SwapEngine:
         self._deferred = None
         self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self.zero_copy = False
+        self._views: tuple[list[tuple[torch.Tensor, ...]], list[tuple[torch.Tensor, ...]]] | None
+        self._views = None
         if self.cuda:
             # swap-ins gate attention layer by layer: their copy kernel's programs go first when
             # SMs free up, rather than queue behind the step's matrix products while each layer
@@ -191,10 +194,12 @@ class SwapEngine:
             gpu_ids, cpu_ids = self._indices(ops)
             for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
                 copy_blocks(gpu, cpu, gpu_ids, cpu_ids, max_programs)
+        elif self.cuda:
+            self._dma(range(len(self.gpu_caches)), runs, to_gpu=False)
         else:
             for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
                 for g, c, n in runs:
-                    cpu[c : c + n].copy_(gpu[g : g + n], non_blocking=self.cuda)
+                    cpu[c : c + n].copy_(gpu[g : g + n])
         self.stats.blocks_out += len(ops)
         self.stats.bytes_out += len(ops) * self.block_bytes
         if not self.cuda:
@@ -204,9 +209,9 @@ class SwapEngine:
         """Per layer: save the evicted blocks, then load the swapped-in ones; one event each."""
         out_plan, in_plan = self._layer_plan(evict), self._layer_plan(swap_in)
         events = []
-        for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
-            self._copy_layer(gpu, cpu, out_plan, None)
-            self._copy_layer(cpu, gpu, in_plan, IN_PROGRAMS)
+        for layer in range(len(self.gpu_caches)):
+            self._copy_layer(layer, out_plan, False, None)
+            self._copy_layer(layer, in_plan, True, IN_PROGRAMS)
             event = torch.cuda.Event()
             event.record()
             events.append(event)
@@ -224,24 +229,43 @@ class SwapEngine:
             return _LayerPlan(runs, self._indices(ops))
         return _LayerPlan(runs, None)
 
-    @staticmethod
     def _copy_layer(
-        src: torch.Tensor, dst: torch.Tensor, plan: _LayerPlan | None, max_programs: int | None
+        self, layer: int, plan: _LayerPlan | None, to_gpu: bool, max_programs: int | None
     ) -> None:
-        """One layer of a planned copy; `src` and `dst` are that layer's two tiers."""
+        """One layer of a planned copy, in one direction."""
         if plan is None:
             return
-        to_gpu = dst.is_cuda
         if plan.ids is not None:
+            gpu, cpu = self.gpu_caches[layer], self.cpu_caches[layer]
             gpu_ids, cpu_ids = plan.ids
-            src_ids, dst_ids = (cpu_ids, gpu_ids) if to_gpu else (gpu_ids, cpu_ids)
-            copy_blocks(src, dst, src_ids, dst_ids, max_programs)
-            return
-        for g, c, n in plan.runs:
             if to_gpu:
-                dst[g : g + n].copy_(src[c : c + n], non_blocking=True)
+                copy_blocks(cpu, gpu, cpu_ids, gpu_ids, max_programs)
             else:
-                dst[c : c + n].copy_(src[g : g + n], non_blocking=True)
+                copy_blocks(gpu, cpu, gpu_ids, cpu_ids, max_programs)
+            return
+        self._dma((layer,), plan.runs, to_gpu)
+
+    def _dma(self, layers: Sequence[int], runs: list[tuple[int, int, int]], to_gpu: bool) -> None:
+        """Copy-engine copies of `runs` in `layers`, issued in one call: a swap-out of scattered
+        blocks makes a thousand of them a step, and the host issues them while the device
+        runs the step before (each one a slice and a call from Python took ~8 us)."""
+        if self._views is None:  # every block of every layer as a view, made once
+            self._views = (
+                [cache.unbind(0) for cache in self.gpu_caches],
+                [cache.unbind(0) for cache in self.cpu_caches],
+            )
+        gpu_views, cpu_views = self._views
+        gpu_side: list[torch.Tensor] = []
+        cpu_side: list[torch.Tensor] = []
+        for layer in layers:
+            gpu, cpu = self.gpu_caches[layer], self.cpu_caches[layer]
+            for g, c, n in runs:
+                gpu_side.append(gpu_views[layer][g] if n == 1 else gpu[g : g + n])
+                cpu_side.append(cpu_views[layer][c] if n == 1 else cpu[c : c + n])
+        if to_gpu:
+            torch._foreach_copy_(gpu_side, cpu_side, non_blocking=True)
+        else:
+            torch._foreach_copy_(cpu_side, gpu_side, non_blocking=True)
 
     def _use_kernel(self, ops: list[CopyOp], runs: list[tuple[int, int, int]]) -> bool:
         return self.zero_copy and len(ops) < MIN_DMA_RUN * len(runs)
