@@ -65,7 +65,7 @@ class ModelRunner:
         dtype: torch.dtype,
         impl: AttentionImpl = AttentionImpl.AUTO,
         cuda_graphs: bool = True,
-        swap_out_dma: bool = False,
+        swap_out_dma: bool = True,
     ) -> None:
         self.model = model
         self.config = model.config

@@ -59,11 +59,13 @@ def copy_runs(ops: list[CopyOp]) -> list[tuple[int, int, int]]:
 
 class SwapEngine:
     def __init__(
-        self, gpu_caches: list[torch.Tensor], cpu_caches: list[torch.Tensor], out_dma: bool = False
+        self, gpu_caches: list[torch.Tensor], cpu_caches: list[torch.Tensor], out_dma: bool = True
     ) -> None:
         """`out_dma`: ahead-of-time swap-outs always by DMA (the copy engines) rather than the copy
-        kernel, which holds SMs while it waits on PCIe; slower for scattered blocks, but it leaves
-        every SM to the step it runs beside (an experiment, see the README)."""
+        kernel, which holds SMs while it waits on PCIe. DMA is slower for scattered blocks and
+        costs the host a copy call per block and layer, but it leaves every SM to the step it
+        runs beside, and the engine issues those calls while the step before runs (see the
+        README: with the engine's overlap this is the faster choice)."""
         self.out_dma = out_dma
         self.gpu_caches = gpu_caches  # per layer [num_gpu_blocks, 2, bs, Hkv, D]
         self.cpu_caches = cpu_caches  # per layer [num_cpu_blocks, 2, bs, Hkv, D], pinned on CUDA

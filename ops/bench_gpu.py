@@ -123,7 +123,7 @@ class Settings:
     cpu_tokens: int = 262144  # 54 GB pinned
     max_num_seqs: int = 256
     admit_batch: int = 8  # SchedulerConfig.admit_batch (1: every waiting request at once)
-    swap_out_dma: bool = False  # ahead-of-time swap-outs by DMA only (SwapEngine.out_dma)
+    swap_out_dma: bool = True  # ahead-of-time swap-outs by DMA only (SwapEngine.out_dma)
     overlap: bool = True  # plan each step while the one before runs (Engine.overlap)
     policy_max_output: int = 256
     policy_max_turns: int = 16
@@ -874,8 +874,8 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
         help="policies: plan each step only after the one before is applied",
     )  # fmt: skip
     p.add_argument(
-        "--swap-out-dma", action="store_const", const=True,
-        help="policies: ahead-of-time swap-outs by DMA, not the copy kernel",
+        "--swap-out-kernel", dest="swap_out_dma", action="store_const", const=False,
+        help="policies: ahead-of-time swap-outs by the copy kernel, not DMA",
     )  # fmt: skip
     p.add_argument(
         "--profile", dest="profile_s", type=float, help="policies: seconds of kernel profile"
