@@ -158,7 +158,7 @@ class Engine:
         self._inflight = launched_step if self.overlap and plan.pieces else None
         if done is None:  # the first step of a busy period: nothing to apply yet
             self.last_timing = None
-            return StepOutcome({}, [])
+            return self._with_rejected(StepOutcome({}, []))
         sampled = done.result()
         executed = time.perf_counter()
         plan, orders = done.plan, done.plan.orders
@@ -176,13 +176,17 @@ class Engine:
             len(orders.swap_out),
             len(orders.evict_first),
         )
-        rejected = self.scheduler.rejected
-        self.scheduler.rejected = []
         self.totals.steps += 1
         for request in outcome.finished:
             self.totals.prompt_tokens += len(request.prompt_ids)
             self.totals.output_tokens += len(request.output_ids)
             self.totals.sources = self.totals.sources + request.sources
+        return self._with_rejected(outcome)
+
+    def _with_rejected(self, outcome: StepOutcome) -> StepOutcome:
+        """The outcome, with the requests admission rejected since the last step among the
+        finished ones (also when no step was applied: nothing else would report them)."""
+        rejected, self.scheduler.rejected = self.scheduler.rejected, []
         if rejected:
             return StepOutcome(outcome.new_tokens, outcome.finished + rejected)
         return outcome

@@ -170,3 +170,17 @@ def test_suspension_under_decode_pressure_keeps_tokens(smollm2, smollm2_chat):
         results[name] = ([r.output_ids for r in requests], built.engine.scheduler.num_suspensions)
     assert results["tight"][1] > 0 and results["roomy"][1] == 0
     assert results["tight"][0] == results["roomy"][0]
+
+
+def test_a_turn_too_big_for_the_gpu_tier_is_reported_at_once(smollm2, smollm2_chat):
+    """On an idle engine a turn that can never fit is rejected; the step that rejects it applies
+    no tokens (nothing was in flight), and still reports it."""
+    from pensieve.actors.request import FinishReason, SamplingParams
+
+    tiers = dict(gpu_cache_tokens=64, cpu_cache_tokens=64, admission_reserve=0.0)
+    built = assemble(EngineOptions(model="smollm2", **tiers), smollm2, smollm2_chat)
+    request = built.engine.add_request("c0", list(range(3, 200)), SamplingParams(max_tokens=4))
+    outcome = built.engine.step()
+    assert outcome.finished == [request] and request.finish_reason is FinishReason.ABORT
+    assert request.error is not None and request.error.startswith("too_long")
+    assert not built.engine.has_work()
