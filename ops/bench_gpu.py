@@ -878,6 +878,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
         help="policies: ahead-of-time swap-outs by the copy kernel, not DMA",
     )  # fmt: skip
     p.add_argument(
+        "--swap-out-dma", action="store_const", const=True,
+        help="policies: ahead-of-time swap-outs by DMA (the default; kept for older commands)",
+    )  # fmt: skip
+    p.add_argument(
         "--profile", dest="profile_s", type=float, help="policies: seconds of kernel profile"
     )
     p.add_argument(
