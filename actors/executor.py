@@ -116,7 +116,7 @@ class ModelRunner:
             return Launched(plan, empty, empty, None)
         if self.graphs is not None and self.graphs.fits(plan):
             self.swap.issue(plan.orders, defer_out=True)
-            logits = self.logits(plan, feed)
+            logits = self._replay(self.graphs, plan, feed)
         else:
             # the step's inputs go up first: behind the swap-ins they would share the
             # host-to-device copy queue with them and hold back the first layer
@@ -139,9 +139,13 @@ class ModelRunner:
         """Logits [pieces that sample, vocab] of the plan's forward (swaps already issued), rows
         in plan order."""
         if self.graphs is not None and self.graphs.fits(plan):
-            self.swap.wait_all()
-            return self.graphs.logits(plan, lambda ids: self._feed(ids, plan.pieces, feed))
+            return self._replay(self.graphs, plan, feed)
         return self._forward(self._inputs(plan, feed))
+
+    def _replay(self, graphs: DecodeGraphs, plan: StepPlan, feed: Launched | None) -> torch.Tensor:
+        """A pure-decode plan's logits from its CUDA graph (`graphs.fits(plan)`)."""
+        self.swap.wait_all()
+        return graphs.logits(plan, lambda ids: self._feed(ids, plan.pieces, feed))
 
     def _inputs(self, plan: StepPlan, feed: Launched | None) -> _Inputs:
         """An eager forward's inputs, on the device."""
