@@ -187,6 +187,12 @@ class Bus:
             stats.last_error = f"{error.code}: {error.message}"
             await incoming.send_error(error)
 
+    async def flush(self) -> None:
+        """Wait until the server has every subscription and message sent so far (a ping round
+        trip): without it a subscription may still sit in the client's buffer, and a request
+        sent meanwhile by someone else finds no responder."""
+        await self.client.flush()
+
     async def close(self) -> None:
         """Stop handling requests and leave the bus: drain (let queued messages and replies go
         out) when connected; when NATS is down, just close, as there is nothing to drain to."""

@@ -171,6 +171,7 @@ class ChatServer:
             "pensieve", self.engine_id, _version(),
             "stateful LLM serving: chat turns whose KV cache is kept across turns",
         ))  # fmt: skip
+        await self.bus.flush()  # started means subscribed: a request sent now is answered
 
     def _owned(self, subject: str, handler: Handler) -> Handler:
         """`handler` for the requests whose conversation lives here; the others are forwarded
