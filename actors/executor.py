@@ -66,6 +66,7 @@ class ModelRunner:
         impl: AttentionImpl = AttentionImpl.AUTO,
         cuda_graphs: bool = True,
         swap_out_dma: bool = True,
+        swap_batched: bool = True,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -82,7 +83,9 @@ class ModelRunner:
             torch.empty((num_cpu, *c.shape[1:]), dtype=dtype, pin_memory=pin)
             for c in self.gpu_caches
         ]
-        self.swap = SwapEngine(self.gpu_caches, self.cpu_caches, out_dma=swap_out_dma)
+        self.swap = SwapEngine(
+            self.gpu_caches, self.cpu_caches, out_dma=swap_out_dma, batched=swap_batched
+        )
         self.scale = self.config.attn_scale
         self.graphs = (
             DecodeGraphs(

@@ -70,6 +70,12 @@ class KVCacheManager:
             conv = self.conversations[conv_id] = ConversationKV(conv_id, last_active=now)
         return conv
 
+    def touch(self, conv_id: str, now: float) -> None:
+        """A turn of the conversation arrived: it is active again (its idle time restarts)."""
+        conv = self.conversations.get(conv_id)
+        if conv is not None:
+            conv.last_active = max(conv.last_active, now)
+
     def restore(self, conv_id: str, num_positions: int, now: float) -> ConversationKV:
         """A conversation known from the token log only (e.g. after a restart): all dropped."""
         conv = self.conversation(conv_id, now)

@@ -55,6 +55,7 @@ class Scheduler:
             raise ValueError(f"conversation {request.conv_id!r} already has a turn in progress")
         self.waiting.append(request)
         self.live[request.request_id] = request
+        self.kv.touch(request.conv_id, request.arrival)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

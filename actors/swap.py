@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pensieve.actors.batch_copy import BatchCopier
 from pensieve.actors.kv_cache import CopyOp, SwapOrders
 from pensieve.kernels.block_copy import copy_blocks
 
@@ -59,13 +60,22 @@ def copy_runs(ops: list[CopyOp]) -> list[tuple[int, int, int]]:
 
 class SwapEngine:
     def __init__(
-        self, gpu_caches: list[torch.Tensor], cpu_caches: list[torch.Tensor], out_dma: bool = True
+        self,
+        gpu_caches: list[torch.Tensor],
+        cpu_caches: list[torch.Tensor],
+        out_dma: bool = True,
+        batched: bool = True,
     ) -> None:
         """`out_dma`: ahead-of-time swap-outs always by DMA (the copy engines) rather than the copy
         kernel, which holds SMs while it waits on PCIe. DMA is slower for scattered blocks and
         costs the host a copy call per block and layer, but it leaves every SM to the step it
         runs beside, and the engine issues those calls while the step before runs (see the
-        README: with the engine's overlap this is the faster choice)."""
+        README: with the engine's overlap this is the faster choice).
+
+        `batched`: where the driver has it, every copy goes to the copy engines as one batched
+        call per layer (swap-in, evict-first) or per step (swap-out): that reaches the PCIe rate
+        without holding an SM and costs the host ~50 us a call (actors/batch_copy.py), so it
+        replaces both the copy kernel and the per-block DMA calls."""
         self.out_dma = out_dma
         self.gpu_caches = gpu_caches  # per layer [num_gpu_blocks, 2, bs, Hkv, D]
         self.cpu_caches = cpu_caches  # per layer [num_cpu_blocks, 2, bs, Hkv, D], pinned on CUDA
@@ -92,6 +102,7 @@ class SwapEngine:
                 and cpu_caches[0].shape[0] > 1
                 and _zero_copy_works(gpu_caches[0], cpu_caches[0])
             )
+        self.batch = BatchCopier.create(gpu_caches, cpu_caches) if self.cuda and batched else None
 
     def issue(self, orders: SwapOrders, defer_out: bool = False) -> None:
         """Start the step's copies; `wait_layer` / `wait_all` order compute after them.
@@ -192,7 +203,9 @@ class SwapEngine:
             return
         begin = time.perf_counter()
         runs = copy_runs(ops)
-        if not dma and self._use_kernel(ops, runs):
+        if self.batch is not None:
+            self.batch.copy(range(len(self.gpu_caches)), runs, to_gpu=False)
+        elif not dma and self._use_kernel(ops, runs):
             gpu_ids, cpu_ids = self._indices(ops)
             for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
                 copy_blocks(gpu, cpu, gpu_ids, cpu_ids, max_programs)
@@ -227,7 +240,7 @@ class SwapEngine:
         if not ops:
             return None
         runs = copy_runs(ops)
-        if self._use_kernel(ops, runs):
+        if self.batch is None and self._use_kernel(ops, runs):
             return _LayerPlan(runs, self._indices(ops))
         return _LayerPlan(runs, None)
 
@@ -245,7 +258,10 @@ class SwapEngine:
             else:
                 copy_blocks(gpu, cpu, gpu_ids, cpu_ids, max_programs)
             return
-        self._dma((layer,), plan.runs, to_gpu)
+        if self.batch is not None:
+            self.batch.copy((layer,), plan.runs, to_gpu)
+        else:
+            self._dma((layer,), plan.runs, to_gpu)
 
     def _dma(self, layers: Sequence[int], runs: list[tuple[int, int, int]], to_gpu: bool) -> None:
         """Copy-engine copies of `runs` in `layers`, issued in one call: a swap-out of scattered

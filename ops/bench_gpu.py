@@ -124,6 +124,7 @@ class Settings:
     max_num_seqs: int = 256
     admit_batch: int = 8  # SchedulerConfig.admit_batch (1: every waiting request at once)
     swap_out_dma: bool = True  # ahead-of-time swap-outs by DMA only (SwapEngine.out_dma)
+    swap_batched: bool = True  # every swap copy in batched driver calls (SwapEngine.batched)
     overlap: bool = True  # plan each step while the one before runs (Engine.overlap)
     policy_max_output: int = 256
     policy_max_turns: int = 16
@@ -264,7 +265,12 @@ class Bench:
             both = dataclasses.replace(options, policy=Policy.PENSIEVE, cpu_cache_tokens=key[1])
             tiers = cache_config(both, c, self.device, self.dtype)
             runner = self._runners[key] = ModelRunner(
-                loaded.model, tiers, self.device, self.dtype, swap_out_dma=self.s.swap_out_dma
+                loaded.model,
+                tiers,
+                self.device,
+                self.dtype,
+                swap_out_dma=self.s.swap_out_dma,
+                swap_batched=self.s.swap_batched,
             )
             self.log(
                 f"KV tiers allocated in {time.perf_counter() - begin:.1f}s: "
@@ -876,6 +882,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument(
         "--swap-out-kernel", dest="swap_out_dma", action="store_const", const=False,
         help="policies: ahead-of-time swap-outs by the copy kernel, not DMA",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-batched-copies", dest="swap_batched", action="store_const", const=False,
+        help="policies: swap copies by the copy kernel / one DMA call each, not batched calls",
     )  # fmt: skip
     p.add_argument(
         "--swap-out-dma", action="store_const", const=True,

@@ -186,3 +186,25 @@ def test_a_chunk_swapped_back_in_keeps_its_cpu_copy_and_leaves_again_without_a_c
     assert not {op.cpu_slot for op in again.evict_first + again.swap_out} & swapped_in
     left = [i for i in backed if a.chunks[i].gpu_block is None]
     assert len(left) == 3 and all(a.chunks[i].cpu_slot == backed[i] for i in left)
+
+
+def test_a_conversation_whose_turn_waits_is_active_again_and_keeps_its_chunks():
+    """A turn waiting for admission restarts its conversation's idle time (`touch`): its chunks,
+    about to be read, are not the first to leave the GPU or be dropped from the CPU."""
+    for policy in (Policy.PENSIEVE, Policy.LRU):
+        sim = Simulation(policy, num_gpu=7, num_cpu=3)
+        kv = sim.kv
+        for name, t in (("asks", 0.0), ("idle", 50.0)):
+            conv = kv.conversation(name, t)
+            kv.acquire(conv, 12, t)
+            sim.apply_orders()
+            sim.compute(name, 0, 12)
+            kv.release(conv, t)
+        kv.touch("asks", 90.0)  # "asks" was the idlest; its user has just sent a turn
+        kv.swap_out_ahead(100.0)  # 1 free of 7 < 25%: move one chunk
+        sim.apply_orders()
+        assert kv.conversations["idle"].chunks[0].cpu_slot is not None, policy
+        assert all(c.cpu_slot is None for c in kv.conversations["asks"].chunks), policy
+        kv.touch("unknown", 100.0)  # a first turn: nothing cached, nothing to do
+        assert "unknown" not in kv.conversations
+        sim.check()

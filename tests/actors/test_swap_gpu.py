@@ -29,11 +29,14 @@ def run(engine: SwapEngine, orders: SwapOrders) -> None:
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("batched", [False, True])  # one driver call per layer, or the others
 @pytest.mark.parametrize("out_dma", [False, True])  # swap-outs by the kernel or by DMA only
 @pytest.mark.parametrize("contiguous", [False, True])  # copy kernel vs DMA runs
-def test_gpu_each_kind_of_order_lands_where_it_says(tiers, contiguous, out_dma):
+def test_gpu_each_kind_of_order_lands_where_it_says(tiers, contiguous, out_dma, batched):
     gpu, cpu = tiers
-    engine = SwapEngine(gpu, cpu, out_dma=out_dma)
+    engine = SwapEngine(gpu, cpu, out_dma=out_dma, batched=batched)
+    if batched and engine.batch is None:
+        pytest.skip("the driver has no batched copy (CUDA 12.8+)")
     n = MIN_DMA_RUN + 2
     blocks = list(range(n)) if contiguous else [3, 17, 5, 30, 11, 2, 26, 8, 21, 14][:n]
     slots = list(range(4, 4 + n)) if contiguous else [9, 0, 22, 13, 6, 31, 18, 1, 27, 15][:n]
