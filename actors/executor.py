@@ -87,6 +87,13 @@ class ModelRunner:
             self.gpu_caches, self.cpu_caches, out_dma=swap_out_dma, batched=swap_batched
         )
         self.scale = self.config.attn_scale
+        if device.type == "cuda" and impl is not AttentionImpl.TORCH:
+            # every attention variant a step can launch, compiled now rather than mid-serving
+            from pensieve.kernels.triton_attention import compile_variants
+
+            c = self.config
+            compile_variants(c.num_heads, c.num_kv_heads, c.head_dim, cache.block_size,
+                             c.max_context_len, dtype, device)  # fmt: skip
         self.graphs = (
             DecodeGraphs(
                 model,

@@ -64,9 +64,13 @@ class AttentionMetadata:
                 self.slot_mapping[:n], 1, max(self.seq_lens_host[:n]), self.block_size,
                 self.query_lens_host[:n], self.seq_lens_host[:n], n,
             )  # fmt: skip
+            # the rest's tensors are copies, not views at an offset: Triton specializes a
+            # kernel on whether each pointer is 16-byte aligned, and a view's alignment would
+            # change with the number of decodes, compiling a new variant mid-run
             rest = AttentionMetadata(
-                self.cu_query_lens[n:] - n, self.seq_lens[n:], self.block_tables[n:],
-                self.slot_mapping[n:], max(self.query_lens_host[n:]),
+                self.cu_query_lens[n:] - n, self.seq_lens[n:].clone(),
+                self.block_tables[n:].clone(), self.slot_mapping[n:].clone(),
+                max(self.query_lens_host[n:]),
                 max(self.seq_lens_host[n:]), self.block_size, self.query_lens_host[n:],
                 self.seq_lens_host[n:], 0,
             )  # fmt: skip

@@ -327,6 +327,60 @@ def launch_config(
     )  # fmt: skip
 
 
+def compile_variants(
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_context: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """Compile every kernel variant a run with contexts up to `max_context` can launch: each
+    tile shape `choose_config` picks, unsplit and split, and the merge kernel for each power of
+    two of splits. Triton compiles a variant on its first launch, which takes ~1 s: met in the
+    middle of serving, that stalls every running request. Returns the launches made."""
+    group = num_q_heads // num_kv_heads
+    elem = torch.empty(0, dtype=dtype).element_size()
+    sms = _num_sms(device)
+    shapes = {
+        dataclasses.replace(
+            choose_config(q, 1, q, max(q, 1024), group, num_kv_heads, head_dim, elem, sms),
+            kv_split_len=None,
+        )
+        for q in (1, 2, 4, 8, 16, 32, 2048)
+    }
+    most_splits = max(2, max_context // 512)
+    split_counts = [2]
+    while split_counts[-1] < most_splits:
+        split_counts.append(split_counts[-1] * 2)
+    launches = 0
+    for config in sorted(shapes, key=lambda c: (c.block_m, c.block_n)):
+        for splits in (1, *split_counts):
+            context = splits * config.block_n
+            blocks = -(-context // block_size)
+            cache = torch.zeros((blocks, 2, block_size, num_kv_heads, head_dim), dtype=dtype,
+                                device=device)  # fmt: skip
+            query_len = min(max(1, config.block_m // group), context)
+            query = torch.zeros((query_len, num_q_heads, head_dim), dtype=dtype, device=device)
+            meta = AttentionMetadata(
+                cu_query_lens=torch.tensor([0, query_len], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([context], dtype=torch.int32, device=device),
+                block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+                slot_mapping=torch.arange(query_len, dtype=torch.long, device=device),
+                max_query_len=query_len,
+                max_seq_len=context,
+                block_size=block_size,
+                query_lens_host=(query_len,),
+                seq_lens_host=(context,),
+            )
+            split_len = None if splits == 1 else config.block_n
+            launch = dataclasses.replace(config, kv_split_len=split_len)
+            paged_attention_triton(query, cache, meta, 1.0, config=launch)
+            launches += 1
+    return launches
+
+
 def write_kv_triton(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]

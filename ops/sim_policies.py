@@ -51,11 +51,11 @@ class StepModel:
     fixed_ms: float = 2.5
     per_token_ms: float = 0.032
     per_kv_token_ms: float = 0.048e-3  # 200 KB of K and V per token at 4.2 TB/s
-    per_swap_in_block_ms: float = 0.04
+    per_swap_in_block_ms: float = 0.01
     eager_ms: float = 3.0  # a mixed step's extra device time over a graph replay
     host_graph_ms: float = 3.0
     host_eager_ms: float = 12.0
-    host_per_copy_ms: float = 0.004
+    host_per_copy_ms: float = 0.0004
     layers: int = 40
     scale: float = 1.0  # device time multiplier (calibration)
 

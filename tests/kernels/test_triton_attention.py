@@ -315,3 +315,40 @@ def test_gpu_prefill_over_cached_context(rng):
         rng, subseqs, block_size=32, num_kv_heads=2, group=4, head_dim=128, dtype=torch.bfloat16
     )
     check(case)
+
+
+def test_a_mixed_steps_rest_does_not_point_into_the_decodes_tensors():
+    """Its tensors must start 16-byte aligned whatever the number of decodes: Triton compiles a
+    new variant of the kernel for each alignment of a pointer it is given."""
+    for decodes in range(1, 6):
+        meta = build_metadata(
+            [1] * decodes + [3], [9] * decodes + [12], [[0, 1, 2]] * (decodes + 1), 4
+        )
+        _, rest = meta.split_singles()
+        for tensor in (rest.cu_query_lens, rest.seq_lens, rest.block_tables, rest.slot_mapping):
+            assert tensor.data_ptr() % 16 == 0, (decodes, tensor)
+
+
+def test_every_variant_compiles_ahead(monkeypatch):
+    """compile_variants launches each tile shape unsplit and split into each power of two of
+    splits a context of max_context can take."""
+    from pensieve.kernels import triton_attention
+
+    seen: set[tuple] = set()
+    real = triton_attention.paged_attention_triton
+
+    def record(query, cache, meta, scale, *, config=None, out=None):
+        splits = 1 if config.kv_split_len is None else -(-meta.max_seq_len // config.kv_split_len)
+        seen.add((config.block_m, config.block_n, splits))
+        return real(query, cache, meta, scale, config=config, out=out)
+
+    monkeypatch.setattr(triton_attention, "paged_attention_triton", record)
+    launches = triton_attention.compile_variants(
+        8, 2, 16, 4, 2048, torch.float32, torch.device(DEVICE)
+    )
+    assert launches == len(seen)
+    assert {s for _, _, s in seen} == {1, 2, 4}  # 2048 // 512 = 4 splits at most
+    decode = choose_config(
+        1, 1, 1, 1024, 4, 2, 16, 4, triton_attention._num_sms(torch.device(DEVICE))
+    )
+    assert (decode.block_m, decode.block_n, 1) in seen
