@@ -105,6 +105,21 @@ def test_a_step_with_prefill_work_admits_into_a_single_free_slot() -> None:
     assert admitted(plan, queued) == {queued[0].request_id}
 
 
+def test_a_turn_that_arrives_makes_its_conversation_active_again() -> None:
+    """The scheduler tells the cache a turn arrived (the conversation's idle time restarts), so
+    its history is not ranked for eviction as if its user were still thinking."""
+    driver = Driver()
+    first = driver.send(20, 2)
+    while first.status is not RequestStatus.FINISHED:
+        driver.step()
+    conv = driver.scheduler.kv.conversations[first.conv_id]
+    ended = conv.last_active
+    driver.now = ended + 30.0
+    again = Request("r-again", first.conv_id, first.all_ids + [5, 6], first.sampling, driver.now)
+    driver.scheduler.add(again)
+    assert conv.last_active == ended + 30.0
+
+
 def test_admit_batch_must_be_positive() -> None:
     with pytest.raises(ValueError, match="admit_batch"):
         SchedulerConfig(admit_batch=0)
