@@ -142,15 +142,20 @@ def test_lazy_reclaim_keeps_a_quick_return_on_the_gpu():
     sim.check()
 
 
+def idle_turns(sim: Simulation, turns: tuple[tuple[str, float], ...]) -> None:
+    """One finished 12-position turn (3 chunks) per (conversation, end time)."""
+    for name, t in turns:
+        conv = sim.kv.conversation(name, t)
+        sim.kv.acquire(conv, 12, t)
+        sim.apply_orders()
+        sim.compute(name, 0, 12)
+        sim.kv.release(conv, t)
+
+
 def test_eviction_takes_the_leading_chunks_of_the_idlest_conversation_first():
     sim = Simulation(Policy.PENSIEVE, num_gpu=7, num_cpu=2)
     kv = sim.kv
-    for name, t in (("old", 0.0), ("new", 50.0)):
-        conv = kv.conversation(name, t)
-        kv.acquire(conv, 12, t)
-        sim.apply_orders()
-        sim.compute(name, 0, 12)
-        kv.release(conv, t)
+    idle_turns(sim, (("old", 0.0), ("new", 50.0)))
     kv.swap_out_ahead(100.0)  # 1 free of 7 < 25%: move one chunk
     sim.apply_orders()
     assert kv.conversations["old"].chunks[0].cpu_slot is not None
@@ -194,12 +199,7 @@ def test_a_conversation_whose_turn_waits_is_active_again_and_keeps_its_chunks():
     for policy in (Policy.PENSIEVE, Policy.LRU):
         sim = Simulation(policy, num_gpu=7, num_cpu=3)
         kv = sim.kv
-        for name, t in (("asks", 0.0), ("idle", 50.0)):
-            conv = kv.conversation(name, t)
-            kv.acquire(conv, 12, t)
-            sim.apply_orders()
-            sim.compute(name, 0, 12)
-            kv.release(conv, t)
+        idle_turns(sim, (("asks", 0.0), ("idle", 50.0)))
         kv.touch("asks", 90.0)  # "asks" was the idlest; its user has just sent a turn
         kv.swap_out_ahead(100.0)  # 1 free of 7 < 25%: move one chunk
         sim.apply_orders()
