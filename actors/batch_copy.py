@@ -37,6 +37,27 @@ class _Attributes(ctypes.Structure):
     ]
 
 
+def driver_entry_point() -> tuple[Any, bool] | None:
+    """The driver's batched copy (a ctypes function) and whether it takes a failure index, or
+    None where the driver (or the call) is missing."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_size_t
+    head: list[Any] = [pointer, pointer, pointer, size, pointer, pointer, size]
+    if hasattr(driver, "cuMemcpyBatchAsync_v2"):  # CUDA 13: no failure index
+        function, has_fail_index = driver.cuMemcpyBatchAsync_v2, False
+        function.argtypes = [*head, pointer]
+    elif hasattr(driver, "cuMemcpyBatchAsync"):  # CUDA 12.8 and 12.9
+        function, has_fail_index = driver.cuMemcpyBatchAsync, True
+        function.argtypes = [*head, pointer, pointer]
+    else:
+        return None
+    function.restype = ctypes.c_int
+    return function, has_fail_index
+
+
 class BatchCopier:
     """Copies runs of whole blocks between per-layer GPU and CPU block tensors of equal shape."""
 
@@ -73,22 +94,10 @@ class BatchCopier:
         probe (two blocks out and back, compared)."""
         if not gpu_caches or not gpu_caches[0].is_cuda or not cpu_caches or len(cpu_caches[0]) < 2:
             return None
-        try:
-            driver = ctypes.CDLL("libcuda.so.1")
-        except OSError:
+        entry = driver_entry_point()
+        if entry is None:
             return None
-        pointer, size = ctypes.c_void_p, ctypes.c_size_t
-        head: list[Any] = [pointer, pointer, pointer, size, pointer, pointer, size]
-        if hasattr(driver, "cuMemcpyBatchAsync_v2"):  # CUDA 13: no failure index
-            function, has_fail_index = driver.cuMemcpyBatchAsync_v2, False
-            function.argtypes = [*head, pointer]
-        elif hasattr(driver, "cuMemcpyBatchAsync"):  # CUDA 12.8 and 12.9
-            function, has_fail_index = driver.cuMemcpyBatchAsync, True
-            function.argtypes = [*head, pointer, pointer]
-        else:
-            return None
-        function.restype = ctypes.c_int
-        copier = cls(function, has_fail_index, gpu_caches, cpu_caches)
+        copier = cls(*entry, gpu_caches, cpu_caches)
         try:
             return copier if copier._probe(gpu_caches[0], cpu_caches[0]) else None
         except Exception:  # noqa: BLE001 - any failure: the swap engine keeps its other paths
