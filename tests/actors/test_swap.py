@@ -26,3 +26,39 @@ def test_copy_engine_copies_move_each_run_in_every_layer() -> None:
         for op in back:
             moved = torch.equal(g[op.gpu_block], c[op.cpu_slot])
             assert moved == (layer == 1)
+
+
+def test_the_batched_copier_names_the_bytes_of_each_block_run(monkeypatch):
+    """`BatchCopier.copy` hands the driver one (destination, source, size) triple per run and
+    layer; here a stand-in for the driver call performs them with memmove on ordinary memory, so
+    the address arithmetic is checked without a GPU."""
+    import ctypes
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pensieve.actors.batch_copy import BatchCopier
+
+    def driver(dsts, srcs, sizes, count, attrs, first, num_attrs, stream):
+        def read(address: int) -> np.ndarray:  # `count` uint64 values at an address
+            return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint64)),
+                                         (count,))  # fmt: skip
+
+        for d, s, n in zip(read(dsts), read(srcs), read(sizes), strict=True):
+            ctypes.memmove(int(d), int(s), int(n))
+        return 0
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=7))
+    gpu = [torch.randn(12, 2, 4, 2, 8) for _ in range(3)]
+    cpu = [torch.zeros(10, 2, 4, 2, 8) for _ in range(3)]
+    copier = BatchCopier(driver, False, gpu, cpu)
+    runs = [(0, 5, 2), (7, 0, 1), (9, 2, 3)]  # (gpu start, cpu start, blocks)
+    copier.copy([0, 2], runs, to_gpu=False)
+    for layer in (0, 2):
+        for g, c, n in runs:
+            assert torch.equal(cpu[layer][c : c + n], gpu[layer][g : g + n])
+    assert not cpu[1].any(), "a layer not asked for was copied"
+    for layer in range(3):
+        gpu[layer].zero_()
+    copier.copy([1], [(3, 5, 2)], to_gpu=True)
+    assert torch.equal(gpu[1][3:5], cpu[1][5:7]) and not gpu[0].any()
