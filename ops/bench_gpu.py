@@ -73,6 +73,7 @@ from pensieve.ops.bench_workload import (
     hf_steady_closed_loop,
     steady_closed_loop,
 )
+from pensieve.ops.cost_profile import ProfileSettings, profile_model
 from pensieve.ops.factory import DTYPES, EngineOptions, cache_config
 from pensieve.ops.sharegpt import load_conversations
 
@@ -143,6 +144,9 @@ class Settings:
     latency_bound: float = 0.1  # p90 normalized latency, seconds per output token
     seed: int = 0
     profile_s: float = 0.0  # policies: torch.profiler over this long of each measured window
+    # policies: the eviction's Cost(l), "profile" (measured in the run, as `pensieve profile`
+    # does) or "analytic" (the FLOP/byte estimate)
+    cost: str = "profile"
 
 
 SMOKE = Settings(
@@ -176,6 +180,7 @@ class Bench:
         self._tokenizer: Any = None
         self._workloads: dict[tuple[int, int], list[ConvSpec]] = {}
         self._runners: dict[tuple[int | None, int | None], ModelRunner] = {}
+        self._cost: CostModel | None = None
 
     def log(self, message: str) -> None:
         print(f"[bench {time.perf_counter() - self.begin:6.1f}s] {message}", flush=True)
@@ -280,10 +285,31 @@ class Bench:
         scheduling = SchedulerConfig(
             options.max_batch_tokens, options.max_num_seqs, c.max_context_len, self.s.admit_batch
         )
-        shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
-        cost = CostModel.analytic(*shape, c.intermediate_size, options.block_size)
         eos = frozenset(c.eos_token_ids)
+        cost = self.cost_model(options.block_size)
         return Engine(runner, cache, scheduling, cost.cost, eos, overlap=self.s.overlap)
+
+    def cost_model(self, block_size: int = 32) -> CostModel:
+        """The eviction's Cost(l), made once: measured on this device (`Settings.cost` =
+        "profile", what `pensieve profile` writes) or estimated from the model's shape.
+
+        Measure it before the KV tiers are allocated: the profile's caches need room."""
+        if self._cost is None:
+            loaded, c = self.loaded(), self.loaded().config
+            if self.s.cost == "profile":
+                begin = time.perf_counter()
+                context = min(c.max_context_len, self.s.max_context or c.max_context_len)
+                settings = ProfileSettings(chunk_size=block_size, max_context=context)
+                table = profile_model(loaded.model, c, self.device, self.dtype, settings)
+                self._cost = CostModel.from_profile(table)
+                self.free()
+                self.log(f"cost profile measured in {time.perf_counter() - begin:.1f}s")
+            elif self.s.cost == "analytic":
+                shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
+                self._cost = CostModel.analytic(*shape, c.intermediate_size, block_size)
+            else:
+                raise ValueError(f"unknown cost {self.s.cost!r}: profile or analytic")
+        return self._cost
 
     def reserved(self) -> float:
         """Seconds the sections after the current one need (replay48 is the long one)."""
@@ -894,6 +920,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument(
         "--profile", dest="profile_s", type=float, help="policies: seconds of kernel profile"
     )
+    p.add_argument(
+        "--cost", choices=["profile", "analytic"],
+        help="policies: eviction's Cost(l) measured in the run (default) or estimated",
+    )  # fmt: skip
     p.add_argument(
         "--replay-window", dest="replay_window_s", type=float, help="replay48: ours, seconds"
     )

@@ -249,6 +249,13 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
     b.log(f"policies: {len(specs)} conversations of >= {s.policy_min_turns} turns")
     policies = [Policy(name) for name in s.policies]
     starts = dict(s.start_rates)
+    cost = b.cost_model()  # before the KV tiers take the memory its measurement needs
+    longest = cost.context_lens[-1]
+    rows.append(
+        Row(f"Cost({longest}) / Cost({cost.chunk_size})", cost.cost(longest) * 1e3, "ms",
+            cost.cost(cost.chunk_size) * 1e3, f"Cost({cost.chunk_size})",
+            note=f"eviction's chunk cost, {cost.source}")
+    )  # fmt: skip
     b.warm_up()
     begin = time.perf_counter()
     engine = b.engine(policies[0], s.gpu_tokens, s.cpu_tokens)
@@ -283,7 +290,12 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
             start = starts[policy.value]
             runs[policy.value] = sweep(run, start, s.rate_factor, s.max_points, has_time)
     rows += compare(runs, s.latency_bound)
-    return {"status": "ok", "latency_bound_s_per_token": s.latency_bound, "runs": runs}
+    return {
+        "status": "ok",
+        "latency_bound_s_per_token": s.latency_bound,
+        "cost": cost.to_profile(),
+        "runs": runs,
+    }
 
 
 def best_passing(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from pensieve.actors.cost_model import CostModel
 from pensieve.ops.bench_workload import (
     History,
     OpenLoop,
@@ -93,6 +94,17 @@ def test_policies_serve_history_from_the_tiers_they_have(smoke) -> None:
             assert not swapped_in, (name, sorted(kinds))
         if name == "pensieve":  # its turns drew history from the CPU tier (asserted above)
             assert swapped_in, sorted(kinds)
+
+
+def test_policies_evict_by_a_cost_profile_measured_in_the_run(smoke) -> None:
+    report, _ = smoke
+    table = report["sections"]["policies"]["cost"]
+    model = CostModel.from_profile(table)  # a well-formed `pensieve profile` table
+    assert table["source"].startswith("profile of tiny-llama")  # measured, not the estimate
+    assert model.context_lens[0] == 32 and model.context_lens[-1] >= 256
+    assert model.non_attention_s > 0 and model.attention_s[-1] > 0
+    names = [row["name"] for row in report["sections"]["policies"]["rows"]]
+    assert f"Cost({model.context_lens[-1]}) / Cost(32)" in names
 
 
 def test_step_times_count_the_stalls() -> None:
