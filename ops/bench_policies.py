@@ -269,6 +269,66 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
     b.log("warm-up run (discarded):")
     run_point(b, policies[0], specs, warm.conv_rate, warm)
     point_s = s.duration_s + s.drain_s + POINT_OVERHEAD_S
+    fixed_rates = dict(s.fixed_rates)
+    if all(policy.value in fixed_rates for policy in policies):
+        runs = alternate(b, policies, fixed_rates, specs, point_s)
+    else:
+        runs = sweeps(b, policies, fixed_rates, specs, point_s)
+    rows += compare(runs, s.latency_bound)
+    return {
+        "status": "ok",
+        "latency_bound_s_per_token": s.latency_bound,
+        "cost": cost.to_profile(),
+        "runs": runs,
+    }
+
+
+def alternate(
+    b: Bench,
+    policies: Sequence[Policy],
+    fixed_rates: dict[str, tuple[float, ...]],
+    specs: Sequence[ConvSpec],
+    point_s: float,
+) -> dict[str, list[dict[str, Any]]]:
+    """Every policy's fixed rates, taken in turn (the i-th rate of each policy, then the
+    next), so that a drift over the call (the machine warming, a first run's costs) falls on
+    every policy alike rather than on the one that runs first; stops when time runs out."""
+    s = b.s
+    options = OpenLoop(1.0, s.think_s, s.duration_s, s.warmup_s, s.drain_s, s.seed)
+    runs: dict[str, list[dict[str, Any]]] = {policy.value: [] for policy in policies}
+    for policy, rate in alternation(policies, fixed_rates):
+        if b.remaining() - b.reserved() - 5 < point_s:
+            b.log(f"no time left for {policy.value} @ {rate:g} and after")
+            break
+        point = dataclasses.replace(options, conv_rate=rate)
+        runs[policy.value].append(run_point(b, policy, specs, rate, point))
+    return {name: sorted(results, key=lambda r: r["rate"]) for name, results in runs.items()}
+
+
+def alternation(
+    policies: Sequence[Policy], fixed_rates: dict[str, tuple[float, ...]]
+) -> list[tuple[Policy, float]]:
+    """The order `alternate` runs points in: each policy's first rate, then each one's second..."""
+    longest = max(len(fixed_rates[policy.value]) for policy in policies)
+    return [
+        (policy, fixed_rates[policy.value][i])
+        for i in range(longest)
+        for policy in policies
+        if i < len(fixed_rates[policy.value])
+    ]
+
+
+def sweeps(
+    b: Bench,
+    policies: Sequence[Policy],
+    fixed_rates: dict[str, tuple[float, ...]],
+    specs: Sequence[ConvSpec],
+    point_s: float,
+) -> dict[str, list[dict[str, Any]]]:
+    """One policy after another: its fixed rates, or a sweep from its start rate, within an
+    equal share of the time left."""
+    s = b.s
+    starts = dict(s.start_rates)
     runs: dict[str, list[dict[str, Any]]] = {}
     for i, policy in enumerate(policies):
         share = (b.remaining() - b.reserved() - 5) / (len(policies) - i)
@@ -281,7 +341,7 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
         def has_time(deadline: float = deadline) -> bool:
             return time.perf_counter() + point_s <= deadline
 
-        fixed = dict(s.fixed_rates).get(policy.value)
+        fixed = fixed_rates.get(policy.value)
         if fixed:
             runs[policy.value] = sorted(
                 (run(rate) for rate in fixed if has_time()), key=lambda r: r["rate"]
@@ -289,13 +349,7 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
         else:
             start = starts[policy.value]
             runs[policy.value] = sweep(run, start, s.rate_factor, s.max_points, has_time)
-    rows += compare(runs, s.latency_bound)
-    return {
-        "status": "ok",
-        "latency_bound_s_per_token": s.latency_bound,
-        "cost": cost.to_profile(),
-        "runs": runs,
-    }
+    return runs
 
 
 def best_passing(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:

@@ -149,9 +149,12 @@ def run(policy: Policy, rate: float, specs: list[ConvSpec], max_context: int,
     cpu_blocks = args.cpu_tokens // 32 if policy in (Policy.PENSIEVE, Policy.LRU) else 0
     cache = CacheConfig(32, args.gpu_tokens // 32, cpu_blocks, policy)
     scheduling = SchedulerConfig(2048, args.max_num_seqs, max_context, 8)
-    cost = CostModel.analytic(40, 5120, 40, 10, 128, 13824, 32)
+    if args.cost_profile is not None:
+        cost = CostModel.from_json(args.cost_profile)
+    else:
+        cost = CostModel.analytic(40, 5120, 40, 10, 128, 13824, 32)
     engine = Engine(runner, cache, scheduling, cost.cost, frozenset(), clock=clock)  # type: ignore[arg-type]
-    options = OpenLoop(rate, args.think_s, args.duration_s, args.warmup_s, args.drain_s, 0)
+    options = OpenLoop(rate, args.think_s, args.duration_s, args.warmup_s, args.drain_s, args.seed)
     result = open_loop(engine, specs, options, History.GENERATED, sleep=clock.sleep)
     summary = summarize(result.records, options.duration_s - options.warmup_s)
     summary.update(policy=policy.value, rate=rate, **result.extra)
@@ -172,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--think-s", type=float, default=3.0)
     parser.add_argument("--bound", type=float, default=0.1)
     parser.add_argument("--scale", type=float, default=1.0, help="device time multiplier")
+    parser.add_argument("--seed", type=int, default=0, help="arrivals and think times")
+    parser.add_argument("--cost-profile", type=Path, help="a `pensieve profile` table")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     specs, max_context = workload(args.assets, 400, 256, 16, 2)

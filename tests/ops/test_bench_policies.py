@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from pensieve.ops.bench_policies import combine, main, next_rate, sweep
+from pensieve.actors.config import Policy
+from pensieve.ops.bench_policies import alternation, combine, main, next_rate, sweep
 
 
 def test_next_rate_steps_until_a_pass_sits_under_a_fail() -> None:
@@ -68,6 +69,12 @@ def _report(path: Path, device: str, runs: dict[str, list[dict]], **settings: An
     }
     path.write_text(json.dumps(report).replace("Infinity", '"inf"'))
     return path
+
+
+def test_fixed_rates_alternate_between_the_policies() -> None:
+    lru, pensieve = Policy.LRU, Policy.PENSIEVE
+    order = alternation([lru, pensieve], {"lru": (16.3, 16.3), "pensieve": (16.3, 16.3, 16.7)})
+    assert order == [(lru, 16.3), (pensieve, 16.3), (lru, 16.3), (pensieve, 16.3), (pensieve, 16.7)]
 
 
 def test_combine_merges_calls_into_one_comparison(tmp_path: Path, capsys) -> None:
