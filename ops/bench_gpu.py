@@ -136,6 +136,7 @@ class Settings:
     )  # fmt: skip
     fixed_rates: tuple[tuple[str, tuple[float, ...]], ...] = ()  # these rates instead of a sweep
     rate_factor: float = 1.2
+    warmup_run_s: float = 20.0  # the discarded first run's arrival seconds
     max_points: int = 3  # runs per policy at most
     duration_s: float = 80.0  # arrivals and turns are sent only before this
     warmup_s: float = 40.0  # turns sent before this are served, not measured
@@ -894,6 +895,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument("--max-points", type=int, help="policies: runs per policy at most")
     p.add_argument("--duration", dest="duration_s", type=float, help="policies: arrival seconds")
     p.add_argument("--warmup", dest="warmup_s", type=float, help="policies: unmeasured seconds")
+    p.add_argument(
+        "--warmup-run", dest="warmup_run_s", type=float,
+        help="policies: arrival seconds of the discarded first run (default 20)",
+    )  # fmt: skip
     p.add_argument("--latency-bound", type=float, help="policies: p90 s per output token")
     p.add_argument("--think", dest="think_s", type=float, help="policies: mean think time (s)")
     p.add_argument("--gpu-tokens", type=int, help="policies: GPU KV budget in tokens")
