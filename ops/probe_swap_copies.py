@@ -5,7 +5,7 @@ does. Scattered blocks of preset:llama2-13b-gqa10's shape (160 KB per block and 
 
     python3 -m pensieve.ops.probe_swap_copies        (CUDA only; ~1 minute, 13 GB pinned)
 
-Its output from an H200 is ops/results/probe_batch_h200_s7.txt.
+Its output from an H200 is ops/results/probe_batch_h200_s7.txt (and _s8, a later run).
 """
 
 import ctypes
