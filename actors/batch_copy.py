@@ -58,6 +58,20 @@ def driver_entry_point() -> tuple[Any, bool] | None:
     return function, has_fail_index
 
 
+class BlockRuns:
+    """(gpu_start, cpu_start, length) block runs as byte offsets within a layer's tensors and
+    byte sizes: what every layer's copy of the same runs shares, made once per step."""
+
+    def __init__(self, runs: Sequence[tuple[int, int, int]], block_bytes: int) -> None:
+        table = np.array(runs, dtype=np.uint64).reshape(-1, 3) * np.uint64(block_bytes)
+        self.gpu = np.ascontiguousarray(table[:, 0])
+        self.cpu = np.ascontiguousarray(table[:, 1])
+        self.sizes = np.ascontiguousarray(table[:, 2])
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+
 class BatchCopier:
     """Copies runs of whole blocks between per-layer GPU and CPU block tensors of equal shape."""
 
@@ -103,19 +117,31 @@ class BatchCopier:
         except Exception:  # noqa: BLE001 - any failure: the swap engine keeps its other paths
             return None
 
+    def prepare(self, runs: Sequence[tuple[int, int, int]]) -> BlockRuns:
+        """The runs in the form `copy` takes, for copying them in many layers one by one."""
+        return BlockRuns(runs, self.block_bytes)
+
     def copy(
-        self, layers: Sequence[int], runs: Sequence[tuple[int, int, int]], to_gpu: bool
+        self,
+        layers: Sequence[int],
+        runs: Sequence[tuple[int, int, int]] | BlockRuns,
+        to_gpu: bool,
     ) -> None:
         """Copy (gpu_start, cpu_start, length) block runs of `layers` on the current stream (not
         the legacy default stream, which the driver refuses), in one driver call; the host's
         part is done when it returns."""
-        if not runs or not layers:
+        if not len(runs) or not layers:
             return
-        table = np.array(runs, dtype=np.uint64).reshape(-1, 3) * np.uint64(self.block_bytes)
-        chosen = np.asarray(layers, dtype=np.int64)
-        gpu = (self._gpu[chosen][:, None] + table[None, :, 0]).ravel()
-        cpu = (self._cpu[chosen][:, None] + table[None, :, 1]).ravel()
-        sizes = np.ascontiguousarray(np.broadcast_to(table[:, 2], (len(chosen), len(runs))).ravel())
+        table = runs if isinstance(runs, BlockRuns) else self.prepare(runs)
+        if len(layers) == 1:  # a pipelined swap-in's call: two additions
+            gpu = self._gpu[layers[0]] + table.gpu
+            cpu = self._cpu[layers[0]] + table.cpu
+            sizes = table.sizes
+        else:
+            chosen = np.asarray(layers, dtype=np.int64)
+            gpu = (self._gpu[chosen][:, None] + table.gpu[None, :]).ravel()
+            cpu = (self._cpu[chosen][:, None] + table.cpu[None, :]).ravel()
+            sizes = np.tile(table.sizes, len(chosen))
         dst, src = (gpu, cpu) if to_gpu else (cpu, gpu)
         args: list[object] = [
             dst.ctypes.data,

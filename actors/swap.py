@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pensieve.actors.batch_copy import BatchCopier
+from pensieve.actors.batch_copy import BatchCopier, BlockRuns
 from pensieve.actors.kv_cache import CopyOp, SwapOrders
 from pensieve.kernels.block_copy import copy_blocks
 
@@ -240,7 +240,9 @@ class SwapEngine:
         if not ops:
             return None
         runs = copy_runs(ops)
-        if self.batch is None and self._use_kernel(ops, runs):
+        if self.batch is not None:  # offsets made once here, not in each layer's call
+            return _LayerPlan(runs, None, self.batch.prepare(runs))
+        if self._use_kernel(ops, runs):
             return _LayerPlan(runs, self._indices(ops))
         return _LayerPlan(runs, None)
 
@@ -259,7 +261,7 @@ class SwapEngine:
                 copy_blocks(gpu, cpu, gpu_ids, cpu_ids, max_programs)
             return
         if self.batch is not None:
-            self.batch.copy((layer,), plan.runs, to_gpu)
+            self.batch.copy((layer,), plan.batch if plan.batch is not None else plan.runs, to_gpu)
         else:
             self._dma((layer,), plan.runs, to_gpu)
 
@@ -311,6 +313,7 @@ class _LayerPlan:
 
     runs: list[tuple[int, int, int]]  # (gpu_start, cpu_start, length)
     ids: tuple[torch.Tensor, torch.Tensor] | None  # (gpu ids, cpu ids) for the copy kernel
+    batch: BlockRuns | None = None  # the runs as the batched copier takes them
 
 
 def _zero_copy_works(gpu: torch.Tensor, cpu: torch.Tensor) -> bool:

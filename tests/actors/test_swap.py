@@ -62,3 +62,9 @@ def test_the_batched_copier_names_the_bytes_of_each_block_run(monkeypatch):
         gpu[layer].zero_()
     copier.copy([1], [(3, 5, 2)], to_gpu=True)
     assert torch.equal(gpu[1][3:5], cpu[1][5:7]) and not gpu[0].any()
+    prepared = copier.prepare(runs)  # once per step, then one call per layer (pipelined swap-in)
+    for layer in (2, 0):
+        copier.copy([layer], prepared, to_gpu=True)
+        for g, c, n in runs:
+            assert torch.equal(gpu[layer][g : g + n], cpu[layer][c : c + n])
+    assert not gpu[1][:3].any() and not gpu[1][5:].any(), "layer 1 got more than its own run"
