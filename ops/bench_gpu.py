@@ -137,6 +137,7 @@ class Settings:
     fixed_rates: tuple[tuple[str, tuple[float, ...]], ...] = ()  # these rates instead of a sweep
     rate_factor: float = 1.2
     warmup_run_s: float = 20.0  # the discarded first run's arrival seconds
+    gc_freeze: bool = True  # policies: the start-up heap out of Python's collections (frozen_heap)
     max_points: int = 3  # runs per policy at most
     duration_s: float = 80.0  # arrivals and turns are sent only before this
     warmup_s: float = 40.0  # turns sent before this are served, not measured
@@ -925,6 +926,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument(
         "--profile", dest="profile_s", type=float, help="policies: seconds of kernel profile"
     )
+    p.add_argument(
+        "--no-gc-freeze", dest="gc_freeze", action="store_const", const=False,
+        help="policies: leave the start-up heap in Python's garbage collections",
+    )  # fmt: skip
     p.add_argument(
         "--cost", choices=["profile", "analytic"],
         help="policies: eviction's Cost(l) measured in the run (default) or estimated",

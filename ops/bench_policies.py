@@ -20,6 +20,7 @@ call); `combine` merges their result files into one table:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -40,6 +41,7 @@ from pensieve.ops.bench_workload import (
     open_loop,
     summarize,
 )
+from pensieve.ops.factory import frozen_heap
 
 if TYPE_CHECKING:
     from pensieve.ops.bench_gpu import Bench
@@ -80,6 +82,11 @@ def run_point(
         f"{summary['step_ms_max']:.0f} ms, {summary['slow_steps']} over {SLOW_STEP_S} s)"
     )
     b.log(f"    steps in the window: {describe_breakdown(summary['step_breakdown'])}")
+    pauses = summary["gc"]
+    b.log(
+        f"    garbage collector: {pauses['seconds']:.2f}s in {sum(pauses['collections'])} "
+        f"collections, {pauses['collections'][2]} full (longest {pauses['full_max_ms']:.0f} ms)"
+    )
     if "kernels" in summary:
         b.log(f"    GPU kernels: {describe_kernels(summary['kernels'])}")
     del engine, result
@@ -273,10 +280,13 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
     run_point(b, policies[0], specs, warm.conv_rate, warm)
     point_s = s.duration_s + s.drain_s + POINT_OVERHEAD_S
     fixed_rates = dict(s.fixed_rates)
-    if all(policy.value in fixed_rates for policy in policies):
-        runs = alternate(b, policies, fixed_rates, specs, point_s)
-    else:
-        runs = sweeps(b, policies, fixed_rates, specs, point_s)
+    with frozen_heap() if s.gc_freeze else contextlib.nullcontext(0.0) as collect_s:
+        if s.gc_freeze:
+            b.log(f"start-up heap frozen (a full collection of it took {collect_s:.2f}s)")
+        if all(policy.value in fixed_rates for policy in policies):
+            runs = alternate(b, policies, fixed_rates, specs, point_s)
+        else:
+            runs = sweeps(b, policies, fixed_rates, specs, point_s)
     rows += compare(runs, s.latency_bound)
     return {
         "status": "ok",

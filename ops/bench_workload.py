@@ -25,6 +25,7 @@ Drivers, all bounded in time:
 from __future__ import annotations
 
 import enum
+import gc
 import heapq
 import math
 import random
@@ -561,8 +562,52 @@ def open_loop(
     """Drive the engine in real time (its own clock; `sleep` must advance that clock): send due
     turns, step while there is work, else sleep until the next turn is due. Only turns sent in
     [warmup_s, duration_s) are returned. `on_step(now)` runs before every step (a profiler's
-    window). The result's `extra` has the step times and, for the steps of the measured
-    window, where their time went (`step_breakdown`)."""
+    window). The result's `extra` has the step times, for the steps of the measured window
+    where their time went (`step_breakdown`), and the garbage collector's pauses (`gc`)."""
+    with GcPauses() as pauses:
+        result = _open_loop(engine, specs, options, history, sleep, on_step)
+    result.extra["gc"] = pauses.summary()
+    return result
+
+
+class GcPauses:
+    """Python's garbage-collector pauses while entered: a full collection walks every tracked
+    object and stops the step loop meanwhile (see `ops.factory.frozen_heap`)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._began = 0.0
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._observe)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._observe)
+
+    def _observe(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.seconds[info["generation"]].append(time.perf_counter() - self._began)
+
+    def summary(self) -> dict[str, Any]:
+        every = [t for times in self.seconds.values() for t in times]
+        return {
+            "collections": [len(self.seconds[g]) for g in (0, 1, 2)],  # by generation
+            "seconds": sum(every),
+            "full_max_ms": max(self.seconds[2], default=0.0) * 1e3,
+        }
+
+
+def _open_loop(
+    engine: Engine,
+    specs: Sequence[ConvSpec],
+    options: OpenLoop,
+    history: History,
+    sleep: Callable[[float], None],
+    on_step: Callable[[float], None] | None,
+) -> LoopResult:
     due_heap = [(t, i, chat) for i, (t, chat) in enumerate(arrivals(specs, options, history))]
     heapq.heapify(due_heap)
     seq = len(due_heap)

@@ -115,7 +115,7 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pensieve.ops.factory import build
+    from pensieve.ops.factory import build, frozen_heap
     from pensieve.ops.serve import default_data_dir, run
     from pensieve.ops.telemetry import setup_tracing
 
@@ -124,14 +124,15 @@ def _serve(args: argparse.Namespace) -> int:
     provider = setup_tracing(args.trace)
     built = build(engine_options(args))
     try:
-        return run(built, args.data_dir or default_data_dir(), args.nats_url, args.max_waiting)
+        with frozen_heap():
+            return run(built, args.data_dir or default_data_dir(), args.nats_url, args.max_waiting)
     finally:
         if provider is not None:
             provider.shutdown()  # flush the spans still batched
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from pensieve.ops.factory import build
+    from pensieve.ops.factory import build, frozen_heap
     from pensieve.ops.replay import ReplayOptions, replay
     from pensieve.ops.sharegpt import load_conversations
 
@@ -157,11 +158,12 @@ def _replay(args: argparse.Namespace) -> int:
         skip_too_long=args.skip_too_long,
         max_turns=args.max_turns,
     )
-    if args.out == "-":
-        summary = replay(built, conversations, options, sys.stdout.buffer, args.data_dir)
-    else:
-        with open(args.out, "wb") as out:
-            summary = replay(built, conversations, options, out, args.data_dir)
+    with frozen_heap():
+        if args.out == "-":
+            summary = replay(built, conversations, options, sys.stdout.buffer, args.data_dir)
+        else:
+            with open(args.out, "wb") as out:
+                summary = replay(built, conversations, options, out, args.data_dir)
     _print_summary(summary, built)
     return 0
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,3 +148,23 @@ def _cost_model(options: EngineOptions, config: ModelConfig) -> CostModel:
         intermediate_size=config.intermediate_size,
         chunk_size=options.block_size,
     )
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[float]:
+    """While serving: every object alive on entry (the model, compiled kernels, imported modules)
+    is left out of Python's garbage collections; yields the seconds one full collection took.
+
+    A full collection walks every tracked object, and the collector starts one on its own as the
+    heap grows: with the start-up heap in it, that walk stalls the step loop (and every running
+    request) for as long as the collection just measured. Objects made while serving are
+    collected as usual. On exit the frozen objects become collectable again (a replay run inside
+    a test process must not keep its garbage)."""
+    begin = time.perf_counter()
+    gc.collect()
+    seconds = time.perf_counter() - begin
+    gc.freeze()
+    try:
+        yield seconds
+    finally:
+        gc.unfreeze()

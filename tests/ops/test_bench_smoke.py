@@ -82,6 +82,7 @@ def test_policies_serve_history_from_the_tiers_they_have(smoke) -> None:
     for run in runs.values():  # every point reports its step times (stalls show as slow steps)
         assert 0 < run["step_ms_p50"] <= run["step_ms_p99"] <= run["step_ms_max"]
         assert run["slow_steps"] >= 0
+        assert len(run["gc"]["collections"]) == 3 and run["gc"]["seconds"] >= 0  # its pauses
     for name, run in runs.items():  # and where the window's time went, per kind of step
         b = run["step_breakdown"]
         kinds = {k: v for k, v in b.items() if isinstance(v, dict)}
