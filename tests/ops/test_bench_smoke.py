@@ -220,3 +220,20 @@ def test_the_window_counts_tokens_and_averages_what_is_in_flight() -> None:
     assert summary["seconds"] == pytest.approx(2.0) and summary["tok_per_s"] == pytest.approx(2.5)
     assert summary["mean_in_flight"] == pytest.approx(2.0)
     assert summary["mean_decoding"] == pytest.approx((1 * 1.0 + 2 * 0.5 + 1 * 0.5) / 2)
+
+
+def test_the_policy_engines_evict_by_the_table_measured_in_the_run() -> None:
+    import dataclasses
+
+    from pensieve.actors.config import Policy
+    from pensieve.ops.bench_gpu import SMOKE, Bench
+
+    bench = Bench(dataclasses.replace(SMOKE, max_context=128))
+    engine = bench.engine(Policy.PENSIEVE, bench.s.gpu_tokens, bench.s.cpu_tokens)
+    measured = bench.cost_model()
+    assert measured.source.startswith("profile of tiny-llama")
+    assert engine.kv.cost == measured.cost  # the eviction's Cost(l) is the measured one
+    analytic = Bench(dataclasses.replace(SMOKE, cost="analytic"))
+    other = analytic.engine(Policy.LRU, analytic.s.gpu_tokens, analytic.s.cpu_tokens)
+    assert other.kv.cost == analytic.cost_model().cost
+    assert analytic.cost_model().source.startswith("analytic")
