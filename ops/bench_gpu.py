@@ -182,7 +182,7 @@ class Bench:
         self._tokenizer: Any = None
         self._workloads: dict[tuple[int, int], list[ConvSpec]] = {}
         self._runners: dict[tuple[int | None, int | None], ModelRunner] = {}
-        self._cost: CostModel | None = None
+        self._costs: dict[int, CostModel] = {}  # by block (chunk) size
 
     def log(self, message: str) -> None:
         print(f"[bench {time.perf_counter() - self.begin:6.1f}s] {message}", flush=True)
@@ -296,22 +296,23 @@ class Bench:
         "profile", what `pensieve profile` writes) or estimated from the model's shape.
 
         Measure it before the KV tiers are allocated: the profile's caches need room."""
-        if self._cost is None:
+        if block_size not in self._costs:
             loaded, c = self.loaded(), self.loaded().config
             if self.s.cost == "profile":
                 begin = time.perf_counter()
                 context = min(c.max_context_len, self.s.max_context or c.max_context_len)
                 settings = ProfileSettings(chunk_size=block_size, max_context=context)
                 table = profile_model(loaded.model, c, self.device, self.dtype, settings)
-                self._cost = CostModel.from_profile(table)
+                self._costs[block_size] = CostModel.from_profile(table)
                 self.free()
                 self.log(f"cost profile measured in {time.perf_counter() - begin:.1f}s")
             elif self.s.cost == "analytic":
                 shape = (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
-                self._cost = CostModel.analytic(*shape, c.intermediate_size, block_size)
+                estimate = CostModel.analytic(*shape, c.intermediate_size, block_size)
+                self._costs[block_size] = estimate
             else:
                 raise ValueError(f"unknown cost {self.s.cost!r}: profile or analytic")
-        return self._cost
+        return self._costs[block_size]
 
     def reserved(self) -> float:
         """Seconds the sections after the current one need (replay48 is the long one)."""
