@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,10 +142,22 @@ def workload(assets: Path, conversations: int, max_output: int, max_turns: int,
     return [s for s in specs if len(s.turns) >= min_turns], config.max_context_len
 
 
+def steeper(cost: CostModel, factor: float) -> CostModel:
+    """The same table with attention's growth beyond the shortest context times `factor`: a
+    stand-in for a model or workload where attention weighs more in a chunk's cost."""
+    if factor == 1.0:
+        return cost
+    floor = cost.attention_s[0]
+    grown = tuple(floor + factor * (t - floor) for t in cost.attention_s)
+    return replace(cost, attention_s=grown, source=f"{cost.source}; attention growth x{factor:g}")
+
+
 def run(policy: Policy, rate: float, specs: list[ConvSpec], max_context: int,
         args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     clock = SimClock()
-    runner = SimRunner(clock, StepModel(scale=args.scale))
+    base = StepModel()
+    steps = StepModel(scale=args.scale, per_kv_token_ms=base.per_kv_token_ms * args.attention_scale)
+    runner = SimRunner(clock, steps)
     cpu_blocks = args.cpu_tokens // 32 if policy in (Policy.PENSIEVE, Policy.LRU) else 0
     cache = CacheConfig(32, args.gpu_tokens // 32, cpu_blocks, policy)
     scheduling = SchedulerConfig(2048, args.max_num_seqs, max_context, 8)
@@ -153,6 +165,7 @@ def run(policy: Policy, rate: float, specs: list[ConvSpec], max_context: int,
         cost = CostModel.from_json(args.cost_profile)
     else:
         cost = CostModel.analytic(40, 5120, 40, 10, 128, 13824, 32)
+    cost = steeper(cost, args.attention_scale)
     engine = Engine(runner, cache, scheduling, cost.cost, frozenset(), clock=clock)  # type: ignore[arg-type]
     options = OpenLoop(rate, args.think_s, args.duration_s, args.warmup_s, args.drain_s, args.seed)
     result = open_loop(engine, specs, options, History.GENERATED, sleep=clock.sleep)
@@ -175,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--think-s", type=float, default=3.0)
     parser.add_argument("--bound", type=float, default=0.1)
     parser.add_argument("--scale", type=float, default=1.0, help="device time multiplier")
+    parser.add_argument(
+        "--attention-scale",
+        type=float,
+        default=1.0,
+        help="multiply attention's share of step time and of Cost(l) (a steeper cost profile)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="arrivals and think times")
     parser.add_argument("--cost-profile", type=Path, help="a `pensieve profile` table")
     parser.add_argument("--json", type=Path)

@@ -6,6 +6,7 @@ CPU swap-in, recomputation of dropped chunks, full re-prefill). Transformers is 
 
 from __future__ import annotations
 
+import gc
 import io
 import subprocess
 import sys
@@ -56,8 +57,29 @@ def three_turns(chat_file, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("out") / "out.jsonl"
     argv = ["replay", str(chat_file), "--model", "smollm2", "--out", str(out),
             "--max-new-tokens", "40", "--emit-token-ids"]  # fmt: skip
-    assert main(argv) == 0
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            FROZEN_AT_COLLECTIONS.append(gc.get_freeze_count())
+
+    gc.callbacks.append(seen)
+    try:
+        assert main(argv) == 0
+    finally:
+        gc.callbacks.remove(seen)
     return [orjson.loads(line) for line in out.read_bytes().splitlines()]
+
+
+FROZEN_AT_COLLECTIONS: list[int] = []  # objects frozen at each collection during `three_turns`
+
+
+def test_replay_serves_with_the_start_up_heap_frozen(three_turns):
+    """`pensieve replay` runs inside `frozen_heap`: while it serves, the collector skips the
+    model and everything built before the first turn, and it is unfrozen on exit."""
+    assert three_turns
+    assert FROZEN_AT_COLLECTIONS, "no collection ran during the replay"
+    assert max(FROZEN_AT_COLLECTIONS) > 10_000  # the loaded model, tokenizer and engine
+    assert gc.get_freeze_count() == 0
 
 
 @pytest.fixture(scope="module")
