@@ -38,6 +38,7 @@ from pensieve.ops.bench_workload import (
     History,
     OpenLoop,
     describe_breakdown,
+    describe_slow_step,
     open_loop,
     summarize,
 )
@@ -87,6 +88,10 @@ def run_point(
         f"    garbage collector: {pauses['seconds']:.2f}s in {sum(pauses['collections'])} "
         f"collections, {pauses['collections'][2]} full (longest {pauses['full_max_ms']:.0f} ms)"
     )
+    for event in summary["compiles"]:
+        b.log(f"    compiled {event['kernel']} at {event['at_s']:.1f}s in {event['ms']:.0f} ms")
+    for step in summary["slow"]:
+        b.log(f"    slow step at {step['at_s']:.1f}s: {describe_slow_step(step)}")
     if "kernels" in summary:
         b.log(f"    GPU kernels: {describe_kernels(summary['kernels'])}")
     del engine, result

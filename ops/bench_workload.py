@@ -32,11 +32,12 @@ import random
 import re
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pensieve.actors.engine import Engine, StepTiming
 from pensieve.actors.request import FinishReason, Request, SamplingParams, TokenSources
+from pensieve.kernels.compile_log import CompileLog
 from pensieve.ops.sharegpt import Conversation, Role, human_turns
 
 _REPLY_MARK = "\u27e6pensieve-reply-{}\u27e7"  # stands in for reply k while the template renders
@@ -563,10 +564,16 @@ def open_loop(
     turns, step while there is work, else sleep until the next turn is due. Only turns sent in
     [warmup_s, duration_s) are returned. `on_step(now)` runs before every step (a profiler's
     window). The result's `extra` has the step times, for the steps of the measured window
-    where their time went (`step_breakdown`), and the garbage collector's pauses (`gc`)."""
-    with GcPauses() as pauses:
+    where their time went (`step_breakdown`), the garbage collector's pauses (`gc`), the Triton
+    kernels compiled meanwhile (`compiles`) and what each slow step did (`slow`)."""
+    began = time.perf_counter()
+    with GcPauses() as pauses, CompileLog() as compiled:
         result = _open_loop(engine, specs, options, history, sleep, on_step)
     result.extra["gc"] = pauses.summary()
+    result.extra["compiles"] = [
+        {"kernel": e.kernel, "at_s": e.start_s - began, "ms": e.seconds * 1e3}
+        for e in compiled.events
+    ]
     return result
 
 
@@ -615,6 +622,7 @@ def _open_loop(
     records: list[TurnRecord] = []
     step_seconds: list[float] = []
     timings: list[StepTiming] = []
+    slow: list[dict[str, Any]] = []
     start = engine.clock()
     end = options.duration_s + options.drain_s
     while True:
@@ -632,6 +640,8 @@ def _open_loop(
             begin = engine.clock()
             outcome = engine.step()
             step_seconds.append(engine.clock() - begin)
+            if step_seconds[-1] >= SLOW_STEP_S:
+                slow.append(_slow_step(now, step_seconds[-1], engine.last_timing))
             if options.warmup_s <= now < options.duration_s and engine.last_timing is not None:
                 timings.append(engine.last_timing)
             for request in outcome.finished:
@@ -649,10 +659,24 @@ def _open_loop(
     measured = [r for r in records if options.warmup_s <= r.due < options.duration_s]
     extra = step_times(step_seconds)
     extra["step_breakdown"] = step_breakdown(timings, options.duration_s - options.warmup_s)
+    extra["slow"] = slow
     return LoopResult(measured, engine.clock() - start, timed_out=bool(active), extra=extra)
 
 
 SLOW_STEP_S = 0.5  # a step this long stalls every running request (e.g. a kernel compiled mid-run)
+
+
+def _slow_step(at_s: float, seconds: float, timing: StepTiming | None) -> dict[str, Any]:
+    """A slow step: when (seconds into the loop), how long, and where its time went."""
+    out: dict[str, Any] = {"at_s": at_s, "ms": seconds * 1e3}
+    if timing is not None:
+        out["kind"] = timing.kind
+        for name, value in asdict(timing).items():
+            if name.endswith("_s"):
+                out[name[:-2] + "_ms"] = value * 1e3
+            else:
+                out[name] = value
+    return out
 
 
 def step_breakdown(timings: Sequence[StepTiming], window_s: float) -> dict[str, Any]:
@@ -697,6 +721,18 @@ def describe_breakdown(b: dict[str, Any]) -> str:
     phases = ", ".join(f"{phase[:-2]} {b[phase]:.1f}s" for phase in (*PHASES, "idle_s"))
     parts.append(f"{phases} of {b['window_s']:.0f}s")
     return "; ".join(parts)
+
+
+def describe_slow_step(step: dict[str, Any]) -> str:
+    """One line for a `_slow_step` record."""
+    text = f"{step['ms']:.0f} ms"
+    if "kind" not in step:
+        return text
+    phases = ", ".join(f"{p[:-2]} {step[p[:-2] + '_ms']:.0f}" for p in PHASES)
+    return (
+        f"{text} ({step['kind']}: {step['decodes']}d+{step['prefill_tokens']}p, in "
+        f"{step['swap_in']} out {step['swap_out']} first {step['evict_first']}; ms: {phases})"
+    )
 
 
 def step_times(seconds: Sequence[float]) -> dict[str, Any]:
