@@ -26,12 +26,13 @@ class CompileEvent:
     kernel: str  # the @triton.jit function's qualified name
     start_s: float  # time.perf_counter() when the compile began
     seconds: float  # until Triton's post-compile hook (inf if it never came)
+    detail: str = ""  # its constexpr values and specialized arguments (which variant it was)
 
 
 class CompileLog:
     def __init__(self) -> None:
         self.events: list[CompileEvent] = []
-        self._started: dict[Any, tuple[str, float]] = {}
+        self._started: dict[Any, tuple[str, float, str]] = {}
         self._runtime: Any = None
         self._previous: tuple[Any, Any] = (None, None)
 
@@ -50,20 +51,20 @@ class CompileLog:
         if self._runtime is not None:
             self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._previous
             self._runtime = None
-        for kernel, start in self._started.values():  # began, never finished
-            self.events.append(CompileEvent(kernel, start, float("inf")))
+        for kernel, start, detail in self._started.values():  # began, never finished
+            self.events.append(CompileEvent(kernel, start, float("inf"), detail))
         self._started.clear()
 
     def _before(self, **kwargs: Any) -> Any:
-        self._started[_key(kwargs)] = (_name(kwargs), time.perf_counter())
+        self._started[_key(kwargs)] = (_name(kwargs), time.perf_counter(), _detail(kwargs))
         previous = self._previous[0]
         return previous(**kwargs) if previous is not None else False  # False: go on compiling
 
     def _after(self, **kwargs: Any) -> Any:
         begun = self._started.pop(_key(kwargs), None)
         if begun is not None:
-            kernel, start = begun
-            self.events.append(CompileEvent(kernel, start, time.perf_counter() - start))
+            kernel, start, detail = begun
+            self.events.append(CompileEvent(kernel, start, time.perf_counter() - start, detail))
         previous = self._previous[1]
         return previous(**kwargs) if previous is not None else None
 
@@ -75,3 +76,12 @@ def _key(kwargs: dict[str, Any]) -> Any:
 def _name(kwargs: dict[str, Any]) -> str:
     fn = kwargs.get("fn")
     return str(getattr(fn, "name", None) or kwargs.get("repr", "?"))
+
+
+def _detail(kwargs: dict[str, Any]) -> str:
+    """The variant: constexpr values and the arguments Triton specialized (e.g. a pointer known
+    to be 16-byte aligned, an integer equal to 1), by argument index."""
+    compile_args = kwargs.get("compile") or {}
+    constants = compile_args.get("constants", "")
+    configs = compile_args.get("configs") or [""]
+    return f"constants {constants}; specialized {configs[0]}"[:2000]

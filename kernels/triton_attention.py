@@ -95,8 +95,14 @@ def _attend_tile(
 # each combination it meets. Arguments that change from step to step (the batch, the table width,
 # the split buffers' outer strides) are left unspecialized: otherwise a long-running server keeps
 # meeting new combinations, and each one compiled inside a step stalled every running request for
-# ~1 s on an H200.
-@triton.jit(do_not_specialize=["num_seqs", "kv_split_len", "stride_bt", "stride_ps", "stride_ls"])
+# ~1 s on an H200. Pointers are specialized on 16-byte alignment: the step metadata's seq_lens and
+# block tables are views into one uploaded int32 buffer, at offsets that follow the number of
+# sub-sequences, so their alignment changes from step to step too (a run compiled a new variant in
+# its first seconds and whenever a new combination came up; start-up compiled only aligned ones).
+@triton.jit(
+    do_not_specialize=["num_seqs", "kv_split_len", "stride_bt", "stride_ps", "stride_ls"],
+    do_not_specialize_on_alignment=["cu_q_ptr", "seq_lens_ptr", "block_tables_ptr"],
+)
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_q_ptr, seq_lens_ptr, block_tables_ptr,

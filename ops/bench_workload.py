@@ -571,7 +571,7 @@ def open_loop(
         result = _open_loop(engine, specs, options, history, sleep, on_step)
     result.extra["gc"] = pauses.summary()
     result.extra["compiles"] = [
-        {"kernel": e.kernel, "at_s": e.start_s - began, "ms": e.seconds * 1e3}
+        {"kernel": e.kernel, "at_s": e.start_s - began, "ms": e.seconds * 1e3, "detail": e.detail}
         for e in compiled.events
     ]
     return result

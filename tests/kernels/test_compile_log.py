@@ -33,7 +33,10 @@ def test_each_compile_is_logged_and_earlier_hooks_still_run() -> None:
                 "key": ("sig", 1),
                 "repr": "k[...]",
                 "fn": SimpleNamespace(name="k"),
-                "compile": {},
+                "compile": {
+                    "constants": {(3,): 64},
+                    "configs": [{(0,): [["tt.divisibility", 16]]}],
+                },
                 "is_manual_warmup": False,
                 "already_compiled": False,
             }
@@ -49,6 +52,7 @@ def test_each_compile_is_logged_and_earlier_hooks_still_run() -> None:
     assert earlier == ["before", "after", "before"]
     assert [e.kernel for e in log.events] == ["k", "k"]
     assert 0 <= log.events[0].seconds < 1 and log.events[1].seconds == float("inf")
+    assert "(3,): 64" in log.events[0].detail and "tt.divisibility" in log.events[0].detail
 
 
 @pytest.mark.gpu

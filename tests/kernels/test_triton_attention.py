@@ -352,3 +352,27 @@ def test_every_variant_compiles_ahead(monkeypatch):
         1, 1, 1, 1024, 4, 2, 16, 4, triton_attention._num_sms(torch.device(DEVICE))
     )
     assert (decode.block_m, decode.block_n, 1) in seen
+
+
+@gpu
+def test_gpu_steps_compile_nothing_after_start_up(rng):
+    """compile_variants at start-up covers every step the executor can build: decodes alone and
+    with a prompt, any number of sub-sequences (so the metadata's views into its one uploaded
+    buffer start at every alignment), short and split long contexts. A shape no other test uses
+    (group 2, 3 KV heads, head_dim 64, fp16), so nothing was compiled for it before."""
+    from pensieve.kernels.compile_log import CompileLog
+    from pensieve.kernels.triton_attention import compile_variants
+
+    shape = {"block_size": 32, "num_kv_heads": 3, "group": 2, "head_dim": 64}
+    compile_variants(6, 3, 64, 32, 4096, torch.float16, torch.device("cuda"))
+    with CompileLog() as log:
+        for num_seqs in range(1, 10):
+            subseqs = [SubSeq(i, 1, rng.randint(1, 4096)) for i in range(num_seqs)]
+            if num_seqs % 2:
+                prompt = rng.randint(2, 400)
+                subseqs.append(SubSeq(num_seqs, prompt, prompt + rng.randint(0, 3000)))
+            case = make_case(rng, subseqs, dtype=torch.float16, **shape)
+            paged_attention_triton(case.query, case.kv_cache, case.meta, case.scale)
+        torch.cuda.synchronize()
+    attention = [e for e in log.events if "attention" in e.kernel or "merge" in e.kernel]
+    assert not attention, [(e.kernel, e.detail) for e in attention]
