@@ -7,11 +7,7 @@
 # carry: .whl and .bench. The tests' summary comes first, the benchmark's table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site "${WHEELS_DIR:-.whl}"/*.whl || exit 1
-mkdir -p /tmp/pkg/pensieve
-for folder in actors kernels models store ops; do ln -sfn "$PWD/$folder" "/tmp/pkg/pensieve/$folder"; done
-export PYTHONPATH="/tmp/pkg:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
-export PYTHONUNBUFFERED=1
+# shellcheck source=ops/gpu_env.sh
+source ops/gpu_env.sh
 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -25
 [ "$#" -gt 0 ] && python3 -m pensieve.ops.bench_gpu "$@"

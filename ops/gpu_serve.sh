@@ -15,14 +15,8 @@ shift
 concurrencies=("$@")
 [ "$#" -eq 0 ] && concurrencies=(16 64 128)
 mkdir -p "$out"
-if [ "${WHEELS_DIR:-.whl}" != none ]; then  # WHEELS_DIR=none: use what is installed
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site "${WHEELS_DIR:-.whl}"/*.whl || exit 1
-fi
-mkdir -p /tmp/pkg/pensieve
-for folder in actors kernels models store ops; do ln -sfn "$PWD/$folder" "/tmp/pkg/pensieve/$folder"; done
-export PYTHONPATH="/tmp/pkg:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
-export PYTHONUNBUFFERED=1
+# shellcheck source=ops/gpu_env.sh
+source ops/gpu_env.sh
 
 model=${MODEL_ARGS:---model preset:llama2-13b-gqa10 --device cuda --dtype bfloat16 \
 --tokenizer .bench/tokenizer --gpu-cache-tokens 196608 --cpu-cache-tokens 262144}
