@@ -239,6 +239,11 @@ class ChatService:
     def list(self) -> dict[str, Any]:
         return {"conversations": self.store.list_conversations()}
 
+    def stats(self) -> dict[str, Any]:
+        """The engine's totals and state (`Engine.stats`) with the turns this service has in
+        flight (queued for their template or in the engine)."""
+        return {**self.engine.stats(), "turns_in_flight": len(self.turns)}
+
     # ---- the step loop -------------------------------------------------------------------
 
     def has_work(self) -> bool:

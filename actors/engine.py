@@ -12,10 +12,12 @@ on an end-of-sequence token, one wasted decode position.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 
@@ -68,6 +70,7 @@ class StepTiming:
 @dataclass
 class EngineTotals:
     steps: int = 0
+    requests: int = 0  # finished, with their tokens below
     prompt_tokens: int = 0
     output_tokens: int = 0
     sources: TokenSources = TokenSources()
@@ -178,10 +181,57 @@ class Engine:
         )
         self.totals.steps += 1
         for request in outcome.finished:
+            self.totals.requests += 1
             self.totals.prompt_tokens += len(request.prompt_ids)
             self.totals.output_tokens += len(request.output_ids)
             self.totals.sources = self.totals.sources + request.sources
         return self._with_rejected(outcome)
+
+    def stats(self) -> dict[str, Any]:
+        """Totals since start (requests finished, their prompt tokens by where they came from,
+        swaps, suspensions) and the state now (requests running and waiting, each tier's
+        blocks); a consistent snapshot when called between steps, as the server does. Swap
+        seconds count only copies the device has finished."""
+        totals, kv = self.totals, self.kv
+        swaps = self.runner.swap.collect_stats(wait=False)
+        return {
+            "policy": kv.config.policy.value,
+            "steps": totals.steps,
+            "requests": {
+                "finished": totals.requests,
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "suspensions": self.scheduler.num_suspensions,
+            },
+            "tokens": {
+                "prompt": totals.prompt_tokens,
+                "completion": totals.output_tokens,
+                "prompt_sources": dataclasses.asdict(totals.sources),
+            },
+            "swaps": {
+                "in": {
+                    "blocks": swaps.blocks_in,
+                    "bytes": swaps.bytes_in,
+                    "seconds": swaps.seconds_in,
+                },
+                "out": {
+                    "blocks": swaps.blocks_out,
+                    "bytes": swaps.bytes_out,
+                    "seconds": swaps.seconds_out,
+                },
+            },
+            "cache": {
+                "block_size": kv.config.block_size,
+                "conversations": len(kv.conversations),
+                # reclaimable: swapped out, their data kept until the block is reused
+                "gpu_blocks": {
+                    "total": kv.gpu.capacity,
+                    "free": kv.gpu.num_free,
+                    "reclaimable": kv.num_free_gpu - kv.gpu.num_free,
+                },
+                "cpu_blocks": {"total": kv.cpu.capacity, "free": kv.cpu.num_free},
+            },
+        }
 
     def _with_rejected(self, outcome: StepOutcome) -> StepOutcome:
         """The outcome, with the requests admission rejected since the last step among the

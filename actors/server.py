@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import importlib.metadata
 import logging
 import queue
@@ -163,6 +164,7 @@ class ChatServer:
             subjects.CONVERSATIONS_GET: self._owned(subjects.CONVERSATIONS_GET, self._get),
             subjects.CONVERSATIONS_DELETE: self._owned(subjects.CONVERSATIONS_DELETE, self._delete),
             subjects.CONVERSATIONS_LIST: self._list,
+            subjects.STATS: self._stats,
         }
         for subject, handler in handlers.items():
             await self.bus.serve(subject, handler)
@@ -243,3 +245,10 @@ class ChatServer:
         load_object(msg.data)
         listed = await self._call(self.engine.service.list)
         await msg.send(orjson.dumps({**listed, "engine_id": self.engine_id}))
+
+    async def _stats(self, msg: Incoming) -> None:
+        load_object(msg.data)
+        stats = await self._call(self.engine.service.stats)
+        # objects frozen out of garbage collection (`pensieve serve` freezes its start-up heap)
+        process = {"gc_frozen_objects": gc.get_freeze_count()}
+        await msg.send(orjson.dumps({"engine_id": self.engine_id, **stats, "process": process}))

@@ -15,6 +15,7 @@ CHAT = f"{PREFIX}.chat"
 CONVERSATIONS_GET = f"{PREFIX}.conversations.get"
 CONVERSATIONS_DELETE = f"{PREFIX}.conversations.delete"
 CONVERSATIONS_LIST = f"{PREFIX}.conversations.list"
+STATS = f"{PREFIX}.stats"
 
 _OWNED_ID = re.compile(r"c-([0-9a-f]{8})-[0-9a-f]+")
 

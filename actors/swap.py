@@ -175,16 +175,22 @@ class SwapEngine:
     def pipelined(self) -> bool:
         return self._layer_events is not None
 
-    def collect_stats(self) -> SwapStats:
-        """Fold finished CUDA timings into `stats` (synchronizes the copy streams)."""
+    def collect_stats(self, wait: bool = True) -> SwapStats:
+        """Fold the CUDA timings of finished copies into `stats`: with `wait`, of every copy
+        issued (synchronizes the copy streams); without, of those already done (copies still
+        running count their bytes now and their time at a later call)."""
+        pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         for direction, start, end in self._timings:
+            if not wait and not end.query():
+                pending.append((direction, start, end))
+                continue
             end.synchronize()
             seconds = start.elapsed_time(end) / 1000.0
             if direction == "in":
                 self.stats.seconds_in += seconds
             else:
                 self.stats.seconds_out += seconds
-        self._timings.clear()
+        self._timings = pending
         return self.stats
 
     # ---- copies --------------------------------------------------------------------------

@@ -61,3 +61,18 @@ def test_gpu_each_kind_of_order_lands_where_it_says(tiers, contiguous, out_dma, 
     for g, c, old in zip(gpu, cpu, saved, strict=True):
         assert torch.equal(c[3].cuda(), old), "the evict-first copy ran after the swap-in"
         assert torch.equal(g[29], c[slots[0]].cuda())
+
+
+def test_gpu_stats_without_waiting_count_the_time_of_finished_copies_only(tiers):
+    """The stats subject reads swap totals between steps without syncing the copy streams: a
+    swap-out stuck behind busy compute is counted in bytes at once and in seconds once done."""
+    gpu, cpu = tiers
+    engine = SwapEngine(gpu, cpu)
+    torch.cuda._sleep(1 << 30)  # compute busy for a while; swap-outs wait for compute issued so far
+    engine.issue(SwapOrders(swap_out=[CopyOp(b, b) for b in range(8)]))
+    early = engine.collect_stats(wait=False)
+    assert early.blocks_out == 8 and early.seconds_out == 0.0, "it waited for the copies"
+    torch.cuda.synchronize()
+    late = engine.collect_stats(wait=False).seconds_out
+    assert late > 0
+    assert engine.collect_stats().seconds_out == late  # nothing was left to wait for

@@ -275,6 +275,81 @@ def test_concurrent_conversations_each_get_their_own_tokens(served, reference) -
     assert moved.cpu > before.cpu or moved.recomputed > before.recomputed
 
 
+def _stats(url: str) -> dict[str, Any]:
+    replies, headers = ask(url, subjects.STATS, {})
+    assert ERROR_HEADER not in headers, replies[-1]
+    return replies[-1]
+
+
+def test_the_stats_subject_adds_up_what_the_turns_reported(served) -> None:
+    """`pensieve.v1.stats`: over four conversations of two turns at once on tiny tiers, the
+    engine's totals move by exactly the sums of the replies' usage, every token that came
+    from the CPU tier came in a swapped-in block, and nothing is left running."""
+    server, built = served
+    before = _stats(server)
+
+    async def conversation(client: Any) -> list[dict[str, Any]]:
+        replies: list[dict[str, Any]] = []
+        for text in CHAT[:2]:
+            body: dict[str, Any] = {"message": text, "max_tokens": MAX_TOKENS}
+            if replies:
+                body["conversation_id"] = replies[-1]["conversation_id"]
+            msg = await client.request(subjects.CHAT, orjson.dumps(body), timeout=300)
+            replies.append(orjson.loads(msg.data))
+        return replies
+
+    async def go() -> list[dict[str, Any]]:
+        client = await nats.connect(server)
+        try:
+            done = await asyncio.gather(*(conversation(client) for _ in range(4)))
+            return [reply for replies in done for reply in replies]
+        finally:
+            await client.close()
+
+    replies = asyncio.run(go())
+    after = _stats(server)
+    assert after["engine_id"] == _service(server, "$SRV.PING.pensieve")["id"]
+    assert after["policy"] == "pensieve" and after["turns_in_flight"] == 0
+    assert after["requests"]["running"] == after["requests"]["waiting"] == 0
+    assert after["requests"]["finished"] - before["requests"]["finished"] == len(replies) == 8
+
+    def moved(*path: str) -> int:
+        a, b = after, before
+        for key in path:
+            a, b = a[key], b[key]
+        return int(a - b)
+
+    usage = [r["usage"] for r in replies]
+    assert moved("tokens", "prompt") == sum(u["prompt_tokens"] for u in usage)
+    assert moved("tokens", "completion") == sum(u["completion_tokens"] for u in usage)
+    for source in ("gpu", "cpu", "recomputed"):
+        reported = sum(u["cached_tokens"][source] for u in usage)
+        assert moved("tokens", "prompt_sources", source) == reported, source
+    cached = sum(sum(u["cached_tokens"].values()) for u in usage)
+    assert moved("tokens", "prompt_sources", "new") == moved("tokens", "prompt") - cached
+    cpu_tokens = moved("tokens", "prompt_sources", "cpu")
+    assert cpu_tokens > 0  # the tiers are small enough for history to come back from the CPU
+    block = after["cache"]["block_size"]
+    assert moved("swaps", "in", "blocks") * block >= cpu_tokens
+    assert moved("swaps", "out", "blocks") > 0
+    block_bytes = built.engine.runner.swap.block_bytes
+    for direction in ("in", "out"):
+        swaps = after["swaps"][direction]
+        assert swaps["bytes"] == swaps["blocks"] * block_bytes and swaps["seconds"] >= 0
+    gpu, cpu = after["cache"]["gpu_blocks"], after["cache"]["cpu_blocks"]
+    assert gpu["total"] == TIERS["gpu_cache_tokens"] // block
+    assert cpu["total"] == TIERS["cpu_cache_tokens"] // block
+    assert 0 <= gpu["free"] + gpu["reclaimable"] <= gpu["total"]
+    assert 0 <= cpu["free"] <= cpu["total"]
+
+
+def test_a_stats_request_that_is_not_an_object_is_refused(server) -> None:
+    replies, headers = ask(server, subjects.STATS, [1])
+    assert headers.get(ERROR_HEADER) == "invalid_request"
+    assert "object" in replies[-1]["error"]["message"]
+    assert _stats(server)["requests"]["running"] == 0  # and the subject still answers
+
+
 def test_streamed_deltas_add_up_to_the_reply(server, reference) -> None:
     replies, _ = ask(server, subjects.CHAT, {"message": CHAT[0], "max_tokens": MAX_TOKENS,
                                              "stream": True})  # fmt: skip
@@ -544,6 +619,9 @@ def test_the_command_serves_with_its_own_nats_server_and_stops_on_sigterm(tmp_pa
         assert url is not None, "".join(lines)
         reply = chat(url, message=CHAT[0], max_tokens=4)
         assert reply["turn"] == 0 and len(reply["token_ids"]) == 4
+        stats = _stats(url)
+        assert stats["requests"]["finished"] == 1 and stats["tokens"]["completion"] == 4
+        assert stats["process"]["gc_frozen_objects"] > 0  # the start-up heap is frozen
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
