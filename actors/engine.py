@@ -55,6 +55,7 @@ class StepTiming:
     swap_in: int  # blocks
     swap_out: int
     evict_first: int
+    decode_positions: int = 0  # KV positions the decodes attend to, summed over them
 
     @property
     def total_s(self) -> float:
@@ -166,7 +167,8 @@ class Engine:
         executed = time.perf_counter()
         plan, orders = done.plan, done.plan.orders
         outcome = self.scheduler.update(plan, sampled, self.clock())
-        decodes = sum(1 for piece in plan.pieces if piece.end - piece.start == 1)
+        decoding = [piece.end for piece in plan.pieces if piece.end - piece.start == 1]
+        decodes = len(decoding)
         self.last_timing = StepTiming(
             scheduled - begin,
             launched - scheduled,
@@ -178,6 +180,7 @@ class Engine:
             len(orders.swap_in),
             len(orders.swap_out),
             len(orders.evict_first),
+            sum(decoding),
         )
         self.totals.steps += 1
         for request in outcome.finished:

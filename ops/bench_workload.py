@@ -695,6 +695,9 @@ def step_breakdown(timings: Sequence[StepTiming], window_s: float) -> dict[str, 
             "seconds": seconds,
             "ms_mean": 1e3 * seconds / n,
             "decodes_mean": sum(t.decodes for t in group) / n,
+            # mean KV positions a decode attends to (with the decodes, the KV a step reads)
+            "decode_context_mean": sum(t.decode_positions for t in group)
+            / max(1, sum(t.decodes for t in group)),
             "prefill_tokens_mean": sum(t.prefill_tokens for t in group) / n,
             "swap_in_blocks_mean": sum(t.swap_in for t in group) / n,
             "swap_out_blocks_mean": sum(t.swap_out for t in group) / n,
@@ -712,7 +715,8 @@ PHASES = ("schedule_s", "launch_s", "ahead_s", "wait_s", "update_s")
 def describe_breakdown(b: dict[str, Any]) -> str:
     """One line of `step_breakdown`."""
     parts = [
-        f"{kind} {v['steps']}x{v['ms_mean']:.1f}ms ({v['decodes_mean']:.0f}d+"
+        f"{kind} {v['steps']}x{v['ms_mean']:.1f}ms ({v['decodes_mean']:.0f}d"
+        f"@{v['decode_context_mean']:.0f}+"
         f"{v['prefill_tokens_mean']:.0f}p, in {v['swap_in_blocks_mean']:.0f} out "
         f"{v['swap_out_blocks_mean']:.0f}, wait {v['wait_ms_mean']:.1f}ms)"
         for kind, v in b.items()

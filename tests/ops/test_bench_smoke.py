@@ -89,6 +89,7 @@ def test_policies_serve_history_from_the_tiers_they_have(smoke) -> None:
         kinds = {k: v for k, v in b.items() if isinstance(v, dict)}
         assert b["steps"] == sum(v["steps"] for v in kinds.values()) > 0
         assert kinds["decode"]["decodes_mean"] >= 1 and kinds["decode"]["prefill_tokens_mean"] == 0
+        assert kinds["decode"]["decode_context_mean"] > 1  # a decode follows its prompt
         phases = sum(b[p] for p in ("schedule_s", "launch_s", "ahead_s", "wait_s", "update_s"))
         assert phases > 0 and b["idle_s"] >= 0
         swapped_in = [k for k in kinds if k.endswith("+in")]
