@@ -5,7 +5,8 @@ ShareGPT conversations, K at once, closed loop: each human message is one stream
 reply gave), sent when the previous reply is complete. The time to the first streamed delta is
 the time to first token. At the end: turns, output tokens per second, time to first token,
 latency and normalized latency (latency / output tokens) percentiles, prompt tokens by where
-their KV came from, and errors by code.
+their KV came from, errors by code, and (`server`) what the engine's own totals on
+`pensieve.v1.stats` moved by meanwhile: token sources and swap volumes and rates.
 
     python3 -m pensieve.ops.bench_serve --nats-url nats://127.0.0.1:4222 [sharegpt]
         [--num-conversations 32] [--max-turns 3] [--max-tokens 128] [--concurrency 8]
@@ -66,9 +67,49 @@ async def run_load(
         while pending:
             await _conversation(bus, pending.pop(), options, turns)
 
+    before = await server_stats(bus)
     begin = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(options.concurrency)))
-    return _summary(turns, time.perf_counter() - begin)
+    summary = _summary(turns, time.perf_counter() - begin)
+    after = await server_stats(bus)
+    if before is not None and after is not None and before["engine_id"] == after["engine_id"]:
+        summary["server"] = _server_moved(before, after)
+    return summary
+
+
+async def server_stats(bus: Bus) -> dict[str, Any] | None:
+    """`pensieve.v1.stats` of the engine that answers (None if none does, e.g. an older one)."""
+    try:
+        async for data in bus.ask(subjects.STATS, b"{}", timeout=30.0):
+            body = orjson.loads(data)
+            return None if "error" in body else dict(body)
+    except (TimeoutError, ConnectionError):
+        return None
+    return None
+
+
+def _server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the engine did during the load, by its own totals: requests finished, suspensions,
+    prompt tokens by source, and swaps in each direction with their rate over the device time
+    the copies took. With one engine on the bus and no other client, its prompt sources add up
+    the replies' `cached_tokens`."""
+
+    def moved(a: Any, b: Any) -> Any:
+        if isinstance(a, dict):
+            return {k: moved(a[k], b[k]) for k in a if k in b}
+        return a - b
+
+    requests = after["requests"]
+    out: dict[str, Any] = {
+        "engine_id": after["engine_id"],
+        "requests_finished": requests["finished"] - before["requests"]["finished"],
+        "suspensions": requests["suspensions"] - before["requests"]["suspensions"],
+        "tokens": moved(after["tokens"], before["tokens"]),
+        "swaps": moved(after["swaps"], before["swaps"]),
+    }
+    for swap in out["swaps"].values():
+        swap["gb_per_s"] = swap["bytes"] / swap["seconds"] / 1e9 if swap["seconds"] > 0 else None
+    return out
 
 
 async def _conversation(bus: Bus, conv: Conversation, options: LoadOptions, turns: _Turns) -> None:

@@ -69,8 +69,15 @@ try:
     s = json.load(open(serve))
     s_turns, s_rate = s["turns"], s["output_tok_per_s"]
 except (OSError, ValueError, KeyError):
-    s_turns, s_rate = "?", float("nan")
+    s, s_turns, s_rate = {}, "?", float("nan")
 ratio = s_rate / float(r_rate) if float(r_rate) else float("nan")
 print(f"{c:<6} {float(r_rate):7.1f} {r_turns:>6} {s_rate:7.1f} {s_turns:>6} {ratio:7.3f}")
+server = s.get("server")
+if server:  # the engine's own totals over the load (pensieve.v1.stats)
+    src = server["tokens"]["prompt_sources"]
+    swaps = " ".join(f"{d} {w['bytes'] / 1e9:.1f} GB at {w['gb_per_s'] or 0:.1f} GB/s"
+                     for d, w in server["swaps"].items())
+    print(f"       server: gpu/cpu/recomp/new {src['gpu']}/{src['cpu']}/{src['recomputed']}/"
+          f"{src['new']}; swaps {swaps}; suspensions {server['suspensions']}")
 PY
 done

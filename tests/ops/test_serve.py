@@ -197,6 +197,11 @@ def test_the_load_client_drives_conversations_through_the_api(server, sharegpt20
     assert sum(summary["cached_tokens"].values()) > 0  # second turns hit the cache
     assert 0 < summary["ttft_s_p50"] <= summary["latency_s_p90"]
     assert summary["output_tok_per_s"] > 0
+    server = summary["server"]  # the engine's own totals moved by exactly this load
+    assert server["requests_finished"] == 6 and server["tokens"]["completion"] == 6 * 8
+    assert server["tokens"]["prompt"] == summary["prompt_tokens"]
+    sources = server["tokens"]["prompt_sources"]
+    assert {k: sources[k] for k in ("gpu", "cpu", "recomputed")} == summary["cached_tokens"]
 
 
 def test_the_engine_answers_nats_service_discovery(server) -> None:
