@@ -1,11 +1,12 @@
 """Swap copies three ways on one GPU: batched driver calls (`cuMemcpyBatchAsync`, what the swap
-engine uses), one DMA call per block and layer, and the zero-copy copy kernel; and how much each
+engine uses), one DMA call per block and layer, and the zero-copy copy kernel; how much each
 slows a matmul-heavy 40-layer forward that waits on it layer by layer, as a pipelined swap-in
-does. Scattered blocks of preset:llama2-13b-gqa10's shape (160 KB per block and layer).
+does; and how much an ahead-of-time swap-out slows a decode-like step beside it. Scattered
+blocks of preset:llama2-13b-gqa10's shape (160 KB per block and layer).
 
     python3 -m pensieve.ops.probe_swap_copies        (CUDA only; ~1 minute, 13 GB pinned)
 
-Its output from an H200 is ops/results/probe_batch_h200_s7.txt (and _s8, a later run).
+Its output from an H200 is ops/results/probe_batch_h200_s7.txt (and _s8, _s10: later runs).
 """
 
 import ctypes
