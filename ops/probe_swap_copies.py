@@ -205,6 +205,25 @@ def main() -> None:
             h = (u[:, :13824] * u[:, 13824:]) @ w2
         return h
 
+    def beside(copies, step, copy_stream, gid, cid, reps=5):  # type: ignore[no-untyped-def]
+        """Best device ms of `step(events)` with `copies(gid, cid)` issued just before it on
+        `copy_stream` (events: what `copies` returned; None without copies)."""
+        best = 1e9
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            evs = None
+            if copies is not None:
+                copy_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(copy_stream):
+                    evs = copies(gid, cid)
+            step(evs)
+            b.record()
+            torch.cuda.synchronize()
+            best = min(best, a.elapsed_time(b))
+        return best
+
     gid, cid = plan(74)
     for name, swap in (
         ("none", None),
@@ -212,20 +231,7 @@ def main() -> None:
         ("batch API", swap_in_batch),
         ("foreach DMA", swap_in_foreach),
     ):
-        best = 1e9
-        for _ in range(5):
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            evs = None
-            if swap is not None:
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    evs = swap(gid, cid)
-            forward(evs)
-            b.record()
-            torch.cuda.synchronize()
-            best = min(best, a.elapsed_time(b))
+        best = beside(swap, forward, side, gid, cid)
         print(f"forward ({M} tokens x {L} layers) with swap-in by {name:12s}: {best:7.2f} ms")
 
     # A decode-like step: 250 rows through the same weights, and per layer a read of 200 MB
@@ -235,7 +241,7 @@ def main() -> None:
     rows = x[:250].contiguous()
     kv = torch.ones((L, 100_000_000), dtype=torch.bfloat16, device=dev)
 
-    def decode_step() -> torch.Tensor:
+    def decode_step(_: object = None) -> torch.Tensor:
         h = rows
         for layer in range(L):
             q = h @ wq
@@ -257,19 +263,7 @@ def main() -> None:
         ("batch API", swap_out_batch),
         ("copy kernel 16", swap_out_kernel),
     ):
-        best = 1e9
-        for _ in range(5):
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            if swap_out is not None:
-                out.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(out):
-                    swap_out(gid, cid)
-            decode_step()
-            b.record()
-            torch.cuda.synchronize()
-            best = min(best, a.elapsed_time(b))
+        best = beside(swap_out, decode_step, out, gid, cid)
         label = f"decode-like step (250 rows, 8 GB read) beside swap-out by {name}"
         print(f"{label:68s}: {best:7.2f} ms")
 
