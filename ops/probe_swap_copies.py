@@ -6,7 +6,7 @@ blocks of preset:llama2-13b-gqa10's shape (160 KB per block and layer).
 
     python3 -m pensieve.ops.probe_swap_copies        (CUDA only; ~1 minute, 13 GB pinned)
 
-Its output from an H200 is ops/results/probe_batch_h200_s7.txt (and _s8, _s10: later runs).
+Its output from an H200 is ops/results/probe_batch_h200_s7.txt (and _s8, _s10, _s10b: later runs).
 """
 
 import ctypes
