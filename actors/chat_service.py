@@ -241,7 +241,7 @@ class ChatService:
 
     def stats(self) -> dict[str, Any]:
         """The engine's totals and state (`Engine.stats`) with the turns this service has in
-        flight (queued for their template or in the engine)."""
+        flight (handed to the engine and not yet answered)."""
         return {**self.engine.stats(), "turns_in_flight": len(self.turns)}
 
     # ---- the step loop -------------------------------------------------------------------
