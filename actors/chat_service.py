@@ -134,6 +134,7 @@ class ChatService:
         self.new_id = new_id
         self.conversations: dict[str, _Conversation] = {}
         self.turns: dict[str, _Turn] = {}  # request id -> turn in flight
+        self.block_bytes = engine.runner.swap.block_bytes  # one chunk's KV, every layer
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -305,6 +306,8 @@ class ChatService:
             "pensieve.completion_tokens": len(request.output_ids),
             "pensieve.finish_reason": record.finish_reason,
             "pensieve.suspensions": request.num_suspensions,
+            "pensieve.swapped_in_bytes": request.swapped_in_blocks * self.block_bytes,
+            "pensieve.swapped_out_bytes": request.swapped_out_blocks * self.block_bytes,
         })  # fmt: skip
         if not span.is_recording():
             return

@@ -95,6 +95,7 @@ class Acquired:
     gpu_tokens: int
     cpu_tokens: int
     recompute_ranges: tuple[tuple[int, int], ...]  # position ranges to recompute, in order
+    swapped_in: int = 0  # blocks copied in from the CPU tier for it
 
     @property
     def recomputed_tokens(self) -> int:

@@ -133,7 +133,7 @@ class KVCacheManager:
             if chunk.gpu_block is not None and not self._unreclaim(chunk):
                 self._free_cpu_copy(chunk)  # its swap-out was withdrawn: the copy never happened
         self._ensure_free_gpu(self.blocks_to_admit(conv, num_positions), now)
-        gpu_tokens = cpu_tokens = 0
+        gpu_tokens = cpu_tokens = swapped_in = 0
         recompute: list[tuple[int, int]] = []
         for i in range(self.num_chunks(num_positions)):
             if i == len(conv.chunks):
@@ -156,11 +156,12 @@ class KVCacheManager:
                     self._cpu_free_next.append(chunk.cpu_slot)  # read by this step's swap-in
                     chunk.cpu_slot = None
                 cpu_tokens += end - start
+                swapped_in += 1
             else:
                 chunk.gpu_block = self._take_gpu_block()
                 if end > start:
                     _extend(recompute, start, end)
-        return Acquired(gpu_tokens, cpu_tokens, tuple(recompute))
+        return Acquired(gpu_tokens, cpu_tokens, tuple(recompute), swapped_in)
 
     def grow(self, conv: ConversationKV, num_positions: int, now: float) -> bool:
         """Give a running conversation blocks up to `num_positions`; False if the GPU is full."""
@@ -195,17 +196,20 @@ class KVCacheManager:
         if self.config.policy is Policy.STATELESS:
             self.forget(conv.conv_id)
 
-    def suspend(self, conv: ConversationKV, num_positions: int, now: float) -> None:
-        """Unpin a running conversation mid-turn and push its chunks off the GPU."""
+    def suspend(self, conv: ConversationKV, num_positions: int, now: float) -> int:
+        """Unpin a running conversation mid-turn and push its chunks off the GPU; returns how
+        many blocks are copied out (the others had a valid CPU copy already, or are dropped)."""
         self._cpu_victims = None
         self.truncate(conv, num_positions)
         conv.pinned = False
         self._pinned.pop(conv.conv_id, None)
         conv.last_active = now
+        copied = 0
         for chunk in conv.chunks:
             if chunk.gpu_block is not None:
                 slot = self._slot_for_eviction(chunk, None, now)
-                self._evict_now(conv, chunk, slot)
+                copied += self._evict_now(conv, chunk, slot)
+        return copied
 
     def forget(self, conv_id: str) -> None:
         conv = self.conversations.pop(conv_id, None)
@@ -360,20 +364,23 @@ class KVCacheManager:
         self._orders.fence = True
         return block
 
-    def _evict_now(self, conv: ConversationKV, chunk: Chunk, slot: int | None) -> None:
+    def _evict_now(self, conv: ConversationKV, chunk: Chunk, slot: int | None) -> bool:
         """Free a GPU block for reuse within this step: copy it out first (unless its CPU copy
-        is valid already), or drop it."""
+        is valid already), or drop it. True if a copy was ordered."""
         block = chunk.gpu_block
         assert block is not None and not self._reclaiming(chunk)
+        copied = False
         if slot is not None and slot == chunk.cpu_slot:
             self._backed.pop(slot, None)
             self._backed_next.pop(slot, None)  # stays owned: the swap-in reading it comes first
         elif slot is not None:
             self._orders.evict_first.append(CopyOp(block, slot))
             chunk.cpu_slot = slot
+            copied = True
         conv.maybe_on_cpu = conv.maybe_on_cpu or slot is not None
         chunk.gpu_block = None
         self.gpu.free(block)
+        return copied
 
     def _take_cpu_slot(self, value: float | None, now: float) -> int | None:
         """A free CPU slot, dropping lower-valued CPU chunks if needed (any, if value is None)."""

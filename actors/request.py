@@ -79,6 +79,10 @@ class Request:
     inflight: int = 0
     sources: TokenSources = TokenSources()
     num_suspensions: int = 0
+    # blocks of its conversation copied CPU -> GPU for it, and GPU -> CPU while it ran (when
+    # suspended); the ahead-of-time swap-outs after it ends belong to no turn
+    swapped_in_blocks: int = 0
+    swapped_out_blocks: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
     first_token_time: float | None = None

@@ -186,7 +186,8 @@ class Scheduler:
         return request.take(budget)
 
     def _suspend(self, request: Request, now: float) -> None:
-        self.kv.suspend(self.kv.conversations[request.conv_id], request.first_pending, now)
+        conv = self.kv.conversations[request.conv_id]
+        request.swapped_out_blocks += self.kv.suspend(conv, request.first_pending, now)
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         request.pending = []  # an in-flight token is applied while it waits
@@ -219,6 +220,7 @@ class Scheduler:
             recomputed=acquired.recomputed_tokens,
             new=len(target) - reuse,
         )
+        request.swapped_in_blocks += acquired.swapped_in
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.arrival)
         return True

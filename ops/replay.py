@@ -202,6 +202,10 @@ class _Replayer:
             "ttft_s": (request.first_token_time or request.arrival) - request.arrival,
             "latency_s": (request.finish_time or request.arrival) - request.arrival,
             "suspensions": request.num_suspensions,
+            "swapped_bytes": {
+                "in": request.swapped_in_blocks * self.engine.runner.swap.block_bytes,
+                "out": request.swapped_out_blocks * self.engine.runner.swap.block_bytes,
+            },
         }
         if self.options.emit_token_ids:
             line["prompt_token_ids"] = request.prompt_ids

@@ -179,6 +179,13 @@ def test_every_cache_path_gives_the_same_tokens(
     else:
         assert counts["swap_in"] and counts["partial_recompute"], counts
         assert stats.bytes_in > 0 and stats.bytes_out > 0
+    # per turn: every swap-in was for one turn, so they add up to the copy engine's total;
+    # swap-outs while a turn ran (suspensions) are part of all swap-outs
+    swapped = [d["swapped_bytes"] for d in lines]
+    assert sum(s["in"] for s in swapped) == stats.bytes_in
+    assert sum(s["out"] for s in swapped) <= stats.bytes_out
+    for line in lines:  # a turn whose history came from the CPU tier swapped some of it in
+        assert (line["swapped_bytes"]["in"] > 0) == (line["cached_tokens"]["cpu"] > 0), line
 
 
 def test_suspension_under_decode_pressure_keeps_tokens(smollm2, smollm2_chat):
@@ -198,6 +205,9 @@ def test_suspension_under_decode_pressure_keeps_tokens(smollm2, smollm2_chat):
             built.engine.step()
         built.engine.kv.check_invariants()
         results[name] = ([r.output_ids for r in requests], built.engine.scheduler.num_suspensions)
+        suspended = [r for r in requests if r.num_suspensions]
+        # a suspended request's KV went to the CPU tier and came back for it
+        assert all(r.swapped_out_blocks > 0 and r.swapped_in_blocks > 0 for r in suspended)
     assert results["tight"][1] > 0 and results["roomy"][1] == 0
     assert results["tight"][0] == results["roomy"][0]
 
