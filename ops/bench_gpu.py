@@ -115,6 +115,9 @@ class Settings:
     mixed_steps: tuple[tuple[int, int, int], ...] = (
         (250, 1024, 0), (240, 1024, 150), (245, 1024, 470), (0, 0, 2048),
     )  # fmt: skip
+    # a pure-decode step alone and beside an ahead-of-time swap-out, as the policy runs have it:
+    # (decodes, their context, blocks swapped out)
+    decode_beside_out: tuple[int, int, int] = (250, 1024, 30)
     # the engine's own loop over a full decode batch, each step planned after the one before
     # is applied, or while it runs (`Engine.overlap`): (requests, prompt tokens, measured steps)
     loop_decodes: tuple[int, int, int] = (250, 256, 60)
@@ -158,6 +161,7 @@ SMOKE = Settings(
     replay_window_s=1.5, hf_window_s=2.0, decode_batches=(1, 4), decode_context=256,
     swap_chunks=(4, 16), swap_step_decodes=4, swap_step_context=128, swap_history=128,
     swap_new_tokens=8, mixed_steps=((4, 64, 0), (4, 64, 20), (0, 0, 64)),
+    decode_beside_out=(4, 64, 4),
     loop_decodes=(6, 16, 5), gpu_tokens=512,
     cpu_tokens=4096, policy_max_output=8, policy_max_turns=4,
     start_rates=(("pensieve", 8.0), ("lru", 8.0), ("gpu-only", 8.0), ("stateless", 8.0)),
@@ -557,6 +561,7 @@ def section_swap(b: Bench, rows: list[Row]) -> dict[str, Any]:
     del runner
     b.free()
     step = pipelined_step(b, rows)
+    beside_out = decode_beside_swap_out(b, rows)
     mixed = mixed_steps(b, rows)
     loop = loop_steps(b, rows)
     return {
@@ -564,6 +569,7 @@ def section_swap(b: Bench, rows: list[Row]) -> dict[str, Any]:
         "peak_gb_s": peaks,
         "swap_gb_s": measured,
         "pipelined_step": step,
+        "decode_beside_swap_out": beside_out,
         "mixed_steps": mixed,
         "loop_steps": loop,
     }
@@ -660,6 +666,39 @@ def pipelined_step(b: Bench, rows: list[Row]) -> dict[str, Any]:
     )
     b.log(f"pipelined swap-in step: {cpu_s * 1e3:.2f} ms vs {gpu_s * 1e3:.2f} ms on GPU")
     return {"gpu_seconds": gpu_s, "swapped_seconds": cpu_s, "swap_alone_seconds": swap_s}
+
+
+def _execute_drained(runner: ModelRunner, plan: StepPlan) -> None:
+    runner.execute(plan)
+    runner.swap.collect_stats()  # drains the swap engine's timing events
+
+
+def decode_beside_swap_out(b: Bench, rows: list[Row]) -> dict[str, Any]:
+    """A pure-decode step (a CUDA graph on the GPU) alone and with an ahead-of-time swap-out of
+    a policy run's size issued beside it, as the engine issues one: what the copies cost the
+    compute they overlap."""
+    decodes, context, out_blocks = b.s.decode_beside_out
+    block_size = 32
+    per_seq = -(-(context + 1) // block_size)
+    cache = CacheConfig(block_size, decodes * per_seq + 1, out_blocks, Policy.PENSIEVE)
+    runner = ModelRunner(b.loaded().model, cache, b.device, b.dtype)
+    pieces = decode_plan(decodes, context, per_seq, block_size).pieces
+    orders = SwapOrders(swap_out=[CopyOp(j * per_seq, j) for j in range(out_blocks)])
+
+    alone, beside = (
+        median_time(b, functools.partial(_execute_drained, runner, plan), b.s.repeats, warmup=3)
+        for plan in (StepPlan(pieces), StepPlan(pieces, orders))
+    )
+    what = f"{decodes} decodes@{context}"
+    rows.append(Row(f"step, {what}, alone", alone * 1e3, "ms"))
+    rows.append(Row(f"step, {what}, beside a {out_blocks}-block swap-out", beside * 1e3, "ms",
+                    alone * 1e3, "alone", note=f"{beside / alone:.3f}x"))  # fmt: skip
+    b.log(f"{what}: {alone * 1e3:.2f} ms alone, {beside * 1e3:.2f} ms beside a "
+          f"{out_blocks}-block swap-out")  # fmt: skip
+    del runner
+    b.free()
+    return {"decodes": decodes, "context": context, "swap_out_blocks": out_blocks,
+            "alone_seconds": alone, "beside_seconds": beside}  # fmt: skip
 
 
 def mixed_steps(b: Bench, rows: list[Row]) -> list[dict[str, Any]]:
