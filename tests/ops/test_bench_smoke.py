@@ -60,6 +60,7 @@ def test_decode_and_swap_measure_positive_times(smoke) -> None:
     swap = report["sections"]["swap"]
     assert len(swap["swap_gb_s"]) == 8 and all(v > 0 for v in swap["swap_gb_s"].values())
     assert swap["pipelined_step"]["swapped_seconds"] > 0
+    assert swap["pipelined_step_busy"]["swapped_seconds"] > 0  # beside a fuller decode batch
     beside = swap["decode_beside_swap_out"]  # a decode step with and without a swap-out beside
     assert beside["alone_seconds"] > 0 and beside["beside_seconds"] > 0
     mixed = swap["mixed_steps"]
