@@ -73,7 +73,8 @@ class SwapEngine:
         README: with the engine's overlap this is the faster choice).
 
         `batched`: where the driver has it, every copy goes to the copy engines as one batched
-        call per layer (swap-in, evict-first) or per step (swap-out): that reaches the PCIe rate
+        call per layer (swap-in, evict-first) or a few per step (swap-out, layers in calls of 1,
+        2, 4, ...): that reaches the PCIe rate
         without holding an SM and costs the host ~50 us a call (actors/batch_copy.py), so it
         replaces both the copy kernel and the per-block DMA calls."""
         self.out_dma = out_dma

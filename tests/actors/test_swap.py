@@ -39,7 +39,11 @@ def test_the_batched_copier_names_the_bytes_of_each_block_run(monkeypatch):
 
     from pensieve.actors.batch_copy import BatchCopier
 
+    calls: list[int] = []  # copies per driver call
+
     def driver(dsts, srcs, sizes, count, attrs, first, num_attrs, stream):
+        calls.append(count)
+
         def read(address: int) -> np.ndarray:  # `count` uint64 values at an address
             return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint64)),
                                          (count,))  # fmt: skip
@@ -58,6 +62,19 @@ def test_the_batched_copier_names_the_bytes_of_each_block_run(monkeypatch):
         for g, c, n in runs:
             assert torch.equal(cpu[layer][c : c + n], gpu[layer][g : g + n])
     assert not cpu[1].any(), "a layer not asked for was copied"
+    # many layers go in calls of 1, 2, 4, ... layers, so the copy engines start after the first
+    calls.clear()
+    copier.copy([2, 1, 0], runs, to_gpu=False)
+    assert calls == [len(runs), 2 * len(runs)]
+    for layer in range(3):
+        for g, c, n in runs:
+            assert torch.equal(cpu[layer][c : c + n], gpu[layer][g : g + n])
+    many = [torch.randn(2, 2, 4, 2, 8) for _ in range(40)]
+    slots = [torch.zeros_like(t) for t in many]  # the copier keeps addresses only
+    calls.clear()
+    BatchCopier(driver, False, many, slots).copy(range(40), [(0, 1, 1)], to_gpu=False)
+    assert calls == [1, 2, 4, 8, 16, 9]
+    assert all(torch.equal(c[1], g[0]) for g, c in zip(many, slots, strict=True))
     for layer in range(3):
         gpu[layer].zero_()
     copier.copy([1], [(3, 5, 2)], to_gpu=True)
