@@ -58,20 +58,6 @@ def driver_entry_point() -> tuple[Any, bool] | None:
     return function, has_fail_index
 
 
-class BlockRuns:
-    """(gpu_start, cpu_start, length) block runs as byte offsets within a layer's tensors and
-    byte sizes: what every layer's copy of the same runs shares, made once per step."""
-
-    def __init__(self, runs: Sequence[tuple[int, int, int]], block_bytes: int) -> None:
-        table = np.array(runs, dtype=np.uint64).reshape(-1, 3) * np.uint64(block_bytes)
-        self.gpu = np.ascontiguousarray(table[:, 0])
-        self.cpu = np.ascontiguousarray(table[:, 1])
-        self.sizes = np.ascontiguousarray(table[:, 2])
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-
 class BatchCopier:
     """Copies runs of whole blocks between per-layer GPU and CPU block tensors of equal shape."""
 
@@ -96,6 +82,12 @@ class BatchCopier:
         }
         self._first = (ctypes.c_size_t * 1)(0)  # one set of attributes, from the first copy on
         self._fail_index = ctypes.c_size_t()
+        # what follows (destinations, sources, sizes, count) in every call, before the stream
+        self._tail = {
+            to_gpu: (ctypes.byref(self._attributes[to_gpu]), self._first, 1)
+            + ((ctypes.byref(self._fail_index),) if has_fail_index else ())
+            for to_gpu in (False, True)
+        }
         self.block_bytes = gpu_caches[0][0].numel() * gpu_caches[0].element_size()
         self._gpu = np.array([cache.data_ptr() for cache in gpu_caches], dtype=np.uint64)
         self._cpu = np.array([cache.data_ptr() for cache in cpu_caches], dtype=np.uint64)
@@ -117,59 +109,15 @@ class BatchCopier:
         except Exception:  # noqa: BLE001 - any failure: the swap engine keeps its other paths
             return None
 
-    def prepare(self, runs: Sequence[tuple[int, int, int]]) -> BlockRuns:
-        """The runs in the form `copy` takes, for copying them in many layers one by one."""
-        return BlockRuns(runs, self.block_bytes)
+    def plan(self, runs: Sequence[tuple[int, int, int]], to_gpu: bool) -> LayerCopies:
+        """(gpu_start, cpu_start, length) block runs, in one direction, ready to be issued layer
+        by layer or for many layers at once."""
+        return LayerCopies(self, runs, to_gpu)
 
-    def copy(
-        self,
-        layers: Sequence[int],
-        runs: Sequence[tuple[int, int, int]] | BlockRuns,
-        to_gpu: bool,
-    ) -> None:
-        """Copy (gpu_start, cpu_start, length) block runs of `layers` on the current stream (not
-        the legacy default stream, which the driver refuses); the host's part is done when it
-        returns.
-
-        Many layers go in calls of 1, 2, 4, ... layers: the driver starts none of a call's copies
-        before the call returns, so one call for all 40 layers of a scattered swap-out (2560
-        copies, ~1.3 ms of host time) left the copy engines idle that long, and a 64-chunk copy
-        reached 0.85 of the PCIe rate. With the first call one layer, the engines start after
-        ~50 us, and each later call is issued while the ones before still copy (H200: 0.99)."""
-        if not len(runs) or not layers:
-            return
-        table = runs if isinstance(runs, BlockRuns) else self.prepare(runs)
-        chosen = np.asarray(layers, dtype=np.int64)
-        begin, size = 0, 1
-        while begin < len(chosen):
-            self._call(chosen[begin : begin + size], table, to_gpu)
-            begin, size = begin + size, size * 2
-
-    def _call(self, layers: np.ndarray, table: BlockRuns, to_gpu: bool) -> None:
-        """One driver call: `table`'s runs in each of `layers`."""
-        if len(layers) == 1:  # a pipelined swap-in's call: two additions
-            gpu = self._gpu[layers[0]] + table.gpu
-            cpu = self._cpu[layers[0]] + table.cpu
-            sizes = table.sizes
-        else:
-            gpu = (self._gpu[layers][:, None] + table.gpu[None, :]).ravel()
-            cpu = (self._cpu[layers][:, None] + table.cpu[None, :]).ravel()
-            sizes = np.tile(table.sizes, len(layers))
-        dst, src = (gpu, cpu) if to_gpu else (cpu, gpu)
-        args: list[object] = [
-            dst.ctypes.data,
-            src.ctypes.data,
-            sizes.ctypes.data,
-            len(sizes),
-            ctypes.byref(self._attributes[to_gpu]),
-            self._first,
-            1,
-        ]
-        if self._has_fail_index:
-            args.append(ctypes.byref(self._fail_index))
-        status = self._function(*args, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-        if status != 0:
-            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {status}")
+    def copy(self, layers: range, runs: Sequence[tuple[int, int, int]], to_gpu: bool) -> None:
+        """Copy the block runs in consecutive `layers` on the current stream (not the legacy
+        default stream, which the driver refuses); the host's part is done when it returns."""
+        self.plan(runs, to_gpu).issue(layers, torch.cuda.current_stream().cuda_stream)
 
     def _probe(self, gpu: torch.Tensor, cpu: torch.Tensor) -> bool:
         saved_gpu, saved_cpu = gpu[:2].clone(), cpu[:2].clone()
@@ -178,7 +126,7 @@ class BatchCopier:
         side = torch.cuda.Stream(gpu.device)  # the driver refuses the legacy default stream
         side.wait_stream(torch.cuda.current_stream(gpu.device))
         with torch.cuda.stream(side):
-            self.copy([0], [(0, 1, 1), (1, 0, 1)], to_gpu=False)  # crossed: block 0 -> slot 1
+            self.copy(range(1), [(0, 1, 1), (1, 0, 1)], to_gpu=False)  # crossed: 0 -> slot 1
         torch.cuda.synchronize(gpu.device)
         out = torch.equal(cpu[1].to(gpu.device), probe[0]) and torch.equal(
             cpu[0].to(gpu.device), probe[1]
@@ -186,8 +134,68 @@ class BatchCopier:
         gpu[:2] = 0
         side.wait_stream(torch.cuda.current_stream(gpu.device))
         with torch.cuda.stream(side):
-            self.copy([0], [(0, 0, 2)], to_gpu=True)
+            self.copy(range(1), [(0, 0, 2)], to_gpu=True)
         torch.cuda.synchronize(gpu.device)
         back = torch.equal(gpu[0], probe[1]) and torch.equal(gpu[1], probe[0])
         gpu[:2], cpu[:2] = saved_gpu, saved_cpu
         return out and back
+
+
+class LayerCopies:
+    """One step's block runs in one direction, as the driver takes them: the destination and
+    source address of every run in every layer, layer after layer, made in one array operation,
+    so issuing a layer is one driver call and no array work (a pipelined swap-in issues 40 of
+    them before its forward; in Python each call with its own arrays took ~70 us)."""
+
+    def __init__(
+        self, copier: BatchCopier, runs: Sequence[tuple[int, int, int]], to_gpu: bool
+    ) -> None:
+        table = np.array(runs, dtype=np.uint64).reshape(-1, 3) * np.uint64(copier.block_bytes)
+        num_layers, self.num_runs = len(copier._gpu), len(table)
+        gpu = copier._gpu[:, None] + table[None, :, 0]  # [layers, runs]
+        cpu = copier._cpu[:, None] + table[None, :, 1]
+        dst, src = (gpu, cpu) if to_gpu else (cpu, gpu)
+        self._dst, self._src = np.ascontiguousarray(dst), np.ascontiguousarray(src)
+        self._sizes = np.ascontiguousarray(np.tile(table[:, 2], num_layers))
+        self._row = 8 * self.num_runs  # bytes of one layer's addresses
+        self._dst_at, self._src_at = self._dst.ctypes.data, self._src.ctypes.data
+        self._sizes_at = self._sizes.ctypes.data
+        self._function, self._tail = copier._function, copier._tail[to_gpu]
+
+    def issue(self, layers: range, stream: int) -> None:
+        """Copy the runs in consecutive `layers` on `stream` (a CUDA stream handle), in calls of
+        1, 2, 4, ... layers: the driver starts none of a call's copies before the call returns,
+        so one call for all 40 layers of a scattered swap-out (2560 copies, ~1.3 ms of host
+        time) left the copy engines idle that long, and a 64-chunk copy reached 0.85 of the
+        PCIe rate. With the first call one layer, the engines start after ~50 us, and each
+        later call is issued while the ones before still copy (H200: 0.97-0.99)."""
+        if layers.step != 1:
+            raise ValueError(f"layers must be consecutive, not {layers}")
+        if not self.num_runs:
+            return
+        begin, size = layers.start, 1
+        while begin < layers.stop:
+            count = min(size, layers.stop - begin)
+            self._call(begin, count, stream)
+            begin, size = begin + count, size * 2
+
+    def issue_range(self, layers: range, stream: int) -> None:
+        """Copy the runs in consecutive `layers` on `stream` in one call: a pipelined swap-in's
+        group of layers."""
+        if layers.step != 1:
+            raise ValueError(f"layers must be consecutive, not {layers}")
+        if self.num_runs and len(layers):
+            self._call(layers.start, len(layers), stream)
+
+    def _call(self, layer: int, count: int, stream: int) -> None:
+        offset = layer * self._row
+        status = self._function(
+            self._dst_at + offset,
+            self._src_at + offset,
+            self._sizes_at,
+            count * self.num_runs,
+            *self._tail,
+            stream,
+        )
+        if status != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync failed with CUresult {status}")
