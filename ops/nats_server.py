@@ -6,15 +6,43 @@ with EmbeddedNats() as server:
 
 from __future__ import annotations
 
+import ctypes
 import importlib.metadata
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _death_signal_setter() -> Callable[[], None] | None:
+    """On Linux, what the child runs between fork and exec so that the kernel sends it SIGTERM
+    when its parent dies: a `pensieve serve` killed with SIGKILL (or by the OOM killer) then
+    leaves no nats-server behind holding its port. The signal follows the thread that forked,
+    so only the main thread (which lives as long as the process) asks for it."""
+    on_main = threading.current_thread() is threading.main_thread()
+    if not sys.platform.startswith("linux") or not on_main:
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def set_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the call took effect
+            os._exit(1)
+
+    return set_death_signal
 
 
 def find_binary() -> str:
@@ -54,7 +82,11 @@ class EmbeddedNats:
     def __enter__(self) -> EmbeddedNats:
         command = [find_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
         self._process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
+            start_new_session=True,
+            preexec_fn=_death_signal_setter(),  # noqa: PLW1509 (one libc call, resolved above)
         )
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
