@@ -1,4 +1,5 @@
-"""Session 11 diagnostic 2: is the host slowed while DMA copies run? Interleaved small steps."""
+"""Session 11 diagnostic 3: the pipelined steps back to back, alternating, after a pause and
+serial, with the host's launch time apart from the whole step."""
 
 import statistics
 import time
@@ -11,45 +12,6 @@ from pensieve.actors.kv_cache import CopyOp, SwapOrders
 from pensieve.actors.request import SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.ops.bench_gpu import Bench, Settings, decode_plan
-
-
-def py_loop():
-    t = time.perf_counter()
-    x = 0
-    for i in range(200_000):
-        x += i * i
-    return (time.perf_counter() - t) * 1e3
-
-
-def launch_loop(a):
-    t = time.perf_counter()
-    for _ in range(300):
-        torch.add(a, 1.0, out=a)
-    return (time.perf_counter() - t) * 1e3
-
-
-def host_under_dma():
-    host = torch.empty(4 << 30, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    side = torch.cuda.Stream()
-    a = torch.zeros(16, device="cuda")
-    for name, fn in (("python loop", py_loop), ("300 launches", lambda: launch_loop(a))):
-        for mode in ("idle", "h2d", "d2h", "idle"):
-            xs = []
-            for _ in range(8):
-                torch.cuda.synchronize()
-                if mode != "idle":
-                    with torch.cuda.stream(side):  # 4 GiB: ~75 ms of copying
-                        if mode == "h2d":
-                            dev.copy_(host, non_blocking=True)
-                        else:
-                            host.copy_(dev, non_blocking=True)
-                    time.sleep(0.002)
-                xs.append(fn())
-                torch.cuda.synchronize()
-            print(f"  {name:13s} {mode:5s} median {statistics.median(xs):6.2f} ms "
-                  f"[{min(xs):.2f}-{max(xs):.2f}]", flush=True)
-    del host, dev
 
 
 def small_step(b, num_decodes, context):
