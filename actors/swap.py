@@ -2,14 +2,14 @@
 
 On CUDA, copies run on two dedicated streams and overlap compute:
 
-    in-stream:   (wait earlier out copies)--[L0: evict, in][L1: evict, in] ... [L-1: evict, in]
-    out-stream:  -------------------------------------------(wait last layer)--[swap_out ...]
-    compute:                  (wait L0) layer 0 (wait L1) layer 1 ...
+    in-stream:   (wait earlier out copies)--[L0][L1][L2-3][L4-7] ... [L36-39]
+    out-stream:  ---------------------------------------(wait last group)--[swap_out ...]
+    compute:                  (wait L0) layer 0 (wait L1) layer 1 (wait L2-3) layers 2, 3 ...
 
-The step's evict-first copies (blocks it reuses at once) and its swap-ins both go layer by layer
-on one stream: layer i computes as soon as its own blocks are saved and loaded, so neither stalls
-the whole step up front. Swap-in has priority over ahead-of-time swap-out: no swap-out of the step
-starts before its CPU->GPU copies are done.
+The step's evict-first copies (blocks it reuses at once) and its swap-ins both go layer group by
+layer group on one stream (evict, then load, in each): layer i computes as soon as its group's
+blocks are saved and loaded, so neither stalls the whole step up front. Swap-in has priority
+over ahead-of-time swap-out: no swap-out of the step starts before its CPU->GPU copies are done.
 On a machine without a GPU both tiers are ordinary memory and the same copies run in order.
 """
 
@@ -91,11 +91,11 @@ class SwapEngine:
         runs beside, and the engine issues those calls while the step before runs (see the
         README: with the engine's overlap this is the faster choice).
 
-        `batched`: where the driver has it, every copy goes to the copy engines as one batched
-        call per layer (swap-in, evict-first) or a few per step (swap-out, layers in calls of 1,
-        2, 4, ...): that reaches the PCIe rate
-        without holding an SM and costs the host ~50 us a call (actors/batch_copy.py), so it
-        replaces both the copy kernel and the per-block DMA calls."""
+        `batched`: where the driver has it, every copy goes to the copy engines in batched
+        calls, one per group of layers (swap-in, evict-first; `layer_groups`) or a few per step
+        (swap-out, layers in calls of 1, 2, 4, ...): that reaches the PCIe rate without holding
+        an SM and costs the host ~20-50 us a call (actors/batch_copy.py), so it replaces both
+        the copy kernel and the per-block DMA calls."""
         self.out_dma = out_dma
         self.gpu_caches = gpu_caches  # per layer [num_gpu_blocks, 2, bs, Hkv, D]
         self.cpu_caches = cpu_caches  # per layer [num_cpu_blocks, 2, bs, Hkv, D], pinned on CUDA
