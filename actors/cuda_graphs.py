@@ -156,12 +156,15 @@ class DecodeGraphs:
             seq_lens_host=(context,) * batch,
         )
         g.meta = meta
-        attn = PagedAttention(self.kv_caches, meta, self.scale, impl=self.impl)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and warm up outside the capture
+            attn = PagedAttention(self.kv_caches, meta, self.scale, impl=self.impl)
             self.model.compute_logits(self.model(g.ids, g.positions, attn))
         torch.cuda.current_stream().wait_stream(side)
+        # a backend of its own: its attention plan (split buffers included) is then allocated
+        # inside the capture, in the graphs' pool, not kept from the warm-up outside it
+        attn = PagedAttention(self.kv_caches, meta, self.scale, impl=self.impl)
         with torch.cuda.graph(g.graph, pool=self.pool):
             g.logits = self.model.compute_logits(self.model(g.ids, g.positions, attn))
         self.graphs[(batch, context)] = g

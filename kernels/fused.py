@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from pensieve.kernels import AttentionImpl, _use_triton
+from pensieve.kernels.launch import FastKernel
 from pensieve.kernels.reference import write_kv_ref
 
 # ----------------------------------------------------------------------------- add + RMSNorm
@@ -63,8 +64,8 @@ def add_rms_norm(
     total, out = torch.empty_like(x), torch.empty_like(x)
     if rows:
         block = triton.next_power_of_2(n)
-        _add_rms_norm_kernel[(rows,)](
-            x, delta, weight, total, out, n, eps,
+        _ADD_RMS_NORM(
+            (rows,), x, delta, weight, total, out, n, eps,
             x.stride(0), delta.stride(0), total.stride(0), out.stride(0),
             BLOCK=block, num_warps=max(1, min(16, block // 512)),
         )  # fmt: skip
@@ -136,7 +137,8 @@ def rope_write_kv(
         raise ValueError("rope_write_kv: cos and sin must share a layout, the cache be contiguous")
     q = torch.empty((num_tokens, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens:
-        _rope_write_kernel[(num_tokens, num_q_heads + num_kv_heads)](
+        _ROPE_WRITE(
+            (num_tokens, num_q_heads + num_kv_heads),
             qkv, cos, signed_sin, q, kv_cache, slot_mapping,
             qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
             kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -172,7 +174,11 @@ def silu_mul(gate_up: torch.Tensor, impl: AttentionImpl = AttentionImpl.AUTO) ->
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = 1024
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-            gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
-        )
+        grid = (rows, triton.cdiv(n, block))
+        _SILU_MUL(grid, gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out
+
+
+_ADD_RMS_NORM = FastKernel(_add_rms_norm_kernel)
+_ROPE_WRITE = FastKernel(_rope_write_kernel)
+_SILU_MUL = FastKernel(_silu_mul_kernel)

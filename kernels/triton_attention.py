@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pensieve.kernels.launch import FastKernel
 from pensieve.kernels.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
@@ -401,8 +402,8 @@ def write_kv_triton(
         raise ValueError("the last dimension of key, value and kv_cache must be contiguous")
     if num_tokens == 0:
         return
-    _write_kv_kernel[(num_tokens,)](
-        key, value, kv_cache, slot_mapping, num_kv_heads,
+    _WRITE_KV(
+        (num_tokens,), key, value, kv_cache, slot_mapping, num_kv_heads,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         PAGE=kv_cache.shape[2], HEAD_DIM=head_dim, HEADS=triton.next_power_of_2(num_kv_heads),
@@ -433,59 +434,146 @@ def paged_attention_triton(
     config: KernelConfig | None = None,  # None: choose_config's pick
 ) -> torch.Tensor:
     """Causal attention of every query token over its sub-sequence's paged KV (see metadata.py)."""
-    _check_inputs(query, kv_cache, meta)
-    num_tokens, num_q_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[3]
-    group = num_q_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
-    if num_tokens == 0:
+    return AttentionPlan(query, kv_cache, meta, scale, out=out, config=config).run(
+        query, kv_cache, out
+    )
+
+
+class AttentionPlan:
+    """The launches of `paged_attention_triton` for one step, worked out once: the tile shapes,
+    grids, split buffers and every scalar argument are the same in every layer of a step, so
+    `run` only swaps in the layer's query, cache and output (which must have the planned shapes
+    and strides). A mixed step attends in two launches (see `AttentionMetadata.split_singles`)."""
+
+    def __init__(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        out: torch.Tensor | None = None,  # its strides are planned for; query's when None
+        config: KernelConfig | None = None,
+    ) -> None:
+        _check_inputs(query, kv_cache, meta)
+        self.query_layout = (query.shape, query.stride(), query.dtype)
+        self.out_stride = query.stride() if out is None else out.stride()
+        self.cache_layout = (kv_cache.shape, kv_cache.stride(), kv_cache.dtype)
+        num_tokens = query.shape[0]
+        parts = meta.split_singles() if config is None else None
+        group = query.shape[1] // kv_cache.shape[3]
+        self.launches: list[_Launch] = []
+        if num_tokens == 0:
+            return
+        if parts is not None and meta.max_query_len * group > _DECODE_ROWS:
+            singles, rest = parts  # decodes first, on decode tiles; then the multi-token rest
+            n = singles.num_seqs
+            self.launches.append(_Launch(query, kv_cache, singles, scale, 0, n, self.out_stride))
+            self.launches.append(
+                _Launch(query, kv_cache, rest, scale, n, num_tokens, self.out_stride)
+            )
+        else:
+            self.launches.append(
+                _Launch(query, kv_cache, meta, scale, 0, num_tokens, self.out_stride, config)
+            )
+
+    def run(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        planned = (self.query_layout, self.cache_layout)
+        given = ((query.shape, query.stride(), query.dtype),
+                 (kv_cache.shape, kv_cache.stride(), kv_cache.dtype))  # fmt: skip
+        if given != planned:
+            raise ValueError("attention plan: query or cache differ from the planned layout")
+        if out is None:
+            out = torch.empty_like(query)
+        if out.stride() != self.out_stride or out.shape != query.shape:
+            raise ValueError("attention plan: out differs from the planned layout")
+        for launch in self.launches:
+            launch(query, kv_cache, out)
         return out
-    parts = meta.split_singles() if config is None else None
-    if parts is not None and meta.max_query_len * group > _DECODE_ROWS:
-        singles, rest = parts  # decodes first, on decode tiles; then the multi-token rest
-        paged_attention_triton(query[: singles.num_seqs], kv_cache, singles, scale,
-                               out=out[: singles.num_seqs])  # fmt: skip
-        paged_attention_triton(query[singles.num_seqs :], kv_cache, rest, scale,
-                               out=out[singles.num_seqs :])  # fmt: skip
-        return out
-    if config is None:
-        config = launch_config(query, kv_cache, meta)
-    split_len = config.kv_split_len
-    num_splits = 1 if split_len is None else triton.cdiv(meta.max_seq_len, split_len)
-    split = num_splits > 1
-    if split:
-        part_out = torch.empty(
-            (num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32, device=out.device
-        )
-        part_lse = torch.empty(
-            (num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=out.device
-        )
-    else:
-        part_out = part_lse = out  # unused
-    block_q = config.block_m // group
-    grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads, num_splits)
-    _paged_attention_kernel[grid](
-        query, kv_cache, out, part_out, part_lse,
-        meta.cu_query_lens, meta.seq_lens, meta.block_tables,
-        meta.num_seqs, split_len or 0, scale * _LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        meta.block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, PAGE=meta.block_size,
-        BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=split,
-        PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32",
-        # the CPU interpreter (triton 3.9) multiplies bf16/fp16 tiles wrongly in tl.dot
-        DOT_FP32=not query.is_cuda,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    if split:
-        _merge_splits_kernel[(num_tokens, num_q_heads)](
-            part_out, part_lse, out, num_splits,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits), num_warps=4,
+
+
+class _Launch:
+    """One attention launch (and its merge, if KV is split) over query tokens [start, end)."""
+
+    def __init__(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        start: int,
+        end: int,
+        out_stride: tuple[int, ...],
+        config: KernelConfig | None = None,
+    ) -> None:
+        part = query[start:end]
+        num_tokens, num_q_heads, head_dim = part.shape
+        num_kv_heads = kv_cache.shape[3]
+        group = num_q_heads // num_kv_heads
+        if config is None:
+            config = launch_config(part, kv_cache, meta)
+        split_len = config.kv_split_len
+        num_splits = 1 if split_len is None else triton.cdiv(meta.max_seq_len, split_len)
+        self.start, self.end = start, end
+        self.split = num_splits > 1
+        part_out: torch.Tensor | None = None
+        part_lse: torch.Tensor | None = None
+        if self.split:
+            part_out = torch.empty(
+                (num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
+                device=query.device,
+            )  # fmt: skip
+            part_lse = torch.empty(
+                (num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=query.device
+            )
+            part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
+                            part_lse.stride(0), part_lse.stride(1))  # fmt: skip
+        else:
+            # unused by the kernel: the output tensor stands in for them at run time
+            part_strides = (0, 0, 0, 0, 0)
+        self.part_out, self.part_lse = part_out, part_lse
+        block_q = config.block_m // group
+        self.grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads, num_splits)
+        # the launch's arguments after q, kv, out, part_out, part_lse
+        self.args = (
+            meta.cu_query_lens, meta.seq_lens, meta.block_tables,
+            meta.num_seqs, split_len or 0, scale * _LOG2E,
+            query.stride(0), query.stride(1), out_stride[0], out_stride[1],
+            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            meta.block_tables.stride(0), *part_strides,
         )  # fmt: skip
-    return out
+        self.options = dict(
+            GROUP=group, HEAD_DIM=head_dim, PAGE=meta.block_size,
+            BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=self.split,
+            PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32",
+            # the CPU interpreter (triton 3.9) multiplies bf16/fp16 tiles wrongly in tl.dot
+            DOT_FP32=not query.is_cuda,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+        if self.split:
+            assert part_out is not None and part_lse is not None
+            self.merge_grid = (num_tokens, num_q_heads)
+            self.merge_args = (
+                num_splits, part_out.stride(0), part_out.stride(1), part_out.stride(2),
+                part_lse.stride(0), part_lse.stride(1), out_stride[0], out_stride[1],
+            )  # fmt: skip
+            self.merge_options = dict(
+                HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits), num_warps=4
+            )
+
+    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
+        q, o = query[self.start : self.end], out[self.start : self.end]
+        part_out = o if self.part_out is None else self.part_out
+        part_lse = o if self.part_lse is None else self.part_lse
+        _ATTENTION(self.grid, q, kv_cache, o, part_out, part_lse, *self.args, **self.options)
+        if self.split:
+            _MERGE(self.merge_grid, part_out, part_lse, o, *self.merge_args, **self.merge_options)
+
+
+_ATTENTION = FastKernel(_paged_attention_kernel)
+_WRITE_KV = FastKernel(_write_kv_kernel)
+_MERGE = FastKernel(_merge_splits_kernel)

@@ -8,13 +8,22 @@ built once per step around that step's metadata, called once per layer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pensieve.kernels import AttentionImpl, AttentionMetadata, paged_attention, write_kv
+from pensieve.kernels import (
+    AttentionImpl,
+    AttentionMetadata,
+    _use_triton,
+    paged_attention,
+    write_kv,
+)
 from pensieve.kernels.fused import rope_write_kv
 from pensieve.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from pensieve.kernels.triton_attention import AttentionPlan
 
 
 class AttentionBackend(Protocol):
@@ -61,6 +70,7 @@ class PagedAttention:
         self.scale = scale
         self.impl = impl
         self.before_layer = before_layer
+        self._plan: AttentionPlan | None = None
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -69,7 +79,7 @@ class PagedAttention:
             self.before_layer(layer_idx)
         cache = self.kv_caches[layer_idx]  # [num_blocks, 2, block_size, Hkv, D]
         write_kv(k, v, cache, self.meta.slot_mapping, self.impl)
-        return paged_attention(q, cache, self.meta, self.scale, self.impl)
+        return self._attend(q, cache)
 
     def attend_qkv(
         self,
@@ -85,7 +95,18 @@ class PagedAttention:
         q = rope_write_kv(
             qkv, cos, signed_sin, cache, self.meta.slot_mapping, num_q_heads, self.impl
         )
-        return paged_attention(q, cache, self.meta, self.scale, self.impl)
+        return self._attend(q, cache)
+
+    def _attend(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """Attention over the cache; with Triton through the step's launch plan, made at the first
+        layer (every layer's query and cache have the same shapes) and replayed by the others."""
+        if not _use_triton(self.impl, q):
+            return paged_attention(q, cache, self.meta, self.scale, self.impl)
+        from pensieve.kernels.triton_attention import AttentionPlan
+
+        if self._plan is None:
+            self._plan = AttentionPlan(q, cache, self.meta, self.scale)
+        return self._plan.run(q, cache)
 
 
 def allocate_kv_caches(
