@@ -102,9 +102,9 @@ class PagedAttention:
         layer (every layer's query and cache have the same shapes) and replayed by the others."""
         if not _use_triton(self.impl, q):
             return paged_attention(q, cache, self.meta, self.scale, self.impl)
-        from pensieve.kernels.triton_attention import AttentionPlan
-
         if self._plan is None:
+            from pensieve.kernels.triton_attention import AttentionPlan
+
             self._plan = AttentionPlan(q, cache, self.meta, self.scale)
         return self._plan.run(q, cache)
 
