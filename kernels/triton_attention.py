@@ -13,7 +13,8 @@ K/V tile is read once per KV head and feeds GROUP heads at once:
 Query tiles are numbered without a per-step table: sub-sequence s owns the tile ids starting at
 cu_query_lens[s] // BLOCK_Q + s (an upper bound on the tiles before it), so num_tokens // BLOCK_Q +
 num_seqs ids cover every tile and a program finds its sub-sequence by binary search over
-cu_query_lens; ids that fall past the end of a sub-sequence's tiles exit at once.
+cu_query_lens; ids that fall past the end of a sub-sequence's tiles exit at once. A launch of
+decodes only (one query token per sub-sequence) skips both: tile s is sub-sequence s (SINGLE).
 
 A KV tile of BLOCK_N positions may span several pages: each position looks up its own page in the
 block table. Only the last KV tiles of a query tile cross the causal diagonal, so the loop runs in
@@ -113,27 +114,34 @@ def _paged_attention_kernel(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    SINGLE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     # highest ids first: the last tiles of a sub-sequence attend to the most keys
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # sub-sequence of this tile: the largest s with cu_q[s] // BLOCK_Q + s <= tile_id
-    lo = tile_id * 0
-    hi = lo + num_seqs - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        go_right = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid <= tile_id
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid - 1)
-    seq = lo
-    q_start = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    tile_q = (tile_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of the tile
-    if tile_q >= q_len:
-        return
+    if SINGLE:
+        # one query token per sub-sequence (decodes): tile s is sub-sequence s, token s
+        seq = tile_id
+        q_start = tile_id
+        q_len = tile_id * 0 + 1
+        tile_q = tile_id * 0
+    else:
+        # sub-sequence of this tile: the largest s with cu_q[s] // BLOCK_Q + s <= tile_id
+        lo = tile_id * 0
+        hi = lo + num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            go_right = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid <= tile_id
+            lo = tl.where(go_right, mid, lo)
+            hi = tl.where(go_right, hi, mid - 1)
+        seq = lo
+        q_start = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+        tile_q = (tile_id - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first query of the tile
+        if tile_q >= q_len:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # positions cached before the first query
 
@@ -344,31 +352,36 @@ def compile_variants(
     device: torch.device,
 ) -> int:
     """Compile every kernel variant a run with contexts up to `max_context` can launch: each
-    tile shape `choose_config` picks, unsplit and split, and the merge kernel for each power of
-    two of splits. Triton compiles a variant on its first launch, which takes ~1 s: met in the
-    middle of serving, that stalls every running request. Returns the launches made."""
+    tile shape `choose_config` picks, unsplit and split, for multi-token queries and (the shape
+    picked for one query token) for decodes, and the merge kernel for each power of two of
+    splits. Triton compiles a variant on its first launch, which takes ~1 s: met in the middle
+    of serving, that stalls every running request. Returns the launches made."""
     group = num_q_heads // num_kv_heads
     elem = torch.empty(0, dtype=dtype).element_size()
     sms = _num_sms(device)
     shapes = {
-        dataclasses.replace(
-            choose_config(q, 1, q, max(q, 1024), group, num_kv_heads, head_dim, elem, sms),
-            kv_split_len=None,
+        (
+            dataclasses.replace(
+                choose_config(q, 1, q, max(q, 1024), group, num_kv_heads, head_dim, elem, sms),
+                kv_split_len=None,
+            ),
+            single,
         )
         for q in (1, 2, 4, 8, 16, 32, 2048)
+        for single in ((True, False) if q == 1 else (False,))
     }
     most_splits = max(2, max_context // 512)
     split_counts = [2]
     while split_counts[-1] < most_splits:
         split_counts.append(split_counts[-1] * 2)
     launches = 0
-    for config in sorted(shapes, key=lambda c: (c.block_m, c.block_n)):
+    for config, single in sorted(shapes, key=lambda c: (c[0].block_m, c[0].block_n, c[1])):
         for splits in (1, *split_counts):
             context = splits * config.block_n
             blocks = -(-context // block_size)
             cache = torch.zeros((blocks, 2, block_size, num_kv_heads, head_dim), dtype=dtype,
                                 device=device)  # fmt: skip
-            query_len = min(max(1, config.block_m // group), context)
+            query_len = 1 if single else min(max(2, config.block_m // group), context)
             query = torch.zeros((query_len, num_q_heads, head_dim), dtype=dtype, device=device)
             meta = AttentionMetadata(
                 cu_query_lens=torch.tensor([0, query_len], dtype=torch.int32, device=device),
@@ -536,8 +549,11 @@ class _Launch:
             # unused by the kernel: the output tensor stands in for them at run time
             part_strides = (0, 0, 0, 0, 0)
         self.part_out, self.part_lse = part_out, part_lse
-        block_q = config.block_m // group
-        self.grid = (num_tokens // block_q + meta.num_seqs, num_kv_heads, num_splits)
+        # one query token per sub-sequence (decodes): one tile each, no tile-to-sequence search
+        single = meta.max_query_len == 1
+        block_q = 1 if single else config.block_m // group
+        tiles = meta.num_seqs if single else num_tokens // block_q + meta.num_seqs
+        self.grid = (tiles, num_kv_heads, num_splits)
         # the launch's arguments after q, kv, out, part_out, part_lse
         self.args = (
             meta.cu_query_lens, meta.seq_lens, meta.block_tables,
@@ -549,6 +565,7 @@ class _Launch:
         self.options = dict(
             GROUP=group, HEAD_DIM=head_dim, PAGE=meta.block_size,
             BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=self.split,
+            SINGLE=single,
             PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32",
             # the CPU interpreter (triton 3.9) multiplies bf16/fp16 tiles wrongly in tl.dot
             DOT_FP32=not query.is_cuda,

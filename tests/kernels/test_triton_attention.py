@@ -192,6 +192,25 @@ def test_decode_batch_takes_split_path(rng):
     check(case)
 
 
+@pytest.mark.parametrize("split", [None, 64])
+def test_decodes_take_one_tile_per_sub_sequence(rng, split):
+    """A launch whose sub-sequences each have one query token (decodes) gives tile s to
+    sub-sequence s: no empty tiles, no search for the sub-sequence; unsplit and split KV."""
+    from pensieve.kernels.triton_attention import AttentionPlan
+
+    subseqs = [SubSeq(i, 1, rng.randint(1, 300)) for i in range(rng.randint(2, 7))]
+    case = make_case(
+        rng, subseqs, block_size=16, num_kv_heads=2, group=4, head_dim=16, dtype=torch.float32
+    )
+    config = KernelConfig(16, 32, 4, 2, kv_split_len=split)
+    (launch,) = AttentionPlan(case.query, case.kv_cache, case.meta, case.scale,
+                              config=config).launches  # fmt: skip
+    assert launch.grid[:2] == (len(subseqs), 2) and launch.options["SINGLE"]
+    assert launch.options["BLOCK_Q"] == 1
+    check(case, config)
+    check(case)  # the launch shape choose_config picks
+
+
 def test_mixed_step_runs_decodes_on_their_own_tiles(rng):
     # leading decodes, then a prompt long enough for multi-token tiles and a shared-table pair
     decodes = [SubSeq(i, 1, rng.randint(1, 300)) for i in range(rng.randint(1, 4))]
@@ -339,7 +358,7 @@ def test_every_variant_compiles_ahead(monkeypatch):
 
     def record(query, cache, meta, scale, *, config=None, out=None):
         splits = 1 if config.kv_split_len is None else -(-meta.max_seq_len // config.kv_split_len)
-        seen.add((config.block_m, config.block_n, splits))
+        seen.add((config.block_m, config.block_n, splits, meta.max_query_len == 1))
         return real(query, cache, meta, scale, config=config, out=out)
 
     monkeypatch.setattr(triton_attention, "paged_attention_triton", record)
@@ -347,11 +366,13 @@ def test_every_variant_compiles_ahead(monkeypatch):
         8, 2, 16, 4, 2048, torch.float32, torch.device(DEVICE)
     )
     assert launches == len(seen)
-    assert {s for _, _, s in seen} == {1, 2, 4}  # 2048 // 512 = 4 splits at most
+    assert {s for _, _, s, _ in seen} == {1, 2, 4}  # 2048 // 512 = 4 splits at most
     decode = choose_config(
         1, 1, 1, 1024, 4, 2, 16, 4, triton_attention._num_sms(torch.device(DEVICE))
     )
-    assert (decode.block_m, decode.block_n, 1) in seen
+    for splits in (1, 2, 4):  # the decode shape, with one token per sub-sequence and several
+        assert (decode.block_m, decode.block_n, splits, True) in seen
+        assert (decode.block_m, decode.block_n, splits, False) in seen
 
 
 @gpu
