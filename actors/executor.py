@@ -48,6 +48,23 @@ class Launched:
         return self.host.tolist()  # type: ignore[no-any-return]
 
 
+def decodes_first(plan: StepPlan) -> StepPlan:
+    """The plan with its single-token pieces (decodes) first, shortest context first, then the
+    rest in their order. Attention runs the decodes on tiles of their own, one per decode, the
+    highest first: the longest contexts start first, so none of them is left running alone at
+    the end of the launch (on an H200 a 250-decode step of the policy runs' contexts took 20.63
+    ms in plan order and 19.92 ms in this one; ops/results/diag_s13)."""
+    pieces = plan.pieces
+    singles = sorted((p for p in pieces if p.end - p.start == 1), key=lambda p: p.end)
+    if len(singles) == len(pieces):
+        ordered = tuple(singles)
+    else:
+        ordered = (*singles, *(p for p in pieces if p.end - p.start != 1))
+    if ordered == pieces:
+        return plan
+    return StepPlan(ordered, plan.orders)
+
+
 @dataclass(frozen=True)
 class _Inputs:
     meta: AttentionMetadata
@@ -119,6 +136,7 @@ class ModelRunner:
 
         `feed`: the step issued just before, which samples the tokens this plan's PLACEHOLDER
         positions stand for."""
+        plan = decodes_first(plan)
         sampling = [p for p in plan.pieces if p.sampling is not None]
         if not plan.pieces:
             self.swap.issue(plan.orders)

@@ -8,7 +8,7 @@ K/V tile is read once per KV head and feeds GROUP heads at once:
 
     row r  ->  query token  tile_start + r // GROUP,  query head  kv_head * GROUP + r % GROUP
 
-    grid = (query tiles, KV heads, KV splits)
+    grid = (KV heads, query tiles, KV splits)
 
 Query tiles are numbered without a per-step table: sub-sequence s owns the tile ids starting at
 cu_query_lens[s] // BLOCK_Q + s (an upper bound on the tiles before it), so num_tokens // BLOCK_Q +
@@ -116,9 +116,11 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     SINGLE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    # highest ids first: the last tiles of a sub-sequence attend to the most keys
-    tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # the grid's fastest axis is the KV head, so the GPU starts every head of a tile together,
+    # and the highest tile ids first: the last tiles of a sub-sequence attend to the most keys
+    # (and the executor puts the longest decodes last), so the launch ends on short tiles
+    kv_head = tl.program_id(0)
+    tile_id = tl.num_programs(1) - 1 - tl.program_id(1)
     split = tl.program_id(2)
 
     if SINGLE:
@@ -553,7 +555,9 @@ class _Launch:
         single = meta.max_query_len == 1
         block_q = 1 if single else config.block_m // group
         tiles = meta.num_seqs if single else num_tokens // block_q + meta.num_seqs
-        self.grid = (tiles, num_kv_heads, num_splits)
+        if tiles > 65535:  # a grid's second axis
+            raise ValueError(f"{tiles} query tiles in one attention launch (at most 65535)")
+        self.grid = (num_kv_heads, tiles, num_splits)
         # the launch's arguments after q, kv, out, part_out, part_lse
         self.args = (
             meta.cu_query_lens, meta.seq_lens, meta.block_tables,

@@ -205,7 +205,7 @@ def test_decodes_take_one_tile_per_sub_sequence(rng, split):
     config = KernelConfig(16, 32, 4, 2, kv_split_len=split)
     (launch,) = AttentionPlan(case.query, case.kv_cache, case.meta, case.scale,
                               config=config).launches  # fmt: skip
-    assert launch.grid[:2] == (len(subseqs), 2) and launch.options["SINGLE"]
+    assert launch.grid[:2] == (2, len(subseqs)) and launch.options["SINGLE"]
     assert launch.options["BLOCK_Q"] == 1
     check(case, config)
     check(case)  # the launch shape choose_config picks

@@ -99,58 +99,53 @@ def profile_steps(runner: ModelRunner, plans: list[StepPlan]) -> dict[str, float
     return dict(totals)
 
 
-class SearchTiles:
-    """Within the block: decode launches tile as before session 13 (BLOCK_Q = BLOCK_M / GROUP
-    query tokens a tile, found by binary search, a fifth of the ids empty at group 4)."""
+def compare_builds(runner: ModelRunner, plans: list[StepPlan], rounds: int) -> dict[str, list]:
+    """Graph steps on session 12's attention (`attention_s12.py`: tiles found by search, the
+    grid's fastest axis the tile) in plan order, and on the current one in plan order and
+    with the executor's order (longest decodes last): graphs captured for each attention, the
+    three timed in alternation."""
+    import importlib.util
 
-    def __enter__(self) -> None:
-        self.real = ta._Launch.__init__
-
-        def init(launch, query, kv_cache, meta, scale, start, end, out_stride, config=None):
-            self.real(launch, query, kv_cache, meta, scale, start, end, out_stride, config)
-            if launch.options["SINGLE"]:
-                group = launch.options["GROUP"]
-                block_q = launch.options["BLOCK_M"] // group
-                tiles = (end - start) // block_q + meta.num_seqs
-                launch.grid = (tiles, *launch.grid[1:])
-                launch.options = {**launch.options, "SINGLE": False, "BLOCK_Q": block_q}
-
-        ta._Launch.__init__ = init
-
-    def __exit__(self, *exc: object) -> None:
-        ta._Launch.__init__ = self.real
-
-
-def compare_tilings(runner: ModelRunner, plans: list[StepPlan], rounds: int) -> dict[str, list]:
-    """Graph steps with decode tiles found by search (before) and one per sequence (now):
-    graphs captured in each mode, timed in alternation."""
-    from contextlib import nullcontext
-
+    from pensieve.actors import executor
     from pensieve.actors.cuda_graphs import DecodeGraphs
 
+    spec = importlib.util.spec_from_file_location("attention_s12", HERE / "attention_s12.py")
+    old = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules["attention_s12"] = old  # its dataclasses look their module up
+    spec.loader.exec_module(old)  # type: ignore[union-attr]
+    real_order, real_plan = executor.decodes_first, ta.AttentionPlan
     graphs = {}
-    for mode in ("search", "single"):
-        with SearchTiles() if mode == "search" else nullcontext():
-            g = DecodeGraphs(
-                runner.model,
-                runner.gpu_caches,
-                runner.cache.num_gpu_blocks,
-                BLOCK,
-                runner.config.max_context_len,
-                runner.scale,
-                runner.impl,
-            )
-            runner.graphs = g
-            for p in plans:
-                runner.execute(p)  # capture
-            graphs[mode] = g
-    times: dict[str, list] = {"search": [], "single": []}
+    for build, plan_class in (("s12", old.AttentionPlan), ("now", real_plan)):
+        ta.AttentionPlan = plan_class
+        g = DecodeGraphs(
+            runner.model,
+            runner.gpu_caches,
+            runner.cache.num_gpu_blocks,
+            BLOCK,
+            runner.config.max_context_len,
+            runner.scale,
+            runner.impl,
+        )
+        runner.graphs = g
+        executor.decodes_first = lambda plan: plan
+        for p in plans:
+            runner.execute(p)  # capture
+        graphs[build] = g
+    ta.AttentionPlan = real_plan
+    modes = (
+        ("s12 build, plan order", "s12", False),
+        ("now, plan order", "now", False),
+        ("now, longest decodes last", "now", True),
+    )
+    times: dict[str, list] = {name: [] for name, _, _ in modes}
     for _ in range(rounds):
-        for mode, g in graphs.items():
-            runner.graphs = g
-            times[mode].append(
+        for name, build, ordered in modes:
+            runner.graphs = graphs[build]
+            executor.decodes_first = real_order if ordered else (lambda plan: plan)
+            times[name].append(
                 statistics.mean(events_ms(lambda p=p: runner.execute(p), 10) for p in plans)
             )
+    executor.decodes_first = real_order
     return times
 
 
@@ -160,7 +155,7 @@ def main() -> int:
     parser.add_argument("--gpu-blocks", type=int, default=6144)
     parser.add_argument("--quick", action="store_true", help="a few configs only")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--compare", type=int, default=0, help="rounds of search vs single tiles")
+    parser.add_argument("--compare", type=int, default=0, help="rounds of s12 vs current attention")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a GPU")
@@ -281,12 +276,13 @@ def main() -> int:
         flush=True,
     )
     if args.compare:
-        times = compare_tilings(runner, plans, args.compare)
+        times = compare_builds(runner, plans, args.compare)
         out["tilings_ms"] = times
         for mode, t in times.items():
-            print(f"E. decode tiles by {mode}: {statistics.median(t):.3f} ms a step ({t})")
-        ratio = statistics.median(times["search"]) / statistics.median(times["single"])
-        print(f"E. search / single: {ratio:.3f}x", flush=True)
+            print(f"E. {mode}: {statistics.median(t):.3f} ms a step ({t})")
+        base = statistics.median(times["s12 build, plan order"])
+        for mode, t in times.items():
+            print(f"E. s12 / {mode}: {base / statistics.median(t):.3f}x", flush=True)
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     best = min((r for r in results if r["contexts"] == "recorded"), key=lambda r: r["us"])
