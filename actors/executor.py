@@ -29,23 +29,30 @@ from pensieve.models.loader import CausalLM
 @dataclass
 class Launched:
     """A step issued to the device: its sampled tokens, on the device and (once `ready`) on
-    the host, one per piece that samples, in plan order."""
+    the host, one per piece that samples, in the order of the plan as executed (`executed`,
+    which may order the pieces otherwise than `plan`; see `decodes_first`)."""
 
     plan: StepPlan
     tokens: torch.Tensor  # [pieces that sample] long, on the device
     host: torch.Tensor  # its copy in (pinned) host memory
     ready: torch.cuda.Event | None  # recorded after the copy; None: done already
+    executed: StepPlan | None = None  # None: `plan` itself
     rows: dict[str, int] = field(init=False)  # request id -> its row of `tokens`
 
     def __post_init__(self) -> None:
-        sampling = (p.request_id for p in self.plan.pieces if p.sampling is not None)
+        ran = self.plan if self.executed is None else self.executed
+        sampling = (p.request_id for p in ran.pieces if p.sampling is not None)
         self.rows = {request_id: row for row, request_id in enumerate(sampling)}
 
     def result(self) -> list[int]:
-        """The sampled tokens (waits for the step)."""
+        """The sampled tokens in `plan`'s order (waits for the step)."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host.tolist()  # type: ignore[no-any-return]
+        values: list[int] = self.host.tolist()
+        if self.executed is None:
+            return values
+        rows = self.rows  # a request samples in at most one piece of a step
+        return [values[rows[p.request_id]] for p in self.plan.pieces if p.sampling is not None]
 
 
 def decodes_first(plan: StepPlan) -> StepPlan:
@@ -53,7 +60,8 @@ def decodes_first(plan: StepPlan) -> StepPlan:
     rest in their order. Attention runs the decodes on tiles of their own, one per decode, the
     highest first: the longest contexts start first, so none of them is left running alone at
     the end of the launch (on an H200 a 250-decode step of the policy runs' contexts took 20.63
-    ms in plan order and 19.92 ms in this one; ops/results/diag_s13)."""
+    ms in plan order and 19.92 ms in this one; ops/results/diag_s13). Only the device sees
+    this order: a launch's tokens come back in the plan's (`Launched.result`)."""
     pieces = plan.pieces
     singles = sorted((p for p in pieces if p.end - p.start == 1), key=lambda p: p.end)
     if len(singles) == len(pieces):
@@ -136,31 +144,32 @@ class ModelRunner:
 
         `feed`: the step issued just before, which samples the tokens this plan's PLACEHOLDER
         positions stand for."""
-        plan = decodes_first(plan)
-        sampling = [p for p in plan.pieces if p.sampling is not None]
         if not plan.pieces:
             self.swap.issue(plan.orders)
             empty = torch.empty(0, dtype=torch.long)
             return Launched(plan, empty, empty, None)
-        if self.graphs is not None and self.graphs.fits(plan):
-            self.swap.issue(plan.orders, defer_out=True)
-            logits = self._replay(self.graphs, plan, feed)
+        ordered = decodes_first(plan)  # the order the device runs; results keep `plan`'s
+        executed = None if ordered is plan else ordered
+        if self.graphs is not None and self.graphs.fits(ordered):
+            self.swap.issue(ordered.orders, defer_out=True)
+            logits = self._replay(self.graphs, ordered, feed)
         else:
             # the step's inputs go up first: behind the swap-ins they would share the
             # host-to-device copy queue with them and hold back the first layer
-            inputs = self._inputs(plan, feed)
-            self.swap.issue(plan.orders, defer_out=True)
+            inputs = self._inputs(ordered, feed)
+            self.swap.issue(ordered.orders, defer_out=True)
             logits = self._forward(inputs)
+        sampling = [p for p in ordered.pieces if p.sampling is not None]
         params = [p.sampling for p in sampling]
         tokens = sample_async(logits, params, [p.sample_index for p in sampling])  # type: ignore[arg-type]
         self.swap.issue_out()  # while the device runs the forward
         if tokens.device.type != "cuda":
-            return Launched(plan, tokens, tokens, None)
+            return Launched(plan, tokens, tokens, None, executed)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return Launched(plan, tokens, host, ready)
+        return Launched(plan, tokens, host, ready, executed)
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan, feed: Launched | None = None) -> torch.Tensor:

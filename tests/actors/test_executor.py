@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pensieve.actors.config import CacheConfig
-from pensieve.actors.executor import ModelRunner
+from pensieve.actors.executor import ModelRunner, decodes_first
 from pensieve.actors.request import SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.models.loader import load_model
@@ -36,3 +36,31 @@ def test_logits_follow_plan_order_whatever_the_mix_of_decodes_and_prompts() -> N
     pair = runner.logits(StepPlan((pieces[2], pieces[3])))
     want = torch.cat([singles[0], singles[1], pair, singles[2]])
     torch.testing.assert_close(mixed, want, rtol=1e-4, atol=1e-4)
+
+
+def test_decodes_run_longest_last_and_tokens_come_back_in_plan_order() -> None:
+    """The runner executes decodes shortest context first (the attention kernel starts the
+    highest tiles, so the longest, first) and the rest after them, but a launch's tokens, and
+    the rows that feed the next step, stay keyed to the plan as given."""
+    loaded = load_model("preset:tiny-llama", "cpu", torch.float32, seed=3)
+    cache = CacheConfig(block_size=16, num_gpu_blocks=64)
+    runner = ModelRunner(loaded.model, cache, torch.device("cpu"), torch.float32)
+    for layer in runner.gpu_caches:
+        layer.normal_(generator=torch.Generator().manual_seed(1))
+    sampled = SamplingParams()
+    pieces = (
+        SeqPiece("long", (7,), 60, 61, (0, 1, 2, 3), sampled),
+        SeqPiece("prompt", tuple(range(3, 13)), 0, 10, (4,), sampled),
+        SeqPiece("short", (9,), 5, 6, (5,), sampled),
+        SeqPiece("middle", (11,), 30, 31, (6, 7), sampled),
+    )
+    plan = StepPlan(pieces)
+    ordered = decodes_first(plan)
+    assert [p.request_id for p in ordered.pieces] == ["short", "middle", "long", "prompt"]
+    assert decodes_first(ordered) is ordered  # nothing to reorder: the same plan
+    launched = runner.launch(plan)
+    alone = {p.request_id: runner.execute(StepPlan((p,)))[0] for p in pieces}
+    assert launched.plan is plan and launched.executed == ordered
+    assert launched.result() == [alone[p.request_id] for p in pieces]
+    for request_id, row in launched.rows.items():  # what the next step's decodes are fed
+        assert int(launched.tokens[row]) == alone[request_id]
