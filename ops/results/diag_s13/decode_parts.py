@@ -7,6 +7,11 @@ the time by kernel with torch.profiler, and times the two big parts alone: the a
 over a sweep of launch shapes, and the layers' matrix products.
 
     python3 ops/results/diag_s13/decode_parts.py [--model preset:llama2-13b-gqa10] [--quick]
+
+`--compare N` times session 12's attention against the current one; it needs that kernel file
+beside this script first (not kept in the repository: it is the file as of commit b07ca17):
+
+    git show b07ca17:kernels/triton_attention.py > ops/results/diag_s13/attention_s12.py
 """
 
 from __future__ import annotations
