@@ -12,6 +12,8 @@ over a sweep of launch shapes, and the layers' matrix products.
 beside this script first (not kept in the repository: it is the file as of commit b07ca17):
 
     git show b07ca17:kernels/triton_attention.py > ops/results/diag_s13/attention_s12.py
+
+(git ignores that file: on the GPU machine, carry it.)
 """
 
 from __future__ import annotations
