@@ -11,12 +11,18 @@ from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.models.loader import load_model
 
 
-def test_logits_follow_plan_order_whatever_the_mix_of_decodes_and_prompts() -> None:
+def tiny_runner() -> ModelRunner:
+    """A runner of the tiny preset on the CPU, its KV cache filled with random values."""
     loaded = load_model("preset:tiny-llama", "cpu", torch.float32, seed=3)
     cache = CacheConfig(block_size=16, num_gpu_blocks=64)
     runner = ModelRunner(loaded.model, cache, torch.device("cpu"), torch.float32)
     for layer in runner.gpu_caches:
         layer.normal_(generator=torch.Generator().manual_seed(1))
+    return runner
+
+
+def test_logits_follow_plan_order_whatever_the_mix_of_decodes_and_prompts() -> None:
+    runner = tiny_runner()
     sampled = SamplingParams()
     pieces = [
         SeqPiece("a", tuple(range(3, 23)), 10, 30, (0, 1), sampled),  # a prompt, samples
@@ -31,7 +37,7 @@ def test_logits_follow_plan_order_whatever_the_mix_of_decodes_and_prompts() -> N
         for p in pieces
         if p.sampling is not None and p.request_id != "c"
     ]
-    assert mixed.shape == (4, loaded.config.vocab_size)
+    assert mixed.shape == (4, runner.config.vocab_size)
     # each sampling piece's row equals what that piece gives alone (c's pair runs together)
     pair = runner.logits(StepPlan((pieces[2], pieces[3])))
     want = torch.cat([singles[0], singles[1], pair, singles[2]])
@@ -42,11 +48,7 @@ def test_decodes_run_longest_last_and_tokens_come_back_in_plan_order() -> None:
     """The runner executes decodes shortest context first (the attention kernel starts the
     highest tiles, so the longest, first) and the rest after them, but a launch's tokens, and
     the rows that feed the next step, stay keyed to the plan as given."""
-    loaded = load_model("preset:tiny-llama", "cpu", torch.float32, seed=3)
-    cache = CacheConfig(block_size=16, num_gpu_blocks=64)
-    runner = ModelRunner(loaded.model, cache, torch.device("cpu"), torch.float32)
-    for layer in runner.gpu_caches:
-        layer.normal_(generator=torch.Generator().manual_seed(1))
+    runner = tiny_runner()
     sampled = SamplingParams()
     pieces = (
         SeqPiece("long", (7,), 60, 61, (0, 1, 2, 3), sampled),
