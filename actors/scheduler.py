@@ -214,12 +214,15 @@ class Scheduler:
         self.histories[request.conv_id] = list(target)
         request.block_table = ()  # its blocks may all be new
         request.pending = [*acquired.recompute_ranges, (reuse, len(target))]
-        request.sources = request.sources + TokenSources(
-            gpu=acquired.gpu_tokens,
-            cpu=acquired.cpu_tokens,
-            recomputed=acquired.recomputed_tokens,
-            new=len(target) - reuse,
-        )
+        if not request.num_suspensions:
+            # where the turn's prompt came from, once: a suspended turn readmitted brings back
+            # positions already counted (its swap-ins still count as swapped-in blocks)
+            request.sources = TokenSources(
+                gpu=acquired.gpu_tokens,
+                cpu=acquired.cpu_tokens,
+                recomputed=acquired.recomputed_tokens,
+                new=len(target) - reuse,
+            )
         request.swapped_in_blocks += acquired.swapped_in
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.arrival)

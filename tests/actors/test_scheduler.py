@@ -180,6 +180,9 @@ def run_pipelined(requests: list[tuple[int, int]], depth: int, gpu_blocks: int) 
         for request in scheduler.running:
             assert all(c.gpu_block is not None for c in kv.conversations[request.conv_id].chunks)
     assert all(r.status is RequestStatus.FINISHED and not r.inflight for r in made)
+    for r in made:  # a turn's prompt positions by source add up to its prompt, suspended or not
+        s = r.sources
+        assert s.gpu + s.cpu + s.recomputed + s.new == len(r.prompt_ids), (r.request_id, s)
     return {r.request_id: (r.output_ids, r.finish_reason, placeholders > 0) for r in made}
 
 
