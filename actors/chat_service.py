@@ -90,7 +90,7 @@ def turn_record(
         user_message=user_message,
         assistant_text=text,
         prompt_tokens=len(request.prompt_ids),
-        new_prompt_tokens=min(sources.new, len(request.prompt_ids)),
+        new_prompt_tokens=sources.new,
         output_token_ids=tuple(request.output_ids),
         finish_reason=request.finish_reason.value if request.finish_reason else "abort",
         cached_gpu=sources.gpu,
