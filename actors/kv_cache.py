@@ -50,6 +50,9 @@ class ConversationKV:
     # of that kind; set again whenever one is placed there
     maybe_on_gpu: bool = False
     maybe_on_cpu: bool = False
+    # a turn of it waits for admission since this time: its chunks are needed within seconds,
+    # so eviction takes them only after every idle conversation's
+    waiting_since: float | None = None
 
     def tiers(self) -> list[Tier]:
         return [chunk.tier for chunk in self.chunks]

@@ -14,6 +14,7 @@ The manager decides which chunk lives where; the executor moves the bytes it is 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
@@ -71,10 +72,23 @@ class KVCacheManager:
         return conv
 
     def touch(self, conv_id: str, now: float) -> None:
-        """A turn of the conversation arrived: it is active again (its idle time restarts)."""
+        """A turn of the conversation arrived: it is active again (its idle time restarts), and
+        until it is admitted its chunks are evicted after every idle conversation's. Its GPU
+        blocks already swapped out are reused last, so they may still be hits."""
+        conv = self.conversations.get(conv_id)
+        if conv is None:
+            return
+        conv.last_active = max(conv.last_active, now)
+        conv.waiting_since = now
+        for chunk in conv.chunks:
+            if chunk.gpu_block is not None and chunk.gpu_block in self._reclaimable:
+                self._reclaimable.move_to_end(chunk.gpu_block)
+
+    def unwait(self, conv_id: str) -> None:
+        """The conversation's waiting turn left the queue without running (it was rejected)."""
         conv = self.conversations.get(conv_id)
         if conv is not None:
-            conv.last_active = max(conv.last_active, now)
+            conv.waiting_since = None
 
     def restore(self, conv_id: str, num_positions: int, now: float) -> ConversationKV:
         """A conversation known from the token log only (e.g. after a restart): all dropped."""
@@ -127,6 +141,7 @@ class KVCacheManager:
         if self.blocks_to_admit(conv, num_positions) > available:
             raise OutOfBlocks(f"{conv.conv_id}: history does not fit on the GPU")
         conv.pinned = True
+        conv.waiting_since = None
         self._pinned[conv.conv_id] = conv
         conv.maybe_on_gpu = True
         for chunk in conv.chunks[: self.num_chunks(num_positions)]:
@@ -191,6 +206,7 @@ class KVCacheManager:
     def release(self, conv: ConversationKV, now: float) -> None:
         """The conversation's request finished: its chunks become evictable."""
         conv.pinned = False
+        conv.waiting_since = None
         self._pinned.pop(conv.conv_id, None)
         conv.last_active = now
         if self.config.policy is Policy.STATELESS:
@@ -204,6 +220,7 @@ class KVCacheManager:
         conv.pinned = False
         self._pinned.pop(conv.conv_id, None)
         conv.last_active = now
+        conv.waiting_since = now  # requeued
         copied = 0
         for chunk in conv.chunks:
             if chunk.gpu_block is not None:
@@ -279,6 +296,10 @@ class KVCacheManager:
         and a later chunk attends to more context), so a conversation's first eligible chunk is
         its cheapest and a heap of one entry per conversation ranks them all. Eligibility is
         checked as the merge advances, so chunks moved meanwhile are skipped.
+
+        Conversations with a turn waiting for admission come after all the others, whatever the
+        policy: the latest arrival first (it is admitted last), each from its leading chunk, at
+        an infinite value (so no swap-out drops them from the CPU tier to make room).
         """
         on_gpu = tier is Tier.GPU
 
@@ -293,8 +314,12 @@ class KVCacheManager:
                     yield i
 
         heap: list[tuple[float, int, int, ConversationKV, Iterator[int]]] = []
+        waiting: list[ConversationKV] = []
         for order, conv in enumerate(self.conversations.values()):
             if conv.pinned or not (conv.maybe_on_gpu if on_gpu else conv.maybe_on_cpu):
+                continue
+            if conv.waiting_since is not None:
+                waiting.append(conv)
                 continue
             indices = eligible(conv)
             first = next(indices, None)
@@ -317,6 +342,12 @@ class KVCacheManager:
             if following is not None:
                 entry = (self._value(conv, following, now), following, order, conv, indices)
                 heapq.heappush(heap, entry)
+        waiting.sort(key=lambda c: c.waiting_since or 0.0, reverse=True)
+        for conv in waiting:
+            for index in eligible(conv):
+                if conv.pinned or conv.waiting_since is None:
+                    break  # admitted (or released) meanwhile
+                yield math.inf, conv, conv.chunks[index]
 
     def _num_evictable_gpu(self, exclude: ConversationKV) -> int:
         """Unpinned live GPU chunks: every owned block that is not pinned or waiting for reuse."""

@@ -230,6 +230,7 @@ class Scheduler:
 
     def _reject(self, request: Request, now: float) -> None:
         self.waiting.remove(request)
+        self.kv.unwait(request.conv_id)
         del self.live[request.request_id]
         request.status = RequestStatus.FINISHED
         request.finish_reason = FinishReason.ABORT

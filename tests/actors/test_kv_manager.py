@@ -7,11 +7,13 @@ checks that every chunk reads back its own tag from wherever the manager says it
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pensieve.actors.config import CacheConfig, Policy
-from pensieve.actors.kv_cache import SwapOrders, Tier
+from pensieve.actors.kv_cache import Chunk, SwapOrders, Tier
 from pensieve.actors.kv_manager import KVCacheManager, OutOfBlocks
 
 BLOCK = 4
@@ -66,7 +68,7 @@ class Simulation:
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["admit", "decode", "finish", "suspend", "ahead", "truncate"]),
+        st.sampled_from(["admit", "decode", "finish", "suspend", "ahead", "truncate", "touch"]),
         st.integers(0, 5),  # conversation
         st.integers(1, 20),  # tokens
     ),
@@ -116,6 +118,8 @@ def test_blocks_are_never_lost_or_shared(policy, num_gpu, num_cpu, script):
             kv.suspend(conv, conv.num_positions, sim.now)
         elif op == "ahead":
             kv.swap_out_ahead(sim.now)
+        elif op == "touch" and conv_id not in sim.running:  # a turn arrives and waits
+            kv.touch(conv_id, sim.now)
         elif op == "truncate" and conv_id in kv.conversations and conv_id not in sim.running:
             conv = kv.conversations[conv_id]
             kv.truncate(conv, max(conv.num_positions - tokens, 0))
@@ -207,4 +211,62 @@ def test_a_conversation_whose_turn_waits_is_active_again_and_keeps_its_chunks():
         assert all(c.cpu_slot is None for c in kv.conversations["asks"].chunks), policy
         kv.touch("unknown", 100.0)  # a first turn: nothing cached, nothing to do
         assert "unknown" not in kv.conversations
+        sim.check()
+
+
+def live(kv: KVCacheManager, chunks: list[Chunk]) -> list[bool]:
+    """Which chunks hold a GPU block that is not waiting for reuse."""
+    return [c.gpu_block is not None and not kv._reclaiming(c) for c in chunks]
+
+
+def test_a_waiting_turns_chunks_leave_after_every_idle_conversations():
+    """However long a turn has waited for admission, its conversation's chunks are swapped out
+    and dropped after those of every conversation still idle: it will read them within
+    seconds. Among waiting turns the latest arrival, admitted last, gives way first."""
+    for policy in (Policy.PENSIEVE, Policy.LRU):
+        sim = Simulation(policy, num_gpu=10, num_cpu=3)
+        kv = sim.kv
+        idle_turns(sim, (("early", 0.0), ("late", 1.0), ("idle", 50.0)))
+        kv.touch("early", 2.0)  # waiting since 2.0 and 3.0: by 100.0 they look idler than
+        kv.touch("late", 3.0)  # "idle", whose turn ended at 50.0
+        kv.swap_out_ahead(100.0)  # 1 free of 10 < 25%: move two chunks
+        sim.apply_orders()
+        idle = kv.conversations["idle"]
+        assert [c.cpu_slot is not None for c in idle.chunks] == [True, True, False], policy
+        for name in ("early", "late"):
+            assert all(c.cpu_slot is None for c in kv.conversations[name].chunks), policy
+        # 6 blocks wanted now: 1 free, idle's 2 swapped out, then idle's last chunk, then
+        # late's two leading ones; early's stay
+        kv._ensure_free_gpu(6, 100.0)
+        sim.apply_orders()
+        assert live(kv, idle.chunks) == [False] * 3, policy
+        assert live(kv, kv.conversations["late"].chunks) == [False, False, True], policy
+        assert live(kv, kv.conversations["early"].chunks) == [True] * 3, policy
+        assert kv.acquire(kv.conversations["early"], 12, 101.0).gpu_tokens == 12, policy
+        sim.apply_orders()
+        sim.check()
+
+
+def test_a_waiting_turns_swapped_out_blocks_are_reused_last():
+    """A turn that arrives while its conversation's blocks wait for reuse moves them to the
+    back of the reuse queue: other swapped-out blocks are overwritten first, so its history is
+    still a GPU hit."""
+    for touched in (False, True):
+        sim = Simulation(Policy.PENSIEVE, num_gpu=10, num_cpu=9)
+        kv = sim.kv
+        kv.config = replace(kv.config, swap_out_threshold=0.99)  # every idle chunk goes out
+        idle_turns(sim, (("back", 0.0), ("other", 1.0), ("third", 2.0)))
+        kv.swap_out_ahead(10.0)  # back's 3 chunks first (the idlest), then other's, third's
+        sim.apply_orders()
+        assert kv.num_free_gpu == 10
+        assert all(c.cpu_slot is not None for c in kv.conversations["back"].chunks)
+        if touched:
+            kv.touch("back", 11.0)  # back's user sends a turn
+        new = kv.conversation("new", 11.0)
+        kv.acquire(new, 28, 11.0)  # 7 blocks: the free one, then 6 swapped-out ones
+        sim.apply_orders()
+        sim.compute("new", 0, 28)
+        acquired = kv.acquire(kv.conversations["back"], 12, 12.0)
+        assert (acquired.gpu_tokens, acquired.cpu_tokens) == ((12, 0) if touched else (0, 12))
+        sim.apply_orders()
         sim.check()

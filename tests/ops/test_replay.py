@@ -25,7 +25,7 @@ from pensieve.ops.sharegpt import load_conversations
 pytestmark = pytest.mark.slow
 
 CHAT = ["What is the capital of France?", "And of Italy?", "Which of the two is bigger?"]
-SMALL_TIERS = dict(gpu_cache_tokens=512, cpu_cache_tokens=512, admission_reserve=0.0)
+SMALL_TIERS = dict(gpu_cache_tokens=512, cpu_cache_tokens=256, admission_reserve=0.0)
 
 
 def run_replay(smollm2, chat, path: Path, policy: Policy, concurrency: int = 8,
@@ -160,7 +160,7 @@ def test_stateful_equals_stateless_on_sharegpt(smollm2, smollm2_chat, sharegpt20
 def test_every_cache_path_gives_the_same_tokens(
     smollm2, smollm2_chat, sharegpt20, stateless, policy
 ):
-    # 16 GPU blocks and 16 CPU blocks for 20 conversations, 8 at a time
+    # 16 GPU blocks and 8 CPU blocks for 20 conversations, 8 at a time
     lines, built = run_replay(smollm2, smollm2_chat, sharegpt20, policy, **SMALL_TIERS)
     assert tokens_by_turn(lines) == tokens_by_turn(stateless)
     cached = [d["cached_tokens"] for d in lines]
