@@ -10,6 +10,7 @@ the NATS service discovery protocol.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -115,7 +116,8 @@ class Bus:
         self, subject: str, body: bytes, timeout: float, headers: dict[str, str] | None = None
     ) -> AsyncIterator[bytes]:
         """The client side: send one request and yield each message of its answer as it comes
-        (a streamed answer has several); the caller stops when it has the last. Raises
+        (a streamed answer has several); the caller stops when it has the last, and closes the
+        generator (`contextlib.aclosing`) so its reply subscription goes at once. Raises
         TimeoutError after `timeout` s without a message, ConnectionError if nothing answers
         on `subject`."""
         inbox = self.client.new_inbox()
@@ -130,8 +132,10 @@ class Bus:
                 if not msg.data and (msg.headers or {}).get("Status") == "503":
                     raise ConnectionError(f"nothing answers on {subject}")
                 yield msg.data
-        finally:
-            await sub.unsubscribe()
+        finally:  # on a connection going away its subscriptions go with it
+            closing = (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)
+            with contextlib.suppress(*closing):
+                await sub.unsubscribe()
 
     async def advertise(self, service: ServiceInfo) -> None:
         """Answer the NATS service discovery protocol (`$SRV.PING|INFO|STATS[.name[.id]]`), so

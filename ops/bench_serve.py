@@ -24,6 +24,7 @@ import asyncio
 import sys
 import time
 from collections import Counter
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,9 +81,10 @@ async def run_load(
 async def server_stats(bus: Bus) -> dict[str, Any] | None:
     """`pensieve.v1.stats` of the engine that answers (None if none does, e.g. an older one)."""
     try:
-        async for data in bus.ask(subjects.STATS, b"{}", timeout=30.0):
-            body = orjson.loads(data)
-            return None if "error" in body else dict(body)
+        async with aclosing(bus.ask(subjects.STATS, b"{}", timeout=30.0)) as answer:
+            async for data in answer:
+                body = orjson.loads(data)
+                return None if "error" in body else dict(body)
     except (TimeoutError, ConnectionError):
         return None
     return None
@@ -129,11 +131,13 @@ async def _conversation(bus: Bus, conv: Conversation, options: LoadOptions, turn
         begin = time.perf_counter()
         first = None
         reply: dict[str, Any] = {}
-        async for data in bus.ask(subjects.CHAT, orjson.dumps(body), options.timeout_s):
-            reply = orjson.loads(data)
-            if "delta" not in reply:
-                break
-            first = first or time.perf_counter()
+        asked = bus.ask(subjects.CHAT, orjson.dumps(body), options.timeout_s)
+        async with aclosing(asked) as answer:
+            async for data in answer:
+                reply = orjson.loads(data)
+                if "delta" not in reply:
+                    break
+                first = first or time.perf_counter()
         done = time.perf_counter()
         if "error" in reply:
             turns.errors[reply["error"]["code"]] += 1
