@@ -326,12 +326,18 @@ def alternate(
 def alternation(
     policies: Sequence[Policy], fixed_rates: dict[str, tuple[float, ...]]
 ) -> list[tuple[Policy, float]]:
-    """The order `alternate` runs points in: each policy's first rate, then each one's second..."""
+    """The order `alternate` runs points in: each policy's first rate, then each one's second...
+
+    Rounds run the policies forwards and backwards in turn (A B, B A, A B, ...), so with two
+    rates each no policy always runs first after the warm-up run. The first measured point of a
+    call on a newly started machine ran slower on the host than later ones (README), and every
+    pass / fail split between pensieve and lru at one rate so far fell on the policy that ran
+    first (ops/results/diag_s16/pairs.py)."""
     longest = max(len(fixed_rates[policy.value]) for policy in policies)
     return [
         (policy, fixed_rates[policy.value][i])
         for i in range(longest)
-        for policy in policies
+        for policy in (policies if i % 2 == 0 else policies[::-1])
         if i < len(fixed_rates[policy.value])
     ]
 

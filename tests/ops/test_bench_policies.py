@@ -71,10 +71,14 @@ def _report(path: Path, device: str, runs: dict[str, list[dict]], **settings: An
     return path
 
 
-def test_fixed_rates_alternate_between_the_policies() -> None:
+def test_fixed_rates_alternate_between_the_policies_forwards_then_backwards() -> None:
     lru, pensieve = Policy.LRU, Policy.PENSIEVE
-    order = alternation([lru, pensieve], {"lru": (16.3, 16.3), "pensieve": (16.3, 16.3, 16.7)})
-    assert order == [(lru, 16.3), (pensieve, 16.3), (lru, 16.3), (pensieve, 16.3), (pensieve, 16.7)]
+    order = alternation([lru, pensieve], {"lru": (16.3, 16.5), "pensieve": (16.3, 16.5, 16.7)})
+    assert order == [(lru, 16.3), (pensieve, 16.3), (pensieve, 16.5), (lru, 16.5), (pensieve, 16.7)]
+    gpu_only = Policy.GPU_ONLY
+    rates = {"pensieve": (1.0, 2.0), "lru": (1.0, 2.0), "gpu-only": (1.0,)}
+    three = alternation([pensieve, lru, gpu_only], rates)
+    assert three == [(pensieve, 1), (lru, 1), (gpu_only, 1), (lru, 2), (pensieve, 2)]
 
 
 def test_combine_merges_calls_into_one_comparison(tmp_path: Path, capsys) -> None:
