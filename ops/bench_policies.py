@@ -24,6 +24,8 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
+import resource
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -60,7 +62,9 @@ def run_point(
     if b.s.profile_s > 0 and b.cuda and options.warmup_s > 0:
         window = ProfileWindow(options.warmup_s + PROFILE_AFTER_S, b.s.profile_s)
     on_step = window.on_step if window is not None else None
+    before = HostSample.now()
     result = open_loop(engine, specs, options, History.GENERATED, on_step=on_step)
+    host = HostSample.now().since(before)
     summary = summarize(result.records, options.duration_s - options.warmup_s)
     if window is not None:
         result.extra["kernels"] = window.finish()
@@ -74,6 +78,7 @@ def run_point(
         swapped_in_gb=stats.bytes_in / GB,
         swapped_out_gb=stats.bytes_out / GB,
         passed=summary["norm_latency_p90"] <= b.s.latency_bound,
+        host=host,
         **result.extra,  # step times: a stalled step shows as step_ms_max and slow_steps
     )
     b.log(
@@ -88,6 +93,12 @@ def run_point(
         f"    garbage collector: {pauses['seconds']:.2f}s in {sum(pauses['collections'])} "
         f"collections, {pauses['collections'][2]} full (longest {pauses['full_max_ms']:.0f} ms)"
     )
+    b.log(
+        f"    host: {host['user_s']:.1f} s user + {host['sys_s']:.1f} s system CPU in "
+        f"{host['wall_s']:.1f} s, {host['involuntary_switches']} involuntary switches, "
+        f"{host['minor_faults']} minor faults, load {host['load_1m']:.1f}, "
+        f"cores at {host['cpu_mhz']:.0f} MHz"
+    )
     for event in summary["compiles"]:
         b.log(f"    compiled {event['kernel']} at {event['at_s']:.1f}s in {event['ms']:.0f} ms")
     for step in summary["slow"]:
@@ -97,6 +108,44 @@ def run_point(
     del engine, result
     b.free()
     return summary
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSample:
+    """What the benchmark's process and machine were doing, for telling a point whose host ran
+    slow (a newly started machine launched its first points slower, README) from one whose
+    policy cost more: CPU time, faults and preemptions of this process, and the machine's load
+    and core clock."""
+
+    wall: float
+    usage: resource.struct_rusage
+
+    @classmethod
+    def now(cls) -> HostSample:
+        return cls(time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF))
+
+    def since(self, before: HostSample) -> dict[str, float]:
+        a, b = before.usage, self.usage
+        return {
+            "wall_s": self.wall - before.wall,
+            "user_s": b.ru_utime - a.ru_utime,
+            "sys_s": b.ru_stime - a.ru_stime,
+            "minor_faults": b.ru_minflt - a.ru_minflt,
+            "major_faults": b.ru_majflt - a.ru_majflt,
+            "involuntary_switches": b.ru_nivcsw - a.ru_nivcsw,
+            "load_1m": os.getloadavg()[0],
+            "cpu_mhz": _mean_cpu_mhz(),
+        }
+
+
+def _mean_cpu_mhz() -> float:
+    """The cores' mean clock now, from /proc/cpuinfo (0 where it does not say)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return 0.0
+    clocks = [float(line.split(":")[1]) for line in lines if line.startswith("cpu MHz")]
+    return sum(clocks) / len(clocks) if clocks else 0.0
 
 
 PROFILE_AFTER_S = 10.0  # the profiled slice starts this long into the measured window

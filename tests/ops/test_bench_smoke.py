@@ -89,6 +89,9 @@ def test_policies_serve_history_from_the_tiers_they_have(smoke) -> None:
         assert run["slow_steps"] == len(run["slow"])  # each stall with what the step did
         assert isinstance(run["compiles"], list)  # Triton kernels compiled during the run
         assert len(run["gc"]["collections"]) == 3 and run["gc"]["seconds"] >= 0  # its pauses
+        host = run["host"]  # what the process and the machine were doing meanwhile
+        assert host["user_s"] > 0 and host["wall_s"] > 0 and host["minor_faults"] >= 0
+        assert host["load_1m"] >= 0 and host["cpu_mhz"] >= 0
     for name, run in runs.items():  # and where the window's time went, per kind of step
         b = run["step_breakdown"]
         kinds = {k: v for k, v in b.items() if isinstance(v, dict)}
