@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from pensieve.ops.bench_workload import GcPauses
+from benchmarks.bench_workload import GcPauses
 from pensieve.ops.factory import frozen_heap
 
 

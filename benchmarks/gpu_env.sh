@@ -1,0 +1,12 @@
+# Sourced by the GPU machine's scripts (gpu_run.sh, gpu_serve.sh) from the repository root: install
+# the carried wheels (.whl, from benchmarks/prepare_bench_assets.py; WHEELS_DIR=none uses what is
+# installed) into /tmp/site, make the source folders importable as the `pensieve` package, and put
+# the repository root on the path for the uninstalled `benchmarks` package.
+if [ "${WHEELS_DIR:-.whl}" != none ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "${WHEELS_DIR:-.whl}"/*.whl || exit 1
+fi
+mkdir -p /tmp/pkg/pensieve
+for folder in actors kernels models store ops; do ln -sfn "$PWD/$folder" "/tmp/pkg/pensieve/$folder"; done
+export PYTHONPATH="/tmp/pkg:/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
+export PYTHONUNBUFFERED=1
