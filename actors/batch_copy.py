@@ -1,10 +1,10 @@
 """Many host<->device copies in one driver call (`cuMemcpyBatchAsync`, CUDA 12.8 and later).
 
 A swap moves scattered 160 KB block runs of every layer. Issued one `cudaMemcpyAsync` each (a
-thousand a step), the host spent ~10 us per copy and the copy engines reached only half the PCIe
+thousand a step), they cost the host ~10 us per copy and the copy engines reach only half the PCIe
 rate, as each small copy waits for its own setup; the copy kernel reaches the rate but holds SMs
-beside the forward. One batched call hands the driver the whole list: on an H200 it issued 2960
-copies in 2 ms of host time and moved them at 54 GB/s (the pinned peak is 55), with no SM used.
+beside the forward. One batched call hands the driver the whole list: the copies run at nearly
+the pinned-memory peak, for a fraction of the host time, with no SM used.
 
 The driver entry point is reached through ctypes; torch does not expose it. `BatchCopier.create`
 returns None where it is missing (older drivers, no GPU) or where a probe copy comes back wrong,
@@ -145,7 +145,7 @@ class LayerCopies:
     """One step's block runs in one direction, as the driver takes them: the destination and
     source address of every run in every layer, layer after layer, made in one array operation,
     so issuing a layer is one driver call and no array work (a pipelined swap-in issues 40 of
-    them before its forward; in Python each call with its own arrays took ~70 us)."""
+    them before its forward; building each call's arrays in Python would cost ~70 us)."""
 
     def __init__(
         self, copier: BatchCopier, runs: Sequence[tuple[int, int, int]], to_gpu: bool
@@ -165,10 +165,10 @@ class LayerCopies:
     def issue(self, layers: range, stream: int) -> None:
         """Copy the runs in consecutive `layers` on `stream` (a CUDA stream handle), in calls of
         1, 2, 4, ... layers: the driver starts none of a call's copies before the call returns,
-        so one call for all 40 layers of a scattered swap-out (2560 copies, ~1.3 ms of host
-        time) left the copy engines idle that long, and a 64-chunk copy reached 0.85 of the
-        PCIe rate. With the first call one layer, the engines start after ~50 us, and each
-        later call is issued while the ones before still copy (H200: 0.97-0.99)."""
+        so one call for all 40 layers of a scattered swap-out (~1.3 ms of host time) would leave
+        the copy engines idle that long. With the first call one layer, the engines start almost
+        at once, and each later call is issued while the ones before still copy, which keeps
+        them near the PCIe rate."""
         if layers.step != 1:
             raise ValueError(f"layers must be consecutive, not {layers}")
         if not self.num_runs:

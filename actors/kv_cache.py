@@ -78,8 +78,8 @@ class SwapOrders:
     2. `swap_in`: CPU->GPU copies, issued layer by layer; layer i's attention waits only for them.
     3. `swap_out`: ahead-of-time / suspension GPU->CPU copies; they start only after every
        CPU->GPU copy of the step (swap-in has priority) and overlap the step's compute.
-    `fence`: a block reused this step was swapped out earlier; its copy must finish before the
-    step writes into it.
+    `fence`: a block reused this step was swapped out in an earlier step; that copy must finish
+    before this step writes into the block.
     """
 
     evict_first: list[CopyOp] = field(default_factory=list)

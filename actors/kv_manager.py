@@ -22,8 +22,11 @@ from pensieve.actors.block_pool import BlockPool
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.kv_cache import Acquired, Chunk, ConversationKV, CopyOp, SwapOrders, Tier
 
+# seconds to recompute one chunk whose last position attends to l positions (its retention cost)
 CostFn = Callable[[int], float]
-RETRY_S = 0.1  # seconds to recompute one chunk that attends to l positions
+# seconds a swap-out blocked by a CPU tier of higher-valued chunks waits before it is tried again
+# (sooner if the GPU's free count drops): values change only as idle time grows
+RETRY_S = 0.1
 
 
 class OutOfBlocks(Exception):
@@ -48,8 +51,7 @@ class KVCacheManager:
         self._cpu_victims: Iterator[tuple[float, ConversationKV, Chunk]] | None = None
         self._cpu_victim_next: tuple[float, ConversationKV, Chunk] | None = None
         self._orders = SwapOrders()
-        # a swap-out blocked by a CPU tier of higher-valued chunks is retried only once the GPU
-        # has fewer free blocks or RETRY_S has passed (values change only as idle time grows)
+        # when a swap-out was last blocked, and the GPU's free count then (see RETRY_S)
         self._blocked: tuple[float, int] | None = None
 
     # ---- queries -------------------------------------------------------------------------

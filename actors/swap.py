@@ -63,9 +63,9 @@ def layer_groups(num_layers: int) -> list[range]:
     """The layers of a pipelined swap-in, in groups issued as one driver call with one event:
     1, 1, 2, then 4 at a time. Layer 0's copies stay alone, as the step waits for them before
     anything else; grouping the rest cuts a 40-layer model's 40 calls, events and waits to 12.
-    With the addresses made once per step too, a 2k-token swap-in's issue and waits took the
-    host 0.6-0.7 ms on an H200 instead of 1.9-2.3 ms (an eager step's launch is bound by the
-    host). A group's first layer waits for three more layers' copies: where copies are slower
+    With the addresses made once per step too, this cuts the host's time to issue and wait for a
+    swap-in about threefold, which matters as an eager step's launch is bound by the host. A
+    group's first layer waits for three more layers' copies: where copies are slower
     than compute, up to three layers of compute at the end are not overlapped."""
     groups, begin = [], 0
     for size in (1, 1, 2):
@@ -89,15 +89,14 @@ class SwapEngine:
         """`out_dma`: ahead-of-time swap-outs always by DMA (the copy engines) rather than the copy
         kernel, which holds SMs while it waits on PCIe. DMA is slower for scattered blocks and
         costs the host a copy call per block and layer, but it leaves every SM to the step it
-        runs beside, and the engine issues those calls while the step before runs (see the
-        README: with the engine's overlap this is the faster choice).
+        runs beside, and the engine issues those calls while the step before runs, so their host
+        cost is hidden: with that overlap this is the faster choice.
 
         `batched`: where the driver has it, every copy goes to the copy engines in batched
         calls, one per group of layers (swap-in, evict-first; `layer_groups`) or a few per step
         (swap-out, layers in calls of 1, 2, 4, ...): that reaches the PCIe rate without holding
-        an SM and costs the host little (ops/results/diag_s11/diag4.txt: 0.6-0.7 ms for a
-        2k-token swap-in's 12 calls with their events and waits), so it replaces both the copy
-        kernel and the per-block DMA calls."""
+        an SM and costs the host little (~0.7 ms for a 2k-token swap-in's 12 calls with their
+        events and waits), so it replaces both the copy kernel and the per-block DMA calls."""
         self.out_dma = out_dma
         self.gpu_caches = gpu_caches  # per layer [num_gpu_blocks, 2, bs, Hkv, D]
         self.cpu_caches = cpu_caches  # per layer [num_cpu_blocks, 2, bs, Hkv, D], pinned on CUDA
@@ -133,7 +132,7 @@ class SwapEngine:
         `defer_out`: hold the ahead-of-time swap-outs until `issue_out`. The runner issues them
         after the step's forward: their copies still start as soon as the step's swap-ins are
         done (they wait for nothing the forward does, as it never writes a block being swapped
-        out), but the host's ~40 copy launches no longer delay the forward's start."""
+        out), and the host's ~40 copy launches do not delay the forward's start."""
         self._layer_events = None
         self._waited = None
         self._deferred = None
@@ -310,7 +309,7 @@ class SwapEngine:
     def _dma(self, layers: Sequence[int], runs: list[tuple[int, int, int]], to_gpu: bool) -> None:
         """Copy-engine copies of `runs` in `layers`, issued in one call: a swap-out of scattered
         blocks makes a thousand of them a step, and the host issues them while the device
-        runs the step before (each one a slice and a call from Python took ~8 us)."""
+        runs the step before (each one, a slice and a call from Python, costs ~8 us)."""
         if self._views is None:  # every block of every layer as a view, made once
             self._views = (
                 [cache.unbind(0) for cache in self.gpu_caches],

@@ -6,10 +6,9 @@ writes pinned host memory directly (zero-copy through unified addressing) for an
 blocks per launch.
 
 The copy shares the GPU with the step it overlaps, and a program waiting on PCIe still holds
-its SM slot: a grid of one program per (block, tile) slowed a 200-request decode step by 22%
-while it ran on an H200. So the grid is capped (`max_programs`) and each program walks the
-(block, tile) pairs with a stride; 8 programs still moved 42 GB/s next to that step and slowed
-it by 10% (numbers in the README).
+its SM slot: a grid of one program per (block, tile) slows a large decode step running beside it
+by ~20%. So the grid is capped (`max_programs`) and each program walks the (block, tile) pairs
+with a stride: a handful of programs still keep PCIe busy and cost the step about half as much.
 """
 
 from __future__ import annotations

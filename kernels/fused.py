@@ -1,10 +1,10 @@
 """Fused element-wise kernels of the Llama layer, beside their torch references.
 
-Outside its four matrix products and attention, a Llama layer ran 16 small kernels from torch:
-the two RMSNorms and two residual adds, RoPE on q and k (a concatenation, two products and a sum
-each), a copy making v contiguous, the K/V write, SiLU and the gate product. At a decode batch of
-a few hundred tokens each takes a few microseconds whatever its size, so together they were about
-a tenth of a 13B step on an H200 (the "other" kernels of the policy benchmark's profile). Fused:
+Outside its four matrix products and attention, a Llama layer written in torch runs 16 small
+kernels: the two RMSNorms and two residual adds, RoPE on q and k (a concatenation, two products and
+a sum each), a copy making v contiguous, the K/V write, SiLU and the gate product. At a decode
+batch of a few hundred tokens each takes a few microseconds whatever its size, so together they
+are about a tenth of a 13B model's decode step. Fused:
 
     add_rms_norm    x + delta, then RMSNorm of the sum: one pass, both written
     rope_write_kv   RoPE on q and k straight from the QKV projection's output, q written out,

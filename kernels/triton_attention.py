@@ -96,11 +96,11 @@ def _attend_tile(
 # Triton specializes integer arguments on "== 1" and "divisible by 16" and compiles a variant for
 # each combination it meets. Arguments that change from step to step (the batch, the table width,
 # the split buffers' outer strides) are left unspecialized: otherwise a long-running server keeps
-# meeting new combinations, and each one compiled inside a step stalled every running request for
-# ~1 s on an H200. Pointers are specialized on 16-byte alignment: the step metadata's seq_lens and
-# block tables are views into one uploaded int32 buffer, at offsets that follow the number of
-# sub-sequences, so their alignment changes from step to step too (a run compiled a new variant in
-# its first seconds and whenever a new combination came up; start-up compiled only aligned ones).
+# meeting new combinations, and each one compiled inside a step stalls every running request for
+# ~1 s. Pointers are specialized on 16-byte alignment, except three: the step metadata's cu_q,
+# seq_lens and block tables are views into one uploaded int32 buffer, at offsets that follow the
+# number of sub-sequences, so their alignment changes from step to step too, while start-up
+# compiles only the aligned variants.
 @triton.jit(
     do_not_specialize=["num_seqs", "kv_split_len", "stride_bt", "stride_ps", "stride_ls"],
     do_not_specialize_on_alignment=["cu_q_ptr", "seq_lens_ptr", "block_tables_ptr"],
@@ -268,7 +268,7 @@ def choose_config(
 ) -> KernelConfig:
     """Tile shape and KV split for one step; cached, so every layer after the first reuses it.
 
-    Tile shapes are the fastest of a sweep on an H200 (ops/bench_kernels.py --sweep): decode and
+    Tile shapes are the fastest of a sweep on Hopper (`bench_kernels.py --sweep`): decode and
     short multi-token steps want 16-32 rows, 64-position KV tiles and 2 stages; prefill wants
     128 x 128 tiles, 8 warps, 3 stages (bf16; fp32 takes smaller tiles to fit shared memory).
     """
@@ -315,9 +315,9 @@ def _num_kv_splits(
 ) -> int:
     """KV splits that keep the grid from ending in a ragged wave.
 
-    Measured on an H200 (decode tiles, ~3 resident programs per SM): a grid that fits in one
-    wave of resident programs runs best unsplit; a grid of 1-2 waves loses up to 20% to its tail,
-    so it is split until it spans at least 3 waves.
+    With decode tiles (~3 resident programs per SM), a grid that fits in one wave of resident
+    programs runs best unsplit; a grid of 1-2 waves loses up to 20% to its tail, so it is split
+    until it spans at least 3 waves.
     """
     block_q = config.block_m // group
     num_tiles = min(

@@ -2,8 +2,8 @@
 from. Swap-ins, evict-first copies and ahead-of-time swap-outs run on their own CUDA streams there
 (layer-pipelined), which the CPU tests cannot exercise; a missing wait shows up as changed tokens.
 With tiers this small nearly every swap-in comes with an evict-first copy in the same step, so a
-swap-in issued alone is checked by `test_swap_gpu.py` (this test kept passing while such swap-ins
-were skipped).
+swap-in issued alone is checked by `test_swap_gpu.py` (this test would not notice such swap-ins
+being skipped).
 """
 
 from __future__ import annotations

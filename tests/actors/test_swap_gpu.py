@@ -37,8 +37,8 @@ def test_gpu_each_kind_of_order_lands_where_it_says(tiers, contiguous, out_dma, 
     gpu, cpu = tiers
     engine = SwapEngine(gpu, cpu, out_dma=out_dma, batched=batched)
     if batched and engine.batch is None:
-        # a driver that has the call must pass the copier's start-up probe (in one GPU call the
-        # probe failed and these cases were skipped while the old copy paths ran)
+        # a driver that has the call must pass the copier's start-up probe: otherwise the
+        # batched cases would be skipped silently while the other copy paths ran
         assert driver_entry_point() is None, "cuMemcpyBatchAsync is there but its probe failed"
         pytest.skip("the driver has no batched copy (CUDA 12.8+)")
     n = MIN_DMA_RUN + 2

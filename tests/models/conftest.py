@@ -2,7 +2,7 @@
 
 The models here are tiny or small, so their CPU matmuls are too short to gain from a second
 thread, and on a shared 2-core machine two OpenMP threads per process stall each other badly
-(a 10x slowdown was measured while another test process ran). One intra-op thread per process.
+(up to 10x slower while another test process runs). One intra-op thread per process.
 """
 
 from __future__ import annotations
