@@ -134,14 +134,13 @@ class ChatService:
         self.new_id = new_id
         self.conversations: dict[str, _Conversation] = {}
         self.turns: dict[str, _Turn] = {}  # request id -> turn in flight
-        self.block_bytes = engine.runner.swap.block_bytes  # one chunk's KV, every layer
 
     # ---- requests ------------------------------------------------------------------------
 
     def reserve(self, request: ChatRequest) -> Reservation:
         """Claim the turn's conversation (no other turn may start on it) and give the messages
         to render; raises ApiError if the turn cannot be taken."""
-        if len(self.engine.scheduler.waiting) >= self.max_waiting:
+        if self.engine.num_waiting >= self.max_waiting:
             raise ApiError("overloaded", f"{self.max_waiting} turns are waiting already; retry")
         new = request.conversation_id is None
         if new:
@@ -233,8 +232,7 @@ class ChatService:
         if conv is not None and conv.busy:
             raise ApiError("invalid_request", f"conversation {conv_id!r} has a turn in progress")
         self.conversations.pop(conv_id, None)
-        self.engine.scheduler.histories.pop(conv_id, None)
-        self.engine.kv.forget(conv_id)
+        self.engine.forget(conv_id)
         return self.writer.submit(self.store.delete, conv_id)
 
     def list(self) -> dict[str, Any]:
@@ -264,10 +262,10 @@ class ChatService:
 
     def recover(self, error: Exception) -> None:
         """The engine's step raised: answer every turn in flight with `internal` and reset the
-        engine (`Engine.reset`); conversations keep their committed turns, and a turn sent again
+        engine (`Engine.abort_all`); conversations keep their committed turns, and a turn sent again
         recomputes its history and gives the output it would have given."""
         message = f"engine step failed ({type(error).__name__}: {error}); nothing was stored"
-        self.engine.reset(message)
+        self.engine.abort_all(message)
         self.fail_all(ApiError("internal", f"{message}, send the turn again"))
 
     def fail_all(self, error: ApiError) -> None:
@@ -291,7 +289,7 @@ class ChatService:
             messages.append({"role": "user", "content": record.user_message})
             messages.append({"role": "assistant", "content": record.assistant_text})
         log = self.store.token_log(conv_id)
-        self.engine.scheduler.restore_history(conv_id, log, self.engine.clock())
+        self.engine.restore(conv_id, log)
         return _Conversation(conv_id, messages, log, len(records))
 
     def _trace(self, turn: _Turn, record: TurnRecord) -> None:
@@ -306,8 +304,8 @@ class ChatService:
             "pensieve.completion_tokens": len(request.output_ids),
             "pensieve.finish_reason": record.finish_reason,
             "pensieve.suspensions": request.num_suspensions,
-            "pensieve.swapped_in_bytes": request.swapped_in_blocks * self.block_bytes,
-            "pensieve.swapped_out_bytes": request.swapped_out_blocks * self.block_bytes,
+            "pensieve.swapped_in_bytes": request.swapped_in_blocks * self.engine.block_bytes,
+            "pensieve.swapped_out_bytes": request.swapped_out_blocks * self.engine.block_bytes,
         })  # fmt: skip
         if not span.is_recording():
             return
@@ -329,7 +327,7 @@ class ChatService:
         text = turn.follower.text
         start = max(0, before - turn.holdback)
         hits = [i for i in (text.find(s, start) for s in turn.stop) if i >= 0]
-        if hits and self.engine.scheduler.stop(turn.request, self.engine.clock()):
+        if hits and self.engine.stop(turn.request):
             turn.text = text[: min(hits)]
             return True
         if turn.stream:
@@ -375,8 +373,24 @@ class ChatService:
             error = done.exception()
             if error is None:
                 turn.sink.done(reply)
+                _log_turn(conv.conv_id, record, request)
             else:
                 logger.error("turn %s of %s not stored: %s", record.turn, conv.conv_id, error)
                 turn.sink.error(ApiError("internal", f"the turn could not be stored: {error}"))
 
         future.add_done_callback(answer)
+
+
+def _log_turn(conv_id: str, record: TurnRecord, request: Request) -> None:
+    """One line per finished turn: where its prompt came from, what it produced, how fast."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    first = request.first_token_time or request.arrival
+    finish = request.finish_time or first
+    logger.info(
+        "turn %d of %s: %d prompt tokens (gpu %d, cpu %d, recomputed %d, new %d), %d completion "
+        "tokens, %s; first token %.3f s, done %.3f s",
+        record.turn, conv_id, record.prompt_tokens, record.cached_gpu, record.cached_cpu,
+        record.cached_recomputed, record.new_prompt_tokens, len(record.output_token_ids),
+        record.finish_reason, first - request.arrival, finish - request.arrival,
+    )  # fmt: skip

@@ -1,4 +1,5 @@
-"""Engine configuration: one frozen dataclass, validated once, passed explicitly."""
+"""Engine configuration: frozen dataclasses validated once and passed explicitly, and the one
+table of defaults that the CLI, the engine factory and the benchmarks all read."""
 
 from __future__ import annotations
 
@@ -6,8 +7,25 @@ import enum
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True)
+class Defaults:
+    """The engine's tunable defaults, in one place."""
+
+    block_size: int = 32  # tokens per KV block, which is also the eviction chunk
+    admission_reserve: float = 0.10  # admit new requests only while more of the GPU is free
+    swap_out_threshold: float = 0.25  # swap out ahead of time while less of the GPU is free
+    max_batch_tokens: int = 2048  # token budget of one step (prefill and decode together)
+    max_num_seqs: int = 256  # running requests at most
+    admit_batch: int = 8  # a decode-only step admits once this many running slots are free
+    max_waiting: int = 1024  # turns queued before `serve` answers "overloaded"
+    nats_port: int = 4222  # the port `serve` starts its own nats-server on
+
+
+DEFAULTS = Defaults()
+
+
 class Policy(enum.Enum):
-    """Cache policies, for ablations (DESIGN.md §3)."""
+    """Cache policies: `pensieve` and three baselines for ablations."""
 
     PENSIEVE = "pensieve"  # two tiers, evict lowest Cost(l)/T first
     LRU = "lru"  # two tiers, evict the least recently active conversation first
@@ -17,12 +35,12 @@ class Policy(enum.Enum):
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 32
+    block_size: int = DEFAULTS.block_size
     num_gpu_blocks: int = 1024
     num_cpu_blocks: int = 0
     policy: Policy = Policy.PENSIEVE
-    swap_out_threshold: float = 0.25  # ahead-of-time swap-out when free GPU blocks fall below this
-    admission_reserve: float = 0.10  # admit new requests only while more than this is free
+    swap_out_threshold: float = DEFAULTS.swap_out_threshold
+    admission_reserve: float = DEFAULTS.admission_reserve
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -41,12 +59,12 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill + decode together)
-    max_num_seqs: int = 256  # running requests at most
+    max_num_batched_tokens: int = DEFAULTS.max_batch_tokens
+    max_num_seqs: int = DEFAULTS.max_num_seqs
     max_model_len: int = 8192
     # a step that would decode only admits waiting requests once this many can start together
     # (capped at max_num_seqs / 8, and at the number waiting): see `Scheduler.schedule`
-    admit_batch: int = 8
+    admit_batch: int = DEFAULTS.admit_batch
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:

@@ -1,6 +1,7 @@
 """The engine: scheduler + cache manager + executor in one step loop (no I/O).
 
-`pensieve replay` drives it directly; the async actor shells drive the same cores over NATS.
+`pensieve replay` drives it directly and `pensieve serve` from its engine thread; callers use
+the methods here, never the parts behind them.
 
 With `overlap` (the default) the loop keeps the device one step ahead of the host: each call
 plans and launches step N+1 while step N runs, then waits for step N's tokens and applies them.
@@ -19,20 +20,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from opentelemetry import trace
 
 from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.executor import Launched, ModelRunner
 from pensieve.actors.kv_manager import CostFn, KVCacheManager
 from pensieve.actors.request import (
-    FinishReason,
     Request,
-    RequestStatus,
     SamplingParams,
     TokenSources,
 )
 from pensieve.actors.scheduler import Scheduler, StepOutcome
 from pensieve.actors.step import StepPlan
+from pensieve.actors.swap import SwapStats
 
 tracer = trace.get_tracer("pensieve.engine")
 
@@ -114,7 +115,49 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
-    def reset(self, error: str) -> list[Request]:
+    # ---- what callers ask of the engine -------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.kv.config
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (suspended ones included)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_suspensions(self) -> int:
+        return self.scheduler.num_suspensions
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one chunk's KV over every layer: what one swapped block moves."""
+        return self.runner.swap.block_bytes
+
+    def swap_stats(self) -> SwapStats:
+        """Swap totals since start, waiting for the copies still in flight."""
+        return self.runner.swap.collect_stats()
+
+    def restore(self, conv_id: str, token_log: list[int]) -> None:
+        """Adopt a conversation known only from its token log (after a restart): all of its KV
+        counts as dropped, so its next turn recomputes it."""
+        self.scheduler.restore_history(conv_id, token_log, self.clock())
+
+    def forget(self, conv_id: str) -> None:
+        """Forget a conversation that has no turn in flight: its token log and its KV."""
+        self.scheduler.forget(conv_id)
+        self.kv.forget(conv_id)
+
+    def stop(self, request: Request) -> bool:
+        """End a running request now (a stop string appeared); False if it is not running."""
+        return self.scheduler.stop(request, self.clock())
+
+    def abort_all(self, error: str) -> list[Request]:
         """Recover from a step that raised: abort every request in flight and forget all KV.
 
         The failed step's plan had already taken its requests' positions and issued its swap
@@ -125,17 +168,7 @@ class Engine:
         self.runner.swap.settle()
         self._inflight = None
         now = self.clock()
-        aborted = [*self.scheduler.running, *self.scheduler.waiting]
-        self.scheduler.live.clear()
-        for request in aborted:
-            request.pending = []
-            request.inflight = 0
-            request.status = RequestStatus.FINISHED
-            request.finish_reason = FinishReason.ABORT
-            request.error = error
-            request.finish_time = now
-        self.scheduler.running.clear()
-        self.scheduler.waiting.clear()
+        aborted = self.scheduler.abort_all(error, now)
         for conv_id in list(self.kv.conversations):
             self.kv.forget(conv_id)
         self.kv.take_orders()  # the cancelled copies, and slots freed for the next step
@@ -144,6 +177,8 @@ class Engine:
         for conv_id, tokens in self.scheduler.histories.items():
             self.kv.restore(conv_id, max(len(tokens) - 1, 0), now)
         return aborted
+
+    # ---- the step loop ------------------------------------------------------------------
 
     def step(self) -> StepOutcome:
         """Plan and launch a step; apply the tokens of the step before it (with `overlap`) or

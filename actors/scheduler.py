@@ -68,6 +68,26 @@ class Scheduler:
         self._finish(request, FinishReason.STOP, now)
         return True
 
+    def forget(self, conv_id: str) -> None:
+        """Drop a conversation's token log; its KV is the cache manager's to forget."""
+        self.histories.pop(conv_id, None)
+
+    def abort_all(self, error: str, now: float) -> list[Request]:
+        """Finish every waiting and running request with `error`, giving back none of their KV
+        (the caller forgets all of it); returns them."""
+        aborted = [*self.running, *self.waiting]
+        for request in aborted:
+            request.pending = []
+            request.inflight = 0
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = FinishReason.ABORT
+            request.error = error
+            request.finish_time = now
+        self.live.clear()
+        self.running.clear()
+        self.waiting.clear()
+        return aborted
+
     def restore_history(self, conv_id: str, tokens: list[int], now: float) -> None:
         """Adopt a conversation known only from its token log (e.g. after a restart)."""
         if conv_id in self.histories:
@@ -108,7 +128,7 @@ class Scheduler:
 
         A step with a multi-token piece pays for an eager forward; a pure-decode step replays a
         CUDA graph. At the running-request cap, requests finish one or two at a time, and
-        admitting each into the next slot made most steps mixed ones carrying a single short
+        admitting each into the next slot would make most steps mixed ones carrying a single short
         prompt (a stateful turn's new prompt is small). Waiting until a few slots are free
         starts those turns together in one mixed step; below the cap, and whenever a step has
         prefill work anyway, requests are admitted at once."""
@@ -201,9 +221,9 @@ class Scheduler:
         target = request.all_ids
         reuse = common_prefix(self.histories.get(request.conv_id, []), target)
         reuse = min(reuse, conv.num_positions, len(target) - 1)  # compute >= 1 token for logits
+        # keep the reserve while others run; an idle GPU admits whatever fits at all
         if not self.kv.can_admit(conv, len(target)) and self.running:
-            return False  # keep the reserve; an idle GPU takes whatever fits
-            # nothing else runs: admit whatever the reserve says, as long as it fits at all
+            return False
         self.kv.truncate(conv, reuse)
         try:
             acquired = self.kv.acquire(conv, len(target), now)

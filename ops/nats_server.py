@@ -70,8 +70,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def check_port_free(port: int) -> None:
+    """Raise OSError with what to do if something already listens on loopback `port`."""
+    with socket.socket() as s:
+        # SO_REUSEADDR as nats-server sets it: connections of an earlier server still closing
+        # (TIME_WAIT) do not count, a listener does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise OSError(
+                f"port {port} is taken (another nats-server or `pensieve serve`?): pass "
+                f"--nats-port N to start ours on another port, or --nats-url "
+                f"nats://127.0.0.1:{port} to use the server already there"
+            ) from None
+
+
 class EmbeddedNats:
+    """A nats-server child process on loopback: `port` (checked free first), else a free one."""
+
     def __init__(self, port: int | None = None, ready_timeout_s: float = 15.0) -> None:
+        if port is not None:
+            check_port_free(port)
         self.port = port or free_port()
         self.ready_timeout_s = ready_timeout_s
         self.url = f"nats://127.0.0.1:{self.port}"

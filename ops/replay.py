@@ -130,7 +130,7 @@ class _Replayer:
             messages.append({"role": "assistant", "content": record.assistant_text})
         log = self.store.token_log(conv.id)
         if log:
-            self.engine.scheduler.restore_history(conv.id, log, self.engine.clock())
+            self.engine.restore(conv.id, log)
         if len(done) >= len(turns):
             return None
         return Session(conv, turns, messages, len(done), log)
@@ -203,8 +203,8 @@ class _Replayer:
             "latency_s": (request.finish_time or request.arrival) - request.arrival,
             "suspensions": request.num_suspensions,
             "swapped_bytes": {
-                "in": request.swapped_in_blocks * self.engine.runner.swap.block_bytes,
-                "out": request.swapped_out_blocks * self.engine.runner.swap.block_bytes,
+                "in": request.swapped_in_blocks * self.engine.block_bytes,
+                "out": request.swapped_out_blocks * self.engine.block_bytes,
             },
         }
         if self.options.emit_token_ids:

@@ -1,28 +1,50 @@
 """`pensieve serve`: the chat API on NATS, every actor in this process.
 
-Starts a nats-server on loopback unless `--nats-url` names one, opens the LMDB store in
-`--data-dir`, and answers `pensieve.v1.chat` and `pensieve.v1.conversations.*` until SIGINT or
-SIGTERM.
+Starts a nats-server on loopback (port 4222 unless `--nats-port` says otherwise) unless
+`--nats-url` names one, opens the LMDB store in `--data-dir`, loads the model, and answers
+`pensieve.v1.chat` and `pensieve.v1.conversations.*` until SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from pensieve.actors import subjects
 from pensieve.actors.bus import Bus
 from pensieve.actors.chat_service import ChatService
+from pensieve.actors.config import DEFAULTS
 from pensieve.actors.server import ChatServer, EngineThread
-from pensieve.ops.factory import Built
+from pensieve.ops.factory import Built, EngineOptions, build, cpu_threads, frozen_heap
 from pensieve.ops.nats_server import EmbeddedNats
+from pensieve.ops.telemetry import setup_tracing
 from pensieve.store import ConversationStore, StoreWriter
+
+logger = logging.getLogger("pensieve")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    data_dir: Path
+    nats_url: str | None = None  # None: start a nats-server of our own on `nats_port`
+    nats_port: int = DEFAULTS.nats_port
+    max_waiting: int = DEFAULTS.max_waiting
+    trace: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 1:
+            raise ValueError("--max-waiting must be >= 1")
+        if not 0 < self.nats_port < 65536:
+            raise ValueError(f"--nats-port must be a TCP port, got {self.nats_port}")
 
 
 def default_data_dir() -> Path:
@@ -32,9 +54,14 @@ def default_data_dir() -> Path:
 
 @contextlib.asynccontextmanager
 async def serving(
-    built: Built, store: ConversationStore, nats_url: str, max_waiting: int = 1024
+    built: Built,
+    store: ConversationStore,
+    nats_url: str,
+    max_waiting: int = DEFAULTS.max_waiting,
+    threads: int | None = None,
 ) -> AsyncIterator[ChatService]:
-    """Serve the client API on `nats_url` while the context is open."""
+    """Serve the client API on `nats_url` while the context is open; a CPU engine steps on
+    `threads` PyTorch threads."""
     store.clear_spills()  # the CPU tier does not survive a restart
     with StoreWriter() as writer:
         engine_id = store.engine_id()
@@ -44,8 +71,7 @@ async def serving(
 
         service = ChatService(built.engine, built.chat, built.loaded.config.max_context_len,
                               store, writer, max_waiting, new_id)  # fmt: skip
-        on_cpu = built.engine.runner.device.type == "cpu"  # leave a core to the serving layer
-        engine = EngineThread(service, max(1, (os.cpu_count() or 1) - 1) if on_cpu else None)
+        engine = EngineThread(service, threads)
         try:
             bus = await Bus.connect(nats_url)
             server = ChatServer(bus, engine, engine_id)
@@ -60,23 +86,40 @@ async def serving(
 
 
 async def _serve_until_signal(
-    built: Built, store: ConversationStore, url: str, waiting: int
+    built: Built, store: ConversationStore, url: str, options: ServeOptions, started: float
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with serving(built, store, url, waiting):
+    threads = cpu_threads(built.options)
+    async with serving(built, store, url, options.max_waiting, threads):
         own = subjects.engine_subject(store.engine_id(), ">")
+        logger.info("ready in %.1f s", time.monotonic() - started)
+        # the line clients and scripts wait for, whatever the log level
         print(f"pensieve: serving on {url} (pensieve.v1.chat, pensieve.v1.conversations.*; "
               f"this engine: {own})", file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
+        logger.info("stopping: finishing the turns in flight")
 
 
-def run(built: Built, data_dir: Path, nats_url: str | None, max_waiting: int) -> int:
-    data_dir.mkdir(parents=True, exist_ok=True)
-    with ConversationStore(data_dir) as store, contextlib.ExitStack() as stack:
-        if nats_url is None:
-            nats_url = stack.enter_context(EmbeddedNats()).url
-        asyncio.run(_serve_until_signal(built, store, nats_url, max_waiting))
-    return 0
+def serve(engine_options: EngineOptions, options: ServeOptions, started: float) -> int:
+    """Run `pensieve serve` until SIGINT or SIGTERM; `started` is the process's start time
+    (time.monotonic()), for the start-up log."""
+    provider = setup_tracing(options.trace)
+    try:
+        options.data_dir.mkdir(parents=True, exist_ok=True)
+        with ConversationStore(options.data_dir) as store, contextlib.ExitStack() as stack:
+            url = options.nats_url
+            if url is None:  # first, so a taken port fails before the model loads
+                begin = time.monotonic()
+                url = stack.enter_context(EmbeddedNats(options.nats_port)).url
+                logger.info("nats-server listening on %s (%.1f s)", url,
+                            time.monotonic() - begin)  # fmt: skip
+            built = build(engine_options)
+            with frozen_heap():
+                asyncio.run(_serve_until_signal(built, store, url, options, started))
+        return 0
+    finally:
+        if provider is not None:
+            provider.shutdown()  # flush the spans still batched

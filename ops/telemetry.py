@@ -2,7 +2,7 @@
 runs).
 
 `pensieve serve --trace otlp` sends spans over OTLP/HTTP to `OTEL_EXPORTER_OTLP_ENDPOINT`
-(default http://localhost:4318, e.g. Jaeger; needs `pip install "pensieve[otlp]"`);
+(default http://localhost:4318, e.g. Jaeger; needs the `otlp` extra: `pip install -e ".[otlp]"`);
 `--trace console` prints them; tests pass an exporter of their own.
 """
 
@@ -36,7 +36,10 @@ def setup_tracing(
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
-            raise ValueError('--trace otlp needs: pip install "pensieve[otlp]"') from None
+            raise ValueError(
+                "--trace otlp needs the OTLP exporter: "
+                "pip install opentelemetry-exporter-otlp-proto-http"
+            ) from None
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     else:
         raise ValueError(f"unknown trace exporter {kind!r}; choose from {TRACE_CHOICES}")

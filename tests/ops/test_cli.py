@@ -1,9 +1,15 @@
-"""Bad input to `pensieve replay`: one clear line on stderr, exit code 2, no traceback."""
+"""The command line: bad input gets one clear line on stderr and exit code 2 (no traceback),
+every option explains itself with its default, and the defaults come from one table."""
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
+import socket
 import subprocess
 import sys
+import time
 
 import orjson
 import pytest
@@ -49,3 +55,76 @@ def test_context_longer_than_the_model_allows(tmp_path):
     )
     done = replay(str(long), "--model", "preset:tiny-llama", "--out", str(tmp_path / "o.jsonl"))
     assert_clean_error(done, "exceeds the model's context")
+
+
+def test_every_option_explains_itself_and_shows_its_default() -> None:
+    from pensieve.ops.cli import build_parser
+
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name in ("serve", "replay"):
+        sub = commands.choices[name]
+        for action in sub._actions:
+            assert action.help, f"pensieve {name} {action.option_strings}: no help text"
+        entries = re.split(r"\n(?=  -)", sub.format_help())  # one per option
+        for action in sub._actions:
+            shown = action.default != argparse.SUPPRESS and type(action.default) in (
+                int,
+                float,
+                str,
+            )
+            if action.option_strings and shown:
+                (entry,) = [e for e in entries if e.startswith("  " + action.option_strings[0])]
+                assert f"(default: {action.default})" in " ".join(entry.split()), entry
+        groups = {group.title for group in sub._action_groups}
+        assert {"model", "cache", "scheduler"} <= groups
+    assert {"server"} <= {group.title for group in commands.choices["serve"]._action_groups}
+
+
+def test_the_defaults_come_from_one_table() -> None:
+    from pensieve.actors.config import DEFAULTS, CacheConfig, SchedulerConfig
+    from pensieve.ops.cli import build_parser
+    from pensieve.ops.factory import EngineOptions
+
+    args = build_parser().parse_args(["serve", "--model", "smollm2"])
+    options = EngineOptions(model="smollm2")
+    cache, scheduling = CacheConfig(), SchedulerConfig()
+    assert args.max_batch_tokens == options.max_batch_tokens == DEFAULTS.max_batch_tokens
+    assert scheduling.max_num_batched_tokens == DEFAULTS.max_batch_tokens
+    assert args.max_num_seqs == options.max_num_seqs == scheduling.max_num_seqs
+    assert args.admit_batch == options.admit_batch == scheduling.admit_batch
+    assert args.admission_reserve == options.admission_reserve == cache.admission_reserve
+    assert args.swap_out_threshold == options.swap_out_threshold == cache.swap_out_threshold
+    assert args.block_size == options.block_size == cache.block_size == DEFAULTS.block_size
+    assert args.nats_port == DEFAULTS.nats_port and args.max_waiting == DEFAULTS.max_waiting
+
+
+def test_version() -> None:
+    done = subprocess.run([sys.executable, "-m", "pensieve.ops.cli", "--version"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and re.fullmatch(r"pensieve \S+\n", done.stdout), done
+
+
+def test_a_taken_nats_port_is_a_clear_error_before_the_model_loads(tmp_path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        begin = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", "smollm2",
+             "--data-dir", str(tmp_path), "--nats-port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert_clean_error(done, f"port {port} is taken")
+    assert "--nats-url" in done.stderr and "model smollm2 loaded" not in done.stderr
+    assert time.monotonic() - begin < 60
+
+
+def test_a_cpu_engine_gets_the_same_threads_in_replay_and_serve() -> None:
+    from pensieve.ops.factory import EngineOptions, cpu_threads
+
+    cores = os.cpu_count() or 1
+    assert cpu_threads(EngineOptions(model="smollm2")) == max(1, cores - 1)
+    assert cpu_threads(EngineOptions(model="smollm2", cpu_threads=3)) == 3
+    assert cpu_threads(EngineOptions(model="smollm2", device="cuda")) is None

@@ -27,12 +27,12 @@ import pytest
 import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from benchmarks.bench_serve import LoadOptions, run_load
 from pensieve.actors import subjects
 from pensieve.actors.bus import ERROR_HEADER, Bus
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import Policy
 from pensieve.actors.server import EngineThread
-from pensieve.ops.bench_serve import LoadOptions, run_load
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
 from pensieve.ops.replay import ReplayOptions, replay
@@ -179,8 +179,8 @@ def _service(url: str, subject: str) -> dict[str, Any]:
 
 
 def test_the_load_client_drives_conversations_through_the_api(server, sharegpt20) -> None:
-    """`ops/bench_serve.py`: three real conversations, two at a time, two streamed turns each;
-    every turn is answered, later turns reuse the history, and the timings are consistent."""
+    """`benchmarks/bench_serve.py`: three real conversations, two at a time, two streamed turns
+    each; every turn is answered, later turns reuse the history, and the timings are consistent."""
     conversations = load_conversations(sharegpt20)[:3]
     options = LoadOptions(concurrency=2, max_turns=2, max_tokens=8, ignore_eos=True)
 
@@ -540,11 +540,11 @@ def test_an_engine_that_cannot_be_reset_refuses_turns_at_once(
             steps.append(plan)
             raise RuntimeError("injected device error")
 
-        def broken_reset(error: str) -> list[Any]:
+        def broken_abort_all(error: str) -> list[Any]:
             raise RuntimeError("injected: the device is gone")
 
         built.engine.runner.launch = broken_step
-        built.engine.reset = broken_reset
+        built.engine.abort_all = broken_abort_all
         replies = [ask(own.url, subjects.CHAT, {"message": CHAT[0], "max_tokens": 4})
                    for _ in range(3)]  # fmt: skip
         assert len(steps) == 1  # the engine stopped stepping after the failed reset
@@ -609,7 +609,7 @@ def test_the_server_rides_out_a_nats_restart_and_stops_while_nats_is_down(
 def test_the_command_serves_with_its_own_nats_server_and_stops_on_sigterm(tmp_path) -> None:
     command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", "smollm2",
                "--data-dir", str(tmp_path), "--gpu-cache-tokens", "1024",
-               "--cpu-cache-tokens", "1024"]  # fmt: skip
+               "--cpu-cache-tokens", "1024", "--nats-port", str(free_port())]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
