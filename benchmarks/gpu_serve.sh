@@ -39,7 +39,7 @@ python3 -m pensieve.ops.cli serve $model > "$out/serve.txt" 2>&1 &
 server=$!
 url=""
 for _ in $(seq 600); do
-    url=$(grep -o 'nats://[0-9.:]*' "$out/serve.txt" | head -1)
+    url=$(grep -o 'serving on nats://[0-9.:]*' "$out/serve.txt" | head -1 | cut -d' ' -f3)
     [ -n "$url" ] && break
     kill -0 "$server" 2>/dev/null || break
     sleep 0.5

@@ -1,0 +1,133 @@
+"""The README's commands and examples work as written, and the tree speaks of the product only.
+
+The client example runs verbatim against `pensieve serve` started exactly as the README starts it
+(its data directory moved under tmp_path through XDG_DATA_HOME); the README's blocks are read
+with the same script CI reads the test command with.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pensieve.actors.config import DEFAULTS
+from pensieve.ops.nats_server import check_port_free
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("readme_block", ROOT / ".ci" / "readme_block.py")
+assert _spec is not None and _spec.loader is not None
+_readme = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_readme)
+readme_block = _readme.readme_block
+
+NARRATION = re.compile(r"\bsession \d+|\bcall \d+\b|diag_s\d+|ops/results", re.IGNORECASE)
+
+
+def _command(line: str) -> list[str]:
+    """A README command line, with `pensieve` resolved to this environment's script."""
+    words = shlex.split(line.split("#")[0])
+    assert words[0] == "pensieve", line
+    script = shutil.which("pensieve") or str(Path(sys.executable).parent / "pensieve")
+    return [script, *words[1:]]
+
+
+class _Lines:
+    """Collects a process's stderr lines on a thread of its own, so its pipe never fills."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, proc: subprocess.Popen[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.lines):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no {text!r} from the server:\n" + "".join(self.lines))
+            time.sleep(0.1)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+@pytest.mark.slow
+def test_the_client_example_runs_verbatim_against_serve_started_as_the_readme_says(
+    tmp_path: Path,
+) -> None:
+    try:
+        check_port_free(DEFAULTS.nats_port)
+    except OSError as busy:  # the README's server needs the default port
+        pytest.skip(str(busy))
+    (serve_line,) = readme_block("serve command").splitlines()
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        _command(serve_line), stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path
+    )
+    log = _Lines(proc)
+    try:
+        log.wait_for("serving on nats://127.0.0.1:4222", proc, timeout_s=240)
+        example = tmp_path / "example.py"
+        example.write_text(readme_block("client example"))
+        done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
+                              timeout=600, cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        *texts, cached_line = done.stdout.strip().splitlines()
+        assert len(texts) >= 2 and all(line.strip() for line in (texts[0], texts[-1]))
+        cached = ast.literal_eval(cached_line.removeprefix("cached prompt tokens:").strip())
+        assert cached["gpu"] > 0  # the second turn reused the first turn's KV
+        log.wait_for("turn 1 of", proc, timeout_s=30)  # one log line per finished turn
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log.text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for phase in ("nats-server listening on", "model smollm2 loaded in", "tokenizer ready in",
+                  "engine ready in", "ready in", "turn 0 of"):  # fmt: skip
+        assert phase in log.text, log.text
+    assert (tmp_path / "data" / "pensieve").is_dir()  # the README's default data directory
+
+
+def test_the_readme_is_short_and_links_only_to_what_exists() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+        assert (ROOT / target).exists(), target
+    for name in ("run command", "test command", "serve command", "client example"):
+        assert readme_block(name).strip()
+
+
+def test_the_tracked_tree_speaks_of_the_product_only() -> None:
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run([git, "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+    files = [name for name in listed.stdout.decode().split("\0") if name]
+    assert not [name for name in files if name.startswith("ops/results/")]
+    found = []
+    for name in files:
+        path = ROOT / name
+        if not path.is_file():
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if NARRATION.search(line) and name != "tests/test_readme.py":
+                found.append(f"{name}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
