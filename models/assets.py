@@ -29,8 +29,7 @@ def smollm2_gguf_path() -> Path:
 
 def smollm2_tokenizer() -> Any:
     """SmolLM2's tokenizer (a transformers fast tokenizer), read from the GGUF file."""
-    from transformers import AutoTokenizer
+    from pensieve.models.gguf import read_gguf
+    from pensieve.models.gguf_llama import load_tokenizer
 
-    gguf = smollm2_gguf_path()
-    folder, name = str(gguf.parent), gguf.name
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    return load_tokenizer(read_gguf(smollm2_gguf_path()))

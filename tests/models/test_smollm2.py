@@ -1,6 +1,7 @@
 """The real model: SmolLM2-135M-Instruct (GGUF, Q4_1) against transformers' own GGUF loading.
 
-Loading takes ~30 s per side, so each side loads once per module.
+transformers' side parses the file several times and takes tens of seconds, so each side loads
+once per module.
 """
 
 from __future__ import annotations
