@@ -18,7 +18,7 @@ is kept across turns in a GPU tier and a CPU tier."""
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(argparse.HelpFormatter):
     """Shows each option's default after its help, unless there is none to show."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pensieve", description=DESCRIPTION, formatter_class=_HelpFormatter
+        prog="pensieve", description=DESCRIPTION, formatter_class=HelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"pensieve {version()}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
@@ -70,7 +70,7 @@ def _replay_parser(commands: Any) -> None:
         help="replay ShareGPT conversations through the engine offline, one JSON line per turn",
         description="Replay ShareGPT conversations through the engine, closed loop, without "
         "NATS: each human message is a turn, the assistant history is what the model generated.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     replay.add_argument(
         "conversations",
@@ -119,7 +119,7 @@ def _serve_parser(commands: Any) -> None:
         description="Serve the chat API on NATS (pensieve.v1.chat, pensieve.v1.conversations.*)"
         " until SIGINT or SIGTERM. Without --nats-url a nats-server of its own is started on "
         "loopback.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     _engine_args(serve)
     server = serve.add_argument_group("server")
