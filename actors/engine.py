@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from opentelemetry import trace
 
 from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
@@ -116,10 +115,6 @@ class Engine:
         return self.scheduler.has_work() or self._inflight is not None
 
     # ---- what callers ask of the engine -------------------------------------------------
-
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
 
     @property
     def cache_config(self) -> CacheConfig:
