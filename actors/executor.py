@@ -209,7 +209,8 @@ class ModelRunner:
         rows = [last_row[i] for i in sorted(last_row)]
         ids, pos = upload(torch.tensor([token_ids, positions], dtype=torch.long), self.device)
         self._feed(ids, pieces, feed)
-        return _Inputs(meta, ids, pos, upload(torch.tensor(rows), self.device))
+        rows_t = torch.tensor(rows, dtype=torch.long)  # a step may sample nothing: a prefill chunk
+        return _Inputs(meta, ids, pos, upload(rows_t, self.device))
 
     def _forward(self, inputs: _Inputs) -> torch.Tensor:
         attn = PagedAttention(

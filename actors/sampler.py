@@ -26,7 +26,13 @@ def sample_async(
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:  # logits: [V]
-    scaled = logits.float() / p.temperature
+    # Shifted so the largest logit is 0 before dividing: however small the temperature (the API
+    # accepts any positive one), every value stays finite or becomes -inf, never +inf or NaN.
+    # A temperature below float32's smallest normal would round to 0 in the division; at that
+    # scale the distribution is already the greedy one.
+    logits = logits.float()
+    temperature = max(p.temperature, torch.finfo(torch.float32).tiny)
+    scaled = (logits - logits.max()) / temperature
     if p.top_k is not None and p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -34,7 +40,9 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:  # 
     if p.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= p.top_p, 0.0)
+        outside = before >= p.top_p
+        outside[0] = False  # the likeliest token always stays (top_p may round to 0 in float32)
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     generator = torch.Generator(device="cpu")
     if p.seed is None:

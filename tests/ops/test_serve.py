@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -408,6 +409,21 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(
     assert headers.get(ERROR_HEADER) == code
     assert replies[-1]["error"]["code"] == code and says in replies[-1]["error"]["message"]
     assert chat(server, message=CHAT[0], max_tokens=4)["token_ids"] == reference[0][:4]
+
+
+def test_extreme_sampling_values_are_computed_and_hurt_no_other_turn(server, reference) -> None:
+    """Temperatures and top_p values the schema accepts but float32 cannot divide by: each turn
+    gets the greedy tokens (what such a distribution is), and a streamed greedy turn in flight
+    beside them completes with its reference tokens."""
+    extreme = [{"temperature": t} for t in (1e-40, 1e-300, 5e-324)]
+    extreme += [{"temperature": 0.5, "top_p": 1e-300}, {"temperature": 1e-40, "top_p": 1e-300}]
+    with ThreadPoolExecutor(len(extreme) + 1) as pool:
+        innocent = pool.submit(chat, server, message=CHAT[0], max_tokens=MAX_TOKENS, stream=True)
+        replies = [pool.submit(chat, server, message=CHAT[0], max_tokens=8, seed=3, **sampling)
+                   for sampling in extreme]  # fmt: skip
+        for reply in replies:
+            assert reply.result()["token_ids"] == reference[0][:8]
+        assert innocent.result()["token_ids"] == reference[0]
 
 
 def test_a_refused_turn_leaves_its_conversation_free_for_the_next(server) -> None:
