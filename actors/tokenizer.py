@@ -6,6 +6,7 @@ token ids folded into its vocabulary; the benchmark only needs realistic lengths
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,13 +20,46 @@ class ChatTokenizer:
     vocab_size: int  # the model's
 
     def render(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Token ids of the whole conversation, ending with the assistant's turn opening."""
+        """Token ids of the whole conversation, ending with the assistant's turn opening.
+
+        Message text is tokenized as text: a control token's string in it (`<|im_start|>`, say)
+        stays plain text, so no message can forge a turn of another role."""
+        if any(s in m["content"] for m in messages for s in self._special_strings):
+            return self._render_in_segments(messages)
         ids = self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older/newer return types
             ids = ids["input_ids"]
         return [int(t) % self.vocab_size for t in ids]
+
+    def _render_in_segments(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """The template rendered around placeholders, its own text tokenized with control tokens
+        and each message's text without. Taken only when some message holds a control token's
+        string: elsewhere one tokenization of the whole text keeps the ids transformers gives."""
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        marked = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
+        rest = str(self.tokenizer.apply_chat_template(
+            marked, add_generation_prompt=True, tokenize=False
+        ))  # fmt: skip
+        ids: list[int] = []
+        for message, mark in zip(messages, marks, strict=True):
+            if mark not in rest:  # a message the template leaves out
+                continue
+            template, _, rest = rest.partition(mark)
+            ids += self.tokenizer.encode(template, add_special_tokens=False)
+            ids += self.tokenizer.encode(
+                message["content"], add_special_tokens=False, split_special_tokens=True
+            )
+        ids += self.tokenizer.encode(rest, add_special_tokens=False)
+        return [int(t) % self.vocab_size for t in ids]
+
+    @functools.cached_property
+    def _special_strings(self) -> tuple[str, ...]:
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}).values()
+        strings = {t.content for t in added if getattr(t, "special", False)}
+        strings.update(getattr(self.tokenizer, "all_special_tokens", []))
+        return tuple(sorted(s for s in strings if s))
 
     def encode(self, text: str) -> list[int]:
         return [
