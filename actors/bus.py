@@ -137,6 +137,14 @@ class Bus:
             with contextlib.suppress(*closing):
                 await sub.unsubscribe()
 
+    async def answers(self, subject: str, timeout: float = 1.0) -> bool:
+        """Whether something answers a request on `subject` within `timeout` s."""
+        try:
+            await self.client.request(subject, b"", timeout=timeout)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            return False
+        return True
+
     async def advertise(self, service: ServiceInfo) -> None:
         """Answer the NATS service discovery protocol (`$SRV.PING|INFO|STATS[.name[.id]]`), so
         `nats micro list|info|stats pensieve` show every engine with the endpoints above and

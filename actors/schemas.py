@@ -15,7 +15,7 @@ import orjson
 from pensieve.actors.tokenizer import ChatMessage
 from pensieve.store import validate_conversation_id
 
-ERROR_CODES = ("invalid_request", "not_found", "too_long", "overloaded", "internal")
+ERROR_CODES = ("invalid_request", "not_found", "too_long", "overloaded", "unavailable", "internal")
 ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 8
 MAX_TOKENS_LIMIT = 1 << 20

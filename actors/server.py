@@ -161,7 +161,7 @@ class ChatServer:
             await self.bus.serve(subject, handler)
             await self.bus.serve(subjects.engine_subject(self.engine_id, subject), handler)
         await self.bus.advertise(ServiceInfo(
-            "pensieve", self.engine_id, version(),
+            subjects.SERVICE, self.engine_id, version(),
             "stateful LLM serving: chat turns whose KV cache is kept across turns",
         ))  # fmt: skip
         await self.bus.flush()  # started means subscribed: a request sent now is answered
@@ -177,6 +177,11 @@ class ChatServer:
                 body = None  # the handler reports it
             owner = subjects.owner(body.get("conversation_id") if isinstance(body, dict) else None)
             if owner is not None and owner != self.engine_id:
+                # a forwarded request nobody takes would leave its requester waiting out its
+                # timeout (NATS tells the forwarder, not the requester, that nobody answered)
+                if not await self.bus.answers(subjects.engine_ping(owner)):
+                    raise ApiError("unavailable", f"engine {owner}, which holds this "
+                                   "conversation, is not running; retry when it is")  # fmt: skip
                 await msg.forward(subjects.engine_subject(owner, subject))
             else:
                 await handler(msg)

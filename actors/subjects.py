@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 PREFIX = "pensieve.v1"
+SERVICE = "pensieve"  # the name every engine answers service discovery under
 CHAT = f"{PREFIX}.chat"
 CONVERSATIONS_GET = f"{PREFIX}.conversations.get"
 CONVERSATIONS_DELETE = f"{PREFIX}.conversations.delete"
@@ -23,6 +24,11 @@ _OWNED_ID = re.compile(r"c-([0-9a-f]{8})-[0-9a-f]+")
 def engine_subject(engine_id: str, subject: str) -> str:
     """`subject` as addressed to one engine: pensieve.v1.chat -> pensieve.v1.engine.<id>.chat."""
     return f"{PREFIX}.engine.{engine_id}.{subject.removeprefix(PREFIX + '.')}"
+
+
+def engine_ping(engine_id: str) -> str:
+    """The service-discovery ping that only the engine `engine_id` answers."""
+    return f"$SRV.PING.{SERVICE}.{engine_id}"
 
 
 def new_conversation_id(engine_id: str, suffix: str) -> str:

@@ -508,6 +508,22 @@ def test_two_engines_on_one_bus_keep_each_conversation_where_its_kv_is(
             assert listed == {"conversations": [owned[engine_id]], "engine_id": engine_id}
 
 
+def test_a_conversation_whose_engine_is_not_running_is_answered_unavailable_at_once(
+    server,
+) -> None:
+    """Its id names an engine that is not on the bus: the request is refused at once instead of
+    being forwarded to nobody (its requester would wait out its whole timeout)."""
+    absent = subjects.new_conversation_id("0badc0de", "0123456789abcdef")
+    for subject, body in [(subjects.CHAT, {"conversation_id": absent, "message": "hi"}),
+                          (subjects.CONVERSATIONS_GET, {"conversation_id": absent})]:  # fmt: skip
+        begin = time.monotonic()
+        replies, headers = ask(server, subject, body, timeout=10)
+        assert headers.get(ERROR_HEADER) == "unavailable", replies
+        assert "0badc0de" in replies[-1]["error"]["message"]
+        assert time.monotonic() - begin < 3
+    assert chat(server, message=CHAT[0], max_tokens=4)["turn"] == 0  # and it keeps serving
+
+
 def test_a_failed_engine_step_is_answered_and_the_conversations_go_on_unchanged(
     smollm2, smollm2_chat, reference, tmp_path
 ) -> None:
