@@ -134,13 +134,14 @@ class ChatService:
         self.new_id = new_id
         self.conversations: dict[str, _Conversation] = {}
         self.turns: dict[str, _Turn] = {}  # request id -> turn in flight
+        self.num_reserved = 0  # turns reserved and not yet started: queued from their arrival
 
     # ---- requests ------------------------------------------------------------------------
 
     def reserve(self, request: ChatRequest) -> Reservation:
         """Claim the turn's conversation (no other turn may start on it) and give the messages
         to render; raises ApiError if the turn cannot be taken."""
-        if self.engine.num_waiting >= self.max_waiting:
+        if self.engine.num_waiting + self.num_reserved >= self.max_waiting:
             raise ApiError("overloaded", f"{self.max_waiting} turns are waiting already; retry")
         new = request.conversation_id is None
         if new:
@@ -156,10 +157,15 @@ class ChatService:
             messages = [*conv.messages, {"role": "user", "content": request.message or ""}]
         conv.busy = True
         self.conversations[conv.conv_id] = conv
+        self.num_reserved += 1
         return Reservation(request, conv, messages, new)
 
     def release(self, reservation: Reservation) -> None:
         """The reserved turn will not start: free its conversation again."""
+        self.num_reserved -= 1
+        self._free(reservation)
+
+    def _free(self, reservation: Reservation) -> None:
         reservation.conv.busy = False
         if reservation.new:
             self.conversations.pop(reservation.conv.conv_id, None)
@@ -174,9 +180,10 @@ class ChatService:
         """Queue the reserved turn with its rendered prompt; its phases are recorded under
         `span` (the request's span; a no-op by default). On ApiError the reservation is freed."""
         request, conv = reservation.request, reservation.conv
+        self.num_reserved -= 1  # from here the turn is the engine's, or refused
         room = self.max_context - len(prompt)
         if room < 1:
-            self.release(reservation)
+            self._free(reservation)
             raise ApiError("too_long", f"the prompt has {len(prompt)} tokens; the model's "
                            f"context holds {self.max_context}")  # fmt: skip
         seed = request.seed
@@ -192,7 +199,7 @@ class ChatService:
         try:
             engine_request = self.engine.add_request(conv.conv_id, prompt, sampling)
         except ValueError as error:
-            self.release(reservation)
+            self._free(reservation)
             raise ApiError("invalid_request", str(error)) from None
         follower = self.chat.text_stream() if request.stream or request.stop else None
         self.turns[engine_request.request_id] = _Turn(

@@ -48,10 +48,10 @@ class ChatRequest:
     stream: bool = False
 
 
-_CHAT_FIELDS = {
+_CHAT_FIELDS = frozenset({
     "conversation_id", "message", "messages", "max_tokens", "temperature", "top_p", "seed",
     "stop", "ignore_eos", "stream",
-}  # fmt: skip
+})  # fmt: skip
 
 
 def load_object(data: bytes) -> dict[str, Any]:
@@ -67,11 +67,23 @@ def load_object(data: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_chat(data: bytes) -> ChatRequest:
+def load_fields(data: bytes, fields: frozenset[str]) -> dict[str, Any]:
+    """The request body as a JSON object with no field outside `fields`: a misspelt or
+    unsupported field is refused, never ignored (a `delete` must not run on a request it
+    misread)."""
     body = load_object(data)
-    unknown = sorted(set(body) - _CHAT_FIELDS)
+    unknown = sorted(set(body) - fields)
     if unknown:
         raise ApiError("invalid_request", f"unknown field(s): {', '.join(unknown)}")
+    return body
+
+
+CONVERSATION_FIELDS = frozenset({"conversation_id"})  # conversations.get and .delete
+NO_FIELDS: frozenset[str] = frozenset()  # conversations.list and stats
+
+
+def parse_chat(data: bytes) -> ChatRequest:
+    body = load_fields(data, _CHAT_FIELDS)
     conv_id = body.get("conversation_id")
     if conv_id is not None:
         conv_id = conversation_id(body)

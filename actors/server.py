@@ -29,7 +29,14 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from pensieve.actors import subjects
 from pensieve.actors.bus import Bus, Handler, Incoming, ServiceInfo
 from pensieve.actors.chat_service import ChatService
-from pensieve.actors.schemas import ApiError, conversation_id, load_object, parse_chat
+from pensieve.actors.schemas import (
+    CONVERSATION_FIELDS,
+    NO_FIELDS,
+    ApiError,
+    conversation_id,
+    load_fields,
+    parse_chat,
+)
 from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
 from pensieve.actors.version import version
 
@@ -228,22 +235,22 @@ class ChatServer:
                 return
 
     async def _get(self, msg: Incoming) -> None:
-        conv_id = conversation_id(load_object(msg.data))
+        conv_id = conversation_id(load_fields(msg.data, CONVERSATION_FIELDS))
         await msg.send(orjson.dumps(await self._call(self.engine.service.get, conv_id)))
 
     async def _delete(self, msg: Incoming) -> None:
-        conv_id = conversation_id(load_object(msg.data))
+        conv_id = conversation_id(load_fields(msg.data, CONVERSATION_FIELDS))
         written = await self._call(self.engine.service.delete, conv_id)
         await asyncio.wrap_future(written)
         await msg.send(orjson.dumps({"conversation_id": conv_id, "deleted": True}))
 
     async def _list(self, msg: Incoming) -> None:
-        load_object(msg.data)
+        load_fields(msg.data, NO_FIELDS)
         listed = await self._call(self.engine.service.list)
         await msg.send(orjson.dumps({**listed, "engine_id": self.engine_id}))
 
     async def _stats(self, msg: Incoming) -> None:
-        load_object(msg.data)
+        load_fields(msg.data, NO_FIELDS)
         stats = await self._call(self.engine.service.stats)
         # objects frozen out of garbage collection (`pensieve serve` freezes its start-up heap)
         process = {"gc_frozen_objects": gc.get_freeze_count()}

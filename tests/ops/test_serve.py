@@ -32,7 +32,8 @@ from benchmarks.bench_serve import LoadOptions, run_load
 from pensieve.actors import subjects
 from pensieve.actors.bus import ERROR_HEADER, Bus
 from pensieve.actors.chat_service import ChatService
-from pensieve.actors.config import Policy
+from pensieve.actors.config import DEFAULTS, Policy
+from pensieve.actors.schemas import ApiError, parse_chat
 from pensieve.actors.server import EngineThread
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
@@ -50,7 +51,9 @@ TIERS = dict(gpu_cache_tokens=256, cpu_cache_tokens=256, admission_reserve=0.0)
 
 
 @contextlib.contextmanager
-def running_server(smollm2, chat, data_dir: Path, url: str) -> Iterator[Any]:
+def running_server(
+    smollm2, chat, data_dir: Path, url: str, max_waiting: int = DEFAULTS.max_waiting
+) -> Iterator[Any]:
     """A fresh engine serving on `url` from a thread of its own (its own event loop)."""
     options = EngineOptions(model="smollm2", max_batch_tokens=512, **TIERS)
     built = assemble(options, smollm2, chat)
@@ -62,7 +65,7 @@ def running_server(smollm2, chat, data_dir: Path, url: str) -> Iterator[Any]:
         nonlocal stop
         stop = asyncio.Event()
         with ConversationStore(data_dir) as store:
-            async with serving(built, store, url):
+            async with serving(built, store, url, max_waiting):
                 ready.set()
                 await stop.wait()
 
@@ -424,6 +427,40 @@ def test_extreme_sampling_values_are_computed_and_hurt_no_other_turn(server, ref
         for reply in replies:
             assert reply.result()["token_ids"] == reference[0][:8]
         assert innocent.result()["token_ids"] == reference[0]
+
+
+def test_max_waiting_counts_turns_from_their_arrival(smollm2, smollm2_chat, tmp_path) -> None:
+    """Turns that have arrived but are still being tokenized count against --max-waiting: with
+    two allowed, a third arriving turn is refused before the first two reach the engine, and
+    one of them starting or being released makes room again."""
+    built = assemble(EngineOptions(model="smollm2", **TIERS), smollm2, smollm2_chat)
+    with ConversationStore(tmp_path) as store, StoreWriter() as writer:
+        service = ChatService(built.engine, built.chat, 4096, store, writer, max_waiting=2)
+        request = parse_chat(orjson.dumps({"message": CHAT[0], "max_tokens": 2}))
+        first, second = service.reserve(request), service.reserve(request)
+        with pytest.raises(ApiError) as refused:
+            service.reserve(request)
+        assert refused.value.code == "overloaded"
+        service.release(second)
+        third = service.reserve(request)
+        service.release(third)
+        service.release(first)
+        assert service.num_reserved == 0
+
+
+def test_every_subject_refuses_unknown_fields_and_changes_nothing(server) -> None:
+    conv_id = chat(server, message=CHAT[0], max_tokens=2)["conversation_id"]
+    for subject, body in [
+        (subjects.CONVERSATIONS_DELETE, {"conversation_id": conv_id, "force": True}),
+        (subjects.CONVERSATIONS_GET, {"conversation_id": conv_id, "turns": 1}),
+        (subjects.CONVERSATIONS_LIST, {"limit": 10}),
+        (subjects.STATS, {"engine": "x"}),
+    ]:
+        replies, headers = ask(server, subject, body)
+        assert headers.get(ERROR_HEADER) == "invalid_request", (subject, replies)
+        assert "unknown field" in replies[-1]["error"]["message"]
+    got, headers = ask(server, subjects.CONVERSATIONS_GET, {"conversation_id": conv_id})
+    assert ERROR_HEADER not in headers and len(got[0]["turns"]) == 1  # not deleted
 
 
 def test_a_refused_turn_leaves_its_conversation_free_for_the_next(server) -> None:
