@@ -24,6 +24,7 @@ import nats.errors
 import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from pensieve.actors.schemas import ApiError
 
@@ -86,7 +87,8 @@ class EndpointStats:
 class Bus:
     def __init__(self, client: Client) -> None:
         self.client = client
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # requests in hand
+        self._endpoint_subscriptions: list[Subscription] = []
         self.endpoints: dict[str, EndpointStats] = {}  # by subject
 
     @classmethod
@@ -110,7 +112,23 @@ class Bus:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-        await self.client.subscribe(subject, queue=queue, cb=on_message)
+        self._endpoint_subscriptions.append(
+            await self.client.subscribe(subject, queue=queue, cb=on_message)
+        )
+
+    async def stop_serving(self) -> None:
+        """Take no more requests: the endpoints' subscriptions go (other engines of the queue
+        group take what comes next); requests already in hand go on."""
+        subscriptions, self._endpoint_subscriptions = self._endpoint_subscriptions, []
+        for subscription in subscriptions:
+            await subscription.unsubscribe()
+
+    async def settle(self, timeout: float) -> int:
+        """Wait up to `timeout` s for the requests in hand to be answered; how many are not."""
+        if not self._tasks:
+            return 0
+        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+        return len(pending)
 
     async def ask(
         self, subject: str, body: bytes, timeout: float, headers: dict[str, str] | None = None

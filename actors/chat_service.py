@@ -135,12 +135,16 @@ class ChatService:
         self.conversations: dict[str, _Conversation] = {}
         self.turns: dict[str, _Turn] = {}  # request id -> turn in flight
         self.num_reserved = 0  # turns reserved and not yet started: queued from their arrival
+        self._deleting: set[str] = set()  # deleted here, not yet in the store
+        self._closed: ApiError | None = None  # set by `close`: every new turn gets it
 
     # ---- requests ------------------------------------------------------------------------
 
     def reserve(self, request: ChatRequest) -> Reservation:
         """Claim the turn's conversation (no other turn may start on it) and give the messages
         to render; raises ApiError if the turn cannot be taken."""
+        if self._closed is not None:
+            raise self._closed
         if self.engine.num_waiting + self.num_reserved >= self.max_waiting:
             raise ApiError("overloaded", f"{self.max_waiting} turns are waiting already; retry")
         new = request.conversation_id is None
@@ -181,6 +185,9 @@ class ChatService:
         `span` (the request's span; a no-op by default). On ApiError the reservation is freed."""
         request, conv = reservation.request, reservation.conv
         self.num_reserved -= 1  # from here the turn is the engine's, or refused
+        if self._closed is not None:
+            self._free(reservation)
+            raise self._closed
         room = self.max_context - len(prompt)
         if room < 1:
             self._free(reservation)
@@ -213,7 +220,7 @@ class ChatService:
         })  # fmt: skip
 
     def get(self, conv_id: str) -> dict[str, Any]:
-        if self.store.meta(conv_id) is None:
+        if conv_id in self._deleting or self.store.meta(conv_id) is None:
             raise ApiError("not_found", f"no conversation {conv_id!r}")
         turns = [
             {
@@ -240,7 +247,11 @@ class ChatService:
             raise ApiError("invalid_request", f"conversation {conv_id!r} has a turn in progress")
         self.conversations.pop(conv_id, None)
         self.engine.forget(conv_id)
-        return self.writer.submit(self.store.delete, conv_id)
+        # until the writer has deleted it, the store still holds it: no turn may load it again
+        self._deleting.add(conv_id)
+        deleted = self.writer.submit(self.store.delete, conv_id)
+        deleted.add_done_callback(lambda _: self._deleting.discard(conv_id))
+        return deleted
 
     def list(self) -> dict[str, Any]:
         return {"conversations": self.store.list_conversations()}
@@ -275,6 +286,11 @@ class ChatService:
         self.engine.abort_all(message)
         self.fail_all(ApiError("internal", f"{message}, send the turn again"))
 
+    def close(self, error: ApiError) -> None:
+        """Take no more turns, and answer every turn in flight with `error` (shutting down)."""
+        self._closed = error
+        self.fail_all(error)
+
     def fail_all(self, error: ApiError) -> None:
         """Answer every turn in flight with `error` (the engine cannot go on with them)."""
         for turn in self.turns.values():
@@ -288,7 +304,7 @@ class ChatService:
         conv = self.conversations.get(conv_id)
         if conv is not None:
             return conv
-        records = self.store.turns(conv_id)
+        records = [] if conv_id in self._deleting else self.store.turns(conv_id)
         if not records:
             raise ApiError("not_found", f"no conversation {conv_id!r}")
         messages: list[ChatMessage] = []
@@ -346,8 +362,8 @@ class ChatService:
 
     def _complete(self, turn: _Turn) -> None:
         request, conv = turn.request, turn.conv
-        conv.busy = False
         if request.finish_reason is FinishReason.ABORT:
+            conv.busy = False
             code = "too_long" if (request.error or "").startswith("too_long") else "internal"
             turn.sink.error(ApiError(code, request.error or "the turn was aborted"))
             return
@@ -366,24 +382,32 @@ class ChatService:
         user = turn.messages[-1]["content"]
         record = turn_record(conv.turns, user, text, request, turn.started_at)
         self._trace(turn, record)
-        future = commit_turn(self.store, self.writer, conv.conv_id, record, conv.log,
-                             request.all_ids)  # fmt: skip
-        conv.log = request.all_ids
-        conv.messages = [*turn.messages, {"role": "assistant", "content": text}]
-        conv.turns += 1
+        log = request.all_ids
+        future = commit_turn(self.store, self.writer, conv.conv_id, record, conv.log, log)
         cached = {"gpu": record.cached_gpu, "cpu": record.cached_cpu,
                   "recomputed": record.cached_recomputed}  # fmt: skip
         reply = chat_reply(conv.conv_id, record.turn, text, list(request.output_ids),
                            record.finish_reason, record.prompt_tokens, cached)  # fmt: skip
 
+        # On the store writer's thread, once the commit settles. The conversation stays busy
+        # until then and moves on only with the store: a failed commit leaves it as it was
+        # before the turn (its next turn recomputes from the divergence), and a delete cannot
+        # slip in between. `busy` is cleared last, so the engine thread, which reads it first,
+        # never sees half an update.
         def answer(done: Future[Any]) -> None:
             error = done.exception()
             if error is None:
+                conv.log = log
+                conv.messages = [*turn.messages, {"role": "assistant", "content": text}]
+                conv.turns += 1
+                conv.busy = False
                 turn.sink.done(reply)
                 _log_turn(conv.conv_id, record, request)
             else:
+                conv.busy = False
                 logger.error("turn %s of %s not stored: %s", record.turn, conv.conv_id, error)
-                turn.sink.error(ApiError("internal", f"the turn could not be stored: {error}"))
+                turn.sink.error(ApiError("internal", f"the turn could not be stored ({error}); "
+                                         "the conversation is as before it"))  # fmt: skip
 
         future.add_done_callback(answer)
 

@@ -19,6 +19,7 @@ class Defaults:
     admit_batch: int = 8  # a decode-only step admits once this many running slots are free
     max_waiting: int = 1024  # turns queued before `serve` answers "overloaded"
     nats_port: int = 4222  # the port `serve` starts its own nats-server on
+    shutdown_grace_s: float = 20.0  # on SIGTERM, turns in flight get this long to finish
 
 
 DEFAULTS = Defaults()

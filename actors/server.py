@@ -12,6 +12,7 @@ the engine thread, and sends replies (or streamed deltas) back to the requester'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import gc
 import logging
@@ -86,6 +87,8 @@ class EngineThread:
                 return
             if command is not None:
                 fn, args, future = command
+                if not future.set_running_or_notify_cancel():  # its caller went away
+                    continue
                 try:
                     if broken is not None:
                         raise broken
@@ -154,6 +157,19 @@ class ChatServer:
 
     def close(self) -> None:
         self.tokenizer.shutdown(wait=True, cancel_futures=True)
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop taking requests, give those in hand `grace_s` to finish, then answer what is
+        left `unavailable`: every requester gets a final message, nobody waits out a timeout."""
+        await self.bus.stop_serving()
+        left = await self.bus.settle(grace_s)
+        if left:
+            logger.info("%d requests still running after %.0f s; answering them unavailable",
+                        left, grace_s)  # fmt: skip
+            closed = ApiError("unavailable", "the server is shutting down; send the turn again")
+            with contextlib.suppress(ApiError):  # a broken engine answers every turn itself
+                await self._call(self.engine.service.close, closed)
+            await self.bus.settle(5.0)  # their error replies go out
 
     async def start(self) -> None:
         """Answer the shared subjects and this engine's own (see `actors/subjects.py`)."""

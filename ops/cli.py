@@ -140,6 +140,11 @@ def _serve_parser(commands: Any) -> None:
         help="turns queued for admission before new ones are refused as 'overloaded'",
     )  # fmt: skip
     server.add_argument(
+        "--shutdown-grace", type=float, default=DEFAULTS.shutdown_grace_s, metavar="S",
+        help="on SIGINT/SIGTERM, seconds the turns in flight get to finish before they are "
+        "answered 'unavailable'",
+    )  # fmt: skip
+    server.add_argument(
         "--trace", default="none", choices=["none", "console", "otlp"],
         help="OpenTelemetry spans: 'otlp' sends them to $OTEL_EXPORTER_OTLP_ENDPOINT "
         "(needs the otlp extra)",
@@ -285,6 +290,7 @@ def _serve(args: argparse.Namespace, started: float) -> int:
         nats_port=args.nats_port,
         max_waiting=args.max_waiting,
         trace=args.trace,
+        shutdown_grace_s=args.shutdown_grace,
     )
     return serve(engine_options(args), options, started)
 

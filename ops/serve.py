@@ -39,10 +39,13 @@ class ServeOptions:
     nats_port: int = DEFAULTS.nats_port
     max_waiting: int = DEFAULTS.max_waiting
     trace: str = "none"
+    shutdown_grace_s: float = DEFAULTS.shutdown_grace_s
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
             raise ValueError("--max-waiting must be >= 1")
+        if self.shutdown_grace_s < 0:
+            raise ValueError("--shutdown-grace must be >= 0")
         if not 0 < self.nats_port < 65536:
             raise ValueError(f"--nats-port must be a TCP port, got {self.nats_port}")
 
@@ -59,9 +62,11 @@ async def serving(
     nats_url: str,
     max_waiting: int = DEFAULTS.max_waiting,
     threads: int | None = None,
+    shutdown_grace_s: float = DEFAULTS.shutdown_grace_s,
 ) -> AsyncIterator[ChatService]:
     """Serve the client API on `nats_url` while the context is open; a CPU engine steps on
-    `threads` PyTorch threads."""
+    `threads` PyTorch threads. On leaving, turns in flight get `shutdown_grace_s` to finish;
+    the rest are answered `unavailable`."""
     store.clear_spills()  # the CPU tier does not survive a restart
     with StoreWriter() as writer:
         engine_id = store.engine_id()
@@ -78,6 +83,7 @@ async def serving(
             try:
                 await server.start()
                 yield service
+                await server.drain(shutdown_grace_s)
             finally:
                 await bus.close()
                 server.close()
@@ -93,14 +99,15 @@ async def _serve_until_signal(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     threads = cpu_threads(built.options)
-    async with serving(built, store, url, options.max_waiting, threads):
+    async with serving(built, store, url, options.max_waiting, threads,
+                       options.shutdown_grace_s):  # fmt: skip
         own = subjects.engine_subject(store.engine_id(), ">")
         logger.info("ready in %.1f s", time.monotonic() - started)
         # the line clients and scripts wait for, whatever the log level
         print(f"pensieve: serving on {url} (pensieve.v1.chat, pensieve.v1.conversations.*; "
               f"this engine: {own})", file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
-        logger.info("stopping: finishing the turns in flight")
+        logger.info("stopping: up to %.0f s for the turns in flight", options.shutdown_grace_s)
 
 
 def serve(engine_options: EngineOptions, options: ServeOptions, started: float) -> int:

@@ -52,7 +52,12 @@ TIERS = dict(gpu_cache_tokens=256, cpu_cache_tokens=256, admission_reserve=0.0)
 
 @contextlib.contextmanager
 def running_server(
-    smollm2, chat, data_dir: Path, url: str, max_waiting: int = DEFAULTS.max_waiting
+    smollm2,
+    chat,
+    data_dir: Path,
+    url: str,
+    max_waiting: int = DEFAULTS.max_waiting,
+    shutdown_grace_s: float = DEFAULTS.shutdown_grace_s,
 ) -> Iterator[Any]:
     """A fresh engine serving on `url` from a thread of its own (its own event loop)."""
     options = EngineOptions(model="smollm2", max_batch_tokens=512, **TIERS)
@@ -65,7 +70,7 @@ def running_server(
         nonlocal stop
         stop = asyncio.Event()
         with ConversationStore(data_dir) as store:
-            async with serving(built, store, url, max_waiting):
+            async with serving(built, store, url, max_waiting, None, shutdown_grace_s):
                 ready.set()
                 await stop.wait()
 
@@ -461,6 +466,25 @@ def test_every_subject_refuses_unknown_fields_and_changes_nothing(server) -> Non
         assert "unknown field" in replies[-1]["error"]["message"]
     got, headers = ask(server, subjects.CONVERSATIONS_GET, {"conversation_id": conv_id})
     assert ERROR_HEADER not in headers and len(got[0]["turns"]) == 1  # not deleted
+
+
+def test_stopping_with_streams_in_flight_answers_every_requester(
+    smollm2, smollm2_chat, tmp_path
+) -> None:
+    """Three long streamed turns are running when the server stops with a grace of half a
+    second: each requester gets a final message (`unavailable`, send it again), none is left to
+    wait out its timeout, and the engine thread stops cleanly (checked by `running_server`)."""
+    body = {"message": CHAT[0], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with EmbeddedNats() as own, ThreadPoolExecutor(3) as pool:
+        with running_server(smollm2, smollm2_chat, tmp_path, own.url, shutdown_grace_s=0.5):
+            asks = [pool.submit(ask, own.url, subjects.CHAT, body, 30.0) for _ in range(3)]
+            deadline = time.monotonic() + 60
+            while _stats(own.url)["turns_in_flight"] < 3:
+                assert time.monotonic() < deadline, "the turns never started"
+                time.sleep(0.2)
+        for replies, headers in (a.result() for a in asks):
+            assert headers.get(ERROR_HEADER) == "unavailable", replies[-1]
+            assert "shutting down" in replies[-1]["error"]["message"]
 
 
 def test_a_refused_turn_leaves_its_conversation_free_for_the_next(server) -> None:

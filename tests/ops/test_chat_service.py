@@ -1,0 +1,89 @@
+"""The chat service's core, driven step by step without NATS (the real SmolLM2, a real LMDB):
+a turn whose commit fails leaves its conversation exactly as before it, and a deleted
+conversation cannot be loaded again while the store is still deleting it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from pensieve.actors.chat_service import ChatService
+from pensieve.actors.schemas import ApiError, parse_chat
+from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.store import ConversationStore, StoreWriter
+
+pytestmark = pytest.mark.slow
+
+CHAT = ["What is the capital of France?", "And of Italy?"]
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.settled = threading.Event()
+        self.reply: dict[str, Any] | None = None
+        self.refused: ApiError | None = None
+
+    def delta(self, text: str) -> None:
+        pass
+
+    def done(self, reply: dict[str, Any]) -> None:
+        self.reply = reply
+        self.settled.set()
+
+    def error(self, error: ApiError) -> None:
+        self.refused = error
+        self.settled.set()
+
+
+@pytest.fixture
+def service(smollm2, smollm2_chat, tmp_path: Path) -> Iterator[ChatService]:
+    built = assemble(EngineOptions(model="smollm2"), smollm2, smollm2_chat)
+    with ConversationStore(tmp_path) as store, StoreWriter() as writer:
+        yield ChatService(built.engine, built.chat, 4096, store, writer)
+
+
+def turn(service: ChatService, **body: Any) -> Sink:
+    """One turn through reserve, render, start and the step loop, until it is answered."""
+    reservation = service.reserve(parse_chat(orjson.dumps({"max_tokens": 8, **body})))
+    sink = Sink()
+    service.start(reservation, service.chat.render(reservation.messages), sink)
+    while service.has_work():
+        service.step()
+    assert sink.settled.wait(30)
+    return sink
+
+
+def test_a_failed_commit_leaves_the_conversation_as_before_the_turn(service) -> None:
+    first = turn(service, message=CHAT[0]).reply
+    assert first is not None
+    conv_id = first["conversation_id"]
+    store, commit = service.store, service.store.commit_turn
+    store.commit_turn = lambda *args: (_ for _ in ()).throw(OSError("No space left on device"))
+    failed = turn(service, conversation_id=conv_id, message=CHAT[1])
+    assert failed.refused is not None and failed.refused.code == "internal"
+    store.commit_turn = commit  # the disk has room again
+    again = turn(service, conversation_id=conv_id, message=CHAT[1]).reply
+    assert again is not None and again["turn"] == 1  # numbered as if the failed one never was
+    assert [r.turn for r in store.turns(conv_id)] == [0, 1]
+    assert store.turns(conv_id)[1].assistant_text == again["text"]
+
+
+def test_a_deleted_conversation_is_not_loaded_again_before_the_store_forgets_it(
+    service,
+) -> None:
+    conv_id = turn(service, message=CHAT[0]).reply["conversation_id"]  # type: ignore[index]
+    service.conversations.clear()  # as after a restart: only the store knows it
+    hold = threading.Event()
+    service.writer.submit(hold.wait, 30)  # the writer is busy: the delete waits behind it
+    deleted = service.delete(conv_id)
+    with pytest.raises(ApiError) as gone:
+        service.reserve(parse_chat(orjson.dumps({"conversation_id": conv_id, "message": "hi"})))
+    assert gone.value.code == "not_found"
+    hold.set()
+    deleted.result(30)
+    assert service.store.meta(conv_id) is None
