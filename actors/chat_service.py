@@ -26,11 +26,12 @@ from opentelemetry import trace
 
 from pensieve.actors.engine import Engine
 from pensieve.actors.request import FinishReason, Request, SamplingParams, common_prefix
-from pensieve.actors.schemas import ApiError, ChatRequest, chat_reply
+from pensieve.actors.schemas import MAX_PAGE, PAGE_BYTES, ApiError, ChatRequest, Page, chat_reply
 from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer, TextStream
 from pensieve.store import ConversationStore, StoreWriter, TurnRecord
 
 logger = logging.getLogger(__name__)
+FIRST_PAGE = Page(None, MAX_PAGE)
 tracer = trace.get_tracer("pensieve.chat")
 
 
@@ -219,24 +220,33 @@ class ChatService:
             "pensieve.prompt_tokens": len(prompt),
         })  # fmt: skip
 
-    def get(self, conv_id: str) -> dict[str, Any]:
+    def get(self, conv_id: str, page: Page = FIRST_PAGE) -> dict[str, Any]:
+        """The conversation's turns from turn `page.cursor` on, as many as fit in one answer
+        (`page.limit`, and PAGE_BYTES of text); `next_cursor` continues, None at the end."""
         if conv_id in self._deleting or self.store.meta(conv_id) is None:
             raise ApiError("not_found", f"no conversation {conv_id!r}")
-        turns = [
-            {
+        records = self.store.turns(conv_id)
+        first = int(page.cursor or 0)
+        turns: list[dict[str, Any]] = []
+        size = 0
+        for r in records[first : first + page.limit]:
+            size += len(r.user_message.encode()) + len(r.assistant_text.encode()) + 200
+            if turns and size > PAGE_BYTES:
+                break
+            turns.append({
                 "turn": r.turn,
                 "message": r.user_message,
                 "text": r.assistant_text,
                 "finish_reason": r.finish_reason,
                 "prompt_tokens": r.prompt_tokens,
                 "completion_tokens": len(r.output_token_ids),
-            }
-            for r in self.store.turns(conv_id)
-        ]
+            })  # fmt: skip
+        following = first + len(turns)
         busy = conv_id in self.conversations and self.conversations[conv_id].busy
         num_tokens = len(self.store.token_log(conv_id))
         return {"conversation_id": conv_id, "turns": turns, "num_tokens": num_tokens,
-                "busy": busy}  # fmt: skip
+                "num_turns": len(records), "busy": busy,
+                "next_cursor": str(following) if following < len(records) else None}  # fmt: skip
 
     def delete(self, conv_id: str) -> Future[Any]:
         """Forget the conversation everywhere; the future resolves once the store forgot it."""
@@ -253,8 +263,12 @@ class ChatService:
         deleted.add_done_callback(lambda _: self._deleting.discard(conv_id))
         return deleted
 
-    def list(self) -> dict[str, Any]:
-        return {"conversations": self.store.list_conversations()}
+    def list(self, page: Page = FIRST_PAGE) -> dict[str, Any]:
+        """Conversation ids in the store's order, `page.limit` at most after `page.cursor`;
+        `next_cursor` continues, None at the end."""
+        after = bytes.fromhex(page.cursor) if page.cursor else None
+        ids, last = self.store.list_page(after, page.limit)
+        return {"conversations": ids, "next_cursor": last.hex() if last else None}
 
     def stats(self) -> dict[str, Any]:
         """The engine's totals and state (`Engine.stats`) with the turns this service has in

@@ -78,8 +78,45 @@ def load_fields(data: bytes, fields: frozenset[str]) -> dict[str, Any]:
     return body
 
 
-CONVERSATION_FIELDS = frozenset({"conversation_id"})  # conversations.get and .delete
-NO_FIELDS: frozenset[str] = frozenset()  # conversations.list and stats
+CONVERSATION_FIELDS = frozenset({"conversation_id"})  # conversations.delete
+NO_FIELDS: frozenset[str] = frozenset()  # stats
+MAX_PAGE = 1000  # items one `list` or `get` answer holds at most
+PAGE_BYTES = 512 << 10  # text one `get` answer holds at most (NATS's default payload: 1 MiB)
+
+
+@dataclass(frozen=True)
+class Page:
+    """Which part of a listing to answer: after `cursor`, at most `limit` items."""
+
+    cursor: str | None
+    limit: int
+
+
+def parse_list(data: bytes) -> Page:
+    """`conversations.list`: `{"cursor": <next_cursor of the page before>, "limit": N}`."""
+    body = load_fields(data, frozenset({"cursor", "limit"}))
+    cursor = body.get("cursor")
+    if cursor is not None and not (isinstance(cursor, str) and _is_hex(cursor)):
+        raise ApiError("invalid_request", "'cursor' must be a 'next_cursor' from a list reply")
+    return Page(cursor, _int(body, "limit", 100, 1, MAX_PAGE))
+
+
+def parse_get(data: bytes) -> tuple[str, Page]:
+    """`conversations.get`: `{"conversation_id", "cursor": <next_cursor>, "limit": N}`; the
+    cursor is the number of the first turn to answer."""
+    body = load_fields(data, frozenset({"conversation_id", "cursor", "limit"}))
+    cursor = body.get("cursor")
+    if cursor is not None and not (isinstance(cursor, str) and cursor.isdigit()):
+        raise ApiError("invalid_request", "'cursor' must be a 'next_cursor' from a get reply")
+    return conversation_id(body), Page(cursor, _int(body, "limit", 100, 1, MAX_PAGE))
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return bool(text)
 
 
 def parse_chat(data: bytes) -> ChatRequest:

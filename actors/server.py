@@ -37,6 +37,8 @@ from pensieve.actors.schemas import (
     conversation_id,
     load_fields,
     parse_chat,
+    parse_get,
+    parse_list,
 )
 from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
 from pensieve.actors.version import version
@@ -251,8 +253,8 @@ class ChatServer:
                 return
 
     async def _get(self, msg: Incoming) -> None:
-        conv_id = conversation_id(load_fields(msg.data, CONVERSATION_FIELDS))
-        await msg.send(orjson.dumps(await self._call(self.engine.service.get, conv_id)))
+        conv_id, page = parse_get(msg.data)
+        await msg.send(orjson.dumps(await self._call(self.engine.service.get, conv_id, page)))
 
     async def _delete(self, msg: Incoming) -> None:
         conv_id = conversation_id(load_fields(msg.data, CONVERSATION_FIELDS))
@@ -261,8 +263,7 @@ class ChatServer:
         await msg.send(orjson.dumps({"conversation_id": conv_id, "deleted": True}))
 
     async def _list(self, msg: Incoming) -> None:
-        load_fields(msg.data, NO_FIELDS)
-        listed = await self._call(self.engine.service.list)
+        listed = await self._call(self.engine.service.list, parse_list(msg.data))
         await msg.send(orjson.dumps({**listed, "engine_id": self.engine_id}))
 
     async def _stats(self, msg: Incoming) -> None:

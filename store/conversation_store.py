@@ -141,6 +141,27 @@ class ConversationStore:
 
         return self._transact(read, write=False)
 
+    def list_page(self, after: bytes | None, limit: int) -> tuple[list[str], bytes | None]:
+        """Up to `limit` conversation ids in the store's key order, starting after the key
+        `after` (None: from the first), and the key to continue after (None: no more)."""
+
+        def read(txn: lmdb.Transaction[bytes]) -> tuple[list[str], bytes | None]:
+            cursor = txn.cursor(db=self._meta)
+            found = cursor.set_range(after) if after is not None else cursor.first()
+            if found and cursor.key() == after:
+                found = cursor.next()
+            ids: list[str] = []
+            last = b""
+            while found:
+                if len(ids) == limit:
+                    return ids, last
+                last = bytes(cursor.key())
+                ids.append(codec.decode_meta(cursor.value()).conversation_id)
+                found = cursor.next()
+            return ids, None
+
+        return self._transact(read, write=False)
+
     def delete(self, conv_id: str) -> bool:
         """Remove the conversation's log, turns, meta and spill entries; False if it was unknown."""
         key = codec.conversation_key(validate_conversation_id(conv_id))

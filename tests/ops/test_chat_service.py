@@ -13,9 +13,9 @@ import orjson
 import pytest
 
 from pensieve.actors.chat_service import ChatService
-from pensieve.actors.schemas import ApiError, parse_chat
+from pensieve.actors.schemas import ApiError, Page, parse_chat
 from pensieve.ops.factory import EngineOptions, assemble
-from pensieve.store import ConversationStore, StoreWriter
+from pensieve.store import ConversationStore, StoreWriter, TurnRecord
 
 pytestmark = pytest.mark.slow
 
@@ -87,3 +87,26 @@ def test_a_deleted_conversation_is_not_loaded_again_before_the_store_forgets_it(
     hold.set()
     deleted.result(30)
     assert service.store.meta(conv_id) is None
+
+
+def test_a_long_conversation_is_read_in_pages_that_each_fit_one_message(service) -> None:
+    """40 turns of 60 kB each (2.4 MB, past NATS's 1 MiB payload): `get` answers them in pages
+    under the limit, every turn once, in order."""
+    conv_id, log = "c-long", []
+    for number in range(40):
+        record = TurnRecord(
+            turn=number, user_message=f"question {number}", assistant_text="é" * 30_000,
+            prompt_tokens=1, new_prompt_tokens=1, output_token_ids=(2,), finish_reason="length",
+            cached_gpu=0, cached_cpu=0, cached_recomputed=0, started_at=1.0, finished_at=2.0,
+        )  # fmt: skip
+        service.store.commit_turn(conv_id, record, len(log), [3, 4])
+        log += [3, 4]
+    turns, cursor = [], None
+    while True:
+        answer = service.get(conv_id, Page(cursor, 1000))
+        assert 0 < len(orjson.dumps(answer)) < 1 << 20
+        turns += [t["turn"] for t in answer["turns"]]
+        cursor = answer["next_cursor"]
+        if cursor is None:
+            break
+    assert turns == list(range(40)) and answer["num_turns"] == 40

@@ -458,7 +458,7 @@ def test_every_subject_refuses_unknown_fields_and_changes_nothing(server) -> Non
     for subject, body in [
         (subjects.CONVERSATIONS_DELETE, {"conversation_id": conv_id, "force": True}),
         (subjects.CONVERSATIONS_GET, {"conversation_id": conv_id, "turns": 1}),
-        (subjects.CONVERSATIONS_LIST, {"limit": 10}),
+        (subjects.CONVERSATIONS_LIST, {"page": 10}),
         (subjects.STATS, {"engine": "x"}),
     ]:
         replies, headers = ask(server, subject, body)
@@ -513,6 +513,23 @@ def test_conversations_are_listed_read_and_deleted(server) -> None:
     assert conv_id not in listed[0]["conversations"]
     missing, headers = ask(server, subjects.CONVERSATIONS_GET, {})
     assert headers.get(ERROR_HEADER) == "invalid_request"
+
+
+def test_list_pages_through_every_conversation_once(server) -> None:
+    made = {chat(server, message=CHAT[0], max_tokens=1)["conversation_id"] for _ in range(5)}
+    seen: list[str] = []
+    body: dict[str, Any] = {"limit": 2}
+    while True:
+        (page,), headers = ask(server, subjects.CONVERSATIONS_LIST, body)
+        assert ERROR_HEADER not in headers and len(page["conversations"]) <= 2, page
+        seen += page["conversations"]
+        if page["next_cursor"] is None:
+            break
+        body = {"limit": 2, "cursor": page["next_cursor"]}
+    assert made <= set(seen) and len(seen) == len(set(seen))
+    for bad in ({"cursor": "not hex"}, {"limit": 0}, {"limit": 100_000}):
+        replies, headers = ask(server, subjects.CONVERSATIONS_LIST, bad)
+        assert headers.get(ERROR_HEADER) == "invalid_request", replies
 
 
 def test_a_restarted_server_continues_a_conversation_from_the_store(

@@ -246,3 +246,18 @@ def test_the_engine_id_is_made_once_and_kept(tmp_path: Path) -> None:
         assert store.engine_id() == engine_id
     with ConversationStore(tmp_path / "two") as store:
         assert store.engine_id() != engine_id
+
+
+def test_list_page_walks_every_conversation_once(tmp_path) -> None:
+    with ConversationStore(tmp_path) as store:
+        for i in range(11):
+            store.commit_turn(f"c-{i}", make_turn(0), 0, [1, 2])
+        seen, after = [], None
+        while True:
+            ids, after = store.list_page(after, 4)
+            assert len(ids) <= 4
+            seen += ids
+            if after is None:
+                break
+        assert sorted(seen) == store.list_conversations() and len(seen) == 11
+        assert store.list_page(None, 11)[1] is None  # exactly one page: no cursor to follow
