@@ -31,6 +31,10 @@ from pensieve.actors.schemas import ApiError
 logger = logging.getLogger(__name__)
 
 ERROR_HEADER = "Pensieve-Error"  # set to the error code on every error reply
+SERVICE_ERROR_HEADER = "Nats-Service-Error"  # the NATS service protocol's error headers
+SERVICE_ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+ERROR_STATUS = {"invalid_request": 400, "not_found": 404, "too_long": 413, "overloaded": 429,
+                "unavailable": 503, "internal": 500}  # fmt: skip
 
 
 @dataclass
@@ -40,14 +44,20 @@ class Incoming:
     headers: dict[str, str]  # W3C trace context rides here ("traceparent")
     _client: Client
 
-    async def send(self, body: bytes, error: str | None = None) -> None:
+    async def send(self, body: bytes, headers: dict[str, str] | None = None) -> None:
         """Publish one message to the requester's inbox (nothing if it gave none)."""
         if self.reply:
-            headers = {ERROR_HEADER: error} if error else None
             await self._client.publish(self.reply, body, headers=headers)
 
     async def send_error(self, error: ApiError) -> None:
-        await self.send(error.body(), error.code)
+        """The error as a body and as headers: ours, and the NATS service protocol's, which
+        micro-service clients read (a description and an HTTP-like status code)."""
+        headers = {
+            ERROR_HEADER: error.code,
+            SERVICE_ERROR_HEADER: error.message.replace("\r", " ").replace("\n", " "),
+            SERVICE_ERROR_CODE_HEADER: str(ERROR_STATUS[error.code]),
+        }
+        await self.send(error.body(), headers)
 
     async def forward(self, subject: str) -> None:
         """Hand the request on to `subject` as it came: the answer goes to the requester."""

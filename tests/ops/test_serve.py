@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from benchmarks.bench_serve import LoadOptions, run_load
 from pensieve.actors import subjects
-from pensieve.actors.bus import ERROR_HEADER, Bus
+from pensieve.actors.bus import ERROR_HEADER, ERROR_STATUS, Bus
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import DEFAULTS, Policy
 from pensieve.actors.schemas import ApiError, parse_chat
@@ -416,6 +416,9 @@ def test_bad_requests_get_a_clear_error_and_the_server_keeps_serving(
     replies, headers = ask(server, subjects.CHAT, body)
     assert headers.get(ERROR_HEADER) == code
     assert replies[-1]["error"]["code"] == code and says in replies[-1]["error"]["message"]
+    # the NATS service protocol's error headers, for micro-service clients
+    assert headers["Nats-Service-Error-Code"] == str(ERROR_STATUS[code])
+    assert says in headers["Nats-Service-Error"]
     assert chat(server, message=CHAT[0], max_tokens=4)["token_ids"] == reference[0][:4]
 
 
