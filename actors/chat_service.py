@@ -222,7 +222,8 @@ class ChatService:
 
     def get(self, conv_id: str, page: Page = FIRST_PAGE) -> dict[str, Any]:
         """The conversation's turns from turn `page.cursor` on, as many as fit in one answer
-        (`page.limit`, and PAGE_BYTES of text); `next_cursor` continues, None at the end."""
+        (`page.limit`, and PAGE_BYTES of text); `next_cursor` continues, None at the end.
+        Reads only the store and single values, so any thread may call it (as may `list`)."""
         if conv_id in self._deleting or self.store.meta(conv_id) is None:
             raise ApiError("not_found", f"no conversation {conv_id!r}")
         records = self.store.turns(conv_id)
@@ -242,7 +243,8 @@ class ChatService:
                 "completion_tokens": len(r.output_token_ids),
             })  # fmt: skip
         following = first + len(turns)
-        busy = conv_id in self.conversations and self.conversations[conv_id].busy
+        conv = self.conversations.get(conv_id)
+        busy = conv is not None and conv.busy
         num_tokens = len(self.store.token_log(conv_id))
         return {"conversation_id": conv_id, "turns": turns, "num_tokens": num_tokens,
                 "num_turns": len(records), "busy": busy,

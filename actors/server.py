@@ -254,7 +254,9 @@ class ChatServer:
 
     async def _get(self, msg: Incoming) -> None:
         conv_id, page = parse_get(msg.data)
-        await msg.send(orjson.dumps(await self._call(self.engine.service.get, conv_id, page)))
+        # off the engine thread: a read never waits for a step to end
+        got = await asyncio.to_thread(self.engine.service.get, conv_id, page)
+        await msg.send(orjson.dumps(got))
 
     async def _delete(self, msg: Incoming) -> None:
         conv_id = conversation_id(load_fields(msg.data, CONVERSATION_FIELDS))
@@ -263,7 +265,7 @@ class ChatServer:
         await msg.send(orjson.dumps({"conversation_id": conv_id, "deleted": True}))
 
     async def _list(self, msg: Incoming) -> None:
-        listed = await self._call(self.engine.service.list, parse_list(msg.data))
+        listed = await asyncio.to_thread(self.engine.service.list, parse_list(msg.data))
         await msg.send(orjson.dumps({**listed, "engine_id": self.engine_id}))
 
     async def _stats(self, msg: Incoming) -> None:

@@ -535,6 +535,35 @@ def test_list_pages_through_every_conversation_once(server) -> None:
         assert headers.get(ERROR_HEADER) == "invalid_request", replies
 
 
+def test_reads_are_answered_while_the_engine_is_inside_a_step(
+    smollm2, smollm2_chat, tmp_path
+) -> None:
+    """A step that does not end (held on an event) does not hold up `conversations.get` and
+    `.list`: they read the store off the engine thread. The turn completes once let go."""
+    with EmbeddedNats() as own, running_server(smollm2, smollm2_chat, tmp_path, own.url) as built:
+        conv_id = chat(own.url, message=CHAT[0], max_tokens=2)["conversation_id"]
+        runner, entered, let_go = built.engine.runner, threading.Event(), threading.Event()
+        launch = runner.launch
+
+        def held(plan: Any, feed: Any = None) -> Any:
+            entered.set()
+            let_go.wait(60)
+            return launch(plan, feed)
+
+        runner.launch = held
+        with ThreadPoolExecutor(1) as pool:
+            turn = pool.submit(chat, own.url, conversation_id=conv_id, message=CHAT[1],
+                               max_tokens=2)  # fmt: skip
+            assert entered.wait(30)
+            listed, _ = ask(own.url, subjects.CONVERSATIONS_LIST, {}, timeout=10)
+            got, _ = ask(own.url, subjects.CONVERSATIONS_GET, {"conversation_id": conv_id},
+                         timeout=10)  # fmt: skip
+            assert conv_id in listed[0]["conversations"] and got[0]["busy"] is True
+            let_go.set()
+            assert turn.result()["turn"] == 1
+        runner.launch = launch
+
+
 def test_a_restarted_server_continues_a_conversation_from_the_store(
     smollm2, smollm2_chat, reference, tmp_path
 ) -> None:
