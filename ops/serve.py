@@ -115,7 +115,8 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
     (time.monotonic()), for the start-up log."""
     provider = setup_tracing(options.trace)
     try:
-        options.data_dir.mkdir(parents=True, exist_ok=True)
+        # the store holds every prompt and reply: readable by this user only
+        options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         with ConversationStore(options.data_dir) as store, contextlib.ExitStack() as stack:
             url = options.nats_url
             if url is None:  # first, so a taken port fails before the model loads

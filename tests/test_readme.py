@@ -103,7 +103,8 @@ def test_the_client_example_runs_verbatim_against_serve_started_as_the_readme_sa
     for phase in ("nats-server listening on", "model smollm2 loaded in", "tokenizer ready in",
                   "engine ready in", "ready in", "turn 0 of"):  # fmt: skip
         assert phase in log.text, log.text
-    assert (tmp_path / "data" / "pensieve").is_dir()  # the README's default data directory
+    data_dir = tmp_path / "data" / "pensieve"  # the README's default data directory
+    assert data_dir.is_dir() and data_dir.stat().st_mode & 0o077 == 0  # this user's alone
 
 
 def test_the_readme_is_short_and_links_only_to_what_exists() -> None:
