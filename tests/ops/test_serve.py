@@ -615,7 +615,8 @@ def test_two_engines_on_one_bus_keep_each_conversation_where_its_kv_is(
             assert [t["message"] for t in stored["turns"]] == CHAT
             (listed,), _ = ask(bus.url, subjects.engine_subject(engine_id,
                                subjects.CONVERSATIONS_LIST), {})  # fmt: skip
-            assert listed == {"conversations": [owned[engine_id]], "engine_id": engine_id}
+            assert listed == {"conversations": [owned[engine_id]], "next_cursor": None,
+                              "engine_id": engine_id}  # fmt: skip
 
 
 def test_a_conversation_whose_engine_is_not_running_is_answered_unavailable_at_once(
