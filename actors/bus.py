@@ -26,15 +26,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from pensieve.actors.schemas import ApiError
+from pensieve.actors.schemas import ERROR_STATUS, ApiError
 
 logger = logging.getLogger(__name__)
 
 ERROR_HEADER = "Pensieve-Error"  # set to the error code on every error reply
 SERVICE_ERROR_HEADER = "Nats-Service-Error"  # the NATS service protocol's error headers
 SERVICE_ERROR_CODE_HEADER = "Nats-Service-Error-Code"
-ERROR_STATUS = {"invalid_request": 400, "not_found": 404, "too_long": 413, "overloaded": 429,
-                "unavailable": 503, "internal": 500}  # fmt: skip
 
 
 @dataclass

@@ -15,7 +15,10 @@ import orjson
 from pensieve.actors.tokenizer import ChatMessage
 from pensieve.store import validate_conversation_id
 
-ERROR_CODES = ("invalid_request", "not_found", "too_long", "overloaded", "unavailable", "internal")
+# every error code, with the HTTP-like status the NATS service error header carries for it
+ERROR_STATUS = {"invalid_request": 400, "not_found": 404, "too_long": 413, "overloaded": 429,
+                "unavailable": 503, "internal": 500}  # fmt: skip
+ERROR_CODES = tuple(ERROR_STATUS)
 ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 8
 MAX_TOKENS_LIMIT = 1 << 20

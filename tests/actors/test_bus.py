@@ -58,10 +58,3 @@ def test_an_answer_closed_after_its_connection_raises_nothing() -> None:
 
     with EmbeddedNats() as server:
         asyncio.run(go(server.url))
-
-
-def test_every_error_code_has_a_service_status() -> None:
-    from pensieve.actors.bus import ERROR_STATUS
-    from pensieve.actors.schemas import ERROR_CODES
-
-    assert set(ERROR_STATUS) == set(ERROR_CODES)

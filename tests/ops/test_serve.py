@@ -30,10 +30,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from benchmarks.bench_serve import LoadOptions, run_load
 from pensieve.actors import subjects
-from pensieve.actors.bus import ERROR_HEADER, ERROR_STATUS, Bus
+from pensieve.actors.bus import ERROR_HEADER, Bus
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import DEFAULTS, Policy
-from pensieve.actors.schemas import ApiError, parse_chat
+from pensieve.actors.schemas import ERROR_STATUS, ApiError, parse_chat
 from pensieve.actors.server import EngineThread
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
