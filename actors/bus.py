@@ -124,6 +124,28 @@ class Bus:
             await self.client.subscribe(subject, queue=queue, cb=on_message)
         )
 
+    async def mailbox(
+        self, subject: str, handler: Callable[[bytes, dict[str, str]], Awaitable[None]]
+    ) -> None:
+        """Take the messages on `subject` one at a time, in the order they came (nats-py awaits
+        a subscription's callback before it hands it the next message). A handler that raises
+        is logged and the mailbox goes on with the next message."""
+
+        async def on_message(msg: Msg) -> None:
+            try:
+                await handler(msg.data, dict(msg.headers or {}))
+            except Exception:
+                logger.exception("mailbox %s: a message failed", subject)
+
+        self._endpoint_subscriptions.append(
+            await self.client.subscribe(subject, cb=on_message, pending_msgs_limit=1 << 20)
+        )
+
+    async def publish(
+        self, subject: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> None:
+        await self.client.publish(subject, body, headers=headers)
+
     async def stop_serving(self) -> None:
         """Take no more requests: the endpoints' subscriptions go (other engines of the queue
         group take what comes next); requests already in hand go on."""

@@ -41,3 +41,27 @@ def owner(conversation_id: object) -> str | None:
         return None
     match = _OWNED_ID.fullmatch(conversation_id)
     return match.group(1) if match else None
+
+
+# ---- the engine's internal subjects: one namespace per engine, one branch per actor ---------
+
+INTERNAL = "pensieve.internal"
+ACTORS = ("ingress", "tokenizer", "scheduler", "recompute-planner", "executor", "swap-manager")
+
+
+def internal(engine_id: str, actor: str, verb: str) -> str:
+    """The subject on which `actor` of engine `engine_id` takes `verb` messages:
+    pensieve.internal.<engine>.<actor>.<verb>."""
+    if actor not in ACTORS:
+        raise ValueError(f"unknown actor {actor!r}; one of {', '.join(ACTORS)}")
+    return f"{INTERNAL}.{engine_id}.{actor}.{verb}"
+
+
+def actor_service(actor: str) -> str:
+    """The name an actor answers the NATS service protocol under (`$SRV.PING.<name>`)."""
+    return f"{SERVICE}-{actor}"
+
+
+def kv_events(engine_id: str) -> str:
+    """Where engine `engine_id` publishes what happened to its conversations' KV chunks."""
+    return f"{PREFIX}.engine.{engine_id}.kv"
