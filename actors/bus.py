@@ -262,6 +262,7 @@ class Bus:
             try:
                 await self.client.drain()
                 return
-            except nats.errors.Error as error:  # NATS went away while draining
+            except (nats.errors.Error, OSError) as error:  # NATS went away while draining
                 logger.warning("NATS drain failed: %s", error)
-        await self.client.close()
+        with contextlib.suppress(OSError):  # the socket may be gone with the server
+            await self.client.close()

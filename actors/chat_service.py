@@ -17,22 +17,28 @@ import logging
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 
+from pensieve.actors import tracing
 from pensieve.actors.engine import Engine
+from pensieve.actors.kv_events import SpillIndex
+from pensieve.actors.messages import KvEvent, KvEventKind
 from pensieve.actors.request import FinishReason, Request, SamplingParams, common_prefix
 from pensieve.actors.schemas import MAX_PAGE, PAGE_BYTES, ApiError, ChatRequest, Page, chat_reply
+from pensieve.actors.step_channel import ExecutorLost
 from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer, TextStream
 from pensieve.store import ConversationStore, StoreWriter, TurnRecord
+from pensieve.store.spill_index import SpillIndexWriter
 
 logger = logging.getLogger(__name__)
 FIRST_PAGE = Page(None, MAX_PAGE)
-tracer = trace.get_tracer("pensieve.chat")
 
 
 class TurnSink(Protocol):
@@ -50,6 +56,8 @@ class _Conversation:
     log: list[int]  # the token log as committed (prompt and reply of every finished turn)
     turns: int
     busy: bool = False
+    # its last finished turn's request span, which a trace of its KV leaving later links to
+    last_span: trace.SpanContext = trace.INVALID_SPAN_CONTEXT
 
 
 @dataclass(frozen=True)
@@ -125,6 +133,7 @@ class ChatService:
         writer: StoreWriter,
         max_waiting: int = 1024,
         new_id: Callable[[], str] = lambda: f"c-{uuid.uuid4().hex[:16]}",
+        publish_kv: Callable[[list[KvEvent]], None] | None = None,
     ) -> None:
         self.engine = engine
         self.chat = chat
@@ -138,6 +147,11 @@ class ChatService:
         self.num_reserved = 0  # turns reserved and not yet started: queued from their arrival
         self._deleting: set[str] = set()  # deleted here, not yet in the store
         self._closed: ApiError | None = None  # set by `close`: every new turn gets it
+        # the KV event plane: after each step the CPU tier's changes go to the LMDB spill index
+        # and every event to `publish_kv` (on this thread; the NATS shell sets it)
+        self.spills = SpillIndex(SpillIndexWriter(store, writer).update)
+        self.publish_kv = publish_kv
+        self.engine.take_kv_events()  # recording starts now, while the cache is empty
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -218,6 +232,8 @@ class ChatService:
             "pensieve.conversation_id": conv.conv_id,
             "pensieve.turn": conv.turns,
             "pensieve.prompt_tokens": len(prompt),
+            **genai_request(conv.conv_id, request, sampling),
+            "gen_ai.usage.input_tokens": len(prompt),
         })  # fmt: skip
 
     def get(self, conv_id: str, page: Page = FIRST_PAGE) -> dict[str, Any]:
@@ -259,6 +275,7 @@ class ChatService:
             raise ApiError("invalid_request", f"conversation {conv_id!r} has a turn in progress")
         self.conversations.pop(conv_id, None)
         self.engine.forget(conv_id)
+        self._pass_kv_events()
         # until the writer has deleted it, the store still holds it: no turn may load it again
         self._deleting.add(conv_id)
         deleted = self.writer.submit(self.store.delete, conv_id)
@@ -284,6 +301,7 @@ class ChatService:
 
     def step(self) -> None:
         outcome = self.engine.step()
+        self._pass_kv_events()
         finished = list(outcome.finished)
         for request_id in outcome.new_tokens:
             turn = self.turns.get(request_id)
@@ -300,7 +318,10 @@ class ChatService:
         recomputes its history and gives the output it would have given."""
         message = f"engine step failed ({type(error).__name__}: {error}); nothing was stored"
         self.engine.abort_all(message)
-        self.fail_all(ApiError("internal", f"{message}, send the turn again"))
+        self._pass_kv_events()
+        # a lost executor is the deployment's fault, not the turn's: worth sending again
+        code = "unavailable" if isinstance(error, ExecutorLost) else "internal"
+        self.fail_all(ApiError(code, f"{message}, send the turn again"))
 
     def close(self, error: ApiError) -> None:
         """Take no more turns, and answer every turn in flight with `error` (shutting down)."""
@@ -313,6 +334,30 @@ class ChatService:
             turn.conv.busy = False
             turn.sink.error(error)
         self.turns.clear()
+
+    def _pass_kv_events(self) -> None:
+        """The chunk events since the last call, to the spill index and the publisher."""
+        events = self.engine.take_kv_events()
+        if events:
+            self.spills.apply(events)
+            if self.publish_kv is not None:
+                self.publish_kv(events)
+            if tracing.enabled():
+                self._trace_kv_leaving(events)
+
+    def _trace_kv_leaving(self, events: Sequence[KvEvent]) -> None:
+        """Chunks of idle conversations swapped out or dropped, as spans linked to their last
+        turn (a running turn's own suspensions are on its trace already)."""
+        moved: dict[KvEventKind, Counter[str]] = {KvEventKind.SWAPPED_OUT: Counter(),
+                                                  KvEventKind.DROPPED: Counter()}  # fmt: skip
+        for event in events:
+            counts = moved.get(event.kind)
+            conv = self.conversations.get(event.conversation_id)
+            if counts is not None and not (conv is not None and conv.busy):
+                counts[event.conversation_id] += 1
+        if moved[KvEventKind.SWAPPED_OUT] or moved[KvEventKind.DROPPED]:
+            self.trace_evictions(dict(moved[KvEventKind.SWAPPED_OUT]),
+                                 dict(moved[KvEventKind.DROPPED]))  # fmt: skip
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -332,8 +377,11 @@ class ChatService:
         return _Conversation(conv_id, messages, log, len(records))
 
     def _trace(self, turn: _Turn, record: TurnRecord) -> None:
-        """The turn's phases as child spans of its request span ("prefill": from queued to the
-        first token, "decode": to the last), and where its prompt's KV came from as attributes."""
+        """The turn's outcome as attributes of its request span, and its phases as child spans,
+        each under the actor that ran it: "queued" (scheduler: from arrival to admission),
+        "prefill" (executor: to the first token), "decode" (executor: to the last); with
+        "kv.swap_in" (swap manager) if its history came back from the CPU tier and
+        "kv.plan_recompute" (recompute planner, at admission) if some of it is recomputed."""
         request, span = turn.request, turn.span
         span.set_attributes({
             "pensieve.cached_tokens.gpu": record.cached_gpu,
@@ -345,16 +393,54 @@ class ChatService:
             "pensieve.suspensions": request.num_suspensions,
             "pensieve.swapped_in_bytes": request.swapped_in_blocks * self.engine.block_bytes,
             "pensieve.swapped_out_bytes": request.swapped_out_blocks * self.engine.block_bytes,
+            "gen_ai.usage.output_tokens": len(request.output_ids),
+            "gen_ai.response.finish_reasons": (record.finish_reason,),
         })  # fmt: skip
-        if not span.is_recording():
-            return
+        turn.conv.last_span = span.get_span_context()
+        if span.is_recording():
+            self._trace_phases(request, record, trace.set_span_in_context(span))
+
+    def _trace_phases(self, request: Request, record: TurnRecord, parent: Context) -> None:
         offset = time.time_ns() - int(self.engine.clock() * 1e9)  # engine clock -> epoch ns
-        first = request.first_token_time or request.finish_time or request.arrival
+        admitted = request.admitted_at or request.arrival
+        first = request.first_token_time or request.finish_time or admitted
         finish = request.finish_time or first
-        parent = trace.set_span_in_context(span)
-        for name, start, end in (("prefill", request.arrival, first), ("decode", first, finish)):
-            child = tracer.start_span(name, context=parent, start_time=offset + int(start * 1e9))
+        phases: list[tuple[str, str, float, float, dict[str, int]]] = [
+            ("scheduler", "queued", request.arrival, admitted, {}),
+            ("executor", "prefill", admitted, first, {}),
+            ("executor", "decode", first, finish, {}),
+        ]
+        blocks = request.swapped_in_blocks
+        if blocks:
+            # the copies go out with the step that admits the turn and are done before its
+            # first token (a suspended turn's swap-ins on readmission count here too)
+            moved = {"pensieve.blocks": blocks, "pensieve.bytes": blocks * self.engine.block_bytes}
+            phases.append(("swap-manager", "kv.swap_in", admitted, first, moved))
+        if record.cached_recomputed:
+            planned = {"pensieve.recomputed_tokens": record.cached_recomputed}
+            phases.append(("recompute-planner", "kv.plan_recompute", admitted, admitted, planned))
+        for actor, name, start, end, attributes in phases:
+            start_ns = offset + int(start * 1e9)
+            child = tracing.tracer(actor).start_span(
+                name, parent, attributes=attributes, start_time=start_ns
+            )
             child.end(end_time=offset + int(end * 1e9))
+
+    def trace_evictions(
+        self, conv_ids_swapped_out: dict[str, int], conv_ids_dropped: dict[str, int]
+    ) -> None:
+        """Trace chunks of idle conversations leaving the GPU for the CPU tier
+        (`conv_ids_swapped_out`) or leaving the cache (`conv_ids_dropped`), each a conversation
+        id -> its number of chunks: one span per conversation under the swap manager, in a trace
+        of its own linked to the conversation's last turn (no link if it has none here)."""
+        manager = tracing.tracer("swap-manager")
+        for name, chunks in (("kv.swap_out", conv_ids_swapped_out), ("kv.drop", conv_ids_dropped)):
+            for conv_id, num_chunks in chunks.items():
+                conv = self.conversations.get(conv_id)
+                last = conv.last_span if conv is not None else trace.INVALID_SPAN_CONTEXT
+                links = [trace.Link(last)] if last.is_valid else []
+                attributes = {"pensieve.conversation_id": conv_id, "pensieve.chunks": num_chunks}
+                manager.start_span(name, Context(), links=links, attributes=attributes).end()
 
     def _follow_text(self, turn: _Turn) -> bool:
         """Stream what is safe to show and watch for stop strings; True if one ended the turn.
@@ -426,6 +512,22 @@ class ChatService:
                                          "the conversation is as before it"))  # fmt: skip
 
         future.add_done_callback(answer)
+
+
+def genai_request(conv_id: str, request: ChatRequest, sampling: SamplingParams) -> dict[str, Any]:
+    """The OpenTelemetry GenAI semantic-convention attributes of a chat request."""
+    attributes = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "pensieve",
+        "gen_ai.system": "pensieve",  # the older name of gen_ai.provider.name
+        "gen_ai.conversation.id": conv_id,
+        "gen_ai.request.max_tokens": request.max_tokens,
+        "gen_ai.request.temperature": request.temperature,
+        "gen_ai.request.top_p": request.top_p,
+    }
+    if sampling.seed is not None:  # the one sampled with, also when the service chose it
+        attributes["gen_ai.request.seed"] = sampling.seed
+    return attributes
 
 
 def _log_turn(conv_id: str, record: TurnRecord, request: Request) -> None:

@@ -7,6 +7,13 @@ import enum
 from dataclasses import dataclass
 
 
+class StepChannel(enum.Enum):
+    """How the engine reaches its model: the executor actor over the bus, or a direct call."""
+
+    NATS = "nats"  # step plans and tokens as messages to and from the executor actor
+    DIRECT = "direct"  # the scheduler calls the model in its own thread (no executor actor)
+
+
 @dataclass(frozen=True)
 class Defaults:
     """The engine's tunable defaults, in one place."""
@@ -20,6 +27,8 @@ class Defaults:
     max_waiting: int = 1024  # turns queued before `serve` answers "overloaded"
     nats_port: int = 4222  # the port `serve` starts its own nats-server on
     shutdown_grace_s: float = 20.0  # on SIGTERM, turns in flight get this long to finish
+    tokenizers: int = 2  # tokenizer replicas `serve` starts (a queue group on the bus)
+    step_channel: StepChannel = StepChannel.NATS
 
 
 DEFAULTS = Defaults()

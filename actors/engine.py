@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry import trace
-
+from pensieve.actors import tracing
 from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
-from pensieve.actors.executor import Launched, ModelRunner
+from pensieve.actors.executor import Launch, StepRunner
 from pensieve.actors.kv_manager import CostFn, KVCacheManager
+from pensieve.actors.messages import KvEvent
 from pensieve.actors.request import (
     Request,
     SamplingParams,
@@ -33,8 +33,6 @@ from pensieve.actors.request import (
 from pensieve.actors.scheduler import Scheduler, StepOutcome
 from pensieve.actors.step import StepPlan
 from pensieve.actors.swap import SwapStats
-
-tracer = trace.get_tracer("pensieve.engine")
 
 
 @dataclass(frozen=True)
@@ -80,7 +78,7 @@ class EngineTotals:
 class Engine:
     def __init__(
         self,
-        runner: ModelRunner,
+        runner: StepRunner,
         cache: CacheConfig,
         scheduling: SchedulerConfig,
         cost: CostFn,
@@ -97,7 +95,7 @@ class Engine:
         self._ids = itertools.count()
         self.last_timing: StepTiming | None = None
         self.overlap = overlap
-        self._inflight: Launched | None = None  # launched, its tokens not applied yet
+        self._inflight: Launch | None = None  # launched, its tokens not applied yet
 
     def add_request(self, conv_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
         request = Request(
@@ -132,11 +130,16 @@ class Engine:
     @property
     def block_bytes(self) -> int:
         """Bytes of one chunk's KV over every layer: what one swapped block moves."""
-        return self.runner.swap.block_bytes
+        return self.runner.block_bytes
 
     def swap_stats(self) -> SwapStats:
         """Swap totals since start, waiting for the copies still in flight."""
-        return self.runner.swap.collect_stats()
+        return self.runner.swap_stats()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """What happened to which chunk since the last call, in order (the KV event plane).
+        Recording starts with the first call: make it before the first step."""
+        return self.kv.take_events()
 
     def restore(self, conv_id: str, token_log: list[int]) -> None:
         """Adopt a conversation known only from its token log (after a restart): all of its KV
@@ -160,7 +163,7 @@ class Engine:
         conversation is kept as history with all chunks dropped (as after a restart), so its next
         turn recomputes the KV from its tokens and the output does not change.
         """
-        self.runner.swap.settle()
+        self.runner.settle()
         self._inflight = None
         now = self.clock()
         aborted = self.scheduler.abort_all(error, now)
@@ -226,7 +229,7 @@ class Engine:
         blocks); a consistent snapshot when called between steps, as the server does. Swap
         seconds count only copies the device has finished."""
         totals, kv = self.totals, self.kv
-        swaps = self.runner.swap.collect_stats(wait=False)
+        swaps = self.runner.swap_stats(wait=False)
         return {
             "policy": kv.config.policy.value,
             "steps": totals.steps,
@@ -253,6 +256,7 @@ class Engine:
                     "seconds": swaps.seconds_out,
                 },
             },
+            "device": dataclasses.asdict(self.runner.device_time()),
             "cache": {
                 "block_size": kv.config.block_size,
                 "conversations": len(kv.conversations),
@@ -274,11 +278,12 @@ class Engine:
             return StepOutcome(outcome.new_tokens, outcome.finished + rejected)
         return outcome
 
-    def _launch(self, plan: StepPlan) -> Launched:
+    def _launch(self, plan: StepPlan) -> Launch:
         orders = plan.orders
         if not (orders.swap_in or orders.swap_out or orders.evict_first):
             return self.runner.launch(plan, self._inflight)
-        with tracer.start_as_current_span("step") as span:  # a span for steps that move KV
+        # a span for steps that move KV, under the executor, which runs them
+        with tracing.tracer("executor").start_as_current_span("step") as span:
             span.set_attributes({
                 "pensieve.swap_in_blocks": len(orders.swap_in),
                 "pensieve.swap_out_blocks": len(orders.swap_out),

@@ -11,15 +11,17 @@ one runs, its decodes fed the tokens this one samples straight from the device (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from pensieve.actors.config import CacheConfig
 from pensieve.actors.cuda_graphs import DecodeGraphs
+from pensieve.actors.device_clock import DeviceClock, DeviceTime
 from pensieve.actors.request import PLACEHOLDER
 from pensieve.actors.sampler import sample_async
 from pensieve.actors.step import SeqPiece, StepPlan
-from pensieve.actors.swap import SwapEngine
+from pensieve.actors.swap import SwapEngine, SwapStats
 from pensieve.kernels import AttentionImpl, AttentionMetadata, build_metadata
 from pensieve.kernels.metadata import upload
 from pensieve.models.attention import PagedAttention, allocate_kv_caches
@@ -53,6 +55,40 @@ class Launched:
             return values
         rows = self.rows  # a request samples in at most one piece of a step
         return [values[rows[p.request_id]] for p in self.plan.pieces if p.sampling is not None]
+
+
+class Launch(Protocol):
+    """A step handed to an executor: its plan, and its sampled tokens once it has run."""
+
+    @property
+    def plan(self) -> StepPlan: ...
+
+    def result(self) -> list[int]:
+        """One sampled token per piece that samples, in plan order (waits for the step)."""
+        ...
+
+
+class StepRunner(Protocol):
+    """What the engine asks of an executor: the model here (`ModelRunner`) or an executor actor
+    over the bus (`actors.step_channel.RemoteRunner`); the engine cannot tell them apart."""
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def launch(self, plan: StepPlan, feed: Launch | None = None) -> Launch:
+        """Issue the plan's copies and forward; `feed` is the step launched just before, whose
+        sampled tokens fill this plan's PLACEHOLDER positions."""
+        ...
+
+    def settle(self) -> None:
+        """Wait for every copy in flight and forget the steps launched (after a failed step)."""
+        ...
+
+    def swap_stats(self, wait: bool = True) -> SwapStats: ...
+
+    def device_time(self) -> DeviceTime:
+        """Device time in steps and idle between them (see `actors/device_clock.py`)."""
+        ...
 
 
 def decodes_first(plan: StepPlan) -> StepPlan:
@@ -108,6 +144,7 @@ class ModelRunner:
             torch.empty((num_cpu, *c.shape[1:]), dtype=dtype, pin_memory=pin)
             for c in self.gpu_caches
         ]
+        self.clock = DeviceClock() if device.type == "cuda" else None
         self.swap = SwapEngine(
             self.gpu_caches, self.cpu_caches, out_dma=swap_out_dma, batched=swap_batched
         )
@@ -133,23 +170,39 @@ class ModelRunner:
             else None
         )
 
+    @property
+    def block_bytes(self) -> int:
+        return self.swap.block_bytes
+
+    def settle(self) -> None:
+        self.swap.settle()
+
+    def swap_stats(self, wait: bool = True) -> SwapStats:
+        return self.swap.collect_stats(wait=wait)
+
+    def device_time(self) -> DeviceTime:
+        return self.clock.read() if self.clock is not None else DeviceTime()
+
     def execute(self, plan: StepPlan) -> list[int]:
         """Run the plan; returns one sampled token per piece that samples, in plan order."""
         return self.launch(plan).result()
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, feed: Launched | None = None) -> Launched:
+    def launch(self, plan: StepPlan, feed: Launch | None = None) -> Launched:
         """Issue the plan's copies and forward. With greedy sampling the step may still be
         running when this returns: the host can work (or launch the next step) meanwhile.
 
         `feed`: the step issued just before, which samples the tokens this plan's PLACEHOLDER
         positions stand for."""
+        if feed is not None and not isinstance(feed, Launched):
+            raise TypeError("a ModelRunner is fed only by its own launches")
         if not plan.pieces:
             self.swap.issue(plan.orders)
             empty = torch.empty(0, dtype=torch.long)
             return Launched(plan, empty, empty, None)
         ordered = decodes_first(plan)  # the order the device runs; results keep `plan`'s
         executed = None if ordered is plan else ordered
+        began = self.clock.start() if self.clock is not None else None
         if self.graphs is not None and self.graphs.fits(ordered):
             self.swap.issue(ordered.orders, defer_out=True)
             logits = self._replay(self.graphs, ordered, feed)
@@ -167,6 +220,8 @@ class ModelRunner:
             return Launched(plan, tokens, tokens, None, executed)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
+        if self.clock is not None and began is not None:
+            self.clock.end(began, continues=feed is not None)
         ready = torch.cuda.Event()
         ready.record()
         return Launched(plan, tokens, host, ready, executed)

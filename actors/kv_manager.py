@@ -9,6 +9,9 @@ The manager decides which chunk lives where; the executor moves the bytes it is 
     changes, so the copy made when it was last swapped out stays valid after it comes back. Its
     next eviction from the GPU then copies nothing, and the CPU tier gives up a backed copy
     (which loses nothing) before it drops any chunk that lives only on the CPU.
+
+Every change of a chunk's place is recorded as a `KvEvent` (see `take_events`), so that a
+subscriber to the KV event plane can follow each conversation's chunks from tier to tier.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from collections.abc import Callable, Iterator
 from pensieve.actors.block_pool import BlockPool
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.kv_cache import Acquired, Chunk, ConversationKV, CopyOp, SwapOrders, Tier
+from pensieve.actors.messages import KvEvent, KvEventKind
 
 # seconds to recompute one chunk whose last position attends to l positions (its retention cost)
 CostFn = Callable[[int], float]
 # seconds a swap-out blocked by a CPU tier of higher-valued chunks waits before it is tried again
 # (sooner if the GPU's free count drops): values change only as idle time grows
 RETRY_S = 0.1
+Where = tuple[str, int]  # a chunk's conversation and index
 
 
 class OutOfBlocks(Exception):
@@ -53,6 +58,11 @@ class KVCacheManager:
         self._orders = SwapOrders()
         # when a swap-out was last blocked, and the GPU's free count then (see RETRY_S)
         self._blocked: tuple[float, int] | None = None
+        # which chunk owns each GPU block / CPU slot, so that an event can name a chunk reached
+        # through its block (reclaim, a CPU victim); an entry counts only while the block is owned
+        self._gpu_where: dict[int, Where] = {}
+        self._cpu_where: dict[int, Where] = {}
+        self._events: list[KvEvent] | None = None  # None: nobody takes them (see take_events)
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -98,6 +108,8 @@ class KVCacheManager:
         if not conv.chunks:
             conv.chunks = [Chunk() for _ in range(self.num_chunks(num_positions))]
             conv.num_positions = num_positions
+            for i, chunk in enumerate(conv.chunks):
+                self._emit(KvEventKind.DROPPED, (conv_id, i), chunk)
         return conv
 
     def take_orders(self) -> SwapOrders:
@@ -112,6 +124,12 @@ class KVCacheManager:
         self._backed.update(self._backed_next)
         self._backed_next.clear()
         return orders
+
+    def take_events(self) -> list[KvEvent]:
+        """The chunk events since the last call, in order. Recording starts with the first call
+        (a cache nobody takes events from keeps none): make it before anything is cached."""
+        events, self._events = self._events or [], []
+        return events
 
     # ---- admission and growth ------------------------------------------------------------
 
@@ -146,38 +164,43 @@ class KVCacheManager:
         conv.waiting_since = None
         self._pinned[conv.conv_id] = conv
         conv.maybe_on_gpu = True
-        for chunk in conv.chunks[: self.num_chunks(num_positions)]:
+        for i, chunk in enumerate(conv.chunks[: self.num_chunks(num_positions)]):
             if chunk.gpu_block is not None and not self._unreclaim(chunk):
                 self._free_cpu_copy(chunk)  # its swap-out was withdrawn: the copy never happened
+                self._emit(KvEventKind.CPU_FREED, (conv.conv_id, i), chunk)
         self._ensure_free_gpu(self.blocks_to_admit(conv, num_positions), now)
         gpu_tokens = cpu_tokens = swapped_in = 0
         recompute: list[tuple[int, int]] = []
         for i in range(self.num_chunks(num_positions)):
             if i == len(conv.chunks):
                 conv.chunks.append(Chunk())
-            chunk = conv.chunks[i]
+            chunk, where = conv.chunks[i], (conv.conv_id, i)
             start, end = self._known_range(conv, i)
             full = end - start == self.config.block_size  # else this turn writes into it
             if chunk.gpu_block is not None:
                 gpu_tokens += end - start
                 if chunk.cpu_slot is not None and not full:
                     self._free_cpu_copy(chunk)  # stale once the turn writes its tail
+                    self._emit(KvEventKind.CPU_FREED, where, chunk)
                 elif chunk.cpu_slot is not None and not self._is_backed(chunk):
                     self._backed[chunk.cpu_slot] = chunk  # its swap-out was issued earlier
             elif chunk.cpu_slot is not None:
-                chunk.gpu_block = self._take_gpu_block()
+                chunk.gpu_block = self._take_gpu_block(where)
                 self._orders.swap_in.append(CopyOp(chunk.gpu_block, chunk.cpu_slot))
                 if full:
                     self._backed_next[chunk.cpu_slot] = chunk  # read by this step's swap-in
                 else:
                     self._cpu_free_next.append(chunk.cpu_slot)  # read by this step's swap-in
                     chunk.cpu_slot = None
+                self._emit(KvEventKind.SWAPPED_IN, where, chunk)
                 cpu_tokens += end - start
                 swapped_in += 1
             else:
-                chunk.gpu_block = self._take_gpu_block()
+                chunk.gpu_block = self._take_gpu_block(where)
                 if end > start:
                     _extend(recompute, start, end)
+                kind = KvEventKind.RECOMPUTED if end > start else KvEventKind.STORED
+                self._emit(kind, where, chunk)
         return Acquired(gpu_tokens, cpu_tokens, tuple(recompute), swapped_in)
 
     def grow(self, conv: ConversationKV, num_positions: int, now: float) -> bool:
@@ -191,13 +214,17 @@ class KVCacheManager:
         except OutOfBlocks:
             return False
         for _ in range(missing):
-            conv.chunks.append(Chunk(gpu_block=self._take_gpu_block()))
+            where = (conv.conv_id, len(conv.chunks))
+            conv.chunks.append(Chunk(gpu_block=self._take_gpu_block(where)))
+            self._emit(KvEventKind.STORED, where, conv.chunks[-1])
         conv.maybe_on_gpu = True
         return True
 
     def truncate(self, conv: ConversationKV, num_positions: int) -> None:
         """Forget positions >= num_positions (their chunks are freed; a partial chunk stays)."""
         keep = self.num_chunks(num_positions)
+        if len(conv.chunks) > keep:
+            self._emit_removed(conv.conv_id, keep)
         for chunk in conv.chunks[keep:]:
             self._drop(chunk)
         del conv.chunks[keep:]
@@ -234,6 +261,8 @@ class KVCacheManager:
         conv = self.conversations.pop(conv_id, None)
         self._pinned.pop(conv_id, None)
         if conv is not None:
+            if conv.chunks:
+                self._emit_removed(conv_id, 0)
             for chunk in conv.chunks:
                 self._drop(chunk)
 
@@ -258,6 +287,8 @@ class KVCacheManager:
                 if chunk.cpu_slot in self._backed:
                     del self._backed[chunk.cpu_slot]
                     self._reclaimable[chunk.gpu_block] = chunk  # type: ignore[index]
+                    where = self._gpu_where[chunk.gpu_block]  # type: ignore[index]
+                    self._emit(KvEventKind.SWAPPED_OUT, where, chunk)
                     moved += 1
                 continue
             slot = self._take_cpu_slot(value, now)
@@ -386,15 +417,17 @@ class KVCacheManager:
         if self.gpu.num_free + len(self._reclaimable) < needed:
             raise OutOfBlocks(f"need {needed} GPU blocks, {self.gpu.num_free} free")
 
-    def _take_gpu_block(self) -> int:
+    def _take_gpu_block(self, where: Where) -> int:
+        """A block for the chunk at `where`: a free one, else the oldest reclaimable one."""
         block = self.gpu.allocate()
-        if block is not None:
-            return block
-        if not self._reclaimable:
-            raise OutOfBlocks("no free or reclaimable GPU block")
-        block, chunk = self._reclaimable.popitem(last=False)
-        chunk.gpu_block = None  # its data lives on in the CPU copy
-        self._orders.fence = True
+        if block is None:
+            if not self._reclaimable:
+                raise OutOfBlocks("no free or reclaimable GPU block")
+            block, chunk = self._reclaimable.popitem(last=False)
+            chunk.gpu_block = None  # its data lives on in the CPU copy
+            self._orders.fence = True
+            self._emit(KvEventKind.RECLAIMED, self._gpu_where[block], chunk)
+        self._gpu_where[block] = where
         return block
 
     def _evict_now(self, conv: ConversationKV, chunk: Chunk, slot: int | None) -> bool:
@@ -402,6 +435,7 @@ class KVCacheManager:
         is valid already), or drop it. True if a copy was ordered."""
         block = chunk.gpu_block
         assert block is not None and not self._reclaiming(chunk)
+        where = self._gpu_where[block]
         copied = False
         if slot is not None and slot == chunk.cpu_slot:
             self._backed.pop(slot, None)
@@ -409,10 +443,12 @@ class KVCacheManager:
         elif slot is not None:
             self._orders.evict_first.append(CopyOp(block, slot))
             chunk.cpu_slot = slot
+            self._cpu_where[slot] = where
             copied = True
         conv.maybe_on_cpu = conv.maybe_on_cpu or slot is not None
         chunk.gpu_block = None
         self.gpu.free(block)
+        self._emit(KvEventKind.DROPPED if slot is None else KvEventKind.SWAPPED_OUT, where, chunk)
         return copied
 
     def _take_cpu_slot(self, value: float | None, now: float) -> int | None:
@@ -423,6 +459,7 @@ class KVCacheManager:
         if self._backed:  # a copy of a chunk that lives on the GPU too: nothing is lost
             slot, chunk = self._backed.popitem(last=False)
             chunk.cpu_slot = None
+            self._emit(KvEventKind.CPU_FREED, self._cpu_where[slot], chunk)
             return slot
         if self._cpu_victims is None:  # one ranking per operation, consumed as it goes
             self._cpu_victims = self._cpu_candidates(now)
@@ -435,7 +472,9 @@ class KVCacheManager:
                 if value is not None and victim_value >= value:
                     self._cpu_victim_next = victim  # keep it for a later, higher-valued ask
                     return None
+                where = self._cpu_where[chunk.cpu_slot]
                 self._drop(chunk)
+                self._emit(KvEventKind.DROPPED, where, chunk)
                 return self.cpu.allocate()
             victim = next(self._cpu_victims, None)  # moved since it was ranked
         return None
@@ -446,6 +485,8 @@ class KVCacheManager:
         chunk.cpu_slot = slot
         conv.maybe_on_cpu = True
         self._reclaim_next[chunk.gpu_block] = chunk
+        self._cpu_where[slot] = self._gpu_where[chunk.gpu_block]
+        self._emit(KvEventKind.SWAPPED_OUT, self._cpu_where[slot], chunk)
 
     def _unreclaim(self, chunk: Chunk) -> bool:
         """A chunk whose block was waiting for reuse is needed again: keep the GPU copy.
@@ -486,15 +527,29 @@ class KVCacheManager:
             chunk.gpu_block = None
         self._free_cpu_copy(chunk)
 
+    def _emit(self, kind: KvEventKind, where: Where, chunk: Chunk) -> None:
+        """Record that the chunk at `where` changed (`kind`) and is now where `chunk` says."""
+        if self._events is not None:
+            conv_id, index = where
+            self._events.append(KvEvent(kind, conv_id, index, chunk.gpu_block, chunk.cpu_slot))
+
+    def _emit_removed(self, conv_id: str, index: int) -> None:
+        if self._events is not None:
+            self._events.append(KvEvent(KvEventKind.REMOVED, conv_id, index))
+
     def check_invariants(self) -> None:
         owned_gpu: dict[int, Chunk] = {}
         owned_cpu: dict[int, Chunk] = {}
         for conv in self.conversations.values():
-            for chunk in conv.chunks:
-                for block, owned in ((chunk.gpu_block, owned_gpu), (chunk.cpu_slot, owned_cpu)):
+            for i, chunk in enumerate(conv.chunks):
+                for block, owned, where in (
+                    (chunk.gpu_block, owned_gpu, self._gpu_where),
+                    (chunk.cpu_slot, owned_cpu, self._cpu_where),
+                ):
                     if block is not None:
                         assert block not in owned, f"block {block} owned twice"
                         owned[block] = chunk
+                        assert where.get(block) == (conv.conv_id, i), f"block {block}: wrong owner"
                 if conv.pinned:
                     assert chunk.tier is Tier.GPU, f"{conv.conv_id}: pinned chunk off the GPU"
                     assert not self._reclaiming(chunk), f"{conv.conv_id}: pinned chunk reclaimed"

@@ -9,6 +9,7 @@ and slots are plain integers.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, TypeVar
 
 import orjson
@@ -24,7 +25,9 @@ class MessageError(ValueError):
 
 def encode(message: object) -> bytes:
     """A message dataclass as bytes (tuples become lists, nested dataclasses objects)."""
-    return orjson.dumps({"v": VERSION, **dataclasses.asdict(message)})  # type: ignore[call-overload]
+    # orjson writes nested dataclasses itself; asdict would deep-copy every list first
+    fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}  # type: ignore[arg-type]
+    return orjson.dumps({"v": VERSION, **fields})
 
 
 def decode_fields(data: bytes, kind: str) -> dict[str, Any]:
@@ -53,7 +56,124 @@ def decode(data: bytes, cls: type[_M]) -> _M:
 # ---- tokenizer ------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class RenderRequest:
+    """To the tokenizer (`render`): the chat template over a whole conversation, ending with the
+    assistant's turn opening."""
+
+    messages: tuple[dict[str, str], ...]  # each exactly {"role": str, "content": str}
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.messages, list | tuple) or not all(
+            _is_chat_message(m) for m in self.messages
+        ):
+            raise MessageError("RenderRequest: messages must be a list of {role, content} strings")
+        object.__setattr__(self, "messages", tuple(self.messages))  # decoded, it is a list
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"v": VERSION, "messages": self.messages})
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderReply:
+    """From the tokenizer: the prompt's token ids."""
+
+    token_ids: list[int]
+
+    def __post_init__(self) -> None:
+        ids = self.token_ids
+        if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
+            raise MessageError("RenderReply: token_ids must be a list of integers")
+
+    def encode(self) -> bytes:
+        # not `encode(message)`: its `asdict` copies every id, a cost per token on the event loop
+        return orjson.dumps({"v": VERSION, "token_ids": self.token_ids})
+
+
+def _is_chat_message(message: object) -> bool:
+    return (
+        isinstance(message, dict)
+        and message.keys() == {"role", "content"}
+        and all(isinstance(value, str) for value in message.values())
+    )
+
+
 # ---- executor -------------------------------------------------------------------------------
 
 
 # ---- KV event plane -------------------------------------------------------------------------
+
+
+class KvEventKind(enum.Enum):
+    """What happened to a chunk of a conversation's KV."""
+
+    STORED = "stored"  # a new chunk got a GPU block: its KV is being computed
+    RECOMPUTED = "recomputed"  # a dropped chunk got a GPU block: its KV is computed again
+    SWAPPED_IN = "swapped_in"  # copied from its CPU slot into a GPU block
+    SWAPPED_OUT = "swapped_out"  # has a CPU copy; a GPU block it still holds is reused at will
+    RECLAIMED = "reclaimed"  # its GPU block went to another chunk; its CPU copy is left
+    CPU_FREED = "cpu_freed"  # its CPU copy was given up (stale, or the slot was needed)
+    DROPPED = "dropped"  # no copy anywhere: its positions are recomputed when next needed
+    REMOVED = "removed"  # the conversation's chunks from `index` on are forgotten (0: all)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvEvent:
+    """One chunk's change, and where the chunk is right after it: `gpu_block` and `cpu_slot`
+    (None: not in that tier). A chunk with both counts as on the GPU: a swapped-out chunk keeps
+    its block until the block is reused (lazy reclaim). A REMOVED event has neither."""
+
+    kind: KvEventKind
+    conversation_id: str
+    index: int  # chunk i holds positions [i * block_size, (i + 1) * block_size)
+    gpu_block: int | None = None
+    cpu_slot: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KvEventBatch:
+    """On `pensieve.v1.engine.<id>.kv`: one engine step's chunk events, in the order they
+    happened. `seq` numbers an engine process's batches 1, 2, 3, ... (a gap means batches were
+    lost); `time` is when the step ended, in Unix seconds."""
+
+    engine_id: str
+    seq: int
+    time: float
+    events: tuple[KvEvent, ...]
+
+
+def encode_kv_events(batch: KvEventBatch) -> bytes:
+    # orjson writes the events (dataclasses with an enum) itself: no Python per event on the
+    # engine thread, which encodes every batch
+    fields = {"engine_id": batch.engine_id, "seq": batch.seq, "time": batch.time}
+    return orjson.dumps({"v": VERSION, **fields, "events": batch.events})
+
+
+def decode_kv_events(data: bytes) -> KvEventBatch:
+    body = decode_fields(data, "KvEventBatch")
+    try:
+        events = tuple(_kv_event(fields) for fields in body.pop("events"))
+        batch = KvEventBatch(events=events, **body)
+    except (KeyError, TypeError, ValueError) as error:
+        raise MessageError(f"KvEventBatch: {error}") from None
+    if not (_is_int(batch.seq) and batch.seq >= 1 and isinstance(batch.engine_id, str)):
+        raise MessageError("KvEventBatch: engine_id must be a string and seq an integer >= 1")
+    if not isinstance(batch.time, int | float):
+        raise MessageError("KvEventBatch: time must be a number")
+    return batch
+
+
+def _kv_event(fields: Any) -> KvEvent:
+    if not isinstance(fields, dict):
+        raise ValueError("an event must be an object")
+    event = KvEvent(KvEventKind(fields.pop("kind", None)), **fields)
+    blocks = (event.gpu_block, event.cpu_slot)
+    if not (isinstance(event.conversation_id, str) and _is_int(event.index) and event.index >= 0):
+        raise ValueError("an event needs a conversation_id string and an index >= 0")
+    if not all(block is None or (_is_int(block) and block >= 0) for block in blocks):
+        raise ValueError("gpu_block and cpu_slot must be null or integers >= 0")
+    return event
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -85,6 +85,7 @@ class Request:
     swapped_out_blocks: int = 0
     finish_reason: FinishReason | None = None
     error: str | None = None
+    admitted_at: float | None = None  # when the scheduler first admitted it (queued until then)
     first_token_time: float | None = None
     finish_time: float | None = None
     # the block table of its conversation while running: pinned chunks never move, so it only

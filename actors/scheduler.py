@@ -244,6 +244,8 @@ class Scheduler:
                 new=len(target) - reuse,
             )
         request.swapped_in_blocks += acquired.swapped_in
+        if request.admitted_at is None:  # a suspended turn readmitted keeps its first admission
+            request.admitted_at = now
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.arrival)
         return True

@@ -5,21 +5,21 @@ every call into it runs on that thread, between steps, so none of them needs a l
 steps the engine while there is work and otherwise sleeps on its command queue.
 
 `ChatServer` answers the client API (`actors/subjects.py`) over the bus: it parses and validates
-requests on the event loop, renders the chat template on its tokenizer thread, hands the turn to
-the engine thread, and sends replies (or streamed deltas) back to the requester's inbox.
+requests on the event loop, has the chat template rendered by a tokenizer replica
+(`actors/tokenizer_actor.py`), hands the turn to the engine thread, and sends replies (or
+streamed deltas) back to the requester's inbox.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import gc
 import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import orjson
@@ -27,9 +27,11 @@ import torch
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from pensieve.actors import subjects
+from pensieve.actors import subjects, tracing
 from pensieve.actors.bus import Bus, Handler, Incoming, ServiceInfo
 from pensieve.actors.chat_service import ChatService
+from pensieve.actors.kv_events import KvEventStream
+from pensieve.actors.messages import KvEvent, encode_kv_events
 from pensieve.actors.schemas import (
     CONVERSATION_FIELDS,
     NO_FIELDS,
@@ -40,11 +42,10 @@ from pensieve.actors.schemas import (
     parse_get,
     parse_list,
 )
-from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
+from pensieve.actors.tokenizer_actor import RENDER_TIMEOUT_S, render_remote
 from pensieve.actors.version import version
 
 logger = logging.getLogger(__name__)
-tracer = trace.get_tracer("pensieve.server")
 
 _T = TypeVar("_T")
 _STOP = object()
@@ -111,19 +112,6 @@ class EngineThread:
                     self.service.fail_all(broken)
 
 
-_thread_tokenizer = threading.local()
-
-
-def _set_tokenizer(chat: ChatTokenizer) -> None:
-    _thread_tokenizer.chat = chat
-
-
-def render(messages: list[ChatMessage]) -> list[int]:
-    """The chat template over `messages`, on the tokenizer thread."""
-    chat: ChatTokenizer = _thread_tokenizer.chat
-    return chat.render(messages)
-
-
 class _Reply:
     """A turn's sink: forwards the engine thread's calls to the event loop as queue items."""
 
@@ -149,16 +137,8 @@ class ChatServer:
         self.bus = bus
         self.engine = engine
         self.engine_id = engine_id
-        # the tokenizer actor: one thread with a tokenizer of its own (a Rust tokenizer shared
-        # with the engine thread, which decodes replies, could refuse a concurrent borrow)
-        chat = engine.service.chat
-        own = ChatTokenizer(copy.deepcopy(chat.tokenizer), chat.vocab_size)
-        self.tokenizer = ThreadPoolExecutor(
-            1, thread_name_prefix="pensieve-tokenizer", initializer=_set_tokenizer, initargs=(own,)
-        )
-
-    def close(self) -> None:
-        self.tokenizer.shutdown(wait=True, cancel_futures=True)
+        self._kv_stream = KvEventStream(engine_id)  # this process's KV event batches
+        self._kv_sends: set[asyncio.Task[None]] = set()
 
     async def drain(self, grace_s: float) -> None:
         """Stop taking requests, give those in hand `grace_s` to finish, then answer what is
@@ -175,6 +155,7 @@ class ChatServer:
 
     async def start(self) -> None:
         """Answer the shared subjects and this engine's own (see `actors/subjects.py`)."""
+        await self._call(self._publish_kv_events, asyncio.get_running_loop())
         handlers: dict[str, Handler] = {
             subjects.CHAT: self._owned(subjects.CHAT, self._chat),
             subjects.CONVERSATIONS_GET: self._owned(subjects.CONVERSATIONS_GET, self._get),
@@ -190,6 +171,31 @@ class ChatServer:
             "stateful LLM serving: chat turns whose KV cache is kept across turns",
         ))  # fmt: skip
         await self.bus.flush()  # started means subscribed: a request sent now is answered
+
+    def _publish_kv_events(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine thread: from now on each step's KV events go out on this engine's KV
+        subject. A batch is numbered and encoded on the engine thread, in step order, and sent
+        from the event loop."""
+
+        def publish(events: list[KvEvent]) -> None:
+            body = encode_kv_events(self._kv_stream.batch(events))
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to send to
+                loop.call_soon_threadsafe(self._send_kv, body)
+
+        self.engine.service.publish_kv = publish
+
+    def _send_kv(self, body: bytes) -> None:
+        # tasks start in the order they are made, and each hands its message to the client
+        # before it first waits, so batches leave in sequence
+        task = asyncio.ensure_future(self._publish_kv(body))
+        self._kv_sends.add(task)
+        task.add_done_callback(self._kv_sends.discard)
+
+    async def _publish_kv(self, body: bytes) -> None:
+        try:
+            await self.bus.publish(subjects.kv_events(self.engine_id), body)
+        except Exception as error:  # shutting down: subscribers see the gap in seq
+            logger.debug("a KV event batch was not sent: %s", error)
 
     def _owned(self, subject: str, handler: Handler) -> Handler:
         """`handler` for the requests whose conversation lives here; the others are forwarded
@@ -218,8 +224,9 @@ class ChatServer:
 
     async def _chat(self, msg: Incoming) -> None:
         parent = propagate.extract(msg.headers)
-        with tracer.start_as_current_span(subjects.CHAT, context=parent, kind=SpanKind.SERVER,
-                                          record_exception=False) as span:  # fmt: skip
+        ingress = tracing.tracer("ingress")
+        with ingress.start_as_current_span(subjects.CHAT, context=parent, kind=SpanKind.SERVER,
+                                           record_exception=False) as span:  # fmt: skip
             try:
                 await self._chat_turn(msg, span)
             except ApiError as error:
@@ -232,13 +239,11 @@ class ChatServer:
         sink = _Reply(asyncio.get_running_loop())
         service = self.engine.service
         reservation = await self._call(service.reserve, request)
-        try:  # the chat template runs here, not between two engine steps
-            prompt = await asyncio.wrap_future(self.tokenizer.submit(render, reservation.messages))
-        except BaseException as error:
+        try:  # in a tokenizer replica (this engine's), not between two engine steps
+            prompt = await render_remote(self.bus, self.engine_id, reservation.messages,
+                                         RENDER_TIMEOUT_S)  # fmt: skip
+        except BaseException:  # a template's refusal is invalid_request, a lost replica unavailable
             self.engine.call(service.release, reservation)
-            if isinstance(error, Exception):  # the template's own checks (role order, ...)
-                raise ApiError("invalid_request", f"the chat template refused the messages: "
-                               f"{type(error).__name__}: {error}") from None  # fmt: skip
             raise
         await self._call(service.start, reservation, prompt, sink, span)
         while True:

@@ -109,6 +109,10 @@ def _server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         "tokens": moved(after["tokens"], before["tokens"]),
         "swaps": moved(after["swaps"], before["swaps"]),
     }
+    if "device" in after and "device" in before:  # device time in steps and idle between them
+        device = moved(after["device"], before["device"])
+        total = device["busy_s"] + device["idle_s"]
+        out["device"] = {**device, "idle_fraction": device["idle_s"] / total if total else None}
     for swap in out["swaps"].values():
         swap["gb_per_s"] = swap["bytes"] / swap["seconds"] / 1e9 if swap["seconds"] > 0 else None
     return out

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pensieve.actors.config import DEFAULTS, Policy
+from pensieve.actors.config import DEFAULTS, Policy, StepChannel
 from pensieve.actors.version import version
 
 DESCRIPTION = """Stateful LLM serving for multi-turn conversations: each conversation's KV cache
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     _replay_parser(commands)
     _serve_parser(commands)
+    _actor_parser(commands)
     commands.add_parser(
         "profile",
         help="measure what recomputing a chunk costs on this device (pensieve profile --help)",
@@ -122,7 +123,32 @@ def _serve_parser(commands: Any) -> None:
         formatter_class=HelpFormatter,
     )
     _engine_args(serve)
-    server = serve.add_argument_group("server")
+    _server_args(serve)
+    _log_arg(serve)
+    serve.set_defaults(run=_serve)
+
+
+def _actor_parser(commands: Any) -> None:
+    from pensieve.ops.actor_main import ACTOR_COMMANDS
+
+    actor = commands.add_parser(
+        "actor",
+        help="run one actor of an engine in this process (with the others on --nats-url)",
+        description="Run one actor of an engine, meeting the others on the NATS server at "
+        "--nats-url. Give every actor of one engine the same options (and --data-dir): "
+        "'executor' loads the model and its KV tiers and runs the step plans it is sent; "
+        "'scheduler' serves the client API and schedules the steps. Each waits for the others.",
+        formatter_class=HelpFormatter,
+    )
+    actor.add_argument("name", choices=ACTOR_COMMANDS, help="which actor")
+    _engine_args(actor)
+    _server_args(actor)
+    _log_arg(actor)
+    actor.set_defaults(run=_actor)
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    server = p.add_argument_group("server")
     server.add_argument(
         "--nats-port", type=int, metavar="PORT", default=DEFAULTS.nats_port,
         help="port of the nats-server started here, on 127.0.0.1",
@@ -140,17 +166,25 @@ def _serve_parser(commands: Any) -> None:
         help="turns queued for admission before new ones are refused as 'overloaded'",
     )  # fmt: skip
     server.add_argument(
+        "--tokenizers", type=int, metavar="N", default=DEFAULTS.tokenizers,
+        help="tokenizer replicas rendering chat templates (each a thread and a NATS connection)",
+    )  # fmt: skip
+    server.add_argument(
         "--shutdown-grace", type=float, default=DEFAULTS.shutdown_grace_s, metavar="S",
         help="on SIGINT/SIGTERM, seconds the turns in flight get to finish before they are "
         "answered 'unavailable'",
+    )  # fmt: skip
+    server.add_argument(
+        "--step-channel", default=DEFAULTS.step_channel.value,
+        choices=[c.value for c in StepChannel],
+        help="how the scheduler reaches the model: 'nats' runs it in an executor actor that "
+        "takes each step plan as a message on the bus; 'direct' calls it in-thread",
     )  # fmt: skip
     server.add_argument(
         "--trace", default="none", choices=["none", "console", "otlp"],
         help="OpenTelemetry spans: 'otlp' sends them to $OTEL_EXPORTER_OTLP_ENDPOINT "
         "(needs the otlp extra)",
     )  # fmt: skip
-    _log_arg(serve)
-    serve.set_defaults(run=_serve)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -282,17 +316,30 @@ def _positive(value: int | None, name: str) -> int | None:
 
 
 def _serve(args: argparse.Namespace, started: float) -> int:
-    from pensieve.ops.serve import ServeOptions, default_data_dir, serve
+    from pensieve.ops.serve import serve
 
-    options = ServeOptions(
+    return serve(engine_options(args), _serve_options(args), started)
+
+
+def _actor(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.actor_main import run_actor
+
+    return run_actor(args.name, engine_options(args), _serve_options(args), started)
+
+
+def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pensieve.ops.serve import ServeOptions, default_data_dir
+
+    return ServeOptions(
         data_dir=args.data_dir or default_data_dir(),
         nats_url=args.nats_url,
         nats_port=args.nats_port,
         max_waiting=args.max_waiting,
         trace=args.trace,
         shutdown_grace_s=args.shutdown_grace,
+        tokenizers=args.tokenizers,
+        step_channel=StepChannel(args.step_channel),
     )
-    return serve(engine_options(args), options, started)
 
 
 def _replay(args: argparse.Namespace, started: float) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -16,7 +17,8 @@ import torch
 from pensieve.actors.config import DEFAULTS, CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.cost_model import CostModel
 from pensieve.actors.engine import Engine
-from pensieve.actors.executor import ModelRunner
+from pensieve.actors.executor import ModelRunner, StepRunner
+from pensieve.actors.step_channel import RemoteRunner
 from pensieve.actors.tokenizer import ChatTokenizer
 from pensieve.models.config import ModelConfig
 from pensieve.models.loader import LoadedModel, ModelLoadError, load_model
@@ -106,6 +108,42 @@ def assemble(options: EngineOptions, loaded: LoadedModel, chat: ChatTokenizer) -
     dtype = DTYPES[options.dtype]
     cache = cache_config(options, loaded.config, device, dtype)
     runner = ModelRunner(loaded.model, cache, device, dtype)
+    return _around(runner, cache, options, loaded, chat)
+
+
+def load_config_only(options: EngineOptions) -> tuple[LoadedModel, ChatTokenizer]:
+    """The model's config and tokenizer without its weights (on the meta device): all that a
+    scheduler whose model runs in an executor actor elsewhere needs."""
+    loaded = load_model(options.model, "meta", DTYPES[options.dtype], seed=options.seed)
+    return loaded, ChatTokenizer(_tokenizer(options, loaded), loaded.config.vocab_size)
+
+
+def assemble_remote(
+    options: EngineOptions, loaded: LoadedModel, chat: ChatTokenizer, runner: RemoteRunner
+) -> Built:
+    """A fresh engine whose model runs in the executor actor behind `runner`, with the cache
+    that executor holds."""
+    info = runner.info
+    if info.block_size != options.block_size:
+        raise ValueError(
+            f"the executor's blocks hold {info.block_size} tokens, this scheduler's "
+            f"{options.block_size}: give both one --block-size"
+        )
+    cache = dataclasses.replace(
+        cache_config(options, loaded.config, torch.device("cpu"), DTYPES[options.dtype]),
+        num_gpu_blocks=info.num_gpu_blocks,
+        num_cpu_blocks=info.num_cpu_blocks,
+    )
+    return _around(runner, cache, options, loaded, chat)
+
+
+def _around(
+    runner: StepRunner,
+    cache: CacheConfig,
+    options: EngineOptions,
+    loaded: LoadedModel,
+    chat: ChatTokenizer,
+) -> Built:
     scheduling = SchedulerConfig(
         max_num_batched_tokens=options.max_batch_tokens,
         max_num_seqs=options.max_num_seqs,

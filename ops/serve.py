@@ -22,8 +22,12 @@ from pathlib import Path
 from pensieve.actors import subjects
 from pensieve.actors.bus import Bus
 from pensieve.actors.chat_service import ChatService
-from pensieve.actors.config import DEFAULTS
+from pensieve.actors.config import DEFAULTS, StepChannel
+from pensieve.actors.executor import ModelRunner
+from pensieve.actors.executor_actor import ExecutorActor
 from pensieve.actors.server import ChatServer, EngineThread
+from pensieve.actors.step_channel import connect_executor
+from pensieve.actors.tokenizer_actor import tokenizer_replicas
 from pensieve.ops.factory import Built, EngineOptions, build, cpu_threads, frozen_heap
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.telemetry import setup_tracing
@@ -40,12 +44,16 @@ class ServeOptions:
     max_waiting: int = DEFAULTS.max_waiting
     trace: str = "none"
     shutdown_grace_s: float = DEFAULTS.shutdown_grace_s
+    step_channel: StepChannel = DEFAULTS.step_channel
+    tokenizers: int = DEFAULTS.tokenizers
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
             raise ValueError("--max-waiting must be >= 1")
         if self.shutdown_grace_s < 0:
             raise ValueError("--shutdown-grace must be >= 0")
+        if self.tokenizers < 1:
+            raise ValueError("--tokenizers must be >= 1")
         if not 0 < self.nats_port < 65536:
             raise ValueError(f"--nats-port must be a TCP port, got {self.nats_port}")
 
@@ -63,10 +71,13 @@ async def serving(
     max_waiting: int = DEFAULTS.max_waiting,
     threads: int | None = None,
     shutdown_grace_s: float = DEFAULTS.shutdown_grace_s,
+    step_channel: StepChannel = DEFAULTS.step_channel,
+    tokenizers: int = DEFAULTS.tokenizers,
 ) -> AsyncIterator[ChatService]:
     """Serve the client API on `nats_url` while the context is open; a CPU engine steps on
-    `threads` PyTorch threads. On leaving, turns in flight get `shutdown_grace_s` to finish;
-    the rest are answered `unavailable`."""
+    `threads` PyTorch threads, its model behind an executor actor with `StepChannel.NATS`.
+    `tokenizers` replicas of the tokenizer actor render the chat templates. On leaving, turns in
+    flight get `shutdown_grace_s` to finish; the rest are answered `unavailable`."""
     store.clear_spills()  # the CPU tier does not survive a restart
     with StoreWriter() as writer:
         engine_id = store.engine_id()
@@ -76,22 +87,60 @@ async def serving(
 
         service = ChatService(built.engine, built.chat, built.loaded.config.max_context_len,
                               store, writer, max_waiting, new_id)  # fmt: skip
-        engine = EngineThread(service, threads)
+        async with contextlib.AsyncExitStack() as actors:
+            # an engine around a remote executor (`pensieve actor scheduler`) starts none here
+            if step_channel is StepChannel.NATS and isinstance(built.engine.runner, ModelRunner):
+                await actors.enter_async_context(
+                    executor_actor(built, nats_url, engine_id, threads)
+                )
+            await actors.enter_async_context(  # up before the ingress, down after it
+                tokenizer_replicas(nats_url, engine_id, built.chat, tokenizers)
+            )
+            async with _engine_serving(service, nats_url, engine_id, threads,
+                                       shutdown_grace_s) as served:  # fmt: skip
+                yield served
+
+
+@contextlib.asynccontextmanager
+async def executor_actor(
+    built: Built, nats_url: str, engine_id: str, threads: int | None
+) -> AsyncIterator[None]:
+    """The model behind an executor actor on the bus; the engine steps it through the
+    per-step channel (`actors/step_channel.py`) until the context closes."""
+    runner = built.engine.runner
+    if not isinstance(runner, ModelRunner):
+        raise TypeError("the engine's model already runs elsewhere")
+    async with ExecutorActor(await Bus.connect(nats_url), engine_id, runner, threads):
+        bus = await Bus.connect(nats_url)
+        remote = await connect_executor(bus, engine_id, timeout_s=30)
+        built.engine.runner = remote
         try:
-            bus = await Bus.connect(nats_url)
-            server = ChatServer(bus, engine, engine_id)
-            try:
-                await server.start()
-                yield service
-                await server.drain(shutdown_grace_s)
-            finally:
-                await bus.close()
-                server.close()
+            yield
         finally:
-            engine.stop()
+            built.engine.runner = runner
+            await remote.close()
+            await bus.close()
 
 
-async def _serve_until_signal(
+@contextlib.asynccontextmanager
+async def _engine_serving(
+    service: ChatService, nats_url: str, engine_id: str, threads: int | None, grace_s: float
+) -> AsyncIterator[ChatService]:
+    engine = EngineThread(service, threads)
+    try:
+        bus = await Bus.connect(nats_url)
+        server = ChatServer(bus, engine, engine_id)
+        try:
+            await server.start()
+            yield service
+            await server.drain(grace_s)
+        finally:
+            await bus.close()
+    finally:  # off the event loop: a step in hand may need it to reach the executor
+        await asyncio.to_thread(engine.stop)
+
+
+async def serve_until_signal(
     built: Built, store: ConversationStore, url: str, options: ServeOptions, started: float
 ) -> None:
     stop = asyncio.Event()
@@ -100,7 +149,8 @@ async def _serve_until_signal(
         loop.add_signal_handler(sig, stop.set)
     threads = cpu_threads(built.options)
     async with serving(built, store, url, options.max_waiting, threads,
-                       options.shutdown_grace_s):  # fmt: skip
+                       options.shutdown_grace_s, options.step_channel,
+                       options.tokenizers):  # fmt: skip
         own = subjects.engine_subject(store.engine_id(), ">")
         logger.info("ready in %.1f s", time.monotonic() - started)
         # the line clients and scripts wait for, whatever the log level
@@ -126,7 +176,7 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
                             time.monotonic() - begin)  # fmt: skip
             built = build(engine_options)
             with frozen_heap():
-                asyncio.run(_serve_until_signal(built, store, url, options, started))
+                asyncio.run(serve_until_signal(built, store, url, options, started))
         return 0
     finally:
         if provider is not None:

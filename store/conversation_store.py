@@ -193,16 +193,7 @@ class ConversationStore:
 
     def put_spills(self, entries: Iterable[tuple[str, int, int]]) -> None:
         """Record that chunk `chunk_index` of `conv_id` sits in CPU slot `slot` (overwrites)."""
-        rows = [
-            (_chunk_key(conv_id, chunk_index), codec.encode_slot(_check_slot(slot)))
-            for conv_id, chunk_index, slot in entries
-        ]
-
-        def apply(txn: lmdb.Transaction[bytes]) -> None:
-            for key, value in rows:
-                txn.put(key, value, db=self._spills)
-
-        self._transact(apply, write=True)
+        self.update_spills(entries, ())
 
     def remove_spills(self, entries: Iterable[tuple[str, int]]) -> int:
         """Forget the given chunks' CPU slots; returns how many entries existed."""
@@ -212,6 +203,24 @@ class ConversationStore:
             return sum(txn.delete(key, db=self._spills) for key in keys)
 
         return self._transact(apply, write=True)
+
+    def update_spills(
+        self, puts: Iterable[tuple[str, int, int]], removes: Iterable[tuple[str, int]]
+    ) -> None:
+        """`remove_spills(removes)` and `put_spills(puts)` in one transaction (one disk sync)."""
+        keys = [_chunk_key(conv_id, chunk_index) for conv_id, chunk_index in removes]
+        rows = [
+            (_chunk_key(conv_id, chunk_index), codec.encode_slot(_check_slot(slot)))
+            for conv_id, chunk_index, slot in puts
+        ]
+
+        def apply(txn: lmdb.Transaction[bytes]) -> None:
+            for key in keys:
+                txn.delete(key, db=self._spills)
+            for key, value in rows:
+                txn.put(key, value, db=self._spills)
+
+        self._transact(apply, write=True)
 
     def spills(self, conv_id: str) -> dict[int, int]:
         """chunk index -> CPU slot for the conversation's chunks in the CPU tier."""

@@ -2,7 +2,9 @@
 
 Each chunk's content is modelled as a tag (conversation, chunk index, positions filled). The test
 applies the manager's swap orders in the executor's order to simulated GPU and CPU memories, and
-checks that every chunk reads back its own tag from wherever the manager says it lives.
+checks that every chunk reads back its own tag from wherever the manager says it lives. Every
+check also rebuilds the tier map and the spill index from the manager's chunk events alone, and
+compares them with the manager's own.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.kv_cache import Chunk, SwapOrders, Tier
+from pensieve.actors.kv_events import KvEventStream, SpillChanges, SpillIndex, TierMap, snapshot
 from pensieve.actors.kv_manager import KVCacheManager, OutOfBlocks
 
 BLOCK = 4
@@ -27,6 +30,17 @@ class Simulation:
         self.cpu: dict[int, tuple] = {}
         self.running: dict[str, int] = {}  # conv -> target positions
         self.now = 0.0
+        self.kv.take_events()  # record from the start
+        self.stream, self.tier_map = KvEventStream("sim"), TierMap()
+        self.spilled: dict[tuple[str, int], int] = {}  # the spill index, as written
+        self.spills = SpillIndex(self.write_spills)
+
+    def write_spills(self, changes: SpillChanges) -> None:
+        for key, slot in changes.items():
+            if slot is None:
+                self.spilled.pop(key, None)
+            else:
+                self.spilled[key] = slot
 
     def tag(self, conv_id: str, index: int, num_positions: int) -> tuple:
         fill = min(BLOCK, num_positions - index * BLOCK)
@@ -51,6 +65,16 @@ class Simulation:
 
     def check(self) -> None:
         self.kv.check_invariants()
+        events = self.kv.take_events()
+        self.tier_map.apply(self.stream.batch(events))
+        assert self.tier_map.snapshot() == snapshot(self.kv)
+        self.spills.apply(events)
+        assert self.spilled == {
+            (conv.conv_id, i): chunk.cpu_slot
+            for conv in self.kv.conversations.values()
+            for i, chunk in enumerate(conv.chunks)
+            if chunk.cpu_slot is not None
+        }
         for conv in self.kv.conversations.values():
             for index, chunk in enumerate(conv.chunks):
                 if index * BLOCK >= conv.num_positions:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import orjson
 import pytest
@@ -85,6 +86,7 @@ def test_the_defaults_come_from_one_table() -> None:
     from pensieve.actors.config import DEFAULTS, CacheConfig, SchedulerConfig
     from pensieve.ops.cli import build_parser
     from pensieve.ops.factory import EngineOptions
+    from pensieve.ops.serve import ServeOptions
 
     args = build_parser().parse_args(["serve", "--model", "smollm2"])
     options = EngineOptions(model="smollm2")
@@ -97,6 +99,9 @@ def test_the_defaults_come_from_one_table() -> None:
     assert args.swap_out_threshold == options.swap_out_threshold == cache.swap_out_threshold
     assert args.block_size == options.block_size == cache.block_size == DEFAULTS.block_size
     assert args.nats_port == DEFAULTS.nats_port and args.max_waiting == DEFAULTS.max_waiting
+    assert args.tokenizers == ServeOptions(Path("data")).tokenizers == DEFAULTS.tokenizers
+    with pytest.raises(ValueError, match="--tokenizers"):
+        ServeOptions(Path("data"), tokenizers=0)
 
 
 def test_version() -> None:

@@ -1,0 +1,153 @@
+"""The GPU executor actor: runs the step plans the scheduler sends and answers their tokens.
+
+It hosts the model and, in the same process, the swap manager (`SwapEngine`: the GPU and CPU
+pools and the copy streams share the device's memory and events with the forward). Plans come
+through a mailbox, in order, and go to one worker thread that launches them on the device; a
+second thread waits for each launch's tokens and sends them back, so the worker can launch step
+N+1 (fed from step N's tokens on the device) while step N still runs.
+
+Subjects (`pensieve.internal.<engine>.executor.*`): `step` (plans and resets, a mailbox),
+`describe` (what cache this executor holds, asked by the scheduler when it starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import secrets
+import threading
+from typing import Any
+
+import torch
+
+from pensieve.actors.actor import Actor
+from pensieve.actors.bus import Incoming
+from pensieve.actors.executor import Launched, ModelRunner
+from pensieve.actors.messages import MessageError
+from pensieve.actors.step_channel import (
+    ExecutorInfo,
+    PlanDecoder,
+    StepMessage,
+    StepResult,
+    swap_fields,
+)
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class ExecutorActor(Actor):
+    name = "executor"
+    description = "runs the scheduler's step plans on the model and samples (and the swaps)"
+
+    def __init__(self, bus: Any, engine_id: str, runner: ModelRunner,
+                 cpu_threads: int | None = None) -> None:  # fmt: skip
+        super().__init__(bus, engine_id)
+        self.runner = runner
+        self.cpu_threads = cpu_threads
+        self.decoder = PlanDecoder()
+        self.incarnation = secrets.token_hex(6)  # this start of the executor: its KV
+        self._plans: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._launched: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._threads: list[threading.Thread] = []
+
+    def info(self) -> ExecutorInfo:
+        cache = self.runner.cache
+        return ExecutorInfo(self.incarnation, self.runner.block_bytes, cache.block_size,
+                            cache.num_gpu_blocks, cache.num_cpu_blocks)  # fmt: skip
+
+    async def setup(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._threads = [
+            threading.Thread(target=self._run, name="pensieve-executor", daemon=True),
+            threading.Thread(target=self._report, name="pensieve-executor-results", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+        await self.mailbox("step", self._on_step)
+        await self.serve("describe", self._describe)
+
+    async def teardown(self) -> None:
+        self._plans.put(_STOP)
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join)
+
+    async def _describe(self, msg: Incoming) -> None:
+        await msg.send(self.info().encode())
+
+    async def _on_step(self, data: bytes, headers: dict[str, str]) -> None:
+        try:
+            message = self.decoder.decode(data)
+        except MessageError as error:  # answered by the worker, in order with the steps
+            self._plans.put(error)
+            return
+        self._plans.put(message)
+
+    # ---- the worker threads ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Launch each plan as it comes; the launches of the last two steps feed the next."""
+        if self.cpu_threads is not None:
+            torch.set_num_threads(self.cpu_threads)
+        recent: dict[int, Launched] = {}
+        while True:
+            item = self._plans.get()
+            if item is _STOP:
+                self._launched.put(_STOP)
+                return
+            if item is None:  # a reset: the scheduler forgot every step in flight
+                recent.clear()
+                self._guard(self.runner.settle)
+                continue
+            if isinstance(item, MessageError):
+                logger.error("a step plan could not be read: %s", item)
+                continue
+            message: StepMessage = item
+            if message.to != self.incarnation:  # planned on KV that another executor held
+                stale = f"the step was planned for executor {message.to}, which is gone"
+                self._send(StepResult(message.step, [], stale, stale=True).encode())
+                continue
+            try:
+                feed = None if message.feed is None else recent[message.feed]
+                launched = self.runner.launch(message.plan, feed)
+            except Exception as error:
+                logger.exception("step %d failed", message.step)
+                self._launched.put((message.step, None, f"{type(error).__name__}: {error}"))
+                continue
+            self.runner.swap_stats(wait=False)  # folds in the timings of finished copies
+            recent = {k: v for k, v in recent.items() if k >= message.step - 1}
+            recent[message.step] = launched
+            self._launched.put((message.step, launched, None))
+
+    def _report(self) -> None:
+        """Send each step's tokens once the device has them."""
+        while True:
+            item = self._launched.get()
+            if item is _STOP:
+                return
+            step, launched, error = item
+            tokens: list[int] = []
+            if launched is not None:
+                try:
+                    tokens = launched.result()
+                except Exception as failure:
+                    error = f"{type(failure).__name__}: {failure}"
+            swaps = swap_fields(self.runner.swap.stats)
+            device = self.runner.device_time()  # the events it reads are on this step's stream
+            busy_idle = [device.busy_s, device.idle_s]
+            self._send(StepResult(step, tokens, error, swaps, device=busy_idle).encode())
+
+    def _send(self, body: bytes) -> None:
+        assert self._loop is not None
+        subject = self.subject("result", "scheduler")
+        asyncio.run_coroutine_threadsafe(self.bus.publish(subject, body), self._loop)
+
+    @staticmethod
+    def _guard(fn: Any) -> None:
+        try:
+            fn()
+        except Exception:
+            logger.exception("executor reset failed")

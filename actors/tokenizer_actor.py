@@ -1,0 +1,158 @@
+"""The tokenizer actor: chat templates rendered into prompt token ids by a queue group of
+stateless replicas.
+
+Subject `pensieve.internal.<engine>.tokenizer.render`, queue group `tokenizer`: a `RenderRequest`
+in, a `RenderReply` (or an error) back. NATS hands each request to one replica, so N replicas
+render N turns at once, and one that dies loses only the requests it held, which `render_remote`
+sends again. Each replica renders on a worker thread of its own with a tokenizer of its own (a
+Rust tokenizer refuses to be borrowed by two threads at once), so the event loop never waits on
+a template.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import time
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import orjson
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from pensieve.actors import subjects, tracing
+from pensieve.actors.actor import Actor
+from pensieve.actors.bus import Bus, Incoming
+from pensieve.actors.messages import MessageError, RenderReply, RenderRequest, decode
+from pensieve.actors.schemas import ERROR_CODES, ApiError
+from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
+
+RENDER = "render"
+RENDER_TIMEOUT_S = 30.0  # what the ingress gives one render, retries included
+# a request left unanswered this many times is given up: each waits a share of the time left
+MAX_SILENT_TRIES = 3
+_FIRST_PAUSE_S = 0.05  # after "no responders": doubled each time, at most _MAX_PAUSE_S
+_MAX_PAUSE_S = 1.0
+
+
+class TokenizerActor(Actor):
+    name = "tokenizer"
+    description = "renders chat templates into prompt token ids (one of N stateless replicas)"
+
+    def __init__(self, bus: Bus, engine_id: str, chat: ChatTokenizer) -> None:
+        super().__init__(bus, engine_id)
+        self.chat = ChatTokenizer(copy.deepcopy(chat.tokenizer), chat.vocab_size)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="pensieve-tokenizer")
+
+    async def setup(self) -> None:
+        await self.serve(RENDER, self._render)
+
+    async def teardown(self) -> None:
+        # a render still on the thread finishes there; nobody waits for its answer
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def _render(self, msg: Incoming) -> None:
+        parent = propagate.extract(msg.headers)
+        tracer = tracing.tracer(self.name)  # under the service pensieve-tokenizer
+        with tracer.start_as_current_span(
+            "tokenizer.render", context=parent, kind=SpanKind.SERVER, record_exception=False
+        ) as span:
+            try:
+                ids = await self._render_ids(msg.data)
+            except ApiError as error:
+                span.set_attribute("pensieve.error", error.code)
+                span.set_status(Status(StatusCode.ERROR, error.message))
+                raise
+            span.set_attribute("pensieve.prompt_tokens", len(ids))
+            await msg.send(RenderReply(ids).encode())
+
+    async def _render_ids(self, data: bytes) -> list[int]:
+        try:
+            request = decode(data, RenderRequest)
+        except MessageError as error:
+            raise ApiError("invalid_request", str(error)) from None
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._worker, self.chat.render, request.messages)
+        except Exception as error:  # the template's own checks (role order, ...)
+            raise ApiError("invalid_request", f"the chat template refused the messages: "
+                           f"{type(error).__name__}: {error}") from None  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def tokenizer_replicas(
+    url: str, engine_id: str, chat: ChatTokenizer, num_replicas: int
+) -> AsyncIterator[list[TokenizerActor]]:
+    """`num_replicas` tokenizer actors of engine `engine_id`, each on a NATS connection of its
+    own: subscribed when the context is entered, stopped (their renders in hand finished) when
+    it is left."""
+    async with contextlib.AsyncExitStack() as stack:
+        replicas = []
+        for _ in range(num_replicas):
+            bus = await Bus.connect(url, name="pensieve-tokenizer")
+            replica = TokenizerActor(bus, engine_id, chat)
+            stack.push_async_callback(replica.stop)
+            await replica.start()
+            replicas.append(replica)
+        yield replicas
+
+
+async def render_remote(
+    bus: Bus, engine_id: str, messages: Sequence[ChatMessage], timeout: float
+) -> list[int]:
+    """The prompt token ids of `messages`, rendered by one of engine `engine_id`'s tokenizer
+    replicas, in the caller's trace.
+
+    A request nobody answers is sent again, to whichever replica NATS picks then: one that went
+    unanswered (its replica died or hangs holding it) up to `MAX_SILENT_TRIES` times, one that
+    found no replica subscribed (all restarting, or reconnecting to NATS) after a short pause.
+    After `timeout` s in all: ApiError("unavailable"). A template that refuses the messages:
+    ApiError("invalid_request")."""
+    subject = subjects.internal(engine_id, TokenizerActor.name, RENDER)
+    body = RenderRequest(tuple(messages)).encode()
+    headers: dict[str, str] = {}
+    propagate.inject(headers)  # W3C traceparent: the replica's span is the caller's child
+    deadline = time.monotonic() + timeout
+    num_silent, pause = 0, _FIRST_PAUSE_S
+    while (left := deadline - time.monotonic()) > 0 and num_silent < MAX_SILENT_TRIES:
+        try:
+            answer = await _ask(bus, subject, body, left / (MAX_SILENT_TRIES - num_silent), headers)
+        except TimeoutError:
+            num_silent += 1
+            continue
+        except ConnectionError:
+            await asyncio.sleep(min(pause, left))
+            pause = min(2 * pause, _MAX_PAUSE_S)
+            continue
+        return _token_ids(answer)
+    raise ApiError("unavailable", f"no tokenizer of engine {engine_id} rendered the turn in "
+                   f"{timeout:.0f} s; send it again")  # fmt: skip
+
+
+async def _ask(
+    bus: Bus, subject: str, body: bytes, timeout: float, headers: dict[str, str]
+) -> bytes:
+    """One try: the first message of the answer (a render is answered in one)."""
+    async with contextlib.aclosing(bus.ask(subject, body, timeout, headers)) as answer:
+        return await anext(answer)
+
+
+def _token_ids(answer: bytes) -> list[int]:
+    try:
+        return decode(answer, RenderReply).token_ids
+    except MessageError as unreadable:  # an error body has no version: is it one?
+        raise _refusal(answer) or ApiError(
+            "internal", f"the tokenizer's answer could not be read: {unreadable}"
+        ) from None
+
+
+def _refusal(answer: bytes) -> ApiError | None:
+    """The error a replica answered with, if `answer` is an error body."""
+    with contextlib.suppress(orjson.JSONDecodeError):
+        body = orjson.loads(answer)
+        error = body.get("error") if isinstance(body, dict) else None
+        if isinstance(error, dict) and error.get("code") in ERROR_CODES:
+            return ApiError(error["code"], str(error.get("message", "")))
+    return None

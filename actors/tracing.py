@@ -1,0 +1,49 @@
+"""Each actor's tracer, through the OpenTelemetry API only.
+
+A turn's trace holds spans from every actor it crosses, each under the actor's own service
+(`pensieve-ingress`, `pensieve-executor`, ...), also where several actors share one process. A
+tracer provider carries one service name, so `ops.telemetry.setup_tracing` makes one provider
+per actor and installs their tracers here; until it does (or after its `shutdown`), every
+actor traces through the global API tracer, a no-op unless something else configured it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from opentelemetry import trace
+
+from pensieve.actors import subjects
+from pensieve.actors.version import version
+
+_tracers: dict[str, trace.Tracer] = {}  # replaced whole, never changed in place
+
+
+def tracer(actor: str) -> trace.Tracer:
+    """The tracer whose spans are `actor`'s (one of `subjects.ACTORS`)."""
+    found = _tracers.get(actor)
+    if found is not None:
+        return found
+    if actor not in subjects.ACTORS:
+        raise ValueError(f"unknown actor {actor!r}; one of {', '.join(subjects.ACTORS)}")
+    return trace.get_tracer(f"pensieve.{actor}")
+
+
+def enabled() -> bool:
+    """Whether spans go anywhere (callers skip work that only feeds spans otherwise)."""
+    return bool(_tracers)
+
+
+def install(providers: Mapping[str, trace.TracerProvider]) -> None:
+    """Trace each actor through its provider (every actor of `subjects.ACTORS` needs one)."""
+    global _tracers
+    missing = set(subjects.ACTORS) - set(providers)
+    if missing:
+        raise ValueError(f"no tracer provider for {', '.join(sorted(missing))}")
+    _tracers = {a: providers[a].get_tracer(f"pensieve.{a}", version()) for a in subjects.ACTORS}
+
+
+def uninstall() -> None:
+    """Back to the global API tracer for every actor."""
+    global _tracers
+    _tracers = {}

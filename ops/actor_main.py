@@ -1,0 +1,98 @@
+"""`pensieve actor NAME`: one actor of an engine in this process, meeting the others on a NATS
+server (`--nats-url`); each takes the model, cache and store options of `pensieve serve`, so one
+option list starts any of them, and each waits for the others rather than failing when it starts
+first. The engine is named by the store in `--data-dir`: give every actor of one engine the same.
+
+- `executor`: loads the model and holds the KV tiers (the swap manager lives here too); runs the
+  step plans it is sent.
+- `scheduler`: the client API (ingress) and the scheduler, with the tokenizer replicas; loads only
+  the model's config and tokenizer, and steps the executor over the bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+from pensieve.actors.bus import Bus
+from pensieve.actors.executor import ModelRunner
+from pensieve.actors.executor_actor import ExecutorActor
+from pensieve.actors.step_channel import connect_executor
+from pensieve.ops.factory import (
+    EngineOptions,
+    assemble_remote,
+    build,
+    cpu_threads,
+    frozen_heap,
+    load_config_only,
+)
+from pensieve.ops.serve import ServeOptions, serve_until_signal
+from pensieve.ops.telemetry import setup_tracing
+from pensieve.store import ConversationStore
+
+logger = logging.getLogger("pensieve")
+
+ACTOR_COMMANDS = ("executor", "scheduler")
+
+
+def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: float) -> int:
+    """Run actor `name` until SIGINT or SIGTERM."""
+    if options.nats_url is None:
+        raise ValueError("pensieve actor needs --nats-url: the actors of an engine meet there")
+    if name not in ACTOR_COMMANDS:
+        raise ValueError(f"unknown actor {name!r}; one of {', '.join(ACTOR_COMMANDS)}")
+    provider = setup_tracing(options.trace)
+    try:
+        options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with ConversationStore(options.data_dir) as store:
+            if name == "executor":
+                built = build(engine)
+                with frozen_heap():
+                    asyncio.run(_executor(built.engine.runner, options.nats_url,
+                                          store.engine_id(), cpu_threads(engine)))  # fmt: skip
+            else:
+                asyncio.run(_scheduler(engine, options, store, started))
+        return 0
+    finally:
+        if provider is not None:
+            provider.shutdown()
+
+
+def _on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _executor(runner: object, url: str, engine_id: str, threads: int | None) -> None:
+    assert isinstance(runner, ModelRunner)
+    stop = _on_signals()
+    async with ExecutorActor(await Bus.connect(url), engine_id, runner, threads):
+        print(f"pensieve: executor of engine {engine_id} ready on {url}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        await stop.wait()
+
+
+async def _scheduler(
+    engine: EngineOptions, options: ServeOptions, store: ConversationStore, started: float
+) -> None:
+    assert options.nats_url is not None
+    begin = time.monotonic()
+    loaded, chat = load_config_only(engine)
+    logger.info("model config and tokenizer ready in %.1f s", time.monotonic() - begin)
+    bus = await Bus.connect(options.nats_url)
+    try:
+        logger.info("waiting for the executor of engine %s", store.engine_id())
+        runner = await connect_executor(bus, store.engine_id(), timeout_s=24 * 3600)
+        try:
+            built = assemble_remote(engine, loaded, chat, runner)
+            await serve_until_signal(built, store, options.nats_url, options, started)
+        finally:
+            await runner.close()
+    finally:
+        await bus.close()

@@ -1,0 +1,192 @@
+"""Tracing: every actor under a service name of its own, one trace per turn with a span from each
+actor the turn crosses, the GenAI semantic-convention attributes on the request span, and a
+conversation's KV leaving linked to its last turn. The turns run on the real SmolLM2 through a
+`ChatService` (no NATS), with tiers small enough that history leaves the GPU."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from pensieve.actors import subjects, tracing
+from pensieve.actors.chat_service import ChatService
+from pensieve.actors.schemas import ApiError, parse_chat
+from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.telemetry import setup_tracing
+from pensieve.store import ConversationStore, StoreWriter
+
+LONG = " ".join(["Tell me about the history of Paris, its bridges, its museums and its food."] * 8)
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    installed = setup_tracing(exporter, engine_id="0123abcd")
+    assert installed is not None
+    yield exporter
+    installed.shutdown()
+
+
+def service_of(span: ReadableSpan) -> str:
+    return str(span.resource.attributes["service.name"])
+
+
+def attributes_of(span: ReadableSpan) -> dict[str, Any]:
+    return dict(span.attributes or {})
+
+
+def test_each_actor_traces_under_its_own_service(spans) -> None:
+    for actor in subjects.ACTORS:
+        tracing.tracer(actor).start_span(f"{actor} work").end()
+    by_name = {s.name: s.resource.attributes for s in spans.get_finished_spans()}
+    for actor in subjects.ACTORS:
+        resource = by_name[f"{actor} work"]
+        assert resource["service.name"] == f"pensieve-{actor}"
+        assert resource["service.instance.id"] == "0123abcd"
+        assert resource["service.version"]
+    with pytest.raises(ValueError, match="unknown actor"):
+        tracing.tracer("planner")
+
+
+def test_after_shutdown_the_actors_trace_nothing() -> None:
+    exporter = InMemorySpanExporter()
+    installed = setup_tracing(exporter)
+    assert installed is not None
+    installed.shutdown()
+    span = tracing.tracer("executor").start_span("step")
+    assert not span.is_recording()
+    span.end()
+    assert exporter.get_finished_spans() == ()
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.settled = threading.Event()
+        self.reply: dict[str, Any] | None = None
+
+    def delta(self, text: str) -> None:
+        pass
+
+    def done(self, reply: dict[str, Any]) -> None:
+        self.reply = reply
+        self.settled.set()
+
+    def error(self, error: ApiError) -> None:
+        self.settled.set()
+
+
+@pytest.fixture
+def service(smollm2, smollm2_chat, tmp_path: Path) -> Iterator[ChatService]:
+    # 8 GPU blocks and 3 CPU blocks of 32 tokens: three conversations of ~180 tokens each push
+    # the older ones' history to the CPU tier, and out of it
+    options = EngineOptions(model="smollm2", gpu_cache_tokens=256, cpu_cache_tokens=96,
+                            admission_reserve=0.0)  # fmt: skip
+    built = assemble(options, smollm2, smollm2_chat)
+    with ConversationStore(tmp_path) as store, StoreWriter() as writer:
+        yield ChatService(built.engine, built.chat, 4096, store, writer)
+
+
+def turn(service: ChatService, **body: Any) -> tuple[dict[str, Any], trace.SpanContext]:
+    """One turn under a request span made as the ingress makes it; its reply and span."""
+    reservation = service.reserve(parse_chat(orjson.dumps({"max_tokens": 4, **body})))
+    ingress = tracing.tracer("ingress")
+    with ingress.start_as_current_span(subjects.CHAT, kind=SpanKind.SERVER) as span:
+        sink = Sink()
+        service.start(reservation, service.chat.render(reservation.messages), sink, span)
+        while service.has_work():
+            service.step()
+        assert sink.settled.wait(30) and sink.reply is not None
+    return sink.reply, span.get_span_context()
+
+
+@pytest.mark.slow
+def test_a_turn_is_one_trace_across_the_actors_it_crosses(service, spans) -> None:
+    """A returning conversation whose history is partly on the CPU tier and partly dropped: its
+    turn's trace has spans from five actors, its swap-in among them; and the swap-out and the
+    drop of that history are spans linked to the turn before."""
+    firsts = [turn(service, message=f"({i}) {LONG}") for i in range(3)]
+    before = {reply["conversation_id"]: context for reply, context in firsts}
+    for conv_id in reversed(before):
+        reply, context = turn(service, conversation_id=conv_id, message="And of Italy?")
+        cached = reply["usage"]["cached_tokens"]
+        if cached["cpu"] and cached["recomputed"]:
+            break
+    else:
+        raise AssertionError("no turn brought history back from the CPU tier and recomputed")
+    spans_of_turn = [s for s in spans.get_finished_spans()
+                     if s.context.trace_id == context.trace_id]  # fmt: skip
+    assert {service_of(s) for s in spans_of_turn} == {
+        "pensieve-ingress", "pensieve-scheduler", "pensieve-recompute-planner",
+        "pensieve-executor", "pensieve-swap-manager",
+    }  # fmt: skip
+    by_name = {s.name: s for s in spans_of_turn}
+    request = by_name[subjects.CHAT]
+    assert request.context.span_id == context.span_id
+    for name in ("queued", "prefill", "decode", "kv.swap_in", "kv.plan_recompute"):
+        assert by_name[name].parent == context
+    assert service_of(by_name["queued"]) == "pensieve-scheduler"
+    assert service_of(by_name["prefill"]) == service_of(by_name["decode"]) == "pensieve-executor"
+    queued, prefill, decode = by_name["queued"], by_name["prefill"], by_name["decode"]
+    times = [request.start_time, queued.start_time, queued.end_time, prefill.start_time,
+             prefill.end_time, decode.start_time, decode.end_time, request.end_time]  # fmt: skip
+    assert times == sorted(times)  # type: ignore[type-var]
+    # queued until the scheduler admitted it, in the step after its arrival
+    assert queued.start_time < queued.end_time == prefill.start_time  # type: ignore[operator]
+
+    swap_in = attributes_of(by_name["kv.swap_in"])
+    block = service.engine.cache_config.block_size
+    assert swap_in["pensieve.blocks"] * block >= cached["cpu"] > 0
+    assert swap_in["pensieve.bytes"] == swap_in["pensieve.blocks"] * service.engine.block_bytes
+    planned = attributes_of(by_name["kv.plan_recompute"])
+    assert planned["pensieve.recomputed_tokens"] == cached["recomputed"]
+
+    evicted = {s.name for s in spans.get_finished_spans()
+               if attributes_of(s).get("pensieve.conversation_id") == conv_id
+               and [link.context for link in s.links] == [before[conv_id]]}  # fmt: skip
+    assert {"kv.swap_out", "kv.drop"} <= evicted, evicted
+
+
+@pytest.mark.slow
+def test_the_request_span_carries_the_genai_attributes(service, spans) -> None:
+    reply, context = turn(service, message="What is the capital of France?", max_tokens=6,
+                          temperature=0.7, top_p=0.9, seed=11)  # fmt: skip
+    request = next(s for s in spans.get_finished_spans() if s.context == context)
+    attributes = attributes_of(request)
+    assert attributes["gen_ai.operation.name"] == "chat"
+    assert attributes["gen_ai.provider.name"] == "pensieve"
+    assert attributes["gen_ai.conversation.id"] == reply["conversation_id"]
+    assert attributes["gen_ai.request.max_tokens"] == 6
+    assert attributes["gen_ai.request.temperature"] == 0.7
+    assert attributes["gen_ai.request.top_p"] == 0.9
+    assert attributes["gen_ai.request.seed"] == 11
+    assert attributes["gen_ai.usage.input_tokens"] == reply["usage"]["prompt_tokens"]
+    assert attributes["gen_ai.usage.output_tokens"] == reply["usage"]["completion_tokens"]
+    assert attributes["gen_ai.response.finish_reasons"] == (reply["finish_reason"],)
+
+
+@pytest.mark.slow
+def test_kv_leaving_an_idle_conversation_is_linked_to_its_last_turn(service, spans) -> None:
+    first, _ = turn(service, message="What is the capital of France?")
+    conv_id = first["conversation_id"]
+    _, last = turn(service, conversation_id=conv_id, message="And of Italy?")
+    service.trace_evictions({conv_id: 3}, {conv_id: 1, "c-unknown": 2})
+    evictions = {(s.name, attributes_of(s)["pensieve.conversation_id"]): s
+                 for s in spans.get_finished_spans() if s.name.startswith("kv.")}  # fmt: skip
+    assert set(evictions) == {("kv.swap_out", conv_id), ("kv.drop", conv_id),
+                              ("kv.drop", "c-unknown")}  # fmt: skip
+    for name, chunks in (("kv.swap_out", 3), ("kv.drop", 1)):
+        span = evictions[name, conv_id]
+        assert service_of(span) == "pensieve-swap-manager"
+        assert span.parent is None and span.context.trace_id != last.trace_id  # a trace of its own
+        assert [link.context for link in span.links] == [last]
+        assert attributes_of(span)["pensieve.chunks"] == chunks
+    assert evictions["kv.drop", "c-unknown"].links == ()  # no turn of it seen here
