@@ -5,8 +5,11 @@ first. The engine is named by the store in `--data-dir`: give every actor of one
 
 - `executor`: loads the model and holds the KV tiers (the swap manager lives here too); runs the
   step plans it is sent.
-- `scheduler`: the client API (ingress) and the scheduler, with the tokenizer replicas; loads only
-  the model's config and tokenizer, and steps the executor over the bus.
+- `scheduler`: the client API (ingress) and the scheduler, with `--tokenizers` tokenizer
+  replicas (0: none here); loads only the model's config and tokenizer, and steps the executor
+  over the bus.
+- `tokenizer`: `--tokenizers` replicas of the tokenizer actor (at least one); loads only the
+  tokenizer.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pensieve.actors.bus import Bus
 from pensieve.actors.executor import ModelRunner
 from pensieve.actors.executor_actor import ExecutorActor
 from pensieve.actors.step_channel import connect_executor
+from pensieve.actors.tokenizer_actor import tokenizer_replicas
 from pensieve.ops.factory import (
     EngineOptions,
     assemble_remote,
@@ -35,7 +39,7 @@ from pensieve.store import ConversationStore
 
 logger = logging.getLogger("pensieve")
 
-ACTOR_COMMANDS = ("executor", "scheduler")
+ACTOR_COMMANDS = ("executor", "scheduler", "tokenizer")
 
 
 def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: float) -> int:
@@ -53,6 +57,9 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
                 with frozen_heap():
                     asyncio.run(_executor(built.engine.runner, options.nats_url,
                                           store.engine_id(), cpu_threads(engine)))  # fmt: skip
+            elif name == "tokenizer":
+                asyncio.run(_tokenizer(engine, options.nats_url, store.engine_id(),
+                                       max(1, options.tokenizers)))  # fmt: skip
             else:
                 asyncio.run(_scheduler(engine, options, store, started))
         return 0
@@ -75,6 +82,15 @@ async def _executor(runner: object, url: str, engine_id: str, threads: int | Non
     async with ExecutorActor(await Bus.connect(url), engine_id, runner, threads):
         print(f"pensieve: executor of engine {engine_id} ready on {url}", file=sys.stderr,
               flush=True)  # fmt: skip
+        await stop.wait()
+
+
+async def _tokenizer(engine: EngineOptions, url: str, engine_id: str, replicas: int) -> None:
+    _, chat = load_config_only(engine)
+    stop = _on_signals()
+    async with tokenizer_replicas(url, engine_id, chat, replicas):
+        print(f"pensieve: {replicas} tokenizer replica(s) of engine {engine_id} ready on {url}",
+              file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
 
 

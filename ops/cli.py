@@ -167,7 +167,8 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     server.add_argument(
         "--tokenizers", type=int, metavar="N", default=DEFAULTS.tokenizers,
-        help="tokenizer replicas rendering chat templates (each a thread and a NATS connection)",
+        help="tokenizer replicas rendering chat templates here (0: they run as `pensieve actor "
+        "tokenizer` elsewhere)",
     )  # fmt: skip
     server.add_argument(
         "--shutdown-grace", type=float, default=DEFAULTS.shutdown_grace_s, metavar="S",

@@ -52,8 +52,8 @@ class ServeOptions:
             raise ValueError("--max-waiting must be >= 1")
         if self.shutdown_grace_s < 0:
             raise ValueError("--shutdown-grace must be >= 0")
-        if self.tokenizers < 1:
-            raise ValueError("--tokenizers must be >= 1")
+        if self.tokenizers < 0:
+            raise ValueError("--tokenizers must be >= 0 (0: tokenizer actors run elsewhere)")
         if not 0 < self.nats_port < 65536:
             raise ValueError(f"--nats-port must be a TCP port, got {self.nats_port}")
 

@@ -1,8 +1,9 @@
-"""`pensieve actor`: the scheduler and the executor in processes of their own, meeting on a real
-nats-server, with the real SmolLM2 on the CPU. Each conversation's greedy tokens equal those of
-the stateless in-process reference, also across an executor killed with SIGKILL and started
-again (its KV is gone: the history is recomputed) and a scheduler killed and started again (it
-continues from the store)."""
+"""`pensieve actor`: the scheduler, the executor and two tokenizer replicas in processes of
+their own, meeting on a real nats-server, with the real SmolLM2 on the CPU. Each conversation's
+greedy tokens equal those of the stateless in-process reference, also across a tokenizer replica
+killed with SIGKILL (the other renders), an executor killed and started again (its KV is gone:
+the history is recomputed) and a scheduler killed and started again (it continues from the
+store)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,10 @@ class Actor:
     """`pensieve actor NAME` in a subprocess; its stderr is read for the line it announces."""
 
     def __init__(self, name: str, url: str, data_dir: Path) -> None:
+        # the scheduler renders nothing itself: the tokenizer actors do, in processes of their own
+        tokenizers = ["--tokenizers", "1" if name == "tokenizer" else "0"]
         command = [sys.executable, "-m", "pensieve.ops.cli", "actor", name, *OPTIONS,
-                   "--nats-url", url, "--data-dir", str(data_dir)]  # fmt: skip
+                   *tokenizers, "--nats-url", url, "--data-dir", str(data_dir)]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
@@ -117,8 +120,10 @@ def test_killed_actors_rejoin_and_every_turn_keeps_its_tokens(reference, tmp_pat
         scheduler = Actor("scheduler", url, tmp_path)
         scheduler.wait_for("waiting for the executor")
         executor = Actor("executor", url, tmp_path)
+        tokenizers = [Actor("tokenizer", url, tmp_path) for _ in range(2)]
         try:
-            executor.wait_for("ready on")
+            for actor in (executor, *tokenizers):
+                actor.wait_for("ready on")
             scheduler.wait_for("serving on")
             first = ask(url, {"message": CHAT[0], "max_tokens": MAX_TOKENS})
             conv = first["conversation_id"]
@@ -127,6 +132,7 @@ def test_killed_actors_rejoin_and_every_turn_keeps_its_tokens(reference, tmp_pat
             assert [first["token_ids"], second["token_ids"]] == reference[:2], (first, second)
             assert second["usage"]["cached_tokens"]["gpu"] > 0  # the executor kept the KV
 
+            tokenizers[0].kill()  # the other replica renders the turns from here
             executor.kill()
             refused = ask(url, {"conversation_id": conv, "message": CHAT[2],
                                 "max_tokens": MAX_TOKENS})  # fmt: skip
@@ -147,5 +153,6 @@ def test_killed_actors_rejoin_and_every_turn_keeps_its_tokens(reference, tmp_pat
             assert fourth.get("token_ids") == reference[3], fourth
             assert fourth["turn"] == 3
         finally:
-            codes = [scheduler.stop(), executor.stop()]
-    assert codes == [0, 0], scheduler.lines[-20:] + executor.lines[-20:]
+            codes = [scheduler.stop(), executor.stop(), tokenizers[1].stop()]
+            tokenizers[0].stop()
+    assert codes == [0, 0, 0], scheduler.lines[-20:] + executor.lines[-20:]

@@ -101,7 +101,7 @@ def test_the_defaults_come_from_one_table() -> None:
     assert args.nats_port == DEFAULTS.nats_port and args.max_waiting == DEFAULTS.max_waiting
     assert args.tokenizers == ServeOptions(Path("data")).tokenizers == DEFAULTS.tokenizers
     with pytest.raises(ValueError, match="--tokenizers"):
-        ServeOptions(Path("data"), tokenizers=0)
+        ServeOptions(Path("data"), tokenizers=-1)
 
 
 def test_version() -> None:

@@ -34,29 +34,48 @@ def _ports(service: dict[str, Any]) -> set[int]:
     return {int(p.split(":")[-1]) for p in service.get("ports", [])}
 
 
+ACTORS = ("executor", "scheduler", "tokenizer")
+
+
 @pytest.mark.parametrize("files", [["compose.yaml"], ["compose.yaml", "ops/compose.gpu.yaml"]])
-def test_the_engine_command_is_one_the_cli_accepts(files: list[str]) -> None:
-    engine: dict[str, Any] = {}
+def test_each_actor_service_runs_that_actor_with_options_the_cli_accepts(files: list[str]) -> None:
+    services: dict[str, dict[str, Any]] = {name: {} for name in ACTORS}
     for name in files:  # an override replaces the keys it names
-        engine.update(_load(name)["services"]["engine"])
-    args = build_parser().parse_args(_command(engine))
-    assert args.run.__name__ == "_serve"
-    assert args.trace == "otlp" and str(args.data_dir) == "/data"
-    assert args.device == ("cuda" if len(files) == 2 else "cpu")
+        for actor, service in _load(name)["services"].items():
+            services.setdefault(actor, {}).update(service)
+    gpu = len(files) == 2
+    for actor in ACTORS:
+        args = build_parser().parse_args(_command(services[actor]))
+        assert args.run.__name__ == "_actor" and args.name == actor
+        assert args.trace == "otlp" and str(args.data_dir) == "/data"
+        assert args.device == ("cuda" if gpu else "cpu")
+    # the engine's tokenizers are their own service; only the executor holds the GPU
+    assert _command(services["scheduler"])[:4] == ["actor", "scheduler", "--tokenizers", "0"]
+    assert services["tokenizer"]["deploy"]["replicas"] == 2
+    holding = [a for a in ACTORS if "resources" in services[a].get("deploy", {})]
+    assert holding == (["executor"] if gpu else [])
 
 
-def test_the_services_point_at_each_other() -> None:
+def test_the_services_point_at_each_other_on_one_store() -> None:
     services = _load("compose.yaml")["services"]
-    engine = services["engine"]
-    args = build_parser().parse_args(_command(engine))
-    host, port = args.nats_url.removeprefix("nats://").split(":")
-    assert host in services and int(port) in _ports(services[host])
-    collector = engine["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
-    host, port = collector.removeprefix("http://").split(":")
-    assert host in services and int(port) in _ports(services[host])
-    assert set(engine["depends_on"]) == {"nats", "jaeger"}
-    assert any(v.endswith(":/data") for v in engine["volumes"])  # the LMDB store outlives it
-    assert engine["build"]["dockerfile"] == "ops/Dockerfile"
+    for actor in ACTORS:
+        service = services[actor]
+        args = build_parser().parse_args(_command(service))
+        host, port = args.nats_url.removeprefix("nats://").split(":")
+        assert host in services and int(port) in _ports(services[host])
+        collector = service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        host, port = collector.removeprefix("http://").split(":")
+        assert host in services and int(port) in _ports(services[host])
+        assert set(service["depends_on"]) == {"nats", "jaeger"}
+        # one volume: its store names the engine every actor belongs to, and outlives them
+        assert service["volumes"] == ["pensieve-data:/data"]
+        assert service["build"]["dockerfile"] == "ops/Dockerfile"
+
+
+def test_published_ports_are_bound_to_loopback() -> None:
+    for service in _load("compose.yaml")["services"].values():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), port
 
 
 def test_the_image_copies_every_package_folder() -> None:
