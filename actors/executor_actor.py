@@ -26,6 +26,7 @@ from pensieve.actors.bus import Incoming
 from pensieve.actors.executor import Launched, ModelRunner
 from pensieve.actors.messages import MessageError
 from pensieve.actors.step_channel import (
+    UNKNOWN_STEP,
     ExecutorInfo,
     PlanDecoder,
     StepMessage,
@@ -102,8 +103,10 @@ class ExecutorActor(Actor):
                 recent.clear()
                 self._guard(self.runner.settle)
                 continue
-            if isinstance(item, MessageError):
+            if isinstance(item, MessageError):  # which step it was is unknown: fail them all
                 logger.error("a step plan could not be read: %s", item)
+                self._send(StepResult(UNKNOWN_STEP, [], f"a step plan could not be read: {item}")
+                           .encode())  # fmt: skip
                 continue
             message: StepMessage = item
             if message.to != self.incarnation:  # planned on KV that another executor held

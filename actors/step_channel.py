@@ -38,6 +38,7 @@ from pensieve.actors.swap import SwapStats
 logger = logging.getLogger(__name__)
 
 _SAME = 1  # a sampling piece of a request whose parameters the executor holds already
+UNKNOWN_STEP = 0  # the step of a result to a plan the executor could not read (steps start at 1)
 
 
 @dataclass
@@ -345,6 +346,11 @@ class RemoteRunner:
         self._swaps = result.swap_stats()
         if result.device:
             self._device = DeviceTime(*result.device)
+        if result.step == UNKNOWN_STEP:  # every step in flight is suspect: the engine resets
+            for suspect in list(self._pending.values()):
+                with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled
+                    suspect.future.set_exception(RuntimeError(f"executor: {result.error}"))
+            return
         launched = self._pending.pop(result.step, None)
         if launched is None or launched.future.cancelled():
             return  # a step forgotten by `settle`

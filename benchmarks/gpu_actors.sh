@@ -6,6 +6,7 @@
 #   direct  this build, `--step-channel direct`: the scheduler calls the model in its own thread
 #   nats    this build, every actor in one process, step plans to the executor actor over NATS
 #   procs   this build, `pensieve actor executor` and `pensieve actor scheduler` in two processes
+#   nats-tN as nats, with N tokenizer replicas
 #
 #   bash benchmarks/gpu_actors.sh OUT_DIR [CONCURRENCY ...]    (default: 64 128)
 #
@@ -57,6 +58,7 @@ for variant in "${variants[@]}"; do
             before) serve=(serve) ;;
             direct) serve=(serve --step-channel direct) ;;
             nats) serve=(serve --step-channel nats) ;;
+            nats-t*) serve=(serve --step-channel nats --tokenizers "${variant#nats-t}") ;;
             procs)
                 nats-server -a 127.0.0.1 -p "$port" > "$logs/nats.txt" 2>&1 &
                 pids+=($!)

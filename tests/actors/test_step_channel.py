@@ -155,3 +155,28 @@ def test_the_scheduler_waits_for_an_executor_that_starts_later() -> None:
             return runner.block_bytes
 
     assert asyncio.run(late()) == build(OPTIONS).engine.block_bytes
+
+
+def test_a_plan_the_executor_cannot_read_fails_the_steps_in_flight() -> None:
+    """Which step an unreadable plan was is unknown: every step in flight fails, so the engine
+    resets instead of waiting for an answer that never comes."""
+
+    async def unreadable() -> str:
+        built = build(OPTIONS)
+        with EmbeddedNats() as nats:
+            async with ExecutorActor(await Bus.connect(nats.url), "e3", built.engine.runner):
+                bus = await Bus.connect(nats.url)
+                runner = await connect_executor(bus, "e3", timeout_s=10)
+                # the plan leaves as a message without its pieces
+                runner.encoder.encode = lambda *_: b'{"v": 1, "kind": "step"}'  # type: ignore[method-assign]
+                launched = runner.launch(_plans()[0])
+                try:
+                    await asyncio.to_thread(launched.result)
+                except RuntimeError as error:
+                    return str(error)
+                finally:
+                    await runner.close()
+                    await bus.close()
+        return "answered"
+
+    assert "could not be read" in asyncio.run(unreadable())
