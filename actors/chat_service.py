@@ -9,6 +9,10 @@ stateless client that resends its history (`messages`) hits the cache as well.
 
 Finished turns are committed to the LMDB store by the store writer thread; the reply is sent once
 the commit is durable.
+
+A conversation lives until it is deleted: by the client, or by `expire` once it has been idle
+past its TTL (`ExpiryConfig`). A final turn ends it: its KV goes at once, and it takes no more
+turns.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from pensieve.actors import tracing
+from pensieve.actors.config import ExpiryConfig
 from pensieve.actors.engine import Engine
 from pensieve.actors.kv_events import SpillIndex
 from pensieve.actors.messages import KvEvent, KvEventKind
@@ -34,7 +39,7 @@ from pensieve.actors.request import FinishReason, Request, SamplingParams, commo
 from pensieve.actors.schemas import MAX_PAGE, PAGE_BYTES, ApiError, ChatRequest, Page, chat_reply
 from pensieve.actors.step_channel import ExecutorLost
 from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer, TextStream
-from pensieve.store import ConversationStore, StoreWriter, TurnRecord
+from pensieve.store import ConversationMeta, ConversationStore, StoreWriter, TurnRecord
 from pensieve.store.spill_index import SpillIndexWriter
 
 logger = logging.getLogger(__name__)
@@ -56,6 +61,8 @@ class _Conversation:
     log: list[int]  # the token log as committed (prompt and reply of every finished turn)
     turns: int
     busy: bool = False
+    stateless: bool = False  # made by a stateless request (see `ConversationMeta.stateless`)
+    ended: bool = False  # a final turn ended it
     # its last finished turn's request span, which a trace of its KV leaving later links to
     last_span: trace.SpanContext = trace.INVALID_SPAN_CONTEXT
 
@@ -81,6 +88,7 @@ class _Turn:
     started_at: float
     span: trace.Span
     follower: TextStream | None  # the reply's text as it grows (streamed or with stop strings)
+    final: bool = False  # the conversation ends with this turn
     sent: int = 0  # characters of text already streamed
     text: str | None = None  # set when a stop string ended the turn
     holdback: int = field(init=False)
@@ -117,10 +125,12 @@ def commit_turn(
     record: TurnRecord,
     old_log: list[int],
     new_log: list[int],
+    stateless: bool = False,
+    final: bool = False,
 ) -> Future[Any]:
     """Hand the turn to the writer thread: the log keeps its common prefix with the new one."""
     keep = common_prefix(old_log, new_log)
-    return writer.submit(store.commit_turn, conv_id, record, keep, new_log[keep:])
+    return writer.submit(store.commit_turn, conv_id, record, keep, new_log[keep:], stateless, final)
 
 
 class ChatService:
@@ -164,12 +174,15 @@ class ChatService:
             raise ApiError("overloaded", f"{self.max_waiting} turns are waiting already; retry")
         new = request.conversation_id is None
         if new:
-            conv = _Conversation(self.new_id(), [], [], 0)
+            stateless = request.messages is not None
+            conv = _Conversation(self.new_id(), [], [], 0, stateless=stateless)
         else:
             conv = self._conversation(request.conversation_id or "")
             if conv.busy:
                 raise ApiError("invalid_request", f"conversation {conv.conv_id!r} has a turn "
                                "in progress; send the next message after its reply")  # fmt: skip
+            if conv.ended:
+                raise _ended(conv.conv_id)
         if request.messages is not None:
             messages = list(request.messages)
         else:
@@ -226,7 +239,7 @@ class ChatService:
         follower = self.chat.text_stream() if request.stream or request.stop else None
         self.turns[engine_request.request_id] = _Turn(
             conv, engine_request, reservation.messages, sink, request.stream, request.stop,
-            time.time(), span, follower,
+            time.time(), span, follower, final=request.final,
         )  # fmt: skip
         span.set_attributes({
             "pensieve.conversation_id": conv.conv_id,
@@ -240,7 +253,8 @@ class ChatService:
         """The conversation's turns from turn `page.cursor` on, as many as fit in one answer
         (`page.limit`, and PAGE_BYTES of text); `next_cursor` continues, None at the end.
         Reads only the store and single values, so any thread may call it (as may `list`)."""
-        if conv_id in self._deleting or self.store.meta(conv_id) is None:
+        meta = None if conv_id in self._deleting else self.store.meta(conv_id)
+        if meta is None:
             raise ApiError("not_found", f"no conversation {conv_id!r}")
         records = self.store.turns(conv_id)
         first = int(page.cursor or 0)
@@ -263,7 +277,7 @@ class ChatService:
         busy = conv is not None and conv.busy
         num_tokens = len(self.store.token_log(conv_id))
         return {"conversation_id": conv_id, "turns": turns, "num_tokens": num_tokens,
-                "num_turns": len(records), "busy": busy,
+                "num_turns": len(records), "busy": busy, "ended": meta.ended,
                 "next_cursor": str(following) if following < len(records) else None}  # fmt: skip
 
     def delete(self, conv_id: str) -> Future[Any]:
@@ -280,6 +294,27 @@ class ChatService:
         self._deleting.add(conv_id)
         deleted = self.writer.submit(self.store.delete, conv_id)
         deleted.add_done_callback(lambda _: self._deleting.discard(conv_id))
+        return deleted
+
+    def expired(self, expiry: ExpiryConfig, now: float, limit: int) -> list[str]:
+        """Up to `limit` conversations idle past their TTL at `now`, as the store has them.
+        Reads only the store, so any thread may call it; `expire` then deletes them."""
+        return self.store.select(lambda meta: _is_expired(meta, expiry, now), limit)
+
+    def expire(
+        self, conv_ids: Sequence[str], expiry: ExpiryConfig, now: float
+    ) -> list[Future[Any]]:
+        """Delete those of `conv_ids` still idle past their TTL at `now`, as `delete` does; a
+        turn that started or finished since `expired` listed them keeps its conversation.
+        Returns the deletes' futures."""
+        deleted: list[Future[Any]] = []
+        for conv_id in conv_ids:
+            conv = self.conversations.get(conv_id)
+            if conv_id in self._deleting or (conv is not None and conv.busy):
+                continue
+            meta = self.store.meta(conv_id)  # not busy: no commit of it is pending
+            if meta is not None and _is_expired(meta, expiry, now):
+                deleted.append(self.delete(conv_id))
         return deleted
 
     def list(self, page: Page = FIRST_PAGE) -> dict[str, Any]:
@@ -365,16 +400,19 @@ class ChatService:
         conv = self.conversations.get(conv_id)
         if conv is not None:
             return conv
-        records = [] if conv_id in self._deleting else self.store.turns(conv_id)
-        if not records:
+        meta = None if conv_id in self._deleting else self.store.meta(conv_id)
+        if meta is None:
             raise ApiError("not_found", f"no conversation {conv_id!r}")
+        if meta.ended:  # its KV is gone and stays gone
+            raise _ended(conv_id)
+        records = self.store.turns(conv_id)
         messages: list[ChatMessage] = []
         for record in records:
             messages.append({"role": "user", "content": record.user_message})
             messages.append({"role": "assistant", "content": record.assistant_text})
         log = self.store.token_log(conv_id)
         self.engine.restore(conv_id, log)
-        return _Conversation(conv_id, messages, log, len(records))
+        return _Conversation(conv_id, messages, log, len(records), stateless=meta.stateless)
 
     def _trace(self, turn: _Turn, record: TurnRecord) -> None:
         """The turn's outcome as attributes of its request span, and its phases as child spans,
@@ -485,11 +523,16 @@ class ChatService:
         record = turn_record(conv.turns, user, text, request, turn.started_at)
         self._trace(turn, record)
         log = request.all_ids
-        future = commit_turn(self.store, self.writer, conv.conv_id, record, conv.log, log)
+        future = commit_turn(self.store, self.writer, conv.conv_id, record, conv.log, log,
+                             conv.stateless, turn.final)  # fmt: skip
+        if turn.final:  # its KV is of no use any more; if the commit fails, the next turn
+            self.engine.forget(conv.conv_id)  # recomputes it from the stored log
+            self._pass_kv_events()
         cached = {"gpu": record.cached_gpu, "cpu": record.cached_cpu,
                   "recomputed": record.cached_recomputed}  # fmt: skip
         reply = chat_reply(conv.conv_id, record.turn, text, list(request.output_ids),
-                           record.finish_reason, record.prompt_tokens, cached)  # fmt: skip
+                           record.finish_reason, record.prompt_tokens, cached,
+                           turn.final)  # fmt: skip
 
         # On the store writer's thread, once the commit settles. The conversation stays busy
         # until then and moves on only with the store: a failed commit leaves it as it was
@@ -502,6 +545,7 @@ class ChatService:
                 conv.log = log
                 conv.messages = [*turn.messages, {"role": "assistant", "content": text}]
                 conv.turns += 1
+                conv.ended = turn.final
                 conv.busy = False
                 turn.sink.done(reply)
                 _log_turn(conv.conv_id, record, request)
@@ -512,6 +556,15 @@ class ChatService:
                                          "the conversation is as before it"))  # fmt: skip
 
         future.add_done_callback(answer)
+
+
+def _ended(conv_id: str) -> ApiError:
+    return ApiError("invalid_request", f"conversation {conv_id!r} has ended (a final turn); "
+                    "it can be read until it expires, and takes no more turns")  # fmt: skip
+
+
+def _is_expired(meta: ConversationMeta, expiry: ExpiryConfig, now: float) -> bool:
+    return now - meta.last_active > expiry.ttl_s(meta.stateless or meta.ended)
 
 
 def genai_request(conv_id: str, request: ChatRequest, sampling: SamplingParams) -> dict[str, Any]:

@@ -28,10 +28,41 @@ class Defaults:
     nats_port: int = 4222  # the port `serve` starts its own nats-server on
     shutdown_grace_s: float = 20.0  # on SIGTERM, turns in flight get this long to finish
     tokenizers: int = 2  # tokenizer replicas `serve` starts (a queue group on the bus)
-    step_channel: StepChannel = StepChannel.NATS
+    conversation_ttl_s: float = 7 * 24 * 3600.0  # an idle conversation is deleted after this
+    stateless_ttl_s: float = 3600.0  # ... or after this, if stateless-made or ended
+    # in one process the executor is called in-thread: measured on an H200 at 128 conversations,
+    # the NATS channel between threads of one process served 0.96x the tokens per second (they
+    # share the interpreter lock), between processes 0.99-1.01x (see docs/benchmarks.md)
+    step_channel: StepChannel = StepChannel.DIRECT
 
 
 DEFAULTS = Defaults()
+
+
+@dataclass(frozen=True)
+class ExpiryConfig:
+    """How long an idle conversation is kept: `stateless_ttl_s` for one made by a stateless
+    request (its client keeps the history and makes a new one each time) or ended by a final
+    turn, `conversation_ttl_s` for any other."""
+
+    conversation_ttl_s: float = DEFAULTS.conversation_ttl_s
+    stateless_ttl_s: float = DEFAULTS.stateless_ttl_s
+
+    def __post_init__(self) -> None:
+        if not self.conversation_ttl_s > 0 or not self.stateless_ttl_s > 0:
+            raise ValueError("--conversation-ttl and --stateless-ttl must be > 0")
+
+    def ttl_s(self, short: bool) -> float:
+        return self.stateless_ttl_s if short else self.conversation_ttl_s
+
+    @property
+    def sweep_interval_s(self) -> float:
+        """A tenth of the shorter TTL, so a conversation outlives its TTL by 10% at most, within
+        [1 s, 60 s]: a sweep reads every conversation's meta."""
+        return min(max(min(self.conversation_ttl_s, self.stateless_ttl_s) / 10, 1.0), 60.0)
+
+
+DEFAULT_EXPIRY = ExpiryConfig()
 
 
 class Policy(enum.Enum):

@@ -49,11 +49,12 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     stream: bool = False
+    final: bool = False  # the conversation ends after this turn
 
 
 _CHAT_FIELDS = frozenset({
     "conversation_id", "message", "messages", "max_tokens", "temperature", "top_p", "seed",
-    "stop", "ignore_eos", "stream",
+    "stop", "ignore_eos", "stream", "final",
 })  # fmt: skip
 
 
@@ -148,6 +149,7 @@ def parse_chat(data: bytes) -> ChatRequest:
         stop=_stop(body.get("stop", [])),
         ignore_eos=_bool(body, "ignore_eos"),
         stream=_bool(body, "stream"),
+        final=_bool(body, "final"),
     )
 
 
@@ -169,8 +171,9 @@ def chat_reply(
     finish_reason: str,
     prompt_tokens: int,
     cached: dict[str, int],
+    final: bool = False,
 ) -> dict[str, Any]:
-    return {
+    reply: dict[str, Any] = {
         "conversation_id": conv_id,
         "turn": turn,
         "text": text,
@@ -182,6 +185,9 @@ def chat_reply(
             "cached_tokens": dict(cached),
         },
     }
+    if final:  # said only when true: other replies keep their shape
+        reply["final"] = True
+    return reply
 
 
 def _kind(value: object) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pensieve.actors.config import DEFAULTS, Policy, StepChannel
+from pensieve.actors.config import DEFAULTS, ExpiryConfig, Policy, StepChannel
 from pensieve.actors.version import version
 
 DESCRIPTION = """Stateful LLM serving for multi-turn conversations: each conversation's KV cache
@@ -137,7 +137,9 @@ def _actor_parser(commands: Any) -> None:
         description="Run one actor of an engine, meeting the others on the NATS server at "
         "--nats-url. Give every actor of one engine the same options (and --data-dir): "
         "'executor' loads the model and its KV tiers and runs the step plans it is sent; "
-        "'scheduler' serves the client API and schedules the steps. Each waits for the others.",
+        "'scheduler' serves the client API and schedules the steps (with --tokenizers 0, "
+        "its chat templates are rendered by 'tokenizer' actors, each --tokenizers replicas). "
+        "Each waits for the others.",
         formatter_class=HelpFormatter,
     )
     actor.add_argument("name", choices=ACTOR_COMMANDS, help="which actor")
@@ -171,6 +173,15 @@ def _server_args(p: argparse.ArgumentParser) -> None:
         "tokenizer` elsewhere)",
     )  # fmt: skip
     server.add_argument(
+        "--conversation-ttl", type=float, default=DEFAULTS.conversation_ttl_s, metavar="S",
+        help="seconds an idle conversation is kept before it is deleted",
+    )  # fmt: skip
+    server.add_argument(
+        "--stateless-ttl", type=float, default=DEFAULTS.stateless_ttl_s, metavar="S",
+        help="seconds an idle conversation is kept if a request with 'messages' and no "
+        "'conversation_id' made it, or a final turn ended it",
+    )  # fmt: skip
+    server.add_argument(
         "--shutdown-grace", type=float, default=DEFAULTS.shutdown_grace_s, metavar="S",
         help="on SIGINT/SIGTERM, seconds the turns in flight get to finish before they are "
         "answered 'unavailable'",
@@ -178,8 +189,9 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--step-channel", default=DEFAULTS.step_channel.value,
         choices=[c.value for c in StepChannel],
-        help="how the scheduler reaches the model: 'nats' runs it in an executor actor that "
-        "takes each step plan as a message on the bus; 'direct' calls it in-thread",
+        help="how `serve` reaches the model: 'direct' calls it in the scheduler's thread "
+        "(fastest in one process); 'nats' runs it in an executor actor that takes each step "
+        "plan as a message on the bus, as `pensieve actor executor` does in its own process",
     )  # fmt: skip
     server.add_argument(
         "--trace", default="none", choices=["none", "console", "otlp"],
@@ -340,6 +352,7 @@ def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         shutdown_grace_s=args.shutdown_grace,
         tokenizers=args.tokenizers,
         step_channel=StepChannel(args.step_channel),
+        expiry=ExpiryConfig(args.conversation_ttl, args.stateless_ttl),
     )
 
 

@@ -22,11 +22,12 @@ from pathlib import Path
 from pensieve.actors import subjects
 from pensieve.actors.bus import Bus
 from pensieve.actors.chat_service import ChatService
-from pensieve.actors.config import DEFAULTS, StepChannel
+from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig, StepChannel
 from pensieve.actors.executor import ModelRunner
 from pensieve.actors.executor_actor import ExecutorActor
 from pensieve.actors.server import ChatServer, EngineThread
 from pensieve.actors.step_channel import connect_executor
+from pensieve.actors.sweeper import sweeping
 from pensieve.actors.tokenizer_actor import tokenizer_replicas
 from pensieve.ops.factory import Built, EngineOptions, build, cpu_threads, frozen_heap
 from pensieve.ops.nats_server import EmbeddedNats
@@ -46,6 +47,7 @@ class ServeOptions:
     shutdown_grace_s: float = DEFAULTS.shutdown_grace_s
     step_channel: StepChannel = DEFAULTS.step_channel
     tokenizers: int = DEFAULTS.tokenizers
+    expiry: ExpiryConfig = DEFAULT_EXPIRY
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -73,11 +75,13 @@ async def serving(
     shutdown_grace_s: float = DEFAULTS.shutdown_grace_s,
     step_channel: StepChannel = DEFAULTS.step_channel,
     tokenizers: int = DEFAULTS.tokenizers,
+    expiry: ExpiryConfig = DEFAULT_EXPIRY,
 ) -> AsyncIterator[ChatService]:
     """Serve the client API on `nats_url` while the context is open; a CPU engine steps on
     `threads` PyTorch threads, its model behind an executor actor with `StepChannel.NATS`.
-    `tokenizers` replicas of the tokenizer actor render the chat templates. On leaving, turns in
-    flight get `shutdown_grace_s` to finish; the rest are answered `unavailable`."""
+    `tokenizers` replicas of the tokenizer actor render the chat templates; conversations idle
+    past their TTL (`expiry`) are deleted. On leaving, turns in flight get `shutdown_grace_s` to
+    finish; the rest are answered `unavailable`."""
     store.clear_spills()  # the CPU tier does not survive a restart
     with StoreWriter() as writer:
         engine_id = store.engine_id()
@@ -97,7 +101,7 @@ async def serving(
                 tokenizer_replicas(nats_url, engine_id, built.chat, tokenizers)
             )
             async with _engine_serving(service, nats_url, engine_id, threads,
-                                       shutdown_grace_s) as served:  # fmt: skip
+                                       shutdown_grace_s, expiry) as served:  # fmt: skip
                 yield served
 
 
@@ -124,7 +128,12 @@ async def executor_actor(
 
 @contextlib.asynccontextmanager
 async def _engine_serving(
-    service: ChatService, nats_url: str, engine_id: str, threads: int | None, grace_s: float
+    service: ChatService,
+    nats_url: str,
+    engine_id: str,
+    threads: int | None,
+    grace_s: float,
+    expiry: ExpiryConfig,
 ) -> AsyncIterator[ChatService]:
     engine = EngineThread(service, threads)
     try:
@@ -132,7 +141,8 @@ async def _engine_serving(
         server = ChatServer(bus, engine, engine_id)
         try:
             await server.start()
-            yield service
+            async with sweeping(engine, expiry):
+                yield service
             await server.drain(grace_s)
         finally:
             await bus.close()
@@ -150,7 +160,7 @@ async def serve_until_signal(
     threads = cpu_threads(built.options)
     async with serving(built, store, url, options.max_waiting, threads,
                        options.shutdown_grace_s, options.step_channel,
-                       options.tokenizers):  # fmt: skip
+                       options.tokenizers, options.expiry):  # fmt: skip
         own = subjects.engine_subject(store.engine_id(), ">")
         logger.info("ready in %.1f s", time.monotonic() - started)
         # the line clients and scripts wait for, whatever the log level

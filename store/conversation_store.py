@@ -77,13 +77,21 @@ class ConversationStore:
     # --- conversations ----------------------------------------------------------------------
 
     def commit_turn(
-        self, conv_id: str, record: TurnRecord, keep_len: int, appended_tokens: Sequence[int]
+        self,
+        conv_id: str,
+        record: TurnRecord,
+        keep_len: int,
+        appended_tokens: Sequence[int],
+        stateless: bool = False,
+        final: bool = False,
     ) -> ConversationMeta:
         """Record a finished turn in one durable write transaction and return the new meta.
 
         The token log becomes `old_log[:keep_len] + appended_tokens`: keep_len equals the old
         length when the log only grows; it is smaller when re-rendering the chat template changed
-        earlier tokens. `record.turn` must equal the number of turns already committed.
+        earlier tokens. `record.turn` must equal the number of turns already committed, and the
+        conversation must not have ended. `stateless` is kept from the first turn; `final` ends
+        the conversation.
         """
         key = codec.conversation_key(validate_conversation_id(conv_id))
         packed = codec.pack_tokens(appended_tokens)
@@ -91,6 +99,8 @@ class ConversationStore:
         def apply(txn: lmdb.Transaction[bytes]) -> ConversationMeta:
             old = self._read_meta(txn, key)
             num_turns = old.num_turns if old else 0
+            if old is not None and old.ended:
+                raise ValueError(f"conversation {conv_id!r} has ended")
             if record.turn != num_turns:
                 raise ValueError(
                     f"conversation {conv_id!r} has {num_turns} turns; cannot commit turn "
@@ -103,6 +113,8 @@ class ConversationStore:
                 last_active=record.finished_at,
                 num_turns=num_turns + 1,
                 log_len=len(log) // 4,
+                stateless=old.stateless if old else stateless,
+                ended=final,
             )
             txn.put(key, log, db=self._logs)
             txn.put(codec.indexed_key(key, record.turn), codec.encode_turn(record), db=self._turns)
@@ -161,6 +173,30 @@ class ConversationStore:
             return ids, None
 
         return self._transact(read, write=False)
+
+    def select(self, keep: Callable[[ConversationMeta], bool], limit: int) -> list[str]:
+        """Ids of up to `limit` conversations whose meta `keep` accepts, in the store's order
+        (one read transaction over every meta: for a periodic sweep, not a request)."""
+
+        def read(txn: lmdb.Transaction[bytes]) -> list[str]:
+            ids: list[str] = []
+            for _, value in txn.cursor(db=self._meta):
+                meta = codec.decode_meta(value)
+                if keep(meta):
+                    ids.append(meta.conversation_id)
+                    if len(ids) == limit:
+                        break
+            return ids
+
+        return self._transact(read, write=False)
+
+    def used_bytes(self) -> int:
+        """Bytes of the data file in use: up to its highest page. A delete frees pages that
+        later writes reuse (the file never shrinks), so this stops growing once deletes keep
+        pace with writes."""
+        with self._gate.shared():
+            info, stat = self._env.info(), self._env.stat()
+        return (int(info["last_pgno"]) + 1) * int(stat["psize"])
 
     def delete(self, conv_id: str) -> bool:
         """Remove the conversation's log, turns, meta and spill entries; False if it was unknown."""

@@ -77,10 +77,16 @@ class TurnRecord:
 
 @dataclass(frozen=True)
 class ConversationMeta:
-    """Bookkeeping of one conversation; `last_active` is the end of its latest turn (unix time)."""
+    """Bookkeeping of one conversation; `last_active` is the end of its latest turn (unix time).
+
+    `stateless`: made by a request that sent the whole chat and no id, so its client keeps the
+    history and it expires sooner. `ended`: its last turn was final; it takes no more turns.
+    Both default to False, which is what a meta written before they existed means."""
 
     conversation_id: str
     created_at: float
     last_active: float
     num_turns: int
     log_len: int
+    stateless: bool = False
+    ended: bool = False

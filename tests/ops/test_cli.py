@@ -102,6 +102,20 @@ def test_the_defaults_come_from_one_table() -> None:
     assert args.tokenizers == ServeOptions(Path("data")).tokenizers == DEFAULTS.tokenizers
     with pytest.raises(ValueError, match="--tokenizers"):
         ServeOptions(Path("data"), tokenizers=-1)
+    expiry = ServeOptions(Path("data")).expiry
+    assert args.conversation_ttl == expiry.conversation_ttl_s == DEFAULTS.conversation_ttl_s
+    assert args.stateless_ttl == expiry.stateless_ttl_s == DEFAULTS.stateless_ttl_s
+
+
+def test_the_expiry_options_reach_the_server() -> None:
+    from pensieve.ops.cli import _serve_options, build_parser
+
+    argv = ["serve", "--model", "smollm2", "--conversation-ttl", "600", "--stateless-ttl", "30"]
+    expiry = _serve_options(build_parser().parse_args(argv)).expiry
+    assert (expiry.conversation_ttl_s, expiry.stateless_ttl_s) == (600, 30)
+    assert expiry.sweep_interval_s == 3  # a tenth of the shorter TTL
+    with pytest.raises(ValueError, match="--stateless-ttl"):
+        _serve_options(build_parser().parse_args([*argv, "--stateless-ttl", "0"]))
 
 
 def test_version() -> None:

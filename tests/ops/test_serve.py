@@ -32,7 +32,7 @@ from benchmarks.bench_serve import LoadOptions, run_load
 from pensieve.actors import subjects
 from pensieve.actors.bus import ERROR_HEADER, Bus
 from pensieve.actors.chat_service import ChatService
-from pensieve.actors.config import DEFAULTS, Policy
+from pensieve.actors.config import DEFAULTS, Policy, StepChannel
 from pensieve.actors.schemas import ERROR_STATUS, ApiError, parse_chat
 from pensieve.actors.server import EngineThread
 from pensieve.ops.factory import EngineOptions, assemble
@@ -70,7 +70,9 @@ def running_server(
         nonlocal stop
         stop = asyncio.Event()
         with ConversationStore(data_dir) as store:
-            async with serving(built, store, url, max_waiting, None, shutdown_grace_s):
+            # the executor actor behind the per-step channel, as between processes
+            async with serving(built, store, url, max_waiting, None, shutdown_grace_s,
+                               StepChannel.NATS):  # fmt: skip
                 ready.set()
                 await stop.wait()
 
