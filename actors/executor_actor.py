@@ -50,6 +50,8 @@ class ExecutorActor(Actor):
         self.cpu_threads = cpu_threads
         self.decoder = PlanDecoder()
         self.incarnation = secrets.token_hex(6)  # this start of the executor: its KV
+        self.last_step = 0  # the last step plan taken, since the last reset
+        self.last_answered = 0  # the last step whose answer went out
         self._plans: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._launched: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -58,7 +60,8 @@ class ExecutorActor(Actor):
     def info(self) -> ExecutorInfo:
         cache = self.runner.cache
         return ExecutorInfo(self.incarnation, self.runner.block_bytes, cache.block_size,
-                            cache.num_gpu_blocks, cache.num_cpu_blocks)  # fmt: skip
+                            cache.num_gpu_blocks, cache.num_cpu_blocks, self.last_step,
+                            self.last_answered)  # fmt: skip
 
     async def setup(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -85,6 +88,10 @@ class ExecutorActor(Actor):
         except MessageError as error:  # answered by the worker, in order with the steps
             self._plans.put(error)
             return
+        if message is None:  # a reset: the scheduler numbers its steps from here
+            self.last_step = self.last_answered = 0
+        else:
+            self.last_step = message.step
         self._plans.put(message)
 
     # ---- the worker threads ----------------------------------------------------------------
@@ -111,7 +118,7 @@ class ExecutorActor(Actor):
             message: StepMessage = item
             if message.to != self.incarnation:  # planned on KV that another executor held
                 stale = f"the step was planned for executor {message.to}, which is gone"
-                self._send(StepResult(message.step, [], stale, stale=True).encode())
+                self._send(StepResult(message.step, [], stale, stale=True).encode(), message.step)
                 continue
             try:
                 feed = None if message.feed is None else recent[message.feed]
@@ -141,10 +148,11 @@ class ExecutorActor(Actor):
             swaps = swap_fields(self.runner.swap.stats)
             device = self.runner.device_time()  # the events it reads are on this step's stream
             busy_idle = [device.busy_s, device.idle_s]
-            self._send(StepResult(step, tokens, error, swaps, device=busy_idle).encode())
+            self._send(StepResult(step, tokens, error, swaps, device=busy_idle).encode(), step)
 
-    def _send(self, body: bytes) -> None:
+    def _send(self, body: bytes, step: int = 0) -> None:
         assert self._loop is not None
+        self.last_answered = max(self.last_answered, step)
         subject = self.subject("result", "scheduler")
         asyncio.run_coroutine_threadsafe(self.bus.publish(subject, body), self._loop)
 

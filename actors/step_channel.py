@@ -208,6 +208,10 @@ class ExecutorInfo:
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
+    # the last step it took and the last it answered (since its last reset): a step between
+    # them is running; one past the first never reached it, one below the second was answered
+    last_step: int = 0
+    last_answered: int = 0
 
     def encode(self) -> bytes:
         return encode(self)
@@ -236,15 +240,16 @@ class RemoteLaunch:
         return self._plan
 
     def result(self) -> list[int]:
-        """The step's tokens; raises ExecutorLost as soon as the executor stops answering (a
-        long step is fine while it does)."""
+        """The step's tokens; raises ExecutorLost as soon as the executor stops answering, or
+        says it never got this step or answered it already (the message was lost, as when NATS
+        restarts); a long step is fine while the executor runs it."""
         while True:
             try:
                 return self.future.result(self._runner.check_every_s)
             except concurrent.futures.TimeoutError:
-                if not self._runner.executor_alive():
-                    raise ExecutorLost(f"the executor stopped answering during step "
-                                       f"{self.step}") from None  # fmt: skip
+                problem = self._runner.check_step(self.step)
+                if problem is not None and not self.future.done():
+                    raise ExecutorLost(f"step {self.step}: {problem}") from None
 
 
 class RemoteRunner:
@@ -318,16 +323,23 @@ class RemoteRunner:
         every answered step's copies are counted once the executor has timed them)."""
         return self._swaps
 
-    def executor_alive(self) -> bool:
-        """Whether an executor of this engine answers (called from the engine's thread)."""
+    def check_step(self, step: int) -> str | None:
+        """Why step `step` will never be answered, or None while the executor runs it (called
+        from the engine's thread when the step takes long)."""
         assert self._loop is not None, "RemoteRunner.start was not awaited"
-        asked = asyncio.run_coroutine_threadsafe(
-            self.bus.answers(self.describe_subject), self._loop
-        )
+        asked = asyncio.run_coroutine_threadsafe(_describe(self.bus, self.describe_subject),
+                                                 self._loop)  # fmt: skip
         try:
-            return bool(asked.result(5.0))
-        except (concurrent.futures.TimeoutError, RuntimeError):
-            return False
+            info = asked.result(5.0)
+        except (concurrent.futures.TimeoutError, ConnectionError, TimeoutError, RuntimeError):
+            return "the executor stopped answering"
+        if info.incarnation != self.info.incarnation:
+            return "the executor restarted"
+        if info.last_step < step:
+            return "the plan never reached the executor"
+        if info.last_answered >= step:
+            return "its answer never came back"
+        return None
 
     def device_time(self) -> DeviceTime:
         return self._device

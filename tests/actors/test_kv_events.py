@@ -47,6 +47,7 @@ from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.serve import serving
 from pensieve.store import ConversationStore, StoreWriter
 from pensieve.store.spill_index import SpillIndexWriter
+from tests.event_loops import finish_tasks
 
 # 8 GPU blocks and 4 CPU slots of 16 tokens; a first turn's prompt takes 3 blocks
 TIERS = dict(block_size=16, gpu_cache_tokens=128, cpu_cache_tokens=64, admission_reserve=0.0)
@@ -280,6 +281,8 @@ def running(built: Built, data_dir: Path, url: str) -> Iterator[tuple[str, ChatS
         except BaseException as error:
             failed.append(error)
             ready.set()
+        finally:
+            finish_tasks(loop)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

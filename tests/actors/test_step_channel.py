@@ -16,6 +16,7 @@ from pensieve.actors.messages import MessageError
 from pensieve.actors.request import PLACEHOLDER, SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.actors.step_channel import (
+    ExecutorLost,
     PlanDecoder,
     PlanEncoder,
     StepResult,
@@ -180,3 +181,28 @@ def test_a_plan_the_executor_cannot_read_fails_the_steps_in_flight() -> None:
         return "answered"
 
     assert "could not be read" in asyncio.run(unreadable())
+
+
+def test_a_plan_lost_on_the_way_is_noticed_instead_of_waited_for() -> None:
+    """A message lost while NATS restarts: the executor says it never got the step, and the
+    step fails (the engine then resets) rather than waiting forever."""
+
+    async def lost() -> str:
+        built = build(OPTIONS)
+        with EmbeddedNats() as nats:
+            async with ExecutorActor(await Bus.connect(nats.url), "e4", built.engine.runner):
+                bus = await Bus.connect(nats.url)
+                runner = await connect_executor(bus, "e4", timeout_s=10)
+                runner.check_every_s = 0.2
+                runner._post = lambda body: None  # type: ignore[method-assign]
+                launched = runner.launch(_plans()[0])
+                try:
+                    await asyncio.to_thread(launched.result)
+                except ExecutorLost as error:
+                    return str(error)
+                finally:
+                    await runner.close()
+                    await bus.close()
+        return "answered"
+
+    assert "never reached the executor" in asyncio.run(lost())
