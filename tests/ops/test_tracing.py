@@ -5,7 +5,6 @@ conversation's KV leaving linked to its last turn. The turns run on the real Smo
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,11 @@ from opentelemetry.trace import SpanKind
 
 from pensieve.actors import subjects, tracing
 from pensieve.actors.chat_service import ChatService
-from pensieve.actors.schemas import ApiError, parse_chat
+from pensieve.actors.schemas import parse_chat
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.telemetry import setup_tracing
 from pensieve.store import ConversationStore, StoreWriter
+from tests.ops.test_chat_service import Sink
 
 LONG = " ".join(["Tell me about the history of Paris, its bridges, its museums and its food."] * 8)
 
@@ -66,22 +66,6 @@ def test_after_shutdown_the_actors_trace_nothing() -> None:
     assert not span.is_recording()
     span.end()
     assert exporter.get_finished_spans() == ()
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.settled = threading.Event()
-        self.reply: dict[str, Any] | None = None
-
-    def delta(self, text: str) -> None:
-        pass
-
-    def done(self, reply: dict[str, Any]) -> None:
-        self.reply = reply
-        self.settled.set()
-
-    def error(self, error: ApiError) -> None:
-        self.settled.set()
 
 
 @pytest.fixture
