@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +43,9 @@ from pensieve.actors.tokenizer import ChatTokenizer
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops.factory import Built, EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats
-from pensieve.ops.serve import serving
 from pensieve.store import ConversationStore, StoreWriter
 from pensieve.store.spill_index import SpillIndexWriter
-from tests.event_loops import finish_tasks
+from tests.ops.serving import serve_on_thread
 
 # 8 GPU blocks and 4 CPU slots of 16 tokens; a first turn's prompt takes 3 blocks
 TIERS = dict(block_size=16, gpu_cache_tokens=128, cpu_cache_tokens=64, admission_reserve=0.0)
@@ -261,44 +259,12 @@ def test_the_spill_writer_coalesces_changes_into_one_waiting_write(
         assert len(written) == 2 and store.spills("c") == {}
 
 
-@contextlib.contextmanager
-def running(built: Built, data_dir: Path, url: str) -> Iterator[tuple[str, ChatService]]:
-    """`pensieve serve`'s engine on `url`, on a thread with its own event loop."""
-    loop = asyncio.new_event_loop()
-    ready, failed, held = threading.Event(), [], []
-    stop = asyncio.Event()
-
-    async def main() -> None:
-        with ConversationStore(data_dir) as store:
-            async with serving(built, store, url) as service:
-                held.append((store.engine_id(), service))
-                ready.set()
-                await stop.wait()
-
-    def run() -> None:
-        try:
-            loop.run_until_complete(main())
-        except BaseException as error:
-            failed.append(error)
-            ready.set()
-        finally:
-            finish_tasks(loop)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(60) and not failed, failed
-    try:
-        yield held[0]
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(60)
-        loop.close()
-    assert not thread.is_alive() and not failed, failed
-
-
 def test_a_nats_subscriber_rebuilds_the_engines_tier_map(smollm2, chat, tmp_path: Path) -> None:
     built = engine(smollm2, chat)
-    with EmbeddedNats() as server, running(built, tmp_path, server.url) as (engine_id, service):
+    with (
+        EmbeddedNats() as server,
+        serve_on_thread(built, tmp_path, server.url) as (engine_id, service),
+    ):
 
         async def client() -> list[KvEventBatch]:
             nc = await nats.connect(server.url)

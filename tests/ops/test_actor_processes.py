@@ -8,7 +8,6 @@ store)."""
 from __future__ import annotations
 
 import asyncio
-import io
 import os
 import signal
 import subprocess
@@ -22,11 +21,8 @@ import orjson
 import pytest
 
 from pensieve.actors import subjects
-from pensieve.actors.config import Policy
-from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats
-from pensieve.ops.replay import ReplayOptions, replay
-from pensieve.ops.sharegpt import load_conversations
+from tests.ops.serving import stateless_reference
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +37,8 @@ OPTIONS = ["--model", "smollm2", "--gpu-cache-tokens", "256", "--cpu-cache-token
 @pytest.fixture(scope="module")
 def reference(smollm2, smollm2_chat, tmp_path_factory) -> list[list[int]]:
     """Greedy tokens of the chat's turns, replayed in-process with the stateless policy."""
-    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
-    record = {"id": "ref", "conversations": [{"from": "human", "value": t} for t in CHAT]}
-    path.write_bytes(orjson.dumps(record) + b"\n")
-    built = assemble(EngineOptions(model="smollm2", policy=Policy.STATELESS), smollm2, smollm2_chat)
-    out = io.BytesIO()
-    replay(built, load_conversations(path), ReplayOptions(max_new_tokens=MAX_TOKENS), out, None)
-    return [orjson.loads(line)["output_token_ids"] for line in out.getvalue().splitlines()]
+    folder = tmp_path_factory.mktemp("chat")
+    return stateless_reference(smollm2, smollm2_chat, CHAT, MAX_TOKENS, folder)
 
 
 class Actor:

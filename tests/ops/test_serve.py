@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import os
 import signal
 import subprocess
@@ -32,17 +31,15 @@ from benchmarks.bench_serve import LoadOptions, run_load
 from pensieve.actors import subjects
 from pensieve.actors.bus import ERROR_HEADER, Bus
 from pensieve.actors.chat_service import ChatService
-from pensieve.actors.config import DEFAULTS, Policy, StepChannel
+from pensieve.actors.config import DEFAULTS, StepChannel
 from pensieve.actors.schemas import ERROR_STATUS, ApiError, parse_chat
 from pensieve.actors.server import EngineThread
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
-from pensieve.ops.replay import ReplayOptions, replay
-from pensieve.ops.serve import serving
 from pensieve.ops.sharegpt import load_conversations
 from pensieve.ops.telemetry import setup_tracing
 from pensieve.store import ConversationStore, StoreWriter
-from tests.event_loops import finish_tasks
+from tests.ops.serving import serve_on_thread, stateless_reference
 
 pytestmark = pytest.mark.slow
 
@@ -60,43 +57,16 @@ def running_server(
     max_waiting: int = DEFAULTS.max_waiting,
     shutdown_grace_s: float = DEFAULTS.shutdown_grace_s,
 ) -> Iterator[Any]:
-    """A fresh engine serving on `url` from a thread of its own (its own event loop)."""
+    """A fresh engine serving on `url` from a thread of its own, its model behind the executor
+    actor and the per-step channel, as between processes."""
     options = EngineOptions(model="smollm2", max_batch_tokens=512, **TIERS)
     built = assemble(options, smollm2, chat)
-    loop = asyncio.new_event_loop()
-    ready, failed = threading.Event(), []
-    stop: asyncio.Event | None = None
-
-    async def main() -> None:
-        nonlocal stop
-        stop = asyncio.Event()
-        with ConversationStore(data_dir) as store:
-            # the executor actor behind the per-step channel, as between processes
-            async with serving(built, store, url, max_waiting, None, shutdown_grace_s,
-                               StepChannel.NATS):  # fmt: skip
-                ready.set()
-                await stop.wait()
-
-    def run() -> None:
-        try:
-            loop.run_until_complete(main())
-        except BaseException as error:
-            failed.append(error)
-            ready.set()
-        finally:
-            finish_tasks(loop)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(60) and not failed, failed
     try:
-        yield built
+        with serve_on_thread(built, data_dir, url, max_waiting, shutdown_grace_s,
+                             StepChannel.NATS):  # fmt: skip
+            yield built
     finally:
-        loop.call_soon_threadsafe(stop.set)  # type: ignore[union-attr]
-        thread.join(60)
-        loop.close()
         built.engine.kv.check_invariants()
-    assert not thread.is_alive() and not failed, f"the server did not stop cleanly: {failed}"
 
 
 # A request is sent again after NATS answers "no responders" (at most this many tries): twice in
@@ -145,14 +115,9 @@ def chat(url: str, headers: dict | None = None, **body: Any) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(smollm2, smollm2_chat, tmp_path_factory) -> list[list[int]]:
-    """Greedy tokens of the three turns, replayed with the stateless policy and no cache limits."""
-    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
-    record = {"id": "ref", "conversations": [{"from": "human", "value": t} for t in CHAT]}
-    path.write_bytes(orjson.dumps(record) + b"\n")
-    built = assemble(EngineOptions(model="smollm2", policy=Policy.STATELESS), smollm2, smollm2_chat)
-    out = io.BytesIO()
-    replay(built, load_conversations(path), ReplayOptions(max_new_tokens=MAX_TOKENS), out, None)
-    return [orjson.loads(line)["output_token_ids"] for line in out.getvalue().splitlines()]
+    """Greedy tokens of the three turns, replayed with the stateless policy."""
+    folder = tmp_path_factory.mktemp("chat")
+    return stateless_reference(smollm2, smollm2_chat, CHAT, MAX_TOKENS, folder)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,82 @@
+"""Helpers of the end-to-end tests: a server on a thread of its own, and the stateless reference
+that every reply is checked against."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import orjson
+
+from pensieve.actors.chat_service import ChatService
+from pensieve.actors.config import DEFAULTS, Policy, StepChannel
+from pensieve.actors.tokenizer import ChatTokenizer
+from pensieve.models.loader import LoadedModel
+from pensieve.ops.factory import Built, EngineOptions, assemble
+from pensieve.ops.replay import ReplayOptions, replay
+from pensieve.ops.serve import serving
+from pensieve.ops.sharegpt import load_conversations
+from pensieve.store import ConversationStore
+from tests.event_loops import finish_tasks
+
+
+def stateless_reference(
+    model: LoadedModel, chat: ChatTokenizer, messages: Sequence[str], max_tokens: int, folder: Path
+) -> list[list[int]]:
+    """Greedy tokens of each turn of the chat `messages`, replayed in-process with the stateless
+    policy and no cache limits."""
+    path = folder / "chat.jsonl"
+    record = {"id": "ref", "conversations": [{"from": "human", "value": t} for t in messages]}
+    path.write_bytes(orjson.dumps(record) + b"\n")
+    built = assemble(EngineOptions(model="smollm2", policy=Policy.STATELESS), model, chat)
+    out = io.BytesIO()
+    replay(built, load_conversations(path), ReplayOptions(max_new_tokens=max_tokens), out, None)
+    return [orjson.loads(line)["output_token_ids"] for line in out.getvalue().splitlines()]
+
+
+@contextlib.contextmanager
+def serve_on_thread(
+    built: Built,
+    data_dir: Path,
+    url: str,
+    max_waiting: int = DEFAULTS.max_waiting,
+    shutdown_grace_s: float = DEFAULTS.shutdown_grace_s,
+    step_channel: StepChannel = DEFAULTS.step_channel,
+) -> Iterator[tuple[str, ChatService]]:
+    """`serving()` on `url` from a thread with its own event loop; yields the engine id and the
+    chat service, and checks on leaving that the server stopped cleanly."""
+    loop = asyncio.new_event_loop()
+    ready, failed, held = threading.Event(), [], []
+    stop = asyncio.Event()
+
+    async def main() -> None:
+        with ConversationStore(data_dir) as store:
+            async with serving(built, store, url, max_waiting, None, shutdown_grace_s,
+                               step_channel) as service:  # fmt: skip
+                held.append((store.engine_id(), service))
+                ready.set()
+                await stop.wait()
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(main())
+        except BaseException as error:
+            failed.append(error)
+            ready.set()
+        finally:
+            finish_tasks(loop)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(60) and not failed, failed
+    try:
+        yield held[0]
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(60)
+        loop.close()
+    assert not thread.is_alive() and not failed, f"the server did not stop cleanly: {failed}"
