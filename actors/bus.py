@@ -150,6 +150,8 @@ class Bus:
         """Take no more requests: the endpoints' subscriptions go (other engines of the queue
         group take what comes next); requests already in hand go on."""
         subscriptions, self._endpoint_subscriptions = self._endpoint_subscriptions, []
+        if not self.client.is_connected:  # NATS is away: the server dropped them already
+            return
         for subscription in subscriptions:
             await subscription.unsubscribe()
 
@@ -264,5 +266,13 @@ class Bus:
                 return
             except (nats.errors.Error, OSError) as error:  # NATS went away while draining
                 logger.warning("NATS drain failed: %s", error)
-        with contextlib.suppress(OSError):  # the socket may be gone with the server
+        try:
             await self.client.close()
+        except OSError:  # the socket may be gone with the server
+            pass
+        except asyncio.CancelledError:
+            # closing while a reconnect is under way can end in a future nats-py cancelled itself;
+            # a cancellation of this task itself still goes on
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise
