@@ -15,9 +15,10 @@ import dataclasses
 import datetime
 import logging
 import re
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import nats
 import nats.errors
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 ERROR_HEADER = "Pensieve-Error"  # set to the error code on every error reply
 SERVICE_ERROR_HEADER = "Nats-Service-Error"  # the NATS service protocol's error headers
 SERVICE_ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+# a handed-off request carries the requester's inbox here (see `Bus.hand_off`)
+REPLY_TO_HEADER = "Pensieve-Reply-To"
 
 
 @dataclass
@@ -92,6 +95,20 @@ class EndpointStats:
         return {**dataclasses.asdict(self), "average_processing_time": average, "data": None}
 
 
+@dataclass(frozen=True)
+class ConnectOptions:
+    """Who this process is to the NATS server, in nats-py's terms (`ops/nats_auth.py` builds it
+    from flags and the environment); the defaults connect anonymously."""
+
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    nkeys_seed: str | None = None  # the path of a seed file
+    user_credentials: str | None = None  # the path of a .creds file
+    tls: ssl.SSLContext | None = None
+    inbox_prefix: str = "_INBOX"  # a tenant may subscribe only below its own
+
+
 class Bus:
     def __init__(self, client: Client) -> None:
         self.client = client
@@ -100,23 +117,36 @@ class Bus:
         self.endpoints: dict[str, EndpointStats] = {}  # by subject
 
     @classmethod
-    async def connect(cls, url: str, name: str = "pensieve") -> Bus:
-        """Connect, retrying until the server answers (in a compose stack the engine may start
-        before NATS does); each failed try is one log line."""
+    async def connect(
+        cls, url: str, name: str = "pensieve", options: ConnectOptions | None = None
+    ) -> Bus:
+        """Connect as `options` says (anonymously without), retrying until the server answers
+        (in a compose stack the engine may start before NATS does); each failed try is one log
+        line."""
 
         async def on_error(error: Exception) -> None:
             logger.warning("NATS at %s: %s: %s", url, type(error).__name__, error)
 
-        client = await nats.connect(url, name=name, max_reconnect_attempts=-1, error_cb=on_error)
+        given = options or ConnectOptions()
+        client = await nats.connect(
+            url, name=name, max_reconnect_attempts=-1, error_cb=on_error,
+            user=given.user, password=given.password, token=given.token,
+            nkeys_seed=given.nkeys_seed, user_credentials=given.user_credentials,
+            tls=given.tls, inbox_prefix=given.inbox_prefix,
+        )  # fmt: skip
         return cls(client)
 
-    async def serve(self, subject: str, handler: Handler, queue: str = "pensieve") -> None:
-        """Answer requests on `subject` (members of one queue group share them)."""
+    async def serve(
+        self, subject: str, handler: Handler, queue: str = "pensieve", handoff: bool = False
+    ) -> None:
+        """Answer requests on `subject` (members of one queue group share them). With
+        `handoff`, requests come from `hand_off`: each is acknowledged as soon as it is taken,
+        and the handler answers the original requester."""
         stats = EndpointStats(re.sub(r"[^A-Za-z0-9_-]", "-", subject), subject, queue)
         self.endpoints[subject] = stats
 
         async def on_message(msg: Msg) -> None:
-            task = asyncio.create_task(self._handle(handler, msg, stats))
+            task = asyncio.create_task(self._handle(handler, msg, stats, handoff))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -187,6 +217,22 @@ class Bus:
             with contextlib.suppress(*closing):
                 await sub.unsubscribe()
 
+    async def hand_off(
+        self, subject: str, request: Incoming, headers: dict[str, str], timeout: float
+    ) -> None:
+        """Pass `request` to the endpoint on `subject` (served with `handoff`), which answers
+        the requester directly; returns once that endpoint has taken it. What it answers never
+        passes through here, so the requester keeps its answer if this process goes away.
+        Raises ConnectionError if nothing serves `subject`, TimeoutError if it does not take
+        the request within `timeout` s."""
+        headers = {**headers, REPLY_TO_HEADER: request.reply}
+        try:
+            await self.client.request(subject, request.data, timeout=timeout, headers=headers)
+        except nats.errors.NoRespondersError:
+            raise ConnectionError(f"nothing answers on {subject}") from None
+        except nats.errors.TimeoutError:
+            raise TimeoutError(f"{subject} did not take the request in {timeout} s") from None
+
     async def answers(self, subject: str, timeout: float = 1.0) -> bool:
         """Whether something answers a request on `subject` within `timeout` s."""
         try:
@@ -230,8 +276,16 @@ class Bus:
                             f"$SRV.{kind.upper()}.{service.name}.{service.id}"):  # fmt: skip
                 await self.client.subscribe(subject, cb=answer)
 
-    async def _handle(self, handler: Handler, msg: Msg, stats: EndpointStats) -> None:
-        incoming = Incoming(msg.data, msg.reply, dict(msg.headers or {}), self.client)
+    async def _handle(
+        self, handler: Handler, msg: Msg, stats: EndpointStats, handoff: bool
+    ) -> None:
+        headers = dict(msg.headers or {})
+        reply = msg.reply
+        if handoff:
+            reply = headers.pop(REPLY_TO_HEADER, "")
+            if msg.reply:  # taken: from here the requester hears from this handler
+                await self.client.publish(msg.reply, b"")
+        incoming = Incoming(msg.data, reply, headers, self.client)
         stats.num_requests += 1
         begin = time.perf_counter_ns()
         error: ApiError | None = None

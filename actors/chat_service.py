@@ -208,9 +208,11 @@ class ChatService:
         prompt: list[int],
         sink: TurnSink,
         span: trace.Span = trace.INVALID_SPAN,
+        planned_recompute: tuple[tuple[int, int], ...] | None = None,
     ) -> None:
-        """Queue the reserved turn with its rendered prompt; its phases are recorded under
-        `span` (the request's span; a no-op by default). On ApiError the reservation is freed."""
+        """Queue the reserved turn with its rendered prompt (and the recompute planner's ranges
+        for its history, if it has them); its phases are recorded under `span` (the request's
+        span; a no-op by default). On ApiError the reservation is freed."""
         request, conv = reservation.request, reservation.conv
         self.num_reserved -= 1  # from here the turn is the engine's, or refused
         if self._closed is not None:
@@ -232,7 +234,9 @@ class ChatService:
             ignore_eos=request.ignore_eos,
         )
         try:
-            engine_request = self.engine.add_request(conv.conv_id, prompt, sampling)
+            engine_request = self.engine.add_request(
+                conv.conv_id, prompt, sampling, planned_recompute
+            )
         except ValueError as error:
             self._free(reservation)
             raise ApiError("invalid_request", str(error)) from None
@@ -418,8 +422,8 @@ class ChatService:
         """The turn's outcome as attributes of its request span, and its phases as child spans,
         each under the actor that ran it: "queued" (scheduler: from arrival to admission),
         "prefill" (executor: to the first token), "decode" (executor: to the last); with
-        "kv.swap_in" (swap manager) if its history came back from the CPU tier and
-        "kv.plan_recompute" (recompute planner, at admission) if some of it is recomputed."""
+        "kv.swap_in" (swap manager) if its history came back from the CPU tier. (The recompute
+        planner traces its own "kv.plan_recompute" when the turn arrives.)"""
         request, span = turn.request, turn.span
         span.set_attributes({
             "pensieve.cached_tokens.gpu": record.cached_gpu,
@@ -454,9 +458,6 @@ class ChatService:
             # first token (a suspended turn's swap-ins on readmission count here too)
             moved = {"pensieve.blocks": blocks, "pensieve.bytes": blocks * self.engine.block_bytes}
             phases.append(("swap-manager", "kv.swap_in", admitted, first, moved))
-        if record.cached_recomputed:
-            planned = {"pensieve.recomputed_tokens": record.cached_recomputed}
-            phases.append(("recompute-planner", "kv.plan_recompute", admitted, admitted, planned))
         for actor, name, start, end, attributes in phases:
             start_ns = offset + int(start * 1e9)
             child = tracing.tracer(actor).start_span(

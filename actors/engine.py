@@ -97,7 +97,13 @@ class Engine:
         self.overlap = overlap
         self._inflight: Launch | None = None  # launched, its tokens not applied yet
 
-    def add_request(self, conv_id: str, prompt_ids: list[int], sampling: SamplingParams) -> Request:
+    def add_request(
+        self,
+        conv_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        planned_recompute: tuple[tuple[int, int], ...] | None = None,
+    ) -> Request:
         request = Request(
             request_id=f"{conv_id}#{next(self._ids)}",
             conv_id=conv_id,
@@ -105,6 +111,7 @@ class Engine:
             sampling=sampling,
             arrival=self.clock(),
             eos_token_ids=self.eos_token_ids,
+            planned_recompute=planned_recompute,
         )
         self.scheduler.add(request)
         return request
@@ -239,6 +246,8 @@ class Engine:
                 "waiting": len(self.scheduler.waiting),
                 "suspensions": self.scheduler.num_suspensions,
             },
+            # turns admitted with a recompute plan, by whether admission recomputed what it said
+            "recompute_plans": dict(self.scheduler.recompute_plans),
             "tokens": {
                 "prompt": totals.prompt_tokens,
                 "completion": totals.output_tokens,

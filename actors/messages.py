@@ -177,3 +177,59 @@ def _kv_event(fields: Any) -> KvEvent:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ---- recompute planner ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputePlanRequest:
+    """To the recompute planner (`plan`): which of the conversation's first `num_positions`
+    positions must be recomputed (None: its whole stored token log)."""
+
+    conversation_id: str
+    num_positions: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.conversation_id, str):
+            raise MessageError("RecomputePlanRequest: conversation_id must be a string")
+        count = self.num_positions
+        if not (count is None or (_is_int(count) and count >= 0)):
+            raise MessageError("RecomputePlanRequest: num_positions must be null or >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputePlan:
+    """From the recompute planner: where the KV of positions [0, num_positions) is. `ranges`
+    ([start, end), in order, adjacent ones merged) are in no tier and must be recomputed from
+    the raw tokens; the counts add up to num_positions. `known` False: the planner cannot tell
+    (its view of the tiers is stale), and the ranges and counts are empty."""
+
+    conversation_id: str
+    known: bool
+    log_len: int  # tokens in the stored log it read
+    num_positions: int
+    ranges: tuple[tuple[int, int], ...]
+    recomputed_tokens: int
+    gpu_tokens: int
+    cpu_tokens: int
+
+    def __post_init__(self) -> None:
+        counts = (self.log_len, self.num_positions, self.recomputed_tokens, self.gpu_tokens,
+                  self.cpu_tokens)  # fmt: skip
+        if not all(_is_int(count) and count >= 0 for count in counts):
+            raise MessageError("RecomputePlan: the lengths and counts must be integers >= 0")
+        if not (isinstance(self.conversation_id, str) and isinstance(self.known, bool)):
+            raise MessageError("RecomputePlan: conversation_id must be a string, known a bool")
+        if not isinstance(self.ranges, list | tuple) or not all(map(_is_range, self.ranges)):
+            raise MessageError("RecomputePlan: ranges must be [start, end] pairs, 0 <= start < end")
+        object.__setattr__(self, "ranges", tuple(tuple(r) for r in self.ranges))  # decoded: lists
+
+
+def _is_range(pair: object) -> bool:
+    return (
+        isinstance(pair, list | tuple)
+        and len(pair) == 2
+        and all(map(_is_int, pair))
+        and 0 <= pair[0] < pair[1]
+    )

@@ -91,6 +91,9 @@ class Request:
     # the block table of its conversation while running: pinned chunks never move, so it only
     # grows by the blocks of new chunks (rebuilt on admission)
     block_table: tuple[int, ...] = ()
+    # the recompute planner's ranges for its history, asked when it arrived (None: no plan);
+    # admission decides, and counts whether the plan foresaw what it recomputed
+    planned_recompute: tuple[tuple[int, int], ...] | None = None
 
     @property
     def all_ids(self) -> list[int]:

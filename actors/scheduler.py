@@ -42,6 +42,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.histories: dict[str, list[int]] = {}  # conversation -> its token log
         self.num_suspensions = 0
+        self.recompute_plans = {"foreseen": 0, "differed": 0}
         self.rejected: list[Request] = []  # drained by the engine
         self.live: dict[str, Request] = {}  # unfinished requests, waiting or running
 
@@ -234,6 +235,10 @@ class Scheduler:
         self.histories[request.conv_id] = list(target)
         request.block_table = ()  # its blocks may all be new
         request.pending = [*acquired.recompute_ranges, (reuse, len(target))]
+        if not request.num_suspensions and request.planned_recompute is not None:
+            # the tiers may change between its arrival and its admission
+            foreseen = request.planned_recompute == acquired.recompute_ranges
+            self.recompute_plans["foreseen" if foreseen else "differed"] += 1
         if not request.num_suspensions:
             # where the turn's prompt came from, once: a suspended turn readmitted brings back
             # positions already counted (its swap-ins still count as swapped-in blocks)

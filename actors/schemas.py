@@ -110,9 +110,15 @@ def parse_get(data: bytes) -> tuple[str, Page]:
     cursor is the number of the first turn to answer."""
     body = load_fields(data, frozenset({"conversation_id", "cursor", "limit"}))
     cursor = body.get("cursor")
-    if cursor is not None and not (isinstance(cursor, str) and cursor.isdigit()):
+    if cursor is not None and not (isinstance(cursor, str) and _is_turn_number(cursor)):
         raise ApiError("invalid_request", "'cursor' must be a 'next_cursor' from a get reply")
     return conversation_id(body), Page(cursor, _int(body, "limit", 100, 1, MAX_PAGE))
+
+
+def _is_turn_number(text: str) -> bool:
+    # ASCII only: str.isdigit also takes '²', which int() refuses; 20 digits stay far below
+    # int()'s limit on the digits it reads (4300) and above any turn count
+    return text.isascii() and text.isdigit() and len(text) <= 20
 
 
 def _is_hex(text: str) -> bool:

@@ -4,10 +4,10 @@
 every call into it runs on that thread, between steps, so none of them needs a lock. The thread
 steps the engine while there is work and otherwise sleeps on its command queue.
 
-`ChatServer` answers the client API (`actors/subjects.py`) over the bus: it parses and validates
-requests on the event loop, has the chat template rendered by a tokenizer replica
-(`actors/tokenizer_actor.py`), hands the turn to the engine thread, and sends replies (or
-streamed deltas) back to the requester's inbox.
+`ChatServer` is the scheduler actor's shell: it takes the client requests the ingress hands
+over (`actors/ingress.py`) on the scheduler's internal subjects, has the chat template rendered by
+a tokenizer replica (`actors/tokenizer_actor.py`), hands the turn to the engine thread, and sends
+replies (or streamed deltas) straight to the client's inbox.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pensieve.actors.bus import Bus, Handler, Incoming, ServiceInfo
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.kv_events import KvEventStream
 from pensieve.actors.messages import KvEvent, encode_kv_events
+from pensieve.actors.recompute_planner import plan_remote
 from pensieve.actors.schemas import (
     CONVERSATION_FIELDS,
     NO_FIELDS,
@@ -154,21 +155,22 @@ class ChatServer:
             await self.bus.settle(5.0)  # their error replies go out
 
     async def start(self) -> None:
-        """Answer the shared subjects and this engine's own (see `actors/subjects.py`)."""
+        """Take the requests the ingress hands to this engine's scheduler (see
+        `actors/ingress.py`), each answered to its client directly."""
         await self._call(self._publish_kv_events, asyncio.get_running_loop())
         handlers: dict[str, Handler] = {
-            subjects.CHAT: self._owned(subjects.CHAT, self._chat),
-            subjects.CONVERSATIONS_GET: self._owned(subjects.CONVERSATIONS_GET, self._get),
-            subjects.CONVERSATIONS_DELETE: self._owned(subjects.CONVERSATIONS_DELETE, self._delete),
-            subjects.CONVERSATIONS_LIST: self._list,
-            subjects.STATS: self._stats,
+            "chat": self._chat,
+            "get": self._get,
+            "delete": self._delete,
+            "list": self._list,
+            "stats": self._stats,
         }
-        for subject, handler in handlers.items():
-            await self.bus.serve(subject, handler)
-            await self.bus.serve(subjects.engine_subject(self.engine_id, subject), handler)
+        for verb, handler in handlers.items():
+            subject = subjects.internal(self.engine_id, "scheduler", verb)
+            await self.bus.serve(subject, handler, queue="scheduler", handoff=True)
         await self.bus.advertise(ServiceInfo(
-            subjects.SERVICE, self.engine_id, version(),
-            "stateful LLM serving: chat turns whose KV cache is kept across turns",
+            subjects.actor_service("scheduler"), self.engine_id, version(),
+            "admission, the unified batch, KV accounting and eviction; plans every step",
         ))  # fmt: skip
         await self.bus.flush()  # started means subscribed: a request sent now is answered
 
@@ -197,36 +199,14 @@ class ChatServer:
         except Exception as error:  # shutting down: subscribers see the gap in seq
             logger.debug("a KV event batch was not sent: %s", error)
 
-    def _owned(self, subject: str, handler: Handler) -> Handler:
-        """`handler` for the requests whose conversation lives here; the others are forwarded
-        to the engine that owns them (which never forwards them again)."""
-
-        async def route(msg: Incoming) -> None:
-            try:
-                body = orjson.loads(msg.data)
-            except orjson.JSONDecodeError:
-                body = None  # the handler reports it
-            owner = subjects.owner(body.get("conversation_id") if isinstance(body, dict) else None)
-            if owner is not None and owner != self.engine_id:
-                # a forwarded request nobody takes would leave its requester waiting out its
-                # timeout (NATS tells the forwarder, not the requester, that nobody answered)
-                if not await self.bus.answers(subjects.engine_ping(owner)):
-                    raise ApiError("unavailable", f"engine {owner}, which holds this "
-                                   "conversation, is not running; retry when it is")  # fmt: skip
-                await msg.forward(subjects.engine_subject(owner, subject))
-            else:
-                await handler(msg)
-
-        return route
-
     async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.wrap_future(self.engine.call(fn, *args))
 
     async def _chat(self, msg: Incoming) -> None:
-        parent = propagate.extract(msg.headers)
-        ingress = tracing.tracer("ingress")
-        with ingress.start_as_current_span(subjects.CHAT, context=parent, kind=SpanKind.SERVER,
-                                           record_exception=False) as span:  # fmt: skip
+        parent = propagate.extract(msg.headers)  # the ingress's span of the request
+        scheduler = tracing.tracer("scheduler")
+        with scheduler.start_as_current_span("turn", context=parent, kind=SpanKind.SERVER,
+                                             record_exception=False) as span:  # fmt: skip
             try:
                 await self._chat_turn(msg, span)
             except ApiError as error:
@@ -239,13 +219,22 @@ class ChatServer:
         sink = _Reply(asyncio.get_running_loop())
         service = self.engine.service
         reservation = await self._call(service.reserve, request)
-        try:  # in a tokenizer replica (this engine's), not between two engine steps
-            prompt = await render_remote(self.bus, self.engine_id, reservation.messages,
-                                         RENDER_TIMEOUT_S)  # fmt: skip
+        # rendered in a tokenizer replica (this engine's), not between two engine steps; the
+        # recompute planner is asked meanwhile, for a conversation with history
+        render = render_remote(self.bus, self.engine_id, reservation.messages, RENDER_TIMEOUT_S)
+        try:
+            if reservation.new:
+                prompt, plan = await render, None
+            else:
+                conv_id = reservation.conv.conv_id
+                prompt, plan = await asyncio.gather(
+                    render, plan_remote(self.bus, self.engine_id, conv_id)
+                )
         except BaseException:  # a template's refusal is invalid_request, a lost replica unavailable
             self.engine.call(service.release, reservation)
             raise
-        await self._call(service.start, reservation, prompt, sink, span)
+        planned = plan.ranges if plan is not None and plan.known else None
+        await self._call(service.start, reservation, prompt, sink, span, planned)
         while True:
             kind, value = await sink.items.get()
             if kind == "delta":

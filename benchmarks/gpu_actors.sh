@@ -5,7 +5,8 @@
 #   before  the build in .bench/before (the engine called in-thread; see benchmarks.md)
 #   direct  this build, `--step-channel direct`: the scheduler calls the model in its own thread
 #   nats    this build, every actor in one process, step plans to the executor actor over NATS
-#   procs   this build, `pensieve actor executor` and `pensieve actor scheduler` in two processes
+#   procs   this build, one process per actor: `pensieve actor executor`, `scheduler` (with its
+#           tokenizer replicas), `recompute-planner` and `ingress`
 #   nats-tN as nats, with N tokenizer replicas
 #
 #   bash benchmarks/gpu_actors.sh OUT_DIR [CONCURRENCY ...]    (default: 64 128)
@@ -67,6 +68,13 @@ for variant in "${variants[@]}"; do
                 python3 -m pensieve.ops.cli actor executor $model --nats-url "nats://127.0.0.1:$port" \
                     --data-dir "$logs/data_$variant" > "$logs/executor.txt" 2>&1 &
                 pids+=($!)
+                for actor in recompute-planner ingress; do
+                    # shellcheck disable=SC2086
+                    python3 -m pensieve.ops.cli actor "$actor" $model \
+                        --nats-url "nats://127.0.0.1:$port" --data-dir "$logs/data_$variant" \
+                        > "$logs/$actor.txt" 2>&1 &
+                    pids+=($!)
+                done
                 serve=(actor scheduler --nats-url "nats://127.0.0.1:$port") ;;
         esac
         # shellcheck disable=SC2086

@@ -5,9 +5,13 @@ first. The engine is named by the store in `--data-dir`: give every actor of one
 
 - `executor`: loads the model and holds the KV tiers (the swap manager lives here too); runs the
   step plans it is sent.
-- `scheduler`: the client API (ingress) and the scheduler, with `--tokenizers` tokenizer
-  replicas (0: none here); loads only the model's config and tokenizer, and steps the executor
-  over the bus.
+- `scheduler`: admission, batching and KV accounting, with `--tokenizers` tokenizer replicas
+  (0: none here); loads only the model's config and tokenizer, and steps the executor over the
+  bus.
+- `recompute-planner`: follows the engine's KV events and, for a turn whose history was
+  dropped, reads its tokens from the store and says which positions to recompute.
+- `ingress`: the client API (`pensieve.v1.*`); checks each request and hands it to the
+  scheduler, which answers the client directly. Run as many as you like.
 - `tokenizer`: `--tokenizers` replicas of the tokenizer actor (at least one); loads only the
   tokenizer.
 """
@@ -23,6 +27,8 @@ import time
 from pensieve.actors.bus import Bus
 from pensieve.actors.executor import ModelRunner
 from pensieve.actors.executor_actor import ExecutorActor
+from pensieve.actors.ingress import IngressActor
+from pensieve.actors.recompute_planner import RecomputePlannerActor
 from pensieve.actors.step_channel import connect_executor
 from pensieve.actors.tokenizer_actor import tokenizer_replicas
 from pensieve.ops.factory import (
@@ -39,7 +45,7 @@ from pensieve.store import ConversationStore
 
 logger = logging.getLogger("pensieve")
 
-ACTOR_COMMANDS = ("executor", "scheduler", "tokenizer")
+ACTOR_COMMANDS = ("ingress", "tokenizer", "scheduler", "recompute-planner", "executor")
 
 
 def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: float) -> int:
@@ -57,6 +63,10 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
                 with frozen_heap():
                     asyncio.run(_executor(built.engine.runner, options.nats_url,
                                           store.engine_id(), cpu_threads(engine)))  # fmt: skip
+            elif name == "recompute-planner":
+                asyncio.run(_planner(options.nats_url, store, engine.block_size))
+            elif name == "ingress":
+                asyncio.run(_ingress(options.nats_url, store.engine_id()))
             elif name == "tokenizer":
                 asyncio.run(_tokenizer(engine, options.nats_url, store.engine_id(),
                                        max(1, options.tokenizers)))  # fmt: skip
@@ -85,6 +95,23 @@ async def _executor(runner: object, url: str, engine_id: str, threads: int | Non
         await stop.wait()
 
 
+async def _ingress(url: str, engine_id: str) -> None:
+    stop = _on_signals()
+    async with IngressActor(await Bus.connect(url), engine_id):
+        print(f"pensieve: ingress of engine {engine_id} ready on {url} (pensieve.v1.chat, "
+              "pensieve.v1.conversations.*)", file=sys.stderr, flush=True)  # fmt: skip
+        await stop.wait()
+
+
+async def _planner(url: str, store: ConversationStore, block_size: int) -> None:
+    stop = _on_signals()
+    engine_id = store.engine_id()
+    async with RecomputePlannerActor(await Bus.connect(url), engine_id, store, block_size):
+        print(f"pensieve: recompute planner of engine {engine_id} ready on {url}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        await stop.wait()
+
+
 async def _tokenizer(engine: EngineOptions, url: str, engine_id: str, replicas: int) -> None:
     _, chat = load_config_only(engine)
     stop = _on_signals()
@@ -107,7 +134,8 @@ async def _scheduler(
         runner = await connect_executor(bus, store.engine_id(), timeout_s=24 * 3600)
         try:
             built = assemble_remote(engine, loaded, chat, runner)
-            await serve_until_signal(built, store, options.nats_url, options, started)
+            await serve_until_signal(built, store, options.nats_url, options, started,
+                                     ingress=False, planner=False)  # fmt: skip
         finally:
             await runner.close()
     finally:

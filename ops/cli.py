@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -58,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     _replay_parser(commands)
     _serve_parser(commands)
     _actor_parser(commands)
+    _tenant_parser(commands)
+    _nats_config_parser(commands)
     commands.add_parser(
         "profile",
         help="measure what recomputing a chunk costs on this device (pensieve profile --help)",
@@ -124,6 +127,7 @@ def _serve_parser(commands: Any) -> None:
     )
     _engine_args(serve)
     _server_args(serve)
+    _nats_auth_args(serve, embedded=True)
     _log_arg(serve)
     serve.set_defaults(run=_serve)
 
@@ -137,16 +141,76 @@ def _actor_parser(commands: Any) -> None:
         description="Run one actor of an engine, meeting the others on the NATS server at "
         "--nats-url. Give every actor of one engine the same options (and --data-dir): "
         "'executor' loads the model and its KV tiers and runs the step plans it is sent; "
-        "'scheduler' serves the client API and schedules the steps (with --tokenizers 0, "
-        "its chat templates are rendered by 'tokenizer' actors, each --tokenizers replicas). "
+        "'scheduler' admits and schedules the turns (with --tokenizers 0, their chat "
+        "templates are rendered by 'tokenizer' actors, each --tokenizers replicas); 'ingress' "
+        "serves the client API and hands each request to the scheduler. "
         "Each waits for the others.",
         formatter_class=HelpFormatter,
     )
     actor.add_argument("name", choices=ACTOR_COMMANDS, help="which actor")
     _engine_args(actor)
     _server_args(actor)
+    _nats_auth_args(actor, embedded=False)
     _log_arg(actor)
     actor.set_defaults(run=_actor)
+
+
+def _tenant_parser(commands: Any) -> None:
+    tenant = commands.add_parser(
+        "tenant", help="add a tenant: a NATS account that reaches only its own requests",
+        description="Tenants of the nats-server that `pensieve serve --auth` starts.",
+    )  # fmt: skip
+    actions = tenant.add_subparsers(required=True, metavar="ACTION")
+    add = actions.add_parser(
+        "add", help="create a tenant and print how it connects",
+        description="Create tenant NAME and print one JSON line {\"tenant\": NAME, \"nats\": "
+        "{...}}, where \"nats\" is the keyword arguments of nats.connect() for it (servers, "
+        "user, password, inbox prefix). A nats-server running from DIR is reloaded; one not "
+        "yet started takes the tenant when it starts.",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+    add.add_argument("name", metavar="NAME", help="a-z 0-9 _ -, at most 64")
+    _accounts_dir_arg(add)
+    add.add_argument(
+        "--nats-url", metavar="URL",
+        help="where the tenant connects (default: the server's own address)",
+    )  # fmt: skip
+    _log_arg(add)
+    add.set_defaults(run=_tenant_add)
+
+
+def _nats_config_parser(commands: Any) -> None:
+    config = commands.add_parser(
+        "nats-config",
+        help="write a nats-server configuration with the accounts, for a server run elsewhere",
+        description="Write DIR/nats/nats-server.conf, with the accounts of the service and of "
+        "each tenant, and the service's password (DIR/nats/service.password) if there is none, "
+        "for a nats-server started elsewhere (compose.yaml): nats-server -c "
+        "DIR/nats/nats-server.conf.",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+    _accounts_dir_arg(config)
+    config.add_argument(
+        "--listen", metavar="HOST:PORT", default=f"0.0.0.0:{DEFAULTS.nats_port}",
+        help="where the server listens",
+    )  # fmt: skip
+    _log_arg(config)
+    config.set_defaults(run=_nats_config)
+
+
+def _accounts_dir_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--data-dir", type=Path, metavar="DIR", required=True,
+        help="the data dir of the engine, whose nats/ folder holds the accounts",
+    )  # fmt: skip
+
+
+def _nats_auth_args(p: argparse.ArgumentParser, embedded: bool) -> None:
+    from pensieve.ops.nats_auth import add_connect_args, add_embedded_args
+
+    add_connect_args(p)
+    if embedded:
+        add_embedded_args(p)
 
 
 def _server_args(p: argparse.ArgumentParser) -> None:
@@ -331,13 +395,47 @@ def _positive(value: int | None, name: str) -> int | None:
 def _serve(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.serve import serve
 
+    _refuse_nats_auth(args)
+    if args.insecure:
+        logging.getLogger("pensieve").warning(
+            "--insecure: the nats-server asks no one who they are: anyone on this host can "
+            "read and write every conversation (pensieve serve --auth gives each tenant its own)"
+        )
     return serve(engine_options(args), _serve_options(args), started)
 
 
 def _actor(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.actor_main import run_actor
 
+    _refuse_nats_auth(args)
     return run_actor(args.name, engine_options(args), _serve_options(args), started)
+
+
+def _refuse_nats_auth(args: argparse.Namespace) -> None:
+    """Refuse the NATS credentials and --auth while ServeOptions does not carry them to the
+    bus: a security option must not be ignored silently."""
+    from pensieve.ops.nats_auth import auth_data_dir, nats_auth_from_args
+
+    given = nats_auth_from_args(args) is not None
+    if given or auth_data_dir(args, args.data_dir or Path(".")) is not None:
+        raise ValueError("NATS credentials and --auth do not reach the engine's actors yet")
+
+
+def _tenant_add(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.nats_accounts import add_tenant
+
+    nats = add_tenant(args.data_dir, args.name, args.nats_url)
+    print(json.dumps({"tenant": args.name, "nats": nats}), flush=True)
+    return 0
+
+
+def _nats_config(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.nats_accounts import write_server_config
+
+    path = write_server_config(args.data_dir, args.listen, pid_file=False)
+    print(f"pensieve: nats-server configuration in {path}; the service's password in "
+          f"{path.parent / 'service.password'}", file=sys.stderr)  # fmt: skip
+    return 0
 
 
 def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]

@@ -2,12 +2,17 @@
 
 with EmbeddedNats() as server:
     await Bus.connect(server.url)
+
+With `auth_data_dir`, it asks who connects: accounts for the service and each tenant, from the
+files under <auth_data_dir>/nats/ (ops/nats_accounts.py); the engine's actors connect with
+`server.service_auth.connect_options()`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.metadata
+import logging
 import os
 import shutil
 import signal
@@ -19,6 +24,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from pensieve.ops.nats_accounts import reload_server, service_connect_options, write_server_config
+from pensieve.ops.nats_auth import NatsAuth
+
+logger = logging.getLogger("pensieve")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -87,20 +97,36 @@ def check_port_free(port: int) -> None:
 
 
 class EmbeddedNats:
-    """A nats-server child process on loopback: `port` (checked free first), else a free one."""
+    """A nats-server child process on loopback: `port` (checked free first), else a free one;
+    open to anyone on this host, or with `auth_data_dir` to the accounts of that data dir."""
 
-    def __init__(self, port: int | None = None, ready_timeout_s: float = 15.0) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        ready_timeout_s: float = 15.0,
+        auth_data_dir: Path | None = None,
+    ) -> None:
         if port is not None:
             check_port_free(port)
         self.port = port or free_port()
         self.ready_timeout_s = ready_timeout_s
         self.url = f"nats://127.0.0.1:{self.port}"
+        self.auth_data_dir = auth_data_dir
+        self.service_auth: NatsAuth | None = None  # who the engine is to it, once it started
         self._process: subprocess.Popen[bytes] | None = None
         # its log goes to a file: a pipe that nobody reads could fill up and block the server
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by __exit__)
 
     def __enter__(self) -> EmbeddedNats:
         command = [find_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.auth_data_dir is not None:  # the secrets stay in files: argv is public
+            listen = f"127.0.0.1:{self.port}"
+            config = write_server_config(self.auth_data_dir, listen, pid_file=True)
+            command += ["-c", str(config)]
+            self.service_auth = service_connect_options(self.auth_data_dir)
+            logger.info("NATS authentication on: accounts and passwords in %s (add a tenant: "
+                        "pensieve tenant add NAME --data-dir %s)", config.parent,
+                        self.auth_data_dir)  # fmt: skip
         self._process = subprocess.Popen(
             command,
             stdout=subprocess.DEVNULL,
@@ -122,6 +148,12 @@ class EmbeddedNats:
         self.__exit__()
         raise OSError(f"nats-server did not listen on port {self.port} within "
                       f"{self.ready_timeout_s:.0f} s")  # fmt: skip
+
+    def reload(self) -> None:
+        """Take the accounts on file now (`add_tenant` does this itself)."""
+        if self._process is None or self.auth_data_dir is None:
+            raise RuntimeError("only a running nats-server with accounts reloads them")
+        reload_server(self.auth_data_dir, self._process.pid)
 
     def __exit__(self, *exc: object) -> None:
         process, self._process = self._process, None

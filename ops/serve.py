@@ -25,6 +25,8 @@ from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig, StepChannel
 from pensieve.actors.executor import ModelRunner
 from pensieve.actors.executor_actor import ExecutorActor
+from pensieve.actors.ingress import IngressActor
+from pensieve.actors.recompute_planner import RecomputePlannerActor
 from pensieve.actors.server import ChatServer, EngineThread
 from pensieve.actors.step_channel import connect_executor
 from pensieve.actors.sweeper import sweeping
@@ -76,8 +78,12 @@ async def serving(
     step_channel: StepChannel = DEFAULTS.step_channel,
     tokenizers: int = DEFAULTS.tokenizers,
     expiry: ExpiryConfig = DEFAULT_EXPIRY,
+    ingress: bool = True,
+    planner: bool = True,
 ) -> AsyncIterator[ChatService]:
-    """Serve the client API on `nats_url` while the context is open; a CPU engine steps on
+    """Serve the client API on `nats_url` while the context is open (with `ingress` False,
+    only the scheduler's side of it: ingress actors run elsewhere; with `planner` False, the
+    recompute planner runs elsewhere); a CPU engine steps on
     `threads` PyTorch threads, its model behind an executor actor with `StepChannel.NATS`.
     `tokenizers` replicas of the tokenizer actor render the chat templates; conversations idle
     past their TTL (`expiry`) are deleted. On leaving, turns in flight get `shutdown_grace_s` to
@@ -100,8 +106,13 @@ async def serving(
             await actors.enter_async_context(  # up before the ingress, down after it
                 tokenizer_replicas(nats_url, engine_id, built.chat, tokenizers)
             )
+            if planner:
+                block_size = built.engine.cache_config.block_size
+                await actors.enter_async_context(RecomputePlannerActor(
+                    await Bus.connect(nats_url), engine_id, store, block_size
+                ))  # fmt: skip
             async with _engine_serving(service, nats_url, engine_id, threads,
-                                       shutdown_grace_s, expiry) as served:  # fmt: skip
+                                       shutdown_grace_s, expiry, ingress) as served:  # fmt: skip
                 yield served
 
 
@@ -134,6 +145,7 @@ async def _engine_serving(
     threads: int | None,
     grace_s: float,
     expiry: ExpiryConfig,
+    ingress: bool,
 ) -> AsyncIterator[ChatService]:
     engine = EngineThread(service, threads)
     try:
@@ -141,8 +153,13 @@ async def _engine_serving(
         server = ChatServer(bus, engine, engine_id)
         try:
             await server.start()
-            async with sweeping(engine, expiry):
-                yield service
+            async with contextlib.AsyncExitStack() as front:
+                if ingress:  # up after the scheduler, down before it
+                    await front.enter_async_context(
+                        IngressActor(await Bus.connect(nats_url), engine_id)
+                    )
+                async with sweeping(engine, expiry):
+                    yield service
             await server.drain(grace_s)
         finally:
             await bus.close()
@@ -151,7 +168,13 @@ async def _engine_serving(
 
 
 async def serve_until_signal(
-    built: Built, store: ConversationStore, url: str, options: ServeOptions, started: float
+    built: Built,
+    store: ConversationStore,
+    url: str,
+    options: ServeOptions,
+    started: float,
+    ingress: bool = True,
+    planner: bool = True,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -160,12 +183,17 @@ async def serve_until_signal(
     threads = cpu_threads(built.options)
     async with serving(built, store, url, options.max_waiting, threads,
                        options.shutdown_grace_s, options.step_channel,
-                       options.tokenizers, options.expiry):  # fmt: skip
-        own = subjects.engine_subject(store.engine_id(), ">")
+                       options.tokenizers, options.expiry, ingress, planner):  # fmt: skip
+        engine_id = store.engine_id()
         logger.info("ready in %.1f s", time.monotonic() - started)
         # the line clients and scripts wait for, whatever the log level
-        print(f"pensieve: serving on {url} (pensieve.v1.chat, pensieve.v1.conversations.*; "
-              f"this engine: {own})", file=sys.stderr, flush=True)  # fmt: skip
+        if ingress:
+            own = subjects.engine_subject(engine_id, ">")
+            print(f"pensieve: serving on {url} (pensieve.v1.chat, pensieve.v1.conversations.*; "
+                  f"this engine: {own})", file=sys.stderr, flush=True)  # fmt: skip
+        else:
+            print(f"pensieve: scheduler of engine {engine_id} serving on {url}",
+                  file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
         logger.info("stopping: up to %.0f s for the turns in flight", options.shutdown_grace_s)
 

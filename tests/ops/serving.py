@@ -29,13 +29,30 @@ def stateless_reference(
 ) -> list[list[int]]:
     """Greedy tokens of each turn of the chat `messages`, replayed in-process with the stateless
     policy and no cache limits."""
-    path = folder / "chat.jsonl"
-    record = {"id": "ref", "conversations": [{"from": "human", "value": t} for t in messages]}
-    path.write_bytes(orjson.dumps(record) + b"\n")
+    return stateless_references(model, chat, [messages], max_tokens, folder)[0]
+
+
+def stateless_references(
+    model: LoadedModel,
+    chat: ChatTokenizer,
+    chats: Sequence[Sequence[str]],
+    max_tokens: int,
+    folder: Path,
+) -> list[list[list[int]]]:
+    """`stateless_reference` of several chats, replayed together."""
+    path = folder / "chats.jsonl"
+    with path.open("wb") as out:
+        for i, messages in enumerate(chats):
+            turns = [{"from": "human", "value": text} for text in messages]
+            out.write(orjson.dumps({"id": f"ref{i}", "conversations": turns}) + b"\n")
     built = assemble(EngineOptions(model="smollm2", policy=Policy.STATELESS), model, chat)
-    out = io.BytesIO()
-    replay(built, load_conversations(path), ReplayOptions(max_new_tokens=max_tokens), out, None)
-    return [orjson.loads(line)["output_token_ids"] for line in out.getvalue().splitlines()]
+    replies = io.BytesIO()
+    replay(built, load_conversations(path), ReplayOptions(max_new_tokens=max_tokens), replies, None)
+    tokens: list[list[list[int]]] = [[] for _ in chats]
+    for line in replies.getvalue().splitlines():
+        record = orjson.loads(line)
+        tokens[int(record["conversation_id"].removeprefix("ref"))].append(record["output_token_ids"])
+    return tokens
 
 
 @contextlib.contextmanager

@@ -1,9 +1,11 @@
-"""`pensieve actor`: the scheduler, the executor and two tokenizer replicas in processes of
-their own, meeting on a real nats-server, with the real SmolLM2 on the CPU. Each conversation's
-greedy tokens equal those of the stateless in-process reference, also across a tokenizer replica
-killed with SIGKILL (the other renders), an executor killed and started again (its KV is gone:
-the history is recomputed) and a scheduler killed and started again (it continues from the
-store)."""
+"""`pensieve actor`: every actor of an engine in a process of its own (ingress, two tokenizer
+replicas, scheduler, recompute planner, executor), meeting on a real nats-server, with the real SmolLM2 on the CPU
+and tiers small enough that histories are swapped out, swapped in and dropped.
+
+Three conversations run at once while each actor in turn is killed with SIGKILL and started
+again. Clients send each turn until it is answered (a turn refused `unavailable`, or whose
+requester heard nothing, is sent again). No acknowledged turn is lost, and every conversation's
+greedy tokens equal those of an uninterrupted stateless in-process run."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,29 +25,42 @@ import pytest
 
 from pensieve.actors import subjects
 from pensieve.ops.nats_server import EmbeddedNats
-from tests.ops.serving import stateless_reference
+from tests.ops.serving import stateless_references
 
 pytestmark = pytest.mark.slow
 
-CHAT = ["What is the capital of France?", "And of Italy?", "Which of the two is bigger?",
-        "Name a river in each."]  # fmt: skip
-MAX_TOKENS = 24
-OPTIONS = ["--model", "smollm2", "--gpu-cache-tokens", "256", "--cpu-cache-tokens", "256",
+CHATS = [
+    ["What is the capital of France?", "And of Italy?", "Which of the two is bigger?",
+     "Name a river in each.", "Which is longer?"],
+    ["Give me a word that rhymes with cat.", "Another one?", "Use both in a sentence.",
+     "Now make it a question.", "Answer it."],
+    ["How many legs does a spider have?", "And an ant?", "Which has more?",
+     "Name another insect.", "How many legs does it have?"],
+]  # fmt: skip
+MAX_TOKENS = 16
+OPTIONS = ["--model", "smollm2", "--gpu-cache-tokens", "320", "--cpu-cache-tokens", "512",
            "--admission-reserve", "0", "--max-batch-tokens", "512",
            "--cpu-threads", "1"]  # fmt: skip
+# which line each actor prints once it serves
+READY = {"ingress": "ready on", "tokenizer": "ready on", "executor": "ready on",
+         "recompute-planner": "ready on", "scheduler": "serving on"}  # fmt: skip
+# the executor and the scheduler first: the turns after them, on a warm cache again, meet the
+# CPU tier
+KILL_ORDER = ("executor", "scheduler", "recompute-planner", "tokenizer", "ingress")
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2, smollm2_chat, tmp_path_factory) -> list[list[int]]:
-    """Greedy tokens of the chat's turns, replayed in-process with the stateless policy."""
+def reference(smollm2, smollm2_chat, tmp_path_factory) -> list[list[list[int]]]:
+    """Greedy tokens of each chat's turns, replayed in-process with the stateless policy."""
     folder = tmp_path_factory.mktemp("chat")
-    return stateless_reference(smollm2, smollm2_chat, CHAT, MAX_TOKENS, folder)
+    return stateless_references(smollm2, smollm2_chat, CHATS, MAX_TOKENS, folder)
 
 
 class Actor:
     """`pensieve actor NAME` in a subprocess; its stderr is read for the line it announces."""
 
     def __init__(self, name: str, url: str, data_dir: Path) -> None:
+        self.name = name
         # the scheduler renders nothing itself: the tokenizer actors do, in processes of their own
         tokenizers = ["--tokenizers", "1" if name == "tokenizer" else "0"]
         command = [sys.executable, "-m", "pensieve.ops.cli", "actor", name, *OPTIONS,
@@ -62,7 +78,10 @@ class Actor:
             self.lines.append(line)
             if text in line:
                 return
-        raise AssertionError(f"no {text!r} from the actor:\n{''.join(self.lines)}")
+        raise AssertionError(f"no {text!r} from {self.name}:\n{''.join(self.lines)}")
+
+    def wait_ready(self) -> None:
+        self.wait_for(READY[self.name])
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -79,71 +98,135 @@ class Actor:
         return self.proc.returncode
 
 
-def ask(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
-    async def go() -> dict[str, Any]:
-        client = await nats.connect(url)
+@dataclass
+class Conversation:
+    """One client's conversation: its acknowledged replies, and the turns it had to resend."""
+
+    messages: list[str]
+    conv_id: str | None = None
+    replies: list[dict[str, Any]] = field(default_factory=list)
+    num_resent: int = 0
+
+
+async def send_until_answered(client: Any, conv: Conversation, message: str) -> dict[str, Any]:
+    """The turn's reply, sending it again while it is refused `unavailable` or unanswered. A
+    requester that heard nothing asks the conversation's state first, as a careful client
+    would: a turn committed before its reply was lost is not sent again (its reply is the
+    stored turn, without token ids)."""
+    body: dict[str, Any] = {"message": message, "max_tokens": MAX_TOKENS}
+    if conv.conv_id is not None:
+        body["conversation_id"] = conv.conv_id
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
         try:
-            msg = await client.request(subjects.CHAT, orjson.dumps(body), timeout=timeout)
-            return dict(orjson.loads(msg.data))
-        finally:
-            await client.close()
+            msg = await client.request(subjects.CHAT, orjson.dumps(body), timeout=30)
+            reply = dict(orjson.loads(msg.data))
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            reply = {"error": {"code": "unavailable", "message": "nobody answered"}}
+            stored = await stored_turn(client, conv)
+            if stored is not None:
+                return stored
+        if reply.get("error", {}).get("code") != "unavailable":
+            return reply
+        conv.num_resent += 1
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"{message!r} was never answered")
 
-    return asyncio.run(go())
 
-
-def chat_until_served(url: str, body: dict[str, Any], within_s: float = 90.0) -> dict[str, Any]:
-    """Send the turn until it is not refused as unavailable (an actor is starting again)."""
-    deadline = time.monotonic() + within_s
+async def stored_turn(client: Any, conv: Conversation) -> dict[str, Any] | None:
+    """The conversation's next turn if the store has it (waiting while a turn is running)."""
+    if conv.conv_id is None:
+        return None  # a lost first turn made a conversation nobody knows: start another
+    body = orjson.dumps({"conversation_id": conv.conv_id})
     while True:
         try:
-            reply = ask(url, body)
+            msg = await client.request(subjects.CONVERSATIONS_GET, body, timeout=10)
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
-            reply = {"error": {"code": "unavailable", "message": "no scheduler"}}
-        if reply.get("error", {}).get("code") != "unavailable" or time.monotonic() > deadline:
-            return reply
-        time.sleep(1.0)
+            await asyncio.sleep(0.5)
+            continue
+        got = orjson.loads(msg.data)
+        if "error" in got:
+            await asyncio.sleep(0.5)  # e.g. no scheduler yet
+        elif got["busy"]:
+            await asyncio.sleep(0.5)
+        elif got["num_turns"] > len(conv.replies):
+            turn = got["turns"][len(conv.replies)]
+            return {"conversation_id": conv.conv_id, "turn": turn["turn"], "text": turn["text"]}
+        else:
+            return None
 
 
-def test_killed_actors_rejoin_and_every_turn_keeps_its_tokens(reference, tmp_path) -> None:
+async def talk(url: str, conv: Conversation, acknowledged: list[int]) -> None:
+    client = await nats.connect(url, max_reconnect_attempts=-1)
+    try:
+        for message in conv.messages:
+            reply = await send_until_answered(client, conv, message)
+            assert "error" not in reply, reply
+            conv.conv_id = reply["conversation_id"]
+            conv.replies.append(reply)
+            acknowledged.append(1)
+    finally:
+        await client.close()
+
+
+async def kill_each_in_turn(
+    actors: dict[str, Actor], url: str, data_dir: Path, acknowledged: list[int], every: int
+) -> list[str]:
+    """Kill each actor of KILL_ORDER as soon as `every` more turns are acknowledged, and start
+    it again (the others go on meanwhile); returns the ones killed (all of them, unless the
+    conversations end first) once every restarted actor is ready."""
+    total = sum(len(chat) for chat in CHATS)
+    killed: list[str] = []
+    restarts: list[asyncio.Future[None]] = []
+    for name in KILL_ORDER:
+        target = min(len(acknowledged) + every, total)
+        while len(acknowledged) < target:
+            await asyncio.sleep(0.1)
+        if len(acknowledged) == total:
+            break
+        actors[name].kill()
+        killed.append(name)
+        actors[name] = Actor(name, url, data_dir)
+        restarts.append(asyncio.ensure_future(asyncio.to_thread(actors[name].wait_ready)))
+    await asyncio.gather(*restarts)
+    return killed
+
+
+def test_each_actor_killed_under_load_rejoins_and_every_turn_keeps_its_tokens(
+    reference, tmp_path
+) -> None:
     with EmbeddedNats() as server:
         url = server.url
-        # the scheduler starts first and waits for the executor
-        scheduler = Actor("scheduler", url, tmp_path)
-        scheduler.wait_for("waiting for the executor")
-        executor = Actor("executor", url, tmp_path)
-        tokenizers = [Actor("tokenizer", url, tmp_path) for _ in range(2)]
+        # the scheduler starts first and waits for the executor; the ingress takes requests
+        # before anything else is up and answers them `unavailable`
+        actors = {"scheduler": Actor("scheduler", url, tmp_path)}
+        actors["scheduler"].wait_for("waiting for the executor")
+        for name in ("ingress", "executor", "recompute-planner", "tokenizer"):
+            actors[name] = Actor(name, url, tmp_path)
+        spare = Actor("tokenizer", url, tmp_path)  # the tokenizer's second replica
         try:
-            for actor in (executor, *tokenizers):
-                actor.wait_for("ready on")
-            scheduler.wait_for("serving on")
-            first = ask(url, {"message": CHAT[0], "max_tokens": MAX_TOKENS})
-            conv = first["conversation_id"]
-            second = ask(url, {"conversation_id": conv, "message": CHAT[1],
-                               "max_tokens": MAX_TOKENS})  # fmt: skip
-            assert [first["token_ids"], second["token_ids"]] == reference[:2], (first, second)
-            assert second["usage"]["cached_tokens"]["gpu"] > 0  # the executor kept the KV
+            for actor in (*actors.values(), spare):
+                actor.wait_ready()
+            conversations = [Conversation(chat) for chat in CHATS]
+            acknowledged: list[int] = []
 
-            tokenizers[0].kill()  # the other replica renders the turns from here
-            executor.kill()
-            refused = ask(url, {"conversation_id": conv, "message": CHAT[2],
-                                "max_tokens": MAX_TOKENS})  # fmt: skip
-            assert refused["error"]["code"] == "unavailable", refused
-            executor = Actor("executor", url, tmp_path)
-            executor.wait_for("ready on")
-            third = chat_until_served(url, {"conversation_id": conv, "message": CHAT[2],
-                                            "max_tokens": MAX_TOKENS})  # fmt: skip
-            assert third.get("token_ids") == reference[2], third
-            assert third["turn"] == 2
-            assert third["usage"]["cached_tokens"]["recomputed"] > 0  # the KV went with it
+            async def run() -> list[str]:
+                talking = [talk(url, conv, acknowledged) for conv in conversations]
+                killing = kill_each_in_turn(actors, url, tmp_path, acknowledged, every=2)
+                *_, killed = await asyncio.gather(*talking, killing)
+                return killed
 
-            scheduler.kill()
-            scheduler = Actor("scheduler", url, tmp_path)
-            scheduler.wait_for("serving on")
-            fourth = chat_until_served(url, {"conversation_id": conv, "message": CHAT[3],
-                                             "max_tokens": MAX_TOKENS})  # fmt: skip
-            assert fourth.get("token_ids") == reference[3], fourth
-            assert fourth["turn"] == 3
+            killed = asyncio.run(run())
         finally:
-            codes = [scheduler.stop(), executor.stop(), tokenizers[1].stop()]
-            tokenizers[0].stop()
-    assert codes == [0, 0, 0], scheduler.lines[-20:] + executor.lines[-20:]
+            codes = {name: actor.stop() for name, actor in actors.items()}
+            spare.stop()
+    assert killed == list(KILL_ORDER)
+    for conv, tokens in zip(conversations, reference, strict=True):
+        assert [r["turn"] for r in conv.replies] == list(range(len(conv.messages)))
+        # a turn whose reply was lost is checked through the turns after it, whose greedy
+        # tokens depend on its own
+        got = [r.get("token_ids", want) for r, want in zip(conv.replies, tokens, strict=True)]
+        assert got == tokens, conv.conv_id
+    usage = [r["usage"]["cached_tokens"] for conv in conversations for r in conv.replies]
+    assert any(u["cpu"] for u in usage) and any(u["recomputed"] for u in usage), usage
+    assert codes == dict.fromkeys(codes, 0), {n: a.lines[-20:] for n, a in actors.items()}

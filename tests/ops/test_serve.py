@@ -777,13 +777,17 @@ def test_a_request_is_traced_in_the_callers_trace_through_its_phases(served, spa
     second = chat(server, headers=traceparent, conversation_id=first["conversation_id"],
                   message=CHAT[1], max_tokens=8)  # fmt: skip
 
-    def request_span(turn: int) -> Any:
-        return _finished_span(spans, lambda s: s.name == subjects.CHAT
+    def turn_span(turn: int) -> Any:
+        return _finished_span(spans, lambda s: s.name == "turn"
                               and s.context.trace_id == trace_id
                               and s.attributes.get("pensieve.turn") == turn)  # fmt: skip
 
-    span = request_span(1)
-    assert span.parent.span_id == caller
+    span = turn_span(1)
+    # the ingress's span of the request is the caller's child; the scheduler's turn is its own
+    request = _finished_span(spans, lambda s: s.context.span_id == span.parent.span_id)
+    assert request.name == subjects.CHAT and request.parent.span_id == caller
+    assert request.resource.attributes["service.name"] == "pensieve-ingress"
+    assert span.resource.attributes["service.name"] == "pensieve-scheduler"
     attrs = span.attributes
     assert attrs["pensieve.conversation_id"] == first["conversation_id"]
     assert attrs["pensieve.completion_tokens"] == len(second["token_ids"])
@@ -793,19 +797,19 @@ def test_a_request_is_traced_in_the_callers_trace_through_its_phases(served, spa
         cached["cpu"],
         cached["recomputed"],
     ]
-    assert request_span(0).attributes["pensieve.cached_tokens.gpu"] == 0
+    assert turn_span(0).attributes["pensieve.cached_tokens.gpu"] == 0
     phases = {s.name: s for s in spans.get_finished_spans()
               if s.parent is not None and s.parent.span_id == span.context.span_id}  # fmt: skip
     # and kv.swap_in or kv.plan_recompute if its history came back from the CPU or was dropped
     assert {"tokenizer.render", "queued", "prefill", "decode"} <= set(phases)
     services = {name: s.resource.attributes["service.name"] for name, s in phases.items()}
-    assert span.resource.attributes["service.name"] == "pensieve-ingress"
     assert services["tokenizer.render"] == "pensieve-tokenizer"
     assert services["queued"] == "pensieve-scheduler"
     assert services["prefill"] == services["decode"] == "pensieve-executor"
     assert phases["queued"].end_time <= phases["prefill"].start_time
     render = phases["tokenizer.render"]  # in a tokenizer replica, before the engine has the turn
-    assert span.start_time <= render.start_time <= render.end_time <= phases["prefill"].start_time
+    assert request.start_time <= span.start_time <= render.start_time <= render.end_time
+    assert render.end_time <= phases["prefill"].start_time
     assert phases["prefill"].start_time <= phases["prefill"].end_time
     assert phases["prefill"].end_time <= phases["decode"].start_time <= phases["decode"].end_time
     assert phases["decode"].end_time <= span.end_time
