@@ -1,0 +1,326 @@
+"""NATS authentication and tenants, against a real nats-server: who may connect, what a tenant
+reaches, and where secrets are never to be found."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from pensieve.actors.bus import Bus
+from pensieve.actors.subjects import CHAT, CONVERSATIONS_GET
+from pensieve.ops.cli import main
+from pensieve.ops.nats_accounts import add_tenant, nats_dir
+from pensieve.ops.nats_auth import (
+    NatsAuth,
+    TlsFiles,
+    add_connect_args,
+    nats_auth_from_args,
+    redact_url,
+    tenant_of,
+    tenant_subject,
+)
+from pensieve.ops.nats_server import EmbeddedNats, find_binary, free_port
+
+NUM_PARTS = 3  # messages in each streamed answer of the fake service
+
+
+def tenant_add(data_dir: Path, name: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    """`pensieve tenant add`: its one JSON line's connect kwargs; nothing secret on stderr."""
+    assert main(["tenant", "add", name, "--data-dir", str(data_dir)]) == 0
+    out, err = capsys.readouterr()
+    (line,) = out.splitlines()
+    printed = json.loads(line)
+    assert printed["tenant"] == name
+    assert printed["nats"]["password"] not in err
+    return printed["nats"]
+
+
+async def connect_tenant(kwargs: dict[str, Any], url: str, errors: list[Exception]) -> Client:
+    async def on_error(error: Exception) -> None:
+        errors.append(error)
+
+    return await nats.connect(**{**kwargs, "servers": [url]}, error_cb=on_error)
+
+
+@asynccontextmanager
+async def fake_service(server: EmbeddedNats, received: list[Msg]) -> AsyncIterator[Bus]:
+    """The service's identity answering every tenant's chat request with NUM_PARTS messages,
+    each naming the tenant NATS delivered it from."""
+    assert server.service_auth is not None
+    bus = await Bus.connect(server.url, options=server.service_auth.connect_options())
+
+    async def answer(msg: Msg) -> None:
+        received.append(msg)
+        for part in range(NUM_PARTS):
+            await bus.client.publish(msg.reply, f"{tenant_of(msg.subject)} {part}".encode())
+
+    await bus.client.subscribe(tenant_subject("*", CHAT), cb=answer)
+    await bus.flush()
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
+async def ask(client: Client, subject: str = CHAT) -> list[bytes]:
+    """One request, and every part of its streamed answer."""
+    inbox = client.new_inbox()
+    sub = await client.subscribe(inbox)
+    await client.publish(subject, b"{}", reply=inbox)
+    parts = [(await sub.next_msg(timeout=5)).data for _ in range(NUM_PARTS)]
+    await sub.unsubscribe()
+    return parts
+
+
+def test_a_client_without_credentials_or_with_a_wrong_password_is_refused(tmp_path: Path) -> None:
+    async def refused(url: str, **credentials: str) -> str:
+        async def quiet(error: Exception) -> None:
+            pass
+
+        with pytest.raises(nats.errors.Error) as refusal:
+            await nats.connect(url, allow_reconnect=False, error_cb=quiet, **credentials)
+        return str(refusal.value)
+
+    async def go(server: EmbeddedNats) -> None:
+        assert "Authorization Violation" in await refused(server.url)
+        wrong = {"user": "pensieve", "password": "not-the-password"}
+        assert "Authorization Violation" in await refused(server.url, **wrong)
+
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        asyncio.run(go(server))
+
+
+def test_a_tenant_reaches_the_service_on_its_own_subject_with_the_plain_api(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    alice = tenant_add(tmp_path, "alice", capsys)  # before the server starts
+    assert set(alice) == {"servers", "user", "password", "inbox_prefix"}
+
+    async def go(server: EmbeddedNats) -> None:
+        received: list[Msg] = []
+        async with fake_service(server, received):
+            client = await connect_tenant(alice, server.url, [])
+            assert await ask(client) == [f"alice {part}".encode() for part in range(NUM_PARTS)]
+            await client.close()
+        (msg,) = received
+        assert msg.subject == tenant_subject("alice", CHAT) == "pensieve.tenant.alice.v1.chat"
+
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        asyncio.run(go(server))
+
+
+def test_a_tenant_sees_nothing_of_another_and_cannot_answer_for_the_service(
+    tmp_path: Path,
+) -> None:
+    alice, bob = add_tenant(tmp_path, "alice"), add_tenant(tmp_path, "bob")
+
+    async def go(server: EmbeddedNats) -> None:
+        received: list[Msg] = []
+        async with fake_service(server, received) as service:
+            internal = await service.client.subscribe("pensieve.internal.>")
+            alices = await service.client.subscribe(tenant_subject("alice", CONVERSATIONS_GET))
+            await service.flush()
+            a_client = await connect_tenant(alice, server.url, [])
+            refusals: list[Exception] = []
+            b_client = await connect_tenant(bob, server.url, refusals)
+            # bob listens everywhere it might overhear alice, or take her requests
+            spies = [await b_client.subscribe(subject) for subject in
+                     (">", CHAT, "pensieve.tenant.>", f"{alice['inbox_prefix']}.>")]  # fmt: skip
+            await b_client.flush()
+            assert await ask(a_client) == [f"alice {part}".encode() for part in range(NUM_PARTS)]
+            # ... and speaks where only the service, or alice, may
+            await b_client.publish("pensieve.internal.e1.executor.step", b"{}")
+            await b_client.publish(tenant_subject("alice", CONVERSATIONS_GET), b"{}")
+            await b_client.publish(f"{alice['inbox_prefix']}.forged", b"as the service")
+            await b_client.flush()
+            # what bob asks reaches the service as bob's, whatever the request says
+            assert await ask(b_client) == [f"bob {part}".encode() for part in range(NUM_PARTS)]
+            await asyncio.sleep(0.2)  # room for anything misrouted to arrive
+            assert [spy.pending_msgs for spy in spies] == [0, 0, 0, 0]
+            assert internal.pending_msgs == 0 and alices.pending_msgs == 0
+            assert [tenant_of(msg.subject) for msg in received] == ["alice", "bob"]
+            violations = " ".join(str(error) for error in refusals).lower()
+            assert "permissions violation for subscription" in violations
+            assert "permissions violation for publish" in violations
+            await a_client.close()
+            await b_client.close()
+
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        asyncio.run(go(server))
+
+
+def test_a_tenant_added_while_the_server_runs_is_served_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tenant add` reloads the running server; a stream in flight meanwhile goes on."""
+    alice = add_tenant(tmp_path, "alice")
+
+    async def go(server: EmbeddedNats) -> None:
+        assert server.service_auth is not None
+        bus = await Bus.connect(server.url, options=server.service_auth.connect_options())
+        added = asyncio.Event()
+
+        async def answer(msg: Msg) -> None:
+            await bus.client.publish(msg.reply, b"before")
+            await added.wait()
+            await bus.client.publish(msg.reply, b"after")
+
+        await bus.client.subscribe(tenant_subject("alice", CHAT), cb=answer)
+        await bus.flush()
+        a_client = await connect_tenant(alice, server.url, [])
+        inbox = a_client.new_inbox()
+        sub = await a_client.subscribe(inbox)
+        await a_client.publish(CHAT, b"{}", reply=inbox)
+        assert (await sub.next_msg(timeout=5)).data == b"before"
+        carol = await asyncio.to_thread(tenant_add, tmp_path, "carol", capsys)
+        added.set()
+        assert (await sub.next_msg(timeout=5)).data == b"after"
+        await bus.close()
+        received: list[Msg] = []
+        async with fake_service(server, received):
+            c_client = await connect_tenant(carol, server.url, [])
+            assert await ask(c_client) == [f"carol {part}".encode() for part in range(NUM_PARTS)]
+            await c_client.close()
+        await a_client.close()
+
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        asyncio.run(go(server))
+
+
+def test_secrets_stay_in_private_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Not in the server's argv, not in any log line; files 0600 in a folder of 0700."""
+    caplog.set_level(logging.INFO, logger="pensieve")
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        assert server.service_auth is not None and server.service_auth.password
+        tenant = add_tenant(tmp_path, "alice")
+        assert server._process is not None
+        argv = Path(f"/proc/{server._process.pid}/cmdline").read_bytes().decode()
+    secrets = [server.service_auth.password, tenant["password"]]
+    logged = caplog.text
+    assert str(nats_dir(tmp_path)) in logged  # where the credentials are is said
+    for secret in secrets:
+        assert secret not in argv and secret not in logged
+        assert secret not in repr(server.service_auth)
+    folder = nats_dir(tmp_path)
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert (folder / "tenants").stat().st_mode & 0o777 == 0o700
+    files = [path for path in folder.rglob("*") if path.is_file()]
+    assert {"nats-server.conf", "service.password", "alice.password"} <= {p.name for p in files}
+    assert {path.name: path.stat().st_mode & 0o777 for path in files} == {
+        path.name: 0o600 for path in files
+    }
+
+
+def test_tenant_subjects_are_named_by_nats_not_by_the_client() -> None:
+    assert tenant_subject("alice", CHAT) == "pensieve.tenant.alice.v1.chat"
+    assert tenant_subject("*", CONVERSATIONS_GET) == "pensieve.tenant.*.v1.conversations.get"
+    assert tenant_of("pensieve.tenant.alice.v1.conversations.get") == "alice"
+    assert tenant_of(CHAT) is None and tenant_of("pensieve.tenant.alice") is None
+    for bad in ("", "Alice", "a.b", "a>", "*"):
+        with pytest.raises(ValueError):
+            add_tenant(Path("unused"), bad)
+    with pytest.raises(ValueError):
+        tenant_subject("alice", "pensieve.internal.e1.executor.step")
+
+
+def test_urls_in_logs_hide_passwords_and_tokens() -> None:
+    assert redact_url("nats://u:secret@h:4222") == "nats://u:***@h:4222"
+    both = "nats://tok@h:4222,tls://v:p@g:4223"
+    assert redact_url(both) == "nats://***@h:4222,tls://v:***@g:4223"
+    assert redact_url("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nats-url")
+    add_connect_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_credentials_come_from_flags_files_and_the_environment(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("from-file\n")
+    assert nats_auth_from_args(_parse(), {}) is None
+    env = {"PENSIEVE_NATS_USER": "u", "PENSIEVE_NATS_PASSWORD": "from-env"}
+    assert nats_auth_from_args(_parse(), env) == NatsAuth("u", "from-env")
+    flags = _parse("--nats-user", "v", "--nats-password-file", str(secret))
+    assert nats_auth_from_args(flags, env) == NatsAuth("v", "from-file")  # flags win
+    token = nats_auth_from_args(_parse(), {"PENSIEVE_NATS_TOKEN": "t"})
+    assert token is not None and token.connect_options().token == "t"
+    for flag in ("--nats-password", "--nats-token"):  # no flag takes a secret itself
+        with pytest.raises(SystemExit):
+            _parse(flag, "x")
+    with pytest.raises(ValueError, match="must not hold credentials"):
+        nats_auth_from_args(_parse("--nats-url", "nats://u:p@h:4222"), {})
+    with pytest.raises(ValueError, match="needs its password"):
+        nats_auth_from_args(_parse("--nats-user", "u"), {})
+    with pytest.raises(ValueError, match="a user, a token"):
+        nats_auth_from_args(_parse(), {**env, "PENSIEVE_NATS_TOKEN": "t"})
+    with pytest.raises(ValueError, match="go together"):
+        TlsFiles(cert=secret)
+
+
+def _self_signed(folder: Path, name: str, ip: str | None = None) -> tuple[Path, Path]:
+    cert, key = folder / f"{name}.pem", folder / f"{name}.key"
+    command = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+               "-nodes", "-days", "1", "-subj", f"/CN={name}", "-keyout", str(key), "-out",
+               str(cert)]  # fmt: skip
+    if ip is not None:
+        command += ["-addext", f"subjectAltName=IP:{ip}"]
+    subprocess.run(command, check=True, capture_output=True, timeout=30)
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="makes its certificates with openssl")
+def test_a_client_with_the_ca_and_a_client_certificate_connects_over_tls(tmp_path: Path) -> None:
+    server_cert, server_key = _self_signed(tmp_path, "server", ip="127.0.0.1")
+    client_cert, client_key = _self_signed(tmp_path, "client")
+    port = free_port()
+    command = [find_binary(), "-a", "127.0.0.1", "-p", str(port), "--tlsverify",
+               "--tlscert", str(server_cert), "--tlskey", str(server_key),
+               "--tlscacert", str(client_cert)]  # fmt: skip
+    url = f"tls://127.0.0.1:{port}"
+
+    async def go() -> None:
+        auth = NatsAuth(tls=TlsFiles(ca=server_cert, cert=client_cert, key=client_key))
+        bus = await asyncio.wait_for(Bus.connect(url, options=auth.connect_options()), 10)
+
+        async def echo(msg: Msg) -> None:
+            await bus.client.publish(msg.reply, msg.data)
+
+        await bus.client.subscribe("t.echo", cb=echo)
+        assert (await bus.client.request("t.echo", b"over tls", timeout=5)).data == b"over tls"
+        await bus.close()
+        without_cert = NatsAuth(tls=TlsFiles(ca=server_cert)).connect_options().tls
+        with pytest.raises(Exception):  # noqa: B017 (the TLS alert surfaces as various errors)
+            await nats.connect(url, tls=without_cert, allow_reconnect=False, connect_timeout=3)
+
+    server = subprocess.Popen(command, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        asyncio.run(go())
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
