@@ -62,16 +62,24 @@ class RenderRequest:
     assistant's turn opening."""
 
     messages: tuple[dict[str, str], ...]  # each exactly {"role": str, "content": str}
+    # the longest prompt the engine takes: a longer one is refused `too_long` by the replica,
+    # rather than sent back (its ids may not fit in one NATS message)
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.messages, list | tuple) or not all(
             _is_chat_message(m) for m in self.messages
         ):
             raise MessageError("RenderRequest: messages must be a list of {role, content} strings")
+        if not (self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1)):
+            raise MessageError("RenderRequest: max_tokens must be null or >= 1")
         object.__setattr__(self, "messages", tuple(self.messages))  # decoded, it is a list
 
     def encode(self) -> bytes:
-        return orjson.dumps({"v": VERSION, "messages": self.messages})
+        body: dict[str, Any] = {"v": VERSION, "messages": self.messages}
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        return orjson.dumps(body)
 
 
 @dataclasses.dataclass(frozen=True)

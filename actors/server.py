@@ -221,7 +221,9 @@ class ChatServer:
         reservation = await self._call(service.reserve, request)
         # rendered in a tokenizer replica (this engine's), not between two engine steps; the
         # recompute planner is asked meanwhile, for a conversation with history
-        render = render_remote(self.bus, self.engine_id, reservation.messages, RENDER_TIMEOUT_S)
+        longest = service.max_context - 1  # a prompt leaves room for one token at least
+        render = render_remote(self.bus, self.engine_id, reservation.messages, RENDER_TIMEOUT_S,
+                               longest)  # fmt: skip
         try:
             if reservation.new:
                 prompt, plan = await render, None

@@ -75,10 +75,18 @@ class TokenizerActor(Actor):
             raise ApiError("invalid_request", str(error)) from None
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._worker, self.chat.render, request.messages)
+            ids = await loop.run_in_executor(self._worker, self.chat.render, request.messages)
         except Exception as error:  # the template's own checks (role order, ...)
             raise ApiError("invalid_request", f"the chat template refused the messages: "
                            f"{type(error).__name__}: {error}") from None  # fmt: skip
+        if request.max_tokens is not None and len(ids) > request.max_tokens:
+            raise ApiError("too_long", f"the prompt has {len(ids)} tokens; the model's context "
+                           f"holds {request.max_tokens + 1}")  # fmt: skip
+        # every id as decimal text with a separator: an upper bound on the answer's size
+        if len(ids) * 8 + 64 > self.bus.client.max_payload:
+            raise ApiError("too_long", f"the prompt has {len(ids)} tokens, more than one NATS "
+                           f"message of {self.bus.client.max_payload} bytes carries")  # fmt: skip
+        return ids
 
 
 @contextlib.asynccontextmanager
@@ -100,7 +108,11 @@ async def tokenizer_replicas(
 
 
 async def render_remote(
-    bus: Bus, engine_id: str, messages: Sequence[ChatMessage], timeout: float
+    bus: Bus,
+    engine_id: str,
+    messages: Sequence[ChatMessage],
+    timeout: float,
+    max_tokens: int | None = None,
 ) -> list[int]:
     """The prompt token ids of `messages`, rendered by one of engine `engine_id`'s tokenizer
     replicas, in the caller's trace.
@@ -109,9 +121,9 @@ async def render_remote(
     unanswered (its replica died or hangs holding it) up to `MAX_SILENT_TRIES` times, one that
     found no replica subscribed (all restarting, or reconnecting to NATS) after a short pause.
     After `timeout` s in all: ApiError("unavailable"). A template that refuses the messages:
-    ApiError("invalid_request")."""
+    ApiError("invalid_request"); a prompt over `max_tokens`: ApiError("too_long")."""
     subject = subjects.internal(engine_id, TokenizerActor.name, RENDER)
-    body = RenderRequest(tuple(messages)).encode()
+    body = RenderRequest(tuple(messages), max_tokens).encode()
     headers: dict[str, str] = {}
     propagate.inject(headers)  # W3C traceparent: the replica's span is the caller's child
     deadline = time.monotonic() + timeout

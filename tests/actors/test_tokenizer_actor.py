@@ -300,3 +300,25 @@ def test_a_render_is_a_span_in_the_callers_trace(chat, url) -> None:
 def test_a_render_request_carries_its_messages_as_the_schema_says() -> None:
     """The wire form other clients (and other versions) read: a version, then the messages."""
     assert orjson.loads(RenderRequest(tuple(HELLO)).encode()) == {"v": 1, "messages": HELLO}
+
+
+def test_a_prompt_longer_than_the_engine_takes_is_too_long_not_sent_back(chat, url) -> None:
+    """Past `max_tokens`, or past what one NATS message carries (~7 bytes an id: a 1 MiB limit
+    holds ~130k ids), the replica answers too_long instead of the ids."""
+    length = len(chat.render(HELLO))
+    huge = [{"role": "user", "content": "\U000f6102" * 200_000}]  # ~800 KB, far more ids
+
+    async def go() -> None:
+        engine_id = _engine_id()
+        async with tokenizer_replicas(url, engine_id, chat, 1):
+            bus = await Bus.connect(url)
+            try:
+                for messages, limit in ((HELLO, length - 1), (huge, None)):
+                    with pytest.raises(ApiError) as refused:
+                        await render_remote(bus, engine_id, messages, 30, max_tokens=limit)
+                    assert refused.value.code == "too_long", refused.value.message
+                assert await render_remote(bus, engine_id, HELLO, 10, max_tokens=length)
+            finally:
+                await bus.close()
+
+    asyncio.run(go())

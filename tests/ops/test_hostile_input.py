@@ -1,0 +1,486 @@
+"""A storm of generated hostile requests against one real server (a real nats-server, a real LMDB,
+the real SmolLM2 on the CPU), sent over NATS as clients send them.
+
+Hypothesis generates the requests: bodies near the request schema of every client subject (wrong
+types, out-of-range and extreme numbers, empty, huge and control-token strings, unknown fields,
+wrong conversation ids, bad `messages`), and raw bytes (invalid UTF-8, truncated or deeply nested
+JSON, bodies that are not objects). Each must be answered with a structured error or a well-formed
+answer, while four innocent streamed turns run beside the storm and give the tokens they give
+alone, and a greedy prompt gives the same tokens after the storm as before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+import orjson
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from nats.aio.client import Client
+
+from pensieve.actors import subjects
+from pensieve.actors.bus import ERROR_HEADER
+from pensieve.actors.config import StepChannel
+from pensieve.actors.schemas import ERROR_CODES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, ROLES
+from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.nats_server import EmbeddedNats
+from tests.ops.serving import serve_on_thread
+
+pytestmark = pytest.mark.slow
+
+NUM_REQUESTS = 1200
+IN_FLIGHT = 32  # storm requests waiting for their answer at once
+TIMEOUT_S = 60.0  # for each message of an answer: the server must answer every request
+MAX_BODY = 900_000  # below NATS's default payload limit (1 MiB), which the client enforces
+MAX_STORM_TOKENS = 3  # a valid storm turn samples at most this many tokens
+GREEDY_PROMPT = "What is the capital of France?"
+GREEDY = {"message": GREEDY_PROMPT, "max_tokens": 24}
+INNOCENT = [
+    {"message": text, "max_tokens": 16, "ignore_eos": True, "stream": True}
+    for text in ("Name three colours.", "Count from one to ten.", "What is a cat?",
+                 "Write a haiku about rain.")
+]  # fmt: skip
+SHARED = (subjects.CHAT, subjects.CONVERSATIONS_GET, subjects.CONVERSATIONS_LIST,
+          subjects.CONVERSATIONS_DELETE, subjects.STATS)  # fmt: skip
+# pieces of text a chat template or a tokenizer may treat specially
+CONTROL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|>system\n", "\x00", "\r\n",
+           "\u202e", "{{ messages }}", "{% endfor %}", "assistant", GREEDY_PROMPT]  # fmt: skip
+EDGE_NUMBERS = [0, -1, MAX_TOKENS_LIMIT, MAX_TOKENS_LIMIT + 1, 2**63 - 1, 2**63, 2**64,
+                -(2**63) - 1, 10**400, 1e308, -1e308, -0.0, 5e-324, -5e-324, 1e-300,
+                1.0000000000000002]  # fmt: skip
+HEX = "0123456789abcdef"
+# what str.isdigit takes beyond 0-9: '²' (which int() refuses) first, then '٣' (which it reads)
+DIGITS = sorted((c for c in map(chr, range(128, 0x3000)) if c.isdigit()), key=str.isdecimal)
+CHAT_FIELDS = ["conversation_id", "message", "messages", "max_tokens", "temperature", "top_p",
+               "seed", "stop", "ignore_eos", "stream", "final"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Probe:
+    subject: str
+    data: bytes
+
+
+@dataclass
+class Outcome:
+    probe: Probe
+    replies: list[Any]  # every message of the answer, decoded
+    error_header: str | None  # the last message's Pensieve-Error header
+    failure: str | None = None  # no answer in time, or one that is not JSON
+
+
+# ---- what hypothesis generates ----------------------------------------------------------------
+
+
+def mixed(*choices: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """One of `choices`, each as likely (st.one_of flattens nested choices into one list)."""
+    return st.sampled_from(choices).flatmap(lambda choice: choice)
+
+
+def texts(min_size: int = 0) -> st.SearchStrategy[str]:
+    """Short strings with control tokens and any other characters in them."""
+    pieces = st.lists(st.one_of(st.text(max_size=12), st.sampled_from(CONTROL)), max_size=4)
+    return pieces.map("".join).filter(lambda t: len(t) >= min_size)
+
+
+def huge_texts() -> st.SearchStrategy[str]:
+    """Prompts far beyond the model's context: 200,000 characters, of any kind or from outside
+    the BMP (several tokens each, so that their token ids fill more than one NATS message)."""
+    outside = st.characters(min_codepoint=0x10000)
+    pattern = mixed(st.text(min_size=1, max_size=4), st.text(outside, min_size=1, max_size=4))
+    return st.builds(lambda t: (t * 200_000)[:200_000], pattern)
+
+
+def hostile() -> st.SearchStrategy[Any]:
+    """A value of any JSON type (numbers at the edges of every range among them)."""
+    return st.one_of(
+        st.sampled_from(EDGE_NUMBERS), st.none(), st.booleans(), st.integers(),
+        st.floats(allow_nan=False, allow_infinity=False), texts(),
+        st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(),
+                                                             max_size=2),
+    )  # fmt: skip
+
+
+def conversation_ids(engine_id: str, known: list[str]) -> st.SearchStrategy[Any]:
+    hexes = st.text(HEX, min_size=1, max_size=16)
+    return mixed(
+        st.sampled_from(known), st.none(), texts(), hostile(),
+        st.builds(lambda h: f"c-{engine_id}-{h}", hexes),  # this engine's, never made
+        st.builds(lambda e: f"c-{e}-0123456789abcdef",  # an engine that is not running
+                  st.text(HEX, min_size=8, max_size=8)),
+        st.builds(lambda c, n: c * n, st.characters(), st.sampled_from([199, 200, 201])),
+    )  # fmt: skip
+
+
+def chats() -> st.SearchStrategy[list[Any]]:
+    """`messages` lists: mostly well formed, with bad roles, contents and entries among them."""
+    role = st.one_of(st.sampled_from(["user", "assistant", "system", "tool", "User", ""]), texts())
+    entry = st.one_of(
+        st.fixed_dictionaries({"role": role, "content": texts()}),
+        st.fixed_dictionaries({"role": role, "content": hostile()}),
+        st.fixed_dictionaries({"role": role}, optional={"content": texts(), "name": texts()}),
+        hostile(),
+    )
+    said = st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": texts()})
+    last = st.fixed_dictionaries({"role": st.just("user"), "content": texts()})
+    chat = st.builds(lambda head, tail: [*head, tail], st.lists(said, max_size=3), last)
+    return st.one_of(
+        chat, chat, st.lists(entry, max_size=4),
+        st.just([{"role": "user", "content": GREEDY_PROMPT}]),
+    )  # fmt: skip
+
+
+def chat_bodies(ids: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    """Valid chat turns (cheap ones: at most MAX_STORM_TOKENS tokens) with optional fields at
+    their edges; `near` breaks some of them."""
+    message = st.fixed_dictionaries({"message": mixed(st.just(GREEDY_PROMPT), texts(1))})
+    messages = st.fixed_dictionaries({"messages": chats()})
+    both = st.fixed_dictionaries({"message": texts(), "messages": chats()})
+    prompt = mixed(message, message, messages, messages, both)
+    temperature = st.one_of(st.sampled_from([0.0, -0.0, 5e-324, 1e-40, 1e-300, 1e308]),
+                            st.floats(0.0, 2.0))  # fmt: skip
+    top_p = st.one_of(st.sampled_from([1.0, 5e-324, 1e-300]), st.floats(0.0, 1.0, exclude_min=True))
+    stop = st.one_of(texts(1), st.lists(texts(1), max_size=MAX_STOP_STRINGS + 1))
+    fields = st.fixed_dictionaries(
+        {"max_tokens": st.integers(1, MAX_STORM_TOKENS)},
+        optional={
+            "conversation_id": ids, "temperature": temperature, "top_p": top_p,
+            "seed": st.one_of(st.none(), st.integers(0, 2**63 - 1)), "stop": stop,
+            "ignore_eos": st.booleans(), "stream": st.booleans(), "final": st.booleans(),
+        },
+    )  # fmt: skip
+    return st.builds(lambda a, b: {**a, **b}, fields, prompt)
+
+
+def cheap(body: dict[str, Any]) -> dict[str, Any]:
+    """The chat body with its `max_tokens` cut to at most MAX_STORM_TOKENS where the schema
+    would accept more (a valid storm turn must cost little: the default of 256 tokens takes a
+    minute on a 2-core CPU)."""
+    max_tokens = body.get("max_tokens", 1)
+    if type(max_tokens) is int and 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        return {**body, "max_tokens": 1 + (max_tokens - 1) % MAX_STORM_TOKENS}
+    return body
+
+
+def near(valid: st.SearchStrategy[dict[str, Any]], keys: list[str]) -> st.SearchStrategy[Any]:
+    """`valid` bodies with up to two fields (known or not) set to a hostile value or removed."""
+    key = st.one_of(st.sampled_from([*keys, "colour", ""]), st.text(max_size=6))
+    change = st.tuples(key, st.one_of(st.just(None), st.tuples(hostile())))
+    return st.builds(_changed, valid, st.lists(change, max_size=2))
+
+
+def _changed(body: dict[str, Any], changes: list[tuple[str, tuple[Any] | None]]) -> dict[str, Any]:
+    body = dict(body)
+    for key, value in changes:
+        if value is None:
+            body.pop(key, None)
+        else:
+            body[key] = value[0]
+    return body
+
+
+def raw_bodies(json_bodies: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
+    nested = st.sampled_from([
+        lambda n: b"[" * n + b"]" * n,
+        lambda n: b'{"a":' * n + b"1" + b"}" * n,
+        lambda n: b'{"message": "hi", "max_tokens": 1, "stop": ' + b"[" * n + b"]" * n + b"}",
+    ])  # fmt: skip
+    return st.one_of(
+        st.binary(max_size=64),
+        st.sampled_from([b"", b" \n", b"null", b"[]", b"1", b'"x"', b"\xff\xfe", b"{", b"\x00",
+                         b'{"message": "\xc3\x28", "max_tokens": 1}', b"NaN", b"Infinity"]),
+        st.builds(lambda f, n: f(n), nested, st.sampled_from([100, 1023, 1024, 1025, 100_000])),
+        json_bodies.flatmap(lambda data: st.integers(1, len(data)).map(lambda n: data[:n])),
+        st.builds(lambda b: b'{"max_tokens": 1, "message": "' + b + b'"}', st.binary(max_size=24)),
+        st.builds(lambda c, escaped: encoded({"max_tokens": 1, "message": c}, escaped),
+                  st.characters(categories=["Cs"]), st.booleans()),  # no UTF-8 holds a surrogate
+    )  # fmt: skip
+
+
+def encoded(body: Any, ascii_only: bool) -> bytes:
+    """JSON as the stdlib writes it: any size of integer, and lone surrogates left in the UTF-8
+    (ascii_only=False) or escaped (True), which no JSON parser may accept."""
+    return json.dumps(body, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+
+
+def probes(engine_id: str, kept: list[str], doomed: list[str]) -> st.SearchStrategy[Probe]:
+    """Requests to every client subject; those to delete name the `doomed` conversations, the
+    others the `kept` ones (which the storm may extend and end, so that reads find them)."""
+    ids = conversation_ids(engine_id, kept)
+    limit = mixed(st.integers(1, 1000), hostile())
+    get_cursor = mixed(
+        st.text("0123456789", max_size=3), st.text(DIGITS, min_size=1, max_size=3), hostile(),
+        st.builds(lambda d, n: d * n, st.sampled_from("09"), st.sampled_from([20, 4301])),
+    )  # fmt: skip
+    list_cursor = mixed(
+        st.text(HEX + "ABCDEF ", max_size=40), hostile(),
+        st.builds(lambda n: "ab" * n, st.sampled_from([0, 16, 600, 100_000])),
+    )  # fmt: skip
+    bodies = {
+        subjects.CHAT: near(chat_bodies(ids), CHAT_FIELDS).map(cheap),
+        subjects.CONVERSATIONS_GET: near(st.fixed_dictionaries(
+            {"conversation_id": mixed(st.sampled_from(kept), ids), "cursor": get_cursor},
+            optional={"limit": limit}),
+            ["conversation_id", "cursor", "limit"]),
+        subjects.CONVERSATIONS_LIST: near(st.fixed_dictionaries(
+            {}, optional={"cursor": list_cursor, "limit": limit}), ["cursor", "limit"]),
+        subjects.CONVERSATIONS_DELETE: near(st.fixed_dictionaries(
+            {"conversation_id": conversation_ids(engine_id, doomed)}), ["conversation_id"]),
+        subjects.STATS: near(st.just({}), []),
+    }  # fmt: skip
+    any_json = st.builds(encoded, st.one_of(*bodies.values(), hostile()), st.booleans())
+    flood = st.fixed_dictionaries(
+        {"message": huge_texts(), "max_tokens": st.integers(1, MAX_STORM_TOKENS)},
+        optional={"conversation_id": ids, "stream": st.booleans(), "stop": texts(1)},
+    )  # a tenth of the chat requests: prompts far beyond the model's context
+
+    @st.composite
+    def probe(draw: st.DrawFn) -> Probe:
+        shared = draw(st.sampled_from(SHARED))
+        subject = draw(st.sampled_from([shared, subjects.engine_subject(engine_id, shared)]))
+        if shared == subjects.CHAT and draw(st.sampled_from(range(10))) == 0:
+            return Probe(subject, encoded(draw(flood), ascii_only=False))
+        own = st.builds(encoded, bodies[shared], st.booleans())
+        return Probe(subject, draw(mixed(own, own, any_json, raw_bodies(own))))
+
+    return probe().filter(lambda p: len(p.data) <= MAX_BODY)
+
+
+def generate(engine_id: str, kept: list[str], doomed: list[str], num: int) -> list[Probe]:
+    """`num` probes, the same on every run (hypothesis is derandomized)."""
+    found: list[Probe] = []
+
+    @settings(max_examples=num, derandomize=True, database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(probes(engine_id, kept, doomed))
+    def collect(probe: Probe) -> None:
+        found.append(probe)
+
+    collect()
+    return found
+
+
+# ---- talking to the server --------------------------------------------------------------------
+
+
+async def exchange(client: Client, subject: str, data: bytes) -> tuple[list[Any], dict[str, str]]:
+    """Send one request; every message of its answer (streamed deltas, then the final one)
+    decoded, and the final message's headers."""
+    inbox = client.new_inbox()
+    sub = await client.subscribe(inbox)
+    try:
+        await client.publish(subject, data, reply=inbox)
+        replies: list[Any] = []
+        while True:
+            msg = await sub.next_msg(timeout=TIMEOUT_S)
+            replies.append(orjson.loads(msg.data))
+            if not (isinstance(replies[-1], dict) and set(replies[-1]) == {"delta"}):
+                return replies, dict(msg.headers or {})
+    finally:
+        await sub.unsubscribe()
+
+
+async def storm(client: Client, probes: list[Probe]) -> list[Outcome]:
+    gate = asyncio.Semaphore(IN_FLIGHT)
+
+    async def one(probe: Probe) -> Outcome:
+        async with gate:
+            try:
+                replies, headers = await exchange(client, probe.subject, probe.data)
+            except Exception as error:  # a timeout or a reply that is not JSON
+                return Outcome(probe, [], None, f"{type(error).__name__}: {error}")
+            return Outcome(probe, replies, headers.get(ERROR_HEADER))
+
+    return list(await asyncio.gather(*(one(p) for p in probes)))
+
+
+@dataclass
+class Streamed:
+    deltas: list[str]
+    final: dict[str, Any]
+    ended: float  # time.monotonic() when the final message came
+
+
+async def stream(client: Client, body: dict[str, Any], started: asyncio.Event) -> Streamed:
+    inbox = client.new_inbox()
+    sub = await client.subscribe(inbox)
+    await client.publish(subjects.CHAT, orjson.dumps(body), reply=inbox)
+    deltas: list[str] = []
+    while True:
+        part = orjson.loads((await sub.next_msg(timeout=TIMEOUT_S)).data)
+        started.set()
+        if "delta" not in part:
+            await sub.unsubscribe()
+            return Streamed(deltas, part, time.monotonic())
+        deltas.append(part["delta"])
+
+
+async def storm_beside_innocents(
+    url: str, probes: list[Probe]
+) -> tuple[float, list[Outcome], list[Streamed]]:
+    """The innocent turns are streaming when the storm begins (at the time returned first)."""
+    client = await nats.connect(url)
+    try:
+        started = [asyncio.Event() for _ in INNOCENT]
+        innocents = [asyncio.ensure_future(stream(client, body, event))
+                     for body, event in zip(INNOCENT, started, strict=True)]  # fmt: skip
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), TIMEOUT_S)
+        began = time.monotonic()
+        outcomes = await storm(client, probes)
+        return began, outcomes, list(await asyncio.gather(*innocents))
+    finally:
+        await client.close()
+
+
+def ask(url: str, subject: str, body: dict[str, Any]) -> list[Any]:
+    async def go() -> list[Any]:
+        client = await nats.connect(url)
+        try:
+            return (await exchange(client, subject, orjson.dumps(body)))[0]
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+# ---- what counts as an answer -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Expected:
+    engine_id: str
+    greedy: list[int]  # the greedy prompt's tokens
+
+
+def problem(outcome: Outcome, expected: Expected) -> str | None:
+    """What is wrong with the answer to one probe, or None."""
+    if outcome.failure is not None:
+        return outcome.failure
+    *deltas, final = outcome.replies
+    if isinstance(final, dict) and "error" in final:
+        error = final["error"]
+        if not (isinstance(error, dict) and error.get("code") in ERROR_CODES
+                and isinstance(error.get("message"), str) and error["message"]):  # fmt: skip
+            return "an error body without a known code and a message"
+        if error["code"] == "internal" or outcome.error_header != error["code"]:
+            return f"error {error['code']} (header {outcome.error_header})"
+        return None
+    kind = outcome.probe.subject.rsplit(".", 1)[-1]
+    if outcome.error_header is not None or (deltas and kind != "chat"):
+        return "an answer with an error header, or streamed where nothing streams"
+    body = orjson.loads(outcome.probe.data) if outcome.probe.data.strip() else {}
+    if kind == "chat":
+        return _chat_problem(body, deltas, final, expected)
+    return None if _answers(kind, body, final, expected) else f"a malformed {kind} answer"
+
+
+def _answers(kind: str, body: dict[str, Any], reply: Any, expected: Expected) -> bool:
+    if not isinstance(reply, dict):
+        return False
+    if kind == "get":
+        keys = {"conversation_id", "turns", "num_turns", "num_tokens", "busy", "ended",
+                "next_cursor"}  # fmt: skip
+        return set(reply) == keys and reply["conversation_id"] == body["conversation_id"]
+    if kind == "list":
+        keys = {"conversations", "next_cursor", "engine_id"}
+        return set(reply) == keys and reply["engine_id"] == expected.engine_id
+    if kind == "delete":
+        return reply == {"conversation_id": body["conversation_id"], "deleted": True}
+    return reply.get("engine_id") == expected.engine_id and "requests" in reply  # stats
+
+
+def _chat_problem(
+    body: dict[str, Any], deltas: list[Any], reply: Any, expected: Expected
+) -> str | None:
+    tokens = reply.get("token_ids") if isinstance(reply, dict) else None
+    if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)
+            and 1 <= len(tokens) <= body["max_tokens"] and isinstance(reply.get("text"), str)
+            and reply.get("finish_reason") in ("stop", "length")
+            and reply.get("usage", {}).get("completion_tokens") == len(tokens)
+            and subjects.owner(reply.get("conversation_id")) == expected.engine_id):  # fmt: skip
+        return "a malformed chat reply"
+    if body.get("stream"):
+        if reply.get("done") is not True or "".join(d["delta"] for d in deltas) != reply["text"]:
+            return "streamed deltas that do not add up to the reply"
+    elif deltas or "done" in reply:
+        return "a streamed answer to a turn that asked for none"
+    if _greedy(body) and tokens != expected.greedy[: body["max_tokens"]]:
+        return f"greedy tokens {tokens}, not {expected.greedy[: body['max_tokens']]}"
+    return None
+
+
+def _greedy(body: dict[str, Any]) -> bool:
+    """Whether the turn is a new one on the greedy prompt, sampled greedily and without stops:
+    a temperature below float32's smallest normal is greedy, and so is a top_p too small to
+    keep more than the likeliest token of a distribution that is not flat."""
+    prompt = body.get("message", body.get("messages"))
+    temperature, top_p = body.get("temperature", 0.0), body.get("top_p", 1.0)
+    return (prompt in (GREEDY_PROMPT, [{"role": "user", "content": GREEDY_PROMPT}])
+            and body.get("conversation_id") is None and not body.get("stop")
+            and (temperature < 1e-38 or (top_p < 1e-30 and temperature <= 1.0)))  # fmt: skip
+
+
+def describe(outcome: Outcome, problem: str) -> str:
+    data = outcome.probe.data
+    return (f"{problem}: {str(outcome.replies[-1:])[:200]} for {outcome.probe.subject} <- "
+            f"{data[:100]!r} ({len(data)} bytes)")  # fmt: skip
+
+
+# ---- the test ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    with EmbeddedNats() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def engine_id(smollm2, smollm2_chat, nats_url, tmp_path_factory) -> Iterator[str]:
+    """One engine with small KV tiers (the storm's conversations push others to the CPU tier and
+    out), its model behind the executor actor as between processes; yields its id."""
+    options = EngineOptions(model="smollm2", gpu_cache_tokens=2048, cpu_cache_tokens=2048,
+                            max_batch_tokens=512)  # fmt: skip
+    built = assemble(options, smollm2, smollm2_chat)
+    store = tmp_path_factory.mktemp("store")
+    with serve_on_thread(built, store, nats_url, step_channel=StepChannel.NATS) as (own_id, _):
+        yield own_id
+    built.engine.kv.check_invariants()
+
+
+def test_a_storm_of_hostile_requests_gets_only_structured_errors_or_answers(
+    nats_url: str, engine_id: str
+) -> None:
+    url = nats_url
+    before = ask(url, subjects.CHAT, GREEDY)[-1]
+    alone = [ask(url, subjects.CHAT, body)[-1] for body in INNOCENT]
+    assert len(before["token_ids"]) > MAX_STORM_TOKENS and not any("error" in r for r in alone)
+    kept = [before["conversation_id"], *(r["conversation_id"] for r in alone)]
+    doomed = [ask(url, subjects.CHAT, {"message": "Hi", "max_tokens": 1})[-1]["conversation_id"]
+              for _ in range(2)]  # fmt: skip
+    probes = generate(engine_id, kept, doomed, NUM_REQUESTS)
+    assert len(probes) >= 1000
+
+    began, outcomes, innocents = asyncio.run(storm_beside_innocents(url, probes))
+
+    for streamed, reference in zip(innocents, alone, strict=True):
+        assert streamed.ended > began  # it was streaming while the storm went on
+        assert len(streamed.deltas) > 1 and streamed.final["done"] is True
+        assert "".join(streamed.deltas) == streamed.final["text"] == reference["text"]
+        assert streamed.final["token_ids"] == reference["token_ids"]
+    assert ask(url, subjects.CHAT, GREEDY)[-1]["token_ids"] == before["token_ids"]
+    stats = ask(url, subjects.STATS, {})[-1]  # still answering, with nothing left in flight
+    assert stats["turns_in_flight"] == stats["requests"]["running"] == 0
+    assert stats["requests"]["waiting"] == 0
+    expected = Expected(engine_id, before["token_ids"])
+    problems = [describe(o, p) for o in outcomes if (p := problem(o, expected))]
+    assert not problems, f"{len(problems)} of {len(outcomes)} answers are wrong:\n" + "\n".join(
+        problems[:10]
+    )
