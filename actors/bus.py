@@ -34,8 +34,10 @@ logger = logging.getLogger(__name__)
 ERROR_HEADER = "Pensieve-Error"  # set to the error code on every error reply
 SERVICE_ERROR_HEADER = "Nats-Service-Error"  # the NATS service protocol's error headers
 SERVICE_ERROR_CODE_HEADER = "Nats-Service-Error-Code"
-# a handed-off request carries the requester's inbox here (see `Bus.hand_off`)
+# a handed-off request carries the requester's inbox here (see `Bus.hand_off`), and the tenant
+# it came from, as NATS delivered it (absent: the service's own account)
 REPLY_TO_HEADER = "Pensieve-Reply-To"
+TENANT_HEADER = "Pensieve-Tenant"
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Incoming:
     reply: str
     headers: dict[str, str]  # W3C trace context rides here ("traceparent")
     _client: Client
+    subject: str = ""  # where it was delivered (a tenant's requests name the tenant)
 
     async def send(self, body: bytes, headers: dict[str, str] | None = None) -> None:
         """Publish one message to the requester's inbox (nothing if it gave none)."""
@@ -285,7 +288,7 @@ class Bus:
             reply = headers.pop(REPLY_TO_HEADER, "")
             if msg.reply:  # taken: from here the requester hears from this handler
                 await self.client.publish(msg.reply, b"")
-        incoming = Incoming(msg.data, reply, headers, self.client)
+        incoming = Incoming(msg.data, reply, headers, self.client, msg.subject)
         stats.num_requests += 1
         begin = time.perf_counter_ns()
         error: ApiError | None = None

@@ -18,6 +18,7 @@ turns.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 import zlib
@@ -63,6 +64,7 @@ class _Conversation:
     busy: bool = False
     stateless: bool = False  # made by a stateless request (see `ConversationMeta.stateless`)
     ended: bool = False  # a final turn ended it
+    tenant: str | None = None  # only requests of this tenant reach it (None: the service's own)
     # its last finished turn's request span, which a trace of its KV leaving later links to
     last_span: trace.SpanContext = trace.INVALID_SPAN_CONTEXT
 
@@ -89,6 +91,9 @@ class _Turn:
     span: trace.Span
     follower: TextStream | None  # the reply's text as it grows (streamed or with stop strings)
     final: bool = False  # the conversation ends with this turn
+    # when to end it early (time.monotonic()): its timeout, or at once once its requester
+    # cancelled it (None: it runs to its end)
+    cancel_at: float | None = None
     sent: int = 0  # characters of text already streamed
     text: str | None = None  # set when a stop string ended the turn
     holdback: int = field(init=False)
@@ -127,10 +132,12 @@ def commit_turn(
     new_log: list[int],
     stateless: bool = False,
     final: bool = False,
+    tenant: str | None = None,
 ) -> Future[Any]:
     """Hand the turn to the writer thread: the log keeps its common prefix with the new one."""
     keep = common_prefix(old_log, new_log)
-    return writer.submit(store.commit_turn, conv_id, record, keep, new_log[keep:], stateless, final)
+    return writer.submit(store.commit_turn, conv_id, record, keep, new_log[keep:], stateless,
+                         final, tenant)  # fmt: skip
 
 
 class ChatService:
@@ -165,9 +172,10 @@ class ChatService:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def reserve(self, request: ChatRequest) -> Reservation:
+    def reserve(self, request: ChatRequest, tenant: str | None = None) -> Reservation:
         """Claim the turn's conversation (no other turn may start on it) and give the messages
-        to render; raises ApiError if the turn cannot be taken."""
+        to render; raises ApiError if the turn cannot be taken. A request of `tenant` reaches
+        only that tenant's conversations: another's is not_found, as one that does not exist."""
         if self._closed is not None:
             raise self._closed
         if self.engine.num_waiting + self.num_reserved >= self.max_waiting:
@@ -175,9 +183,9 @@ class ChatService:
         new = request.conversation_id is None
         if new:
             stateless = request.messages is not None
-            conv = _Conversation(self.new_id(), [], [], 0, stateless=stateless)
+            conv = _Conversation(self.new_id(), [], [], 0, stateless=stateless, tenant=tenant)
         else:
-            conv = self._conversation(request.conversation_id or "")
+            conv = self._conversation(request.conversation_id or "", tenant)
             if conv.busy:
                 raise ApiError("invalid_request", f"conversation {conv.conv_id!r} has a turn "
                                "in progress; send the next message after its reply")  # fmt: skip
@@ -244,6 +252,7 @@ class ChatService:
         self.turns[engine_request.request_id] = _Turn(
             conv, engine_request, reservation.messages, sink, request.stream, request.stop,
             time.time(), span, follower, final=request.final,
+            cancel_at=None if request.timeout_s is None else time.monotonic() + request.timeout_s,
         )  # fmt: skip
         span.set_attributes({
             "pensieve.conversation_id": conv.conv_id,
@@ -253,13 +262,15 @@ class ChatService:
             "gen_ai.usage.input_tokens": len(prompt),
         })  # fmt: skip
 
-    def get(self, conv_id: str, page: Page = FIRST_PAGE) -> dict[str, Any]:
+    def get(
+        self, conv_id: str, page: Page = FIRST_PAGE, tenant: str | None = None
+    ) -> dict[str, Any]:
         """The conversation's turns from turn `page.cursor` on, as many as fit in one answer
         (`page.limit`, and PAGE_BYTES of text); `next_cursor` continues, None at the end.
         Reads only the store and single values, so any thread may call it (as may `list`)."""
         meta = None if conv_id in self._deleting else self.store.meta(conv_id)
-        if meta is None:
-            raise ApiError("not_found", f"no conversation {conv_id!r}")
+        if meta is None or meta.tenant != tenant:
+            raise _not_found(conv_id)
         records = self.store.turns(conv_id)
         first = int(page.cursor or 0)
         turns: list[dict[str, Any]] = []
@@ -284,11 +295,13 @@ class ChatService:
                 "num_turns": len(records), "busy": busy, "ended": meta.ended,
                 "next_cursor": str(following) if following < len(records) else None}  # fmt: skip
 
-    def delete(self, conv_id: str) -> Future[Any]:
+    def delete(self, conv_id: str, tenant: str | None = None) -> Future[Any]:
         """Forget the conversation everywhere; the future resolves once the store forgot it."""
         conv = self.conversations.get(conv_id)
-        if conv is None and self.store.meta(conv_id) is None:
-            raise ApiError("not_found", f"no conversation {conv_id!r}")
+        meta = self.store.meta(conv_id) if conv is None else None
+        owner = conv.tenant if conv is not None else meta.tenant if meta is not None else None
+        if (conv is None and meta is None) or owner != tenant:
+            raise _not_found(conv_id)
         if conv is not None and conv.busy:
             raise ApiError("invalid_request", f"conversation {conv_id!r} has a turn in progress")
         self.conversations.pop(conv_id, None)
@@ -318,14 +331,14 @@ class ChatService:
                 continue
             meta = self.store.meta(conv_id)  # not busy: no commit of it is pending
             if meta is not None and _is_expired(meta, expiry, now):
-                deleted.append(self.delete(conv_id))
+                deleted.append(self.delete(conv_id, meta.tenant))
         return deleted
 
-    def list(self, page: Page = FIRST_PAGE) -> dict[str, Any]:
-        """Conversation ids in the store's order, `page.limit` at most after `page.cursor`;
-        `next_cursor` continues, None at the end."""
+    def list(self, page: Page = FIRST_PAGE, tenant: str | None = None) -> dict[str, Any]:
+        """`tenant`'s conversation ids in the store's order, `page.limit` at most after
+        `page.cursor`; `next_cursor` continues, None at the end."""
         after = bytes.fromhex(page.cursor) if page.cursor else None
-        ids, last = self.store.list_page(after, page.limit)
+        ids, last = self.store.list_page(after, page.limit, lambda m: m.tenant == tenant)
         return {"conversations": ids, "next_cursor": last.hex() if last else None}
 
     def stats(self) -> dict[str, Any]:
@@ -350,6 +363,34 @@ class ChatService:
             turn = self.turns.pop(request.request_id, None)
             if turn is not None:
                 self._complete(turn)
+        now = time.monotonic()
+        for turn in [t for t in self.turns.values() if t.cancel_at is not None]:
+            if turn.cancel_at is not None and turn.cancel_at <= now:
+                self._end_early(turn)
+
+    def cancel(self, conv_id: str, tenant: str | None = None) -> bool:
+        """End the conversation's turn in flight now, as its requester asks: what it generated
+        so far is its reply (committed as a turn with finish_reason "cancelled"; one that
+        generated nothing is answered `cancelled` and leaves no turn), its KV kept as after a
+        normal end. False if it has no turn in flight."""
+        conv = self.conversations.get(conv_id)
+        if conv is None or conv.tenant != tenant:
+            meta = None if conv is not None else self.store.meta(conv_id)
+            if meta is None or meta.tenant != tenant:
+                raise _not_found(conv_id)
+            return False  # stored, and idle
+        turn = next((t for t in self.turns.values() if t.conv is conv), None)
+        if turn is None:
+            return False
+        turn.cancel_at = -math.inf
+        self._end_early(turn)
+        return True
+
+    def _end_early(self, turn: _Turn) -> None:
+        """End a turn whose time is up; one suspended now ends once it runs again."""
+        if self.engine.cancel(turn.request):
+            del self.turns[turn.request.request_id]
+            self._complete(turn)
 
     def recover(self, error: Exception) -> None:
         """The engine's step raised: answer every turn in flight with `internal` and reset the
@@ -400,13 +441,15 @@ class ChatService:
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _conversation(self, conv_id: str) -> _Conversation:
+    def _conversation(self, conv_id: str, tenant: str | None) -> _Conversation:
         conv = self.conversations.get(conv_id)
         if conv is not None:
+            if conv.tenant != tenant:
+                raise _not_found(conv_id)
             return conv
         meta = None if conv_id in self._deleting else self.store.meta(conv_id)
-        if meta is None:
-            raise ApiError("not_found", f"no conversation {conv_id!r}")
+        if meta is None or meta.tenant != tenant:
+            raise _not_found(conv_id)
         if meta.ended:  # its KV is gone and stays gone
             raise _ended(conv_id)
         records = self.store.turns(conv_id)
@@ -416,7 +459,8 @@ class ChatService:
             messages.append({"role": "assistant", "content": record.assistant_text})
         log = self.store.token_log(conv_id)
         self.engine.restore(conv_id, log)
-        return _Conversation(conv_id, messages, log, len(records), stateless=meta.stateless)
+        return _Conversation(conv_id, messages, log, len(records), stateless=meta.stateless,
+                             tenant=meta.tenant)  # fmt: skip
 
     def _trace(self, turn: _Turn, record: TurnRecord) -> None:
         """The turn's outcome as attributes of its request span, and its phases as child spans,
@@ -508,6 +552,15 @@ class ChatService:
             code = "too_long" if (request.error or "").startswith("too_long") else "internal"
             turn.sink.error(ApiError(code, request.error or "the turn was aborted"))
             return
+        if request.finish_reason is FinishReason.CANCELLED and not request.output_ids:
+            conv.busy = False
+            if conv.turns == 0:  # a conversation this turn would have made: none is left
+                self.conversations.pop(conv.conv_id, None)
+                self.engine.forget(conv.conv_id)
+                self._pass_kv_events()
+            turn.sink.error(ApiError("cancelled", "the turn was cancelled before its first "
+                                     "token; nothing was stored"))  # fmt: skip
+            return
         text = turn.text if turn.text is not None else self.chat.decode(request.output_ids)
         hits = [i for i in (text.find(s) for s in turn.stop) if i >= 0]
         if hits:  # a stop string in the step that ended the turn anyway
@@ -525,7 +578,7 @@ class ChatService:
         self._trace(turn, record)
         log = request.all_ids
         future = commit_turn(self.store, self.writer, conv.conv_id, record, conv.log, log,
-                             conv.stateless, turn.final)  # fmt: skip
+                             conv.stateless, turn.final, conv.tenant)  # fmt: skip
         if turn.final:  # its KV is of no use any more; if the commit fails, the next turn
             self.engine.forget(conv.conv_id)  # recomputes it from the stored log
             self._pass_kv_events()
@@ -557,6 +610,11 @@ class ChatService:
                                          "the conversation is as before it"))  # fmt: skip
 
         future.add_done_callback(answer)
+
+
+def _not_found(conv_id: str) -> ApiError:
+    """Also the answer for another tenant's conversation: its existence is not revealed."""
+    return ApiError("not_found", f"no conversation {conv_id!r}")
 
 
 def _ended(conv_id: str) -> ApiError:

@@ -162,6 +162,11 @@ class Engine:
         """End a running request now (a stop string appeared); False if it is not running."""
         return self.scheduler.stop(request, self.clock())
 
+    def cancel(self, request: Request) -> bool:
+        """End a request now, as its requester asked (`Scheduler.cancel`); False if it cannot
+        end before it runs again."""
+        return self.scheduler.cancel(request, self.clock())
+
     def abort_all(self, error: str) -> list[Request]:
         """Recover from a step that raised: abort every request in flight and forget all KV.
 

@@ -6,6 +6,11 @@ hands the rest to its engine's scheduler (`Bus.hand_off`): the scheduler acknowl
 request at once and answers the client itself, streamed deltas included. So an ingress that
 goes away loses nothing it already handed over, and several ingress replicas (one queue group)
 serve one engine.
+
+A tenant's requests arrive on `pensieve.tenant.<tenant>.v1.*` (NATS maps them there from the
+tenant's own account; see `subjects.tenant_subject`): the ingress passes the tenant the subject
+names on to the scheduler, which scopes every conversation to it. Nothing in a request body or
+header can name a tenant.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pensieve.actors import subjects, tracing
 from pensieve.actors.actor import Actor
-from pensieve.actors.bus import Bus, Handler, Incoming, ServiceInfo
+from pensieve.actors.bus import TENANT_HEADER, Bus, Handler, Incoming, ServiceInfo
 from pensieve.actors.schemas import (
     CONVERSATION_FIELDS,
     NO_FIELDS,
@@ -38,7 +43,7 @@ logger = logging.getLogger(__name__)
 HANDOFF_TIMEOUT_S = 5.0  # a scheduler takes a request within milliseconds; silence means gone
 
 
-def _check_delete(data: bytes) -> object:
+def _check_delete(data: bytes) -> object:  # and cancel: a conversation id alone
     return conversation_id(load_fields(data, CONVERSATION_FIELDS))
 
 
@@ -49,12 +54,14 @@ def _check_stats(data: bytes) -> object:
 # each client subject: the check of its body, and the scheduler verb that answers it
 ROUTES: dict[str, tuple[Callable[[bytes], object], str]] = {
     subjects.CHAT: (parse_chat, "chat"),
+    subjects.CHAT_CANCEL: (_check_delete, "cancel"),
     subjects.CONVERSATIONS_GET: (parse_get, "get"),
     subjects.CONVERSATIONS_DELETE: (_check_delete, "delete"),
     subjects.CONVERSATIONS_LIST: (parse_list, "list"),
     subjects.STATS: (_check_stats, "stats"),
 }
-OWNED = (subjects.CHAT, subjects.CONVERSATIONS_GET, subjects.CONVERSATIONS_DELETE)
+OWNED = (subjects.CHAT, subjects.CHAT_CANCEL, subjects.CONVERSATIONS_GET,
+         subjects.CONVERSATIONS_DELETE)  # fmt: skip
 
 
 class IngressActor(Actor):
@@ -70,8 +77,11 @@ class IngressActor(Actor):
             handler = self._route(subject)
             if subject in OWNED:
                 handler = self._owned(subject, handler)
-            await self.bus.serve(subject, handler)
-            await self.bus.serve(subjects.engine_subject(self.engine_id, subject), handler)
+            own = subjects.engine_subject(self.engine_id, subject)
+            # a tenant's requests arrive on its own subjects (see `subjects.tenant_subject`)
+            for delivered in (subject, own, subjects.tenant_subject("*", subject),
+                              subjects.tenant_subject("*", own)):  # fmt: skip
+                await self.bus.serve(delivered, handler)
         # the client API's service: one per engine, whichever of its ingress replicas answers
         await self.bus.advertise(ServiceInfo(
             subjects.SERVICE, self.engine_id, version(),
@@ -92,7 +102,9 @@ class IngressActor(Actor):
             if not await self.bus.answers(subjects.engine_ping(owner)):
                 raise ApiError("unavailable", f"engine {owner}, which holds this "
                                "conversation, is not running; retry when it is")  # fmt: skip
-            await msg.forward(subjects.engine_subject(owner, subject))
+            there = subjects.engine_subject(owner, subject)
+            tenant = subjects.tenant_of(msg.subject)
+            await msg.forward(there if tenant is None else subjects.tenant_subject(tenant, there))
 
         return route
 
@@ -109,6 +121,10 @@ class IngressActor(Actor):
                     check(msg.data)  # a bad body goes no further
                     headers: dict[str, str] = {}
                     propagate.inject(headers)  # the scheduler's spans go under this one
+                    tenant = subjects.tenant_of(msg.subject)  # named by NATS, not the client
+                    if tenant is not None:
+                        span.set_attribute("pensieve.tenant", tenant)
+                        headers[TENANT_HEADER] = tenant
                     await self.bus.hand_off(scheduler, msg, headers, HANDOFF_TIMEOUT_S)
                 except (ConnectionError, TimeoutError) as lost:
                     logger.warning("%s", lost)

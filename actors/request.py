@@ -11,7 +11,8 @@ PLACEHOLDER = -1  # a position whose token an unfinished step is sampling (see `
 class FinishReason(enum.Enum):
     STOP = "stop"  # an end-of-sequence or stop token
     LENGTH = "length"  # max_tokens or the model's context length
-    ABORT = "abort"  # rejected or cancelled; `Request.error` says why
+    ABORT = "abort"  # rejected or failed; `Request.error` says why
+    CANCELLED = "cancelled"  # its requester cancelled it, or its timeout passed
 
 
 class RequestStatus(enum.Enum):

@@ -69,6 +69,23 @@ class Scheduler:
         self._finish(request, FinishReason.STOP, now)
         return True
 
+    def cancel(self, request: Request, now: float) -> bool:
+        """End a request before its end, as its requester asked: a running one keeps what it
+        computed (as at a normal end), one never admitted leaves the queue. False if neither
+        (a suspended one, whose KV is moving: cancel it once it runs again)."""
+        if request in self.running:
+            self._finish(request, FinishReason.CANCELLED, now)
+            return True
+        if request.admitted_at is not None or request.inflight or request not in self.waiting:
+            return False
+        self.waiting.remove(request)
+        self.kv.unwait(request.conv_id)
+        del self.live[request.request_id]
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.CANCELLED
+        request.finish_time = now
+        return True
+
     def forget(self, conv_id: str) -> None:
         """Drop a conversation's token log; its KV is the cache manager's to forget."""
         self.histories.pop(conv_id, None)

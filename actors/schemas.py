@@ -17,11 +17,12 @@ from pensieve.store import validate_conversation_id
 
 # every error code, with the HTTP-like status the NATS service error header carries for it
 ERROR_STATUS = {"invalid_request": 400, "not_found": 404, "too_long": 413, "overloaded": 429,
-                "unavailable": 503, "internal": 500}  # fmt: skip
+                "cancelled": 499, "unavailable": 503, "internal": 500}  # fmt: skip
 ERROR_CODES = tuple(ERROR_STATUS)
 ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 8
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 class ApiError(Exception):
@@ -50,11 +51,12 @@ class ChatRequest:
     ignore_eos: bool = False
     stream: bool = False
     final: bool = False  # the conversation ends after this turn
+    timeout_s: float | None = None  # cancelled if not done this long after it arrived
 
 
 _CHAT_FIELDS = frozenset({
     "conversation_id", "message", "messages", "max_tokens", "temperature", "top_p", "seed",
-    "stop", "ignore_eos", "stream", "final",
+    "stop", "ignore_eos", "stream", "final", "timeout_s",
 })  # fmt: skip
 
 
@@ -156,6 +158,9 @@ def parse_chat(data: bytes) -> ChatRequest:
         ignore_eos=_bool(body, "ignore_eos"),
         stream=_bool(body, "stream"),
         final=_bool(body, "final"),
+        timeout_s=None
+        if body.get("timeout_s") is None
+        else _float(body, "timeout_s", 0.0, low=0.0, high=MAX_TIMEOUT_S, open_low=True),
     )
 
 

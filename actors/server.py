@@ -28,7 +28,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pensieve.actors import subjects, tracing
-from pensieve.actors.bus import Bus, Handler, Incoming, ServiceInfo
+from pensieve.actors.bus import TENANT_HEADER, Bus, Handler, Incoming, ServiceInfo
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.kv_events import KvEventStream
 from pensieve.actors.messages import KvEvent, encode_kv_events
@@ -160,6 +160,7 @@ class ChatServer:
         await self._call(self._publish_kv_events, asyncio.get_running_loop())
         handlers: dict[str, Handler] = {
             "chat": self._chat,
+            "cancel": self._cancel,
             "get": self._get,
             "delete": self._delete,
             "list": self._list,
@@ -218,7 +219,7 @@ class ChatServer:
         request = parse_chat(msg.data)
         sink = _Reply(asyncio.get_running_loop())
         service = self.engine.service
-        reservation = await self._call(service.reserve, request)
+        reservation = await self._call(service.reserve, request, _tenant(msg))
         # rendered in a tokenizer replica (this engine's), not between two engine steps; the
         # recompute planner is asked meanwhile, for a conversation with history
         longest = service.max_context - 1  # a prompt leaves room for one token at least
@@ -236,32 +237,39 @@ class ChatServer:
             self.engine.call(service.release, reservation)
             raise
         planned = plan.ranges if plan is not None and plan.known else None
+        conv_id = reservation.conv.conv_id
         await self._call(service.start, reservation, prompt, sink, span, planned)
         while True:
             kind, value = await sink.items.get()
             if kind == "delta":
-                if request.stream:
-                    await msg.send(orjson.dumps({"delta": value}))
+                if request.stream:  # with the id: a new conversation's turn can be cancelled
+                    await msg.send(orjson.dumps({"delta": value, "conversation_id": conv_id}))
             elif kind == "error":
                 raise value
             else:
                 await msg.send(orjson.dumps({**value, "done": True} if request.stream else value))
                 return
 
+    async def _cancel(self, msg: Incoming) -> None:
+        conv_id = conversation_id(load_fields(msg.data, CONVERSATION_FIELDS))
+        cancelled = await self._call(self.engine.service.cancel, conv_id, _tenant(msg))
+        await msg.send(orjson.dumps({"conversation_id": conv_id, "cancelled": cancelled}))
+
     async def _get(self, msg: Incoming) -> None:
         conv_id, page = parse_get(msg.data)
         # off the engine thread: a read never waits for a step to end
-        got = await asyncio.to_thread(self.engine.service.get, conv_id, page)
+        got = await asyncio.to_thread(self.engine.service.get, conv_id, page, _tenant(msg))
         await msg.send(orjson.dumps(got))
 
     async def _delete(self, msg: Incoming) -> None:
         conv_id = conversation_id(load_fields(msg.data, CONVERSATION_FIELDS))
-        written = await self._call(self.engine.service.delete, conv_id)
+        written = await self._call(self.engine.service.delete, conv_id, _tenant(msg))
         await asyncio.wrap_future(written)
         await msg.send(orjson.dumps({"conversation_id": conv_id, "deleted": True}))
 
     async def _list(self, msg: Incoming) -> None:
-        listed = await asyncio.to_thread(self.engine.service.list, parse_list(msg.data))
+        listed = await asyncio.to_thread(self.engine.service.list, parse_list(msg.data),
+                                         _tenant(msg))  # fmt: skip
         await msg.send(orjson.dumps({**listed, "engine_id": self.engine_id}))
 
     async def _stats(self, msg: Incoming) -> None:
@@ -270,3 +278,8 @@ class ChatServer:
         # objects frozen out of garbage collection (`pensieve serve` freezes its start-up heap)
         process = {"gc_frozen_objects": gc.get_freeze_count()}
         await msg.send(orjson.dumps({"engine_id": self.engine_id, **stats, "process": process}))
+
+
+def _tenant(msg: Incoming) -> str | None:
+    """The tenant the ingress received the request from (None: the service's own account)."""
+    return msg.headers.get(TENANT_HEADER)

@@ -13,6 +13,7 @@ import re
 PREFIX = "pensieve.v1"
 SERVICE = "pensieve"  # the name every engine answers service discovery under
 CHAT = f"{PREFIX}.chat"
+CHAT_CANCEL = f"{PREFIX}.chat.cancel"
 CONVERSATIONS_GET = f"{PREFIX}.conversations.get"
 CONVERSATIONS_DELETE = f"{PREFIX}.conversations.delete"
 CONVERSATIONS_LIST = f"{PREFIX}.conversations.list"
@@ -41,6 +42,37 @@ def owner(conversation_id: object) -> str | None:
         return None
     match = _OWNED_ID.fullmatch(conversation_id)
     return match.group(1) if match else None
+
+
+# ---- tenants: where the service receives a tenant's requests --------------------------------
+# A tenant is a NATS account that imports the client API from the service's account mapped to
+# `pensieve.tenant.<tenant>.v1.>` (see ops/nats_accounts.py): NATS names the tenant in the
+# subject it delivers, and no client can choose it.
+
+TENANT_PREFIX = "pensieve.tenant"
+_TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")  # one subject token, no wildcard
+_TENANT_SUBJECT = re.compile(re.escape(TENANT_PREFIX) + r"\.([^.]+)\.v1\..+")
+
+
+def tenant_subject(tenant: str, subject: str) -> str:
+    """Client API `subject` as the service receives it from `tenant` ('*': from any tenant):
+    pensieve.v1.chat -> pensieve.tenant.<tenant>.v1.chat."""
+    if tenant != "*":
+        check_tenant_name(tenant)
+    if not subject.startswith(PREFIX + "."):
+        raise ValueError(f"{subject!r} is not a subject of the client API ({PREFIX}.*)")
+    return f"{TENANT_PREFIX}.{tenant}.{subject.removeprefix('pensieve.')}"
+
+
+def tenant_of(subject: str) -> str | None:
+    """The tenant whose request NATS delivered on `subject` (None: not a tenant's subject)."""
+    match = _TENANT_SUBJECT.fullmatch(subject)
+    return match.group(1) if match else None
+
+
+def check_tenant_name(name: str) -> None:
+    if not _TENANT_NAME.fullmatch(name):
+        raise ValueError(f"tenant name {name!r}: 1-64 of a-z 0-9 _ -, starting with a-z or 0-9")
 
 
 # ---- the engine's internal subjects: one namespace per engine, one branch per actor ---------

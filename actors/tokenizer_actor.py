@@ -24,7 +24,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from pensieve.actors import subjects, tracing
 from pensieve.actors.actor import Actor
-from pensieve.actors.bus import Bus, Incoming
+from pensieve.actors.bus import Bus, ConnectOptions, Incoming
 from pensieve.actors.messages import MessageError, RenderReply, RenderRequest, decode
 from pensieve.actors.schemas import ERROR_CODES, ApiError
 from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
@@ -91,7 +91,11 @@ class TokenizerActor(Actor):
 
 @contextlib.asynccontextmanager
 async def tokenizer_replicas(
-    url: str, engine_id: str, chat: ChatTokenizer, num_replicas: int
+    url: str,
+    engine_id: str,
+    chat: ChatTokenizer,
+    num_replicas: int,
+    connect: ConnectOptions | None = None,
 ) -> AsyncIterator[list[TokenizerActor]]:
     """`num_replicas` tokenizer actors of engine `engine_id`, each on a NATS connection of its
     own: subscribed when the context is entered, stopped (their renders in hand finished) when
@@ -99,7 +103,7 @@ async def tokenizer_replicas(
     async with contextlib.AsyncExitStack() as stack:
         replicas = []
         for _ in range(num_replicas):
-            bus = await Bus.connect(url, name="pensieve-tokenizer")
+            bus = await Bus.connect(url, name="pensieve-tokenizer", options=connect)
             replica = TokenizerActor(bus, engine_id, chat)
             stack.push_async_callback(replica.stop)
             await replica.start()

@@ -55,11 +55,15 @@ for variant in "${variants[@]}"; do
         port=$((4300 + RANDOM % 500))
         pids=()
         log=$logs/server_$variant.txt
+        # the load client connects anonymously: a build whose nats-server asks who connects
+        # serves it open, on loopback
+        open_nats=()
+        python3 -m pensieve.ops.cli serve --help | grep -q -- --insecure && open_nats=(--insecure)
         case $variant in
-            before) serve=(serve) ;;
-            direct) serve=(serve --step-channel direct) ;;
-            nats) serve=(serve --step-channel nats) ;;
-            nats-t*) serve=(serve --step-channel nats --tokenizers "${variant#nats-t}") ;;
+            before) serve=(serve "${open_nats[@]}") ;;
+            direct) serve=(serve "${open_nats[@]}" --step-channel direct) ;;
+            nats) serve=(serve "${open_nats[@]}" --step-channel nats) ;;
+            nats-t*) serve=(serve "${open_nats[@]}" --step-channel nats --tokenizers "${variant#nats-t}") ;;
             procs)
                 nats-server -a 127.0.0.1 -p "$port" > "$logs/nats.txt" 2>&1 &
                 pids+=($!)

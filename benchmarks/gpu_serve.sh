@@ -35,7 +35,7 @@ for c in "${concurrencies[@]}"; do
 done
 
 # shellcheck disable=SC2086
-python3 -m pensieve.ops.cli serve $model > "$out/serve.txt" 2>&1 &
+python3 -m pensieve.ops.cli serve --insecure $model > "$out/serve.txt" 2>&1 &  # loopback, no accounts
 server=$!
 url=""
 for _ in $(seq 600); do

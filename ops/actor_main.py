@@ -23,8 +23,9 @@ import logging
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
-from pensieve.actors.bus import Bus
+from pensieve.actors.bus import Bus, ConnectOptions
 from pensieve.actors.executor import ModelRunner
 from pensieve.actors.executor_actor import ExecutorActor
 from pensieve.actors.ingress import IngressActor
@@ -39,6 +40,7 @@ from pensieve.ops.factory import (
     frozen_heap,
     load_config_only,
 )
+from pensieve.ops.nats_auth import redact_url
 from pensieve.ops.serve import ServeOptions, serve_until_signal
 from pensieve.ops.telemetry import setup_tracing
 from pensieve.store import ConversationStore
@@ -54,6 +56,7 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
         raise ValueError("pensieve actor needs --nats-url: the actors of an engine meet there")
     if name not in ACTOR_COMMANDS:
         raise ValueError(f"unknown actor {name!r}; one of {', '.join(ACTOR_COMMANDS)}")
+    nats = _Nats(options.nats_url, options.nats_auth and options.nats_auth.connect_options())
     provider = setup_tracing(options.trace)
     try:
         options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -61,21 +64,35 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
             if name == "executor":
                 built = build(engine)
                 with frozen_heap():
-                    asyncio.run(_executor(built.engine.runner, options.nats_url,
-                                          store.engine_id(), cpu_threads(engine)))  # fmt: skip
+                    asyncio.run(_executor(built.engine.runner, nats, store.engine_id(),
+                                          cpu_threads(engine)))  # fmt: skip
             elif name == "recompute-planner":
-                asyncio.run(_planner(options.nats_url, store, engine.block_size))
+                asyncio.run(_planner(nats, store, engine.block_size))
             elif name == "ingress":
-                asyncio.run(_ingress(options.nats_url, store.engine_id()))
+                asyncio.run(_ingress(nats, store.engine_id()))
             elif name == "tokenizer":
-                asyncio.run(_tokenizer(engine, options.nats_url, store.engine_id(),
+                asyncio.run(_tokenizer(engine, nats, store.engine_id(),
                                        max(1, options.tokenizers)))  # fmt: skip
             else:
-                asyncio.run(_scheduler(engine, options, store, started))
+                asyncio.run(_scheduler(engine, options, nats, store, started))
         return 0
     finally:
         if provider is not None:
             provider.shutdown()
+
+
+@dataclass(frozen=True)
+class _Nats:
+    """Where the actors meet, and who this one is there."""
+
+    url: str
+    connect: ConnectOptions | None
+
+    async def bus(self, name: str = "pensieve") -> Bus:
+        return await Bus.connect(self.url, name, self.connect)
+
+    def __str__(self) -> str:
+        return redact_url(self.url)
 
 
 def _on_signals() -> asyncio.Event:
@@ -86,56 +103,59 @@ def _on_signals() -> asyncio.Event:
     return stop
 
 
-async def _executor(runner: object, url: str, engine_id: str, threads: int | None) -> None:
+async def _executor(runner: object, nats: _Nats, engine_id: str, threads: int | None) -> None:
     assert isinstance(runner, ModelRunner)
     stop = _on_signals()
-    async with ExecutorActor(await Bus.connect(url), engine_id, runner, threads):
-        print(f"pensieve: executor of engine {engine_id} ready on {url}", file=sys.stderr,
+    async with ExecutorActor(await nats.bus(), engine_id, runner, threads):
+        print(f"pensieve: executor of engine {engine_id} ready on {nats}", file=sys.stderr,
               flush=True)  # fmt: skip
         await stop.wait()
 
 
-async def _ingress(url: str, engine_id: str) -> None:
+async def _ingress(nats: _Nats, engine_id: str) -> None:
     stop = _on_signals()
-    async with IngressActor(await Bus.connect(url), engine_id):
-        print(f"pensieve: ingress of engine {engine_id} ready on {url} (pensieve.v1.chat, "
+    async with IngressActor(await nats.bus(), engine_id):
+        print(f"pensieve: ingress of engine {engine_id} ready on {nats} (pensieve.v1.chat, "
               "pensieve.v1.conversations.*)", file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
 
 
-async def _planner(url: str, store: ConversationStore, block_size: int) -> None:
+async def _planner(nats: _Nats, store: ConversationStore, block_size: int) -> None:
     stop = _on_signals()
     engine_id = store.engine_id()
-    async with RecomputePlannerActor(await Bus.connect(url), engine_id, store, block_size):
-        print(f"pensieve: recompute planner of engine {engine_id} ready on {url}",
+    async with RecomputePlannerActor(await nats.bus(), engine_id, store, block_size):
+        print(f"pensieve: recompute planner of engine {engine_id} ready on {nats}",
               file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
 
 
-async def _tokenizer(engine: EngineOptions, url: str, engine_id: str, replicas: int) -> None:
+async def _tokenizer(engine: EngineOptions, nats: _Nats, engine_id: str, replicas: int) -> None:
     _, chat = load_config_only(engine)
     stop = _on_signals()
-    async with tokenizer_replicas(url, engine_id, chat, replicas):
-        print(f"pensieve: {replicas} tokenizer replica(s) of engine {engine_id} ready on {url}",
+    async with tokenizer_replicas(nats.url, engine_id, chat, replicas, nats.connect):
+        print(f"pensieve: {replicas} tokenizer replica(s) of engine {engine_id} ready on {nats}",
               file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
 
 
 async def _scheduler(
-    engine: EngineOptions, options: ServeOptions, store: ConversationStore, started: float
+    engine: EngineOptions,
+    options: ServeOptions,
+    nats: _Nats,
+    store: ConversationStore,
+    started: float,
 ) -> None:
-    assert options.nats_url is not None
     begin = time.monotonic()
     loaded, chat = load_config_only(engine)
     logger.info("model config and tokenizer ready in %.1f s", time.monotonic() - begin)
-    bus = await Bus.connect(options.nats_url)
+    bus = await nats.bus()
     try:
         logger.info("waiting for the executor of engine %s", store.engine_id())
         runner = await connect_executor(bus, store.engine_id(), timeout_s=24 * 3600)
         try:
             built = assemble_remote(engine, loaded, chat, runner)
-            await serve_until_signal(built, store, options.nats_url, options, started,
-                                     ingress=False, planner=False)  # fmt: skip
+            await serve_until_signal(built, store, nats.url, options, started, ingress=False,
+                                     planner=False, connect=nats.connect)  # fmt: skip
         finally:
             await runner.close()
     finally:

@@ -158,7 +158,7 @@ def _actor_parser(commands: Any) -> None:
 def _tenant_parser(commands: Any) -> None:
     tenant = commands.add_parser(
         "tenant", help="add a tenant: a NATS account that reaches only its own requests",
-        description="Tenants of the nats-server that `pensieve serve --auth` starts.",
+        description="Tenants of the nats-server that `pensieve serve` starts.",
     )  # fmt: skip
     actions = tenant.add_subparsers(required=True, metavar="ACTION")
     add = actions.add_parser(
@@ -200,8 +200,9 @@ def _nats_config_parser(commands: Any) -> None:
 
 def _accounts_dir_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--data-dir", type=Path, metavar="DIR", required=True,
-        help="the data dir of the engine, whose nats/ folder holds the accounts",
+        "--data-dir", type=Path, metavar="DIR",
+        help="the data dir of the engine, whose nats/ folder holds the accounts (default: "
+        "that of pensieve serve)",
     )  # fmt: skip
 
 
@@ -395,11 +396,10 @@ def _positive(value: int | None, name: str) -> int | None:
 def _serve(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.serve import serve
 
-    _refuse_nats_auth(args)
     if args.insecure:
         logging.getLogger("pensieve").warning(
             "--insecure: the nats-server asks no one who they are: anyone on this host can "
-            "read and write every conversation (pensieve serve --auth gives each tenant its own)"
+            "read and write every conversation (without it, each tenant has its own)"
         )
     return serve(engine_options(args), _serve_options(args), started)
 
@@ -407,42 +407,37 @@ def _serve(args: argparse.Namespace, started: float) -> int:
 def _actor(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.actor_main import run_actor
 
-    _refuse_nats_auth(args)
     return run_actor(args.name, engine_options(args), _serve_options(args), started)
-
-
-def _refuse_nats_auth(args: argparse.Namespace) -> None:
-    """Refuse the NATS credentials and --auth while ServeOptions does not carry them to the
-    bus: a security option must not be ignored silently."""
-    from pensieve.ops.nats_auth import auth_data_dir, nats_auth_from_args
-
-    given = nats_auth_from_args(args) is not None
-    if given or auth_data_dir(args, args.data_dir or Path(".")) is not None:
-        raise ValueError("NATS credentials and --auth do not reach the engine's actors yet")
 
 
 def _tenant_add(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.nats_accounts import add_tenant
+    from pensieve.ops.serve import default_data_dir
 
-    nats = add_tenant(args.data_dir, args.name, args.nats_url)
+    nats = add_tenant(args.data_dir or default_data_dir(), args.name, args.nats_url)
     print(json.dumps({"tenant": args.name, "nats": nats}), flush=True)
     return 0
 
 
 def _nats_config(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.nats_accounts import write_server_config
+    from pensieve.ops.serve import default_data_dir
 
-    path = write_server_config(args.data_dir, args.listen, pid_file=False)
+    path = write_server_config(args.data_dir or default_data_dir(), args.listen, pid_file=False)
     print(f"pensieve: nats-server configuration in {path}; the service's password in "
           f"{path.parent / 'service.password'}", file=sys.stderr)  # fmt: skip
     return 0
 
 
 def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pensieve.ops.nats_auth import auth_data_dir, nats_auth_from_args
     from pensieve.ops.serve import ServeOptions, default_data_dir
 
+    data_dir = args.data_dir or default_data_dir()
     return ServeOptions(
-        data_dir=args.data_dir or default_data_dir(),
+        data_dir=data_dir,
+        nats_auth=nats_auth_from_args(args),
+        auth_data_dir=auth_data_dir(args, data_dir),
         nats_url=args.nats_url,
         nats_port=args.nats_port,
         max_waiting=args.max_waiting,

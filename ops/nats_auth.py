@@ -4,7 +4,7 @@ Every process that connects takes its credentials from flags or the environment 
 nowhere else): a user and password, a token, an nkey seed, a credentials file, TLS files.
 Secrets come from the environment or from files only, never from argv.
 
-The nats-server that `pensieve serve --auth` starts runs with accounts, generated under
+The nats-server that `pensieve serve` starts (unless --insecure) runs with accounts, generated under
 <data-dir>/nats/ (a folder of mode 0700, every file in it 0600):
 
     service.password           the engine's actors: user `pensieve` of account `service`
@@ -33,13 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pensieve.actors.bus import ConnectOptions
-from pensieve.actors.subjects import PREFIX
+from pensieve.actors.subjects import check_tenant_name, tenant_of, tenant_subject
+
+__all__ = ["check_tenant_name", "tenant_of", "tenant_subject"]  # named here for the accounts
 
 SERVICE_USER = "pensieve"
 SERVICE_ACCOUNT = "service"
-TENANT_PREFIX = "pensieve.tenant"
-_TENANT_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")  # one subject token, no wildcard
-_TENANT_SUBJECT = re.compile(re.escape(TENANT_PREFIX) + r"\.([^.]+)\.v1\..+")
 _USERINFO = re.compile(r"(\w+://)([^@/,\s]+)@")
 
 # the environment variables, one per option; flags win over them
@@ -53,30 +52,6 @@ ENV_CREDS = "PENSIEVE_NATS_CREDS"
 ENV_TLS_CA = "PENSIEVE_NATS_TLS_CA"
 ENV_TLS_CERT = "PENSIEVE_NATS_TLS_CERT"
 ENV_TLS_KEY = "PENSIEVE_NATS_TLS_KEY"
-
-
-# ---- subjects ---------------------------------------------------------------------------------
-
-
-def tenant_subject(tenant: str, subject: str) -> str:
-    """Client API `subject` as the service receives it from `tenant` ('*': from any tenant):
-    pensieve.v1.chat -> pensieve.tenant.<tenant>.v1.chat."""
-    if tenant != "*":
-        check_tenant_name(tenant)
-    if not subject.startswith(PREFIX + "."):
-        raise ValueError(f"{subject!r} is not a subject of the client API ({PREFIX}.*)")
-    return f"{TENANT_PREFIX}.{tenant}.{subject.removeprefix('pensieve.')}"
-
-
-def tenant_of(subject: str) -> str | None:
-    """The tenant whose request NATS delivered on `subject` (None: not a tenant's subject)."""
-    match = _TENANT_SUBJECT.fullmatch(subject)
-    return match.group(1) if match else None
-
-
-def check_tenant_name(name: str) -> None:
-    if not _TENANT_NAME.fullmatch(name):
-        raise ValueError(f"tenant name {name!r}: 1-64 of a-z 0-9 _ -, starting with a-z or 0-9")
 
 
 def redact_url(url: str) -> str:
@@ -219,29 +194,28 @@ def read_secret(path: Path) -> str:
         raise OSError(f"cannot read {path}: {error.strerror}") from None
 
 
-# ---- the nats-server started here: --auth and --insecure -------------------------------------
+# ---- the nats-server started here: accounts, or --insecure -----------------------------------
 
 
 def add_embedded_args(parser: argparse.ArgumentParser) -> None:
-    """--auth and --insecure: whether the nats-server started here asks who connects."""
+    """--insecure: the nats-server started here asks nobody who they are."""
     group = parser.add_argument_group("NATS authentication of the nats-server started here")
-    choice = group.add_mutually_exclusive_group()
-    choice.add_argument(
-        "--auth", action="store_true",
-        help="accounts for the service and each tenant, generated into DATA_DIR/nats (0600): "
-        "tenants connect with the JSON line of `pensieve tenant add`",
-    )  # fmt: skip
-    choice.add_argument(
+    group.add_argument(
         "--insecure", action="store_true",
-        help="no authentication (loopback only): anyone on this host reads every conversation",
+        help="no authentication (loopback only): anyone on this host reads and writes every "
+        "conversation. Without it the server has accounts for the service and each tenant, "
+        "generated into DATA_DIR/nats (0600); a tenant connects with the JSON line of "
+        "`pensieve tenant add`",
     )  # fmt: skip
 
 
 def auth_data_dir(args: argparse.Namespace, data_dir: Path) -> Path | None:
     """The data dir whose nats/ folder the nats-server started here takes its accounts from;
-    None: it runs open. Refuses --auth and --insecure with --nats-url, which starts none."""
-    auth, insecure = getattr(args, "auth", False), getattr(args, "insecure", False)
-    if getattr(args, "nats_url", None) and (auth or insecure):
-        raise ValueError("--auth and --insecure are for the nats-server started here, and "
-                         "--nats-url starts none: use the NATS credentials options")  # fmt: skip
-    return data_dir if auth else None
+    None: it runs open (--insecure), or none is started (--nats-url)."""
+    insecure = getattr(args, "insecure", False)
+    if getattr(args, "nats_url", None):
+        if insecure:
+            raise ValueError("--insecure is for the nats-server started here, and --nats-url "
+                             "starts none: use the NATS credentials options")  # fmt: skip
+        return None
+    return None if insecure else data_dir

@@ -2,7 +2,9 @@
 
 Starts a nats-server on loopback (port 4222 unless `--nats-port` says otherwise) unless
 `--nats-url` names one, opens the LMDB store in `--data-dir`, loads the model, and answers
-`pensieve.v1.chat` and `pensieve.v1.conversations.*` until SIGINT or SIGTERM.
+`pensieve.v1.chat` and `pensieve.v1.conversations.*` until SIGINT or SIGTERM. The nats-server
+started here asks who connects (accounts under <data-dir>/nats; `pensieve tenant add` makes a
+client's), unless `--insecure`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pensieve.actors import subjects
-from pensieve.actors.bus import Bus
+from pensieve.actors.bus import Bus, ConnectOptions
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig, StepChannel
 from pensieve.actors.executor import ModelRunner
@@ -32,6 +34,7 @@ from pensieve.actors.step_channel import connect_executor
 from pensieve.actors.sweeper import sweeping
 from pensieve.actors.tokenizer_actor import tokenizer_replicas
 from pensieve.ops.factory import Built, EngineOptions, build, cpu_threads, frozen_heap
+from pensieve.ops.nats_auth import NatsAuth, redact_url
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.telemetry import setup_tracing
 from pensieve.store import ConversationStore, StoreWriter
@@ -50,6 +53,9 @@ class ServeOptions:
     step_channel: StepChannel = DEFAULTS.step_channel
     tokenizers: int = DEFAULTS.tokenizers
     expiry: ExpiryConfig = DEFAULT_EXPIRY
+    nats_auth: NatsAuth | None = None  # who the actors are to the server at `nats_url`
+    # the embedded server asks who connects: accounts and credentials under <this>/nats/
+    auth_data_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -80,10 +86,12 @@ async def serving(
     expiry: ExpiryConfig = DEFAULT_EXPIRY,
     ingress: bool = True,
     planner: bool = True,
+    connect: ConnectOptions | None = None,
 ) -> AsyncIterator[ChatService]:
     """Serve the client API on `nats_url` while the context is open (with `ingress` False,
     only the scheduler's side of it: ingress actors run elsewhere; with `planner` False, the
-    recompute planner runs elsewhere); a CPU engine steps on
+    recompute planner runs elsewhere); every actor logs in to NATS as `connect` says (None:
+    anonymously); a CPU engine steps on
     `threads` PyTorch threads, its model behind an executor actor with `StepChannel.NATS`.
     `tokenizers` replicas of the tokenizer actor render the chat templates; conversations idle
     past their TTL (`expiry`) are deleted. On leaving, turns in flight get `shutdown_grace_s` to
@@ -101,32 +109,37 @@ async def serving(
             # an engine around a remote executor (`pensieve actor scheduler`) starts none here
             if step_channel is StepChannel.NATS and isinstance(built.engine.runner, ModelRunner):
                 await actors.enter_async_context(
-                    executor_actor(built, nats_url, engine_id, threads)
+                    executor_actor(built, nats_url, engine_id, threads, connect)
                 )
             await actors.enter_async_context(  # up before the ingress, down after it
-                tokenizer_replicas(nats_url, engine_id, built.chat, tokenizers)
+                tokenizer_replicas(nats_url, engine_id, built.chat, tokenizers, connect)
             )
             if planner:
                 block_size = built.engine.cache_config.block_size
                 await actors.enter_async_context(RecomputePlannerActor(
-                    await Bus.connect(nats_url), engine_id, store, block_size
+                    await Bus.connect(nats_url, options=connect), engine_id, store, block_size
                 ))  # fmt: skip
-            async with _engine_serving(service, nats_url, engine_id, threads,
-                                       shutdown_grace_s, expiry, ingress) as served:  # fmt: skip
+            async with _engine_serving(service, nats_url, engine_id, threads, shutdown_grace_s,
+                                       expiry, ingress, connect) as served:  # fmt: skip
                 yield served
 
 
 @contextlib.asynccontextmanager
 async def executor_actor(
-    built: Built, nats_url: str, engine_id: str, threads: int | None
+    built: Built,
+    nats_url: str,
+    engine_id: str,
+    threads: int | None,
+    connect: ConnectOptions | None = None,
 ) -> AsyncIterator[None]:
     """The model behind an executor actor on the bus; the engine steps it through the
     per-step channel (`actors/step_channel.py`) until the context closes."""
     runner = built.engine.runner
     if not isinstance(runner, ModelRunner):
         raise TypeError("the engine's model already runs elsewhere")
-    async with ExecutorActor(await Bus.connect(nats_url), engine_id, runner, threads):
-        bus = await Bus.connect(nats_url)
+    async with ExecutorActor(await Bus.connect(nats_url, options=connect), engine_id, runner,
+                             threads):  # fmt: skip
+        bus = await Bus.connect(nats_url, options=connect)
         remote = await connect_executor(bus, engine_id, timeout_s=30)
         built.engine.runner = remote
         try:
@@ -146,17 +159,18 @@ async def _engine_serving(
     grace_s: float,
     expiry: ExpiryConfig,
     ingress: bool,
+    connect: ConnectOptions | None,
 ) -> AsyncIterator[ChatService]:
     engine = EngineThread(service, threads)
     try:
-        bus = await Bus.connect(nats_url)
+        bus = await Bus.connect(nats_url, options=connect)
         server = ChatServer(bus, engine, engine_id)
         try:
             await server.start()
             async with contextlib.AsyncExitStack() as front:
                 if ingress:  # up after the scheduler, down before it
                     await front.enter_async_context(
-                        IngressActor(await Bus.connect(nats_url), engine_id)
+                        IngressActor(await Bus.connect(nats_url, options=connect), engine_id)
                     )
                 async with sweeping(engine, expiry):
                     yield service
@@ -175,6 +189,7 @@ async def serve_until_signal(
     started: float,
     ingress: bool = True,
     planner: bool = True,
+    connect: ConnectOptions | None = None,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -183,16 +198,18 @@ async def serve_until_signal(
     threads = cpu_threads(built.options)
     async with serving(built, store, url, options.max_waiting, threads,
                        options.shutdown_grace_s, options.step_channel,
-                       options.tokenizers, options.expiry, ingress, planner):  # fmt: skip
+                       options.tokenizers, options.expiry, ingress, planner,
+                       connect):  # fmt: skip
         engine_id = store.engine_id()
         logger.info("ready in %.1f s", time.monotonic() - started)
         # the line clients and scripts wait for, whatever the log level
         if ingress:
             own = subjects.engine_subject(engine_id, ">")
-            print(f"pensieve: serving on {url} (pensieve.v1.chat, pensieve.v1.conversations.*; "
-                  f"this engine: {own})", file=sys.stderr, flush=True)  # fmt: skip
+            print(f"pensieve: serving on {redact_url(url)} (pensieve.v1.chat, "
+                  f"pensieve.v1.conversations.*; this engine: {own})", file=sys.stderr,
+                  flush=True)  # fmt: skip
         else:
-            print(f"pensieve: scheduler of engine {engine_id} serving on {url}",
+            print(f"pensieve: scheduler of engine {engine_id} serving on {redact_url(url)}",
                   file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
         logger.info("stopping: up to %.0f s for the turns in flight", options.shutdown_grace_s)
@@ -206,15 +223,20 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
         # the store holds every prompt and reply: readable by this user only
         options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         with ConversationStore(options.data_dir) as store, contextlib.ExitStack() as stack:
-            url = options.nats_url
+            url, auth = options.nats_url, options.nats_auth
             if url is None:  # first, so a taken port fails before the model loads
                 begin = time.monotonic()
-                url = stack.enter_context(EmbeddedNats(options.nats_port)).url
+                server = stack.enter_context(
+                    EmbeddedNats(options.nats_port, auth_data_dir=options.auth_data_dir)
+                )
+                url, auth = server.url, server.service_auth
                 logger.info("nats-server listening on %s (%.1f s)", url,
                             time.monotonic() - begin)  # fmt: skip
             built = build(engine_options)
+            connect = auth.connect_options() if auth is not None else None
             with frozen_heap():
-                asyncio.run(serve_until_signal(built, store, url, options, started))
+                asyncio.run(serve_until_signal(built, store, url, options, started,
+                                               connect=connect))  # fmt: skip
         return 0
     finally:
         if provider is not None:

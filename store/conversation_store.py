@@ -84,14 +84,15 @@ class ConversationStore:
         appended_tokens: Sequence[int],
         stateless: bool = False,
         final: bool = False,
+        tenant: str | None = None,
     ) -> ConversationMeta:
         """Record a finished turn in one durable write transaction and return the new meta.
 
         The token log becomes `old_log[:keep_len] + appended_tokens`: keep_len equals the old
         length when the log only grows; it is smaller when re-rendering the chat template changed
         earlier tokens. `record.turn` must equal the number of turns already committed, and the
-        conversation must not have ended. `stateless` is kept from the first turn; `final` ends
-        the conversation.
+        conversation must not have ended. `stateless` and `tenant` are kept from the first turn;
+        `final` ends the conversation.
         """
         key = codec.conversation_key(validate_conversation_id(conv_id))
         packed = codec.pack_tokens(appended_tokens)
@@ -115,6 +116,7 @@ class ConversationStore:
                 log_len=len(log) // 4,
                 stateless=old.stateless if old else stateless,
                 ended=final,
+                tenant=old.tenant if old else tenant,
             )
             txn.put(key, log, db=self._logs)
             txn.put(codec.indexed_key(key, record.turn), codec.encode_turn(record), db=self._turns)
@@ -153,9 +155,15 @@ class ConversationStore:
 
         return self._transact(read, write=False)
 
-    def list_page(self, after: bytes | None, limit: int) -> tuple[list[str], bytes | None]:
-        """Up to `limit` conversation ids in the store's key order, starting after the key
-        `after` (None: from the first), and the key to continue after (None: no more)."""
+    def list_page(
+        self,
+        after: bytes | None,
+        limit: int,
+        keep: Callable[[ConversationMeta], bool] = lambda meta: True,
+    ) -> tuple[list[str], bytes | None]:
+        """Up to `limit` ids of the conversations whose meta `keep` accepts, in the store's key
+        order, starting after the key `after` (None: from the first), and the key to continue
+        after (None: no more)."""
 
         def read(txn: lmdb.Transaction[bytes]) -> tuple[list[str], bytes | None]:
             cursor = txn.cursor(db=self._meta)
@@ -167,8 +175,10 @@ class ConversationStore:
             while found:
                 if len(ids) == limit:
                     return ids, last
-                last = bytes(cursor.key())
-                ids.append(codec.decode_meta(cursor.value()).conversation_id)
+                meta = codec.decode_meta(cursor.value())
+                if keep(meta):
+                    last = bytes(cursor.key())
+                    ids.append(meta.conversation_id)
                 found = cursor.next()
             return ids, None
 

@@ -81,7 +81,9 @@ class ConversationMeta:
 
     `stateless`: made by a request that sent the whole chat and no id, so its client keeps the
     history and it expires sooner. `ended`: its last turn was final; it takes no more turns.
-    Both default to False, which is what a meta written before they existed means."""
+    Both default to False, which is what a meta written before they existed means. `tenant`:
+    the tenant whose request made it (None: the service's own account, or a server without
+    tenants); only that tenant reaches it."""
 
     conversation_id: str
     created_at: float
@@ -90,3 +92,4 @@ class ConversationMeta:
     log_len: int
     stateless: bool = False
     ended: bool = False
+    tenant: str | None = None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import orjson
 
+from pensieve.actors.bus import ConnectOptions
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import DEFAULTS, Policy, StepChannel
 from pensieve.actors.tokenizer import ChatTokenizer
@@ -51,7 +52,8 @@ def stateless_references(
     tokens: list[list[list[int]]] = [[] for _ in chats]
     for line in replies.getvalue().splitlines():
         record = orjson.loads(line)
-        tokens[int(record["conversation_id"].removeprefix("ref"))].append(record["output_token_ids"])
+        chat_index = int(record["conversation_id"].removeprefix("ref"))
+        tokens[chat_index].append(record["output_token_ids"])
     return tokens
 
 
@@ -63,6 +65,7 @@ def serve_on_thread(
     max_waiting: int = DEFAULTS.max_waiting,
     shutdown_grace_s: float = DEFAULTS.shutdown_grace_s,
     step_channel: StepChannel = DEFAULTS.step_channel,
+    connect: ConnectOptions | None = None,
 ) -> Iterator[tuple[str, ChatService]]:
     """`serving()` on `url` from a thread with its own event loop; yields the engine id and the
     chat service, and checks on leaving that the server stopped cleanly."""
@@ -73,7 +76,7 @@ def serve_on_thread(
     async def main() -> None:
         with ConversationStore(data_dir) as store:
             async with serving(built, store, url, max_waiting, None, shutdown_grace_s,
-                               step_channel) as service:  # fmt: skip
+                               step_channel, connect=connect) as service:  # fmt: skip
                 held.append((store.engine_id(), service))
                 ready.set()
                 await stop.wait()

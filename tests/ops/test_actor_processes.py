@@ -1,6 +1,7 @@
 """`pensieve actor`: every actor of an engine in a process of its own (ingress, two tokenizer
-replicas, scheduler, recompute planner, executor), meeting on a real nats-server, with the real SmolLM2 on the CPU
-and tiers small enough that histories are swapped out, swapped in and dropped.
+replicas, scheduler, recompute planner, executor), meeting on a real nats-server, with the real
+SmolLM2 on the CPU and tiers small enough that histories are swapped out, swapped in and
+dropped.
 
 Three conversations run at once while each actor in turn is killed with SIGKILL and started
 again. Clients send each turn until it is answered (a turn refused `unavailable`, or whose

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.errors
 import orjson
 import pytest
 import torch
@@ -77,13 +79,19 @@ NO_RESPONDER_TRIES = 3
 
 
 def ask(
-    url: str, subject: str, body: Any, timeout: float = 120.0, headers: dict | None = None
+    url: str,
+    subject: str,
+    body: Any,
+    timeout: float = 120.0,
+    headers: dict | None = None,
+    connect: dict | None = None,
 ) -> tuple[list[dict], dict]:
-    """Send one request; returns every message that came back (streamed deltas, then the
-    final one) and the final message's headers."""
+    """Send one request (as the client `connect` says: the keyword arguments of nats.connect);
+    returns every message that came back (streamed deltas, then the final one) and the final
+    message's headers."""
 
     async def go() -> tuple[list[dict], dict]:
-        client = await nats.connect(url)
+        client = await nats.connect(**{**(connect or {}), "servers": [url]})
         try:
             data = body if isinstance(body, bytes) else orjson.dumps(body)
             for attempt in range(NO_RESPONDER_TRIES):
@@ -107,8 +115,8 @@ def ask(
     return asyncio.run(go())
 
 
-def chat(url: str, headers: dict | None = None, **body: Any) -> dict:
-    replies, headers = ask(url, subjects.CHAT, body, headers=headers)
+def chat(url: str, headers: dict | None = None, connect: dict | None = None, **body: Any) -> dict:
+    replies, headers = ask(url, subjects.CHAT, body, headers=headers, connect=connect)
     assert ERROR_HEADER not in headers, replies[-1]
     return replies[-1]
 
@@ -259,8 +267,8 @@ def test_concurrent_conversations_each_get_their_own_tokens(served, reference) -
     assert moved.cpu > before.cpu or moved.recomputed > before.recomputed
 
 
-def _stats(url: str) -> dict[str, Any]:
-    replies, headers = ask(url, subjects.STATS, {})
+def _stats(url: str, connect: dict | None = None) -> dict[str, Any]:
+    replies, headers = ask(url, subjects.STATS, {}, connect=connect)
     assert ERROR_HEADER not in headers, replies[-1]
     return replies[-1]
 
@@ -728,6 +736,8 @@ def test_the_server_rides_out_a_nats_restart_and_stops_while_nats_is_down(
 
 
 def test_the_command_serves_with_its_own_nats_server_and_stops_on_sigterm(tmp_path) -> None:
+    """By default its nats-server asks who connects: an anonymous client is refused, and a
+    tenant added while it runs (`pensieve tenant add`) chats."""
     command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", "smollm2",
                "--data-dir", str(tmp_path), "--gpu-cache-tokens", "1024",
                "--cpu-cache-tokens", "1024", "--nats-port", str(free_port())]  # fmt: skip
@@ -743,9 +753,17 @@ def test_the_command_serves_with_its_own_nats_server_and_stops_on_sigterm(tmp_pa
             if "serving on " in line:
                 url = line.split("serving on ")[1].split()[0]
         assert url is not None, "".join(lines)
-        reply = chat(url, message=CHAT[0], max_tokens=4)
+        assert any("NATS authentication on" in line for line in lines), "".join(lines)
+        with pytest.raises((nats.errors.Error, OSError)):  # nobody without credentials
+            asyncio.run(nats.connect(url, allow_reconnect=False, connect_timeout=5))
+        added = subprocess.run([sys.executable, "-m", "pensieve.ops.cli", "tenant", "add", "me",
+                                "--data-dir", str(tmp_path)], capture_output=True, text=True,
+                               timeout=120, check=True)  # fmt: skip
+        me = json.loads(added.stdout)["nats"]
+        assert me["password"] not in added.stderr and me["password"] not in "".join(lines)
+        reply = chat(url, connect=me, message=CHAT[0], max_tokens=4)
         assert reply["turn"] == 0 and len(reply["token_ids"]) == 4
-        stats = _stats(url)
+        stats = _stats(url, connect=me)
         assert stats["requests"]["finished"] == 1 and stats["tokens"]["completion"] == 4
         assert stats["process"]["gc_frozen_objects"] > 0  # the start-up heap is frozen
         proc.send_signal(signal.SIGTERM)
