@@ -18,6 +18,7 @@ import gc
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -50,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _STOP = object()
+SNAPSHOT_EVERY_S = 0.25
+STATS_WAIT_S = 0.05  # how long a stats request waits for the engine thread, then its snapshot
 
 
 class EngineThread:
@@ -62,6 +65,9 @@ class EngineThread:
     def __init__(self, service: ChatService, cpu_threads: int | None = None) -> None:
         self.service = service
         self.cpu_threads = cpu_threads
+        # the service's stats as of a recent step, for a stats request that finds the thread
+        # busy: it never waits for a step (refreshed at most every SNAPSHOT_EVERY_S)
+        self.snapshot: tuple[float, dict[str, Any]] = (time.monotonic(), service.stats())
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="pensieve-engine", daemon=True)
         self._thread.start()
@@ -80,8 +86,11 @@ class EngineThread:
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # this thread's parallel regions
         broken: ApiError | None = None  # set when a reset failed too: no more steps
+        stepped = False  # since the snapshot
         while True:
             busy = broken is None and self.service.has_work()
+            if stepped and not busy:  # idle from here: the snapshot is exact until it steps
+                self.snapshot, stepped = (time.monotonic(), self.service.stats()), False
             try:
                 command = self._commands.get(block=not busy)
             except queue.Empty:
@@ -102,6 +111,9 @@ class EngineThread:
                 continue  # take every queued command before the next step
             try:
                 self.service.step()
+                stepped = True
+                if time.monotonic() - self.snapshot[0] > SNAPSHOT_EVERY_S:
+                    self.snapshot, stepped = (time.monotonic(), self.service.stats()), False
             except Exception as error:
                 logger.exception("engine step failed; resetting the engine")
                 try:
@@ -274,7 +286,15 @@ class ChatServer:
 
     async def _stats(self, msg: Incoming) -> None:
         load_fields(msg.data, NO_FIELDS)
-        stats = await self._call(self.engine.service.stats)
+        fresh = self.engine.call(self.engine.service.stats)
+        try:  # between two steps: at once; during one: the snapshot, whatever the step's length
+            stats = await asyncio.wait_for(asyncio.wrap_future(fresh), STATS_WAIT_S)
+            age = 0.0
+        except TimeoutError:
+            fresh.cancel()
+            taken, stats = self.engine.snapshot
+            age = time.monotonic() - taken
+        stats = {**stats, "age_s": round(age, 3)}
         # objects frozen out of garbage collection (`pensieve serve` freezes its start-up heap)
         process = {"gc_frozen_objects": gc.get_freeze_count()}
         await msg.send(orjson.dumps({"engine_id": self.engine_id, **stats, "process": process}))

@@ -84,6 +84,11 @@ def test_the_client_example_runs_verbatim_against_serve_started_as_the_readme_sa
     log = _Lines(proc)
     try:
         log.wait_for("serving on nats://127.0.0.1:4222", proc, timeout_s=240)
+        (tenant_line,) = readme_block("tenant command").splitlines()
+        words, out = _command(tenant_line.split(">")[0]), tenant_line.split(">")[1].strip()
+        with (tmp_path / out).open("w") as written:  # the README's redirection
+            subprocess.run(words, stdout=written, text=True, env=env, cwd=tmp_path, timeout=120,
+                           check=True)  # fmt: skip
         example = tmp_path / "example.py"
         example.write_text(readme_block("client example"))
         done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
@@ -112,7 +117,8 @@ def test_the_readme_is_short_and_links_only_to_what_exists() -> None:
     assert len(text.splitlines()) <= 200
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
         assert (ROOT / target).exists(), target
-    for name in ("run command", "test command", "serve command", "client example"):
+    for name in ("run command", "test command", "serve command", "tenant command",
+                 "client example"):  # fmt: skip
         assert readme_block(name).strip()
 
 
