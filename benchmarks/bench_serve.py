@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import sys
 import time
 from collections import Counter
@@ -44,6 +45,9 @@ class LoadOptions:
     ignore_eos: bool = False
     stream: bool = True  # else the time to first token is the whole latency
     timeout_s: float = 600.0
+    # seconds between management requests (stats, list, get) sent beside the load, whose
+    # latencies the summary reports (0: none)
+    probe_every_s: float = 0.2
 
 
 @dataclass
@@ -70,12 +74,47 @@ async def run_load(
 
     before = await server_stats(bus)
     begin = time.perf_counter()
+    probes: dict[str, list[float]] = {"stats": [], "list": [], "get": []}
+    probing = asyncio.ensure_future(_probe(bus, options.probe_every_s, probes))
     await asyncio.gather(*(client() for _ in range(options.concurrency)))
+    probing.cancel()
     summary = _summary(turns, time.perf_counter() - begin)
+    summary["management_s"] = {
+        name: {"n": len(values), "p50": _percentile(values, 0.5), "p99": _percentile(values, 0.99)}
+        for name, values in probes.items()
+    }
     after = await server_stats(bus)
     if before is not None and after is not None and before["engine_id"] == after["engine_id"]:
         summary["server"] = _server_moved(before, after)
     return summary
+
+
+async def _probe(bus: Bus, every_s: float, latencies: dict[str, list[float]]) -> None:
+    """Management requests beside the load, one every `every_s`, round robin: how long each
+    waits for its answer while turns run."""
+    if every_s <= 0:
+        return
+    conv_id: str | None = None
+    for i in itertools.count():
+        name = ("stats", "list", "get")[i % 3]
+        subject, body = {
+            "stats": (subjects.STATS, {}),
+            "list": (subjects.CONVERSATIONS_LIST, {"limit": 10}),
+            "get": (subjects.CONVERSATIONS_GET, {"conversation_id": conv_id, "limit": 10}),
+        }[name]
+        if name == "get" and conv_id is None:
+            await asyncio.sleep(every_s)
+            continue
+        begin = time.perf_counter()
+        try:
+            async with aclosing(bus.ask(subject, orjson.dumps(body), timeout=30.0)) as answer:
+                reply = orjson.loads(await anext(answer))
+        except (TimeoutError, ConnectionError):
+            reply = None
+        latencies[name].append(time.perf_counter() - begin)
+        if name == "list" and reply and reply.get("conversations"):
+            conv_id = reply["conversations"][0]
+        await asyncio.sleep(every_s)
 
 
 async def server_stats(bus: Bus) -> dict[str, Any] | None:

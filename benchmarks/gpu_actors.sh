@@ -102,8 +102,8 @@ for variant in "${variants[@]}"; do
 done
 
 echo
-printf '%-7s %5s %9s %7s %7s %9s %9s %6s\n' variant conc 'tok/s' 'x dir' 'x bef' 'ttft p50' \
-    'ttft p90' idle
+printf '%-7s %5s %9s %7s %7s %9s %9s %6s %8s\n' variant conc 'tok/s' 'x dir' 'x bef' 'ttft p50' \
+    'ttft p90' idle 'mgmt p99'
 for c in "${concurrencies[@]}"; do
     python3 - "$out" "$c" "$repeat" "${variants[@]}" <<'PY'
 import json, statistics, sys
@@ -129,9 +129,18 @@ def idle(v):
     return statistics.median(values) if values else nan
 def rate(v):
     return median(v, "output_tok_per_s") if v in variants else nan
+def management(v):  # the slowest of stats, list and get at their 99th percentile
+    values = []
+    for r in range(1, int(repeat) + 1):
+        try:
+            probes = json.load(open(f"{out}/{v}_c{c}_r{r}.json"))["management_s"]
+            values.append(max(p["p99"] for p in probes.values() if p["n"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return statistics.median(values) if values else nan
 for v in variants:
     print(f"{v:<7} {c:>5} {rate(v):9.1f} {rate(v) / rate('direct'):7.3f} "
           f"{rate(v) / rate('before'):7.3f} {median(v, 'ttft_s_p50'):9.3f} "
-          f"{median(v, 'ttft_s_p90'):9.3f} {idle(v):6.3f}")
+          f"{median(v, 'ttft_s_p90'):9.3f} {idle(v):6.3f} {management(v):8.3f}")
 PY
 done
