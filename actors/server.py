@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 _STOP = object()
-SNAPSHOT_EVERY_S = 0.25
+SNAPSHOT_EVERY_S = 0.1
 STATS_WAIT_S = 0.05  # how long a stats request waits for the engine thread, then its snapshot
 
 
@@ -68,6 +68,7 @@ class EngineThread:
         # the service's stats as of a recent step, for a stats request that finds the thread
         # busy: it never waits for a step (refreshed at most every SNAPSHOT_EVERY_S)
         self.snapshot: tuple[float, dict[str, Any]] = (time.monotonic(), service.stats())
+        self.stepping = False  # in a step now: a stats request takes the snapshot
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="pensieve-engine", daemon=True)
         self._thread.start()
@@ -110,11 +111,14 @@ class EngineThread:
                     future.set_exception(error)
                 continue  # take every queued command before the next step
             try:
+                self.stepping = True
                 self.service.step()
+                self.stepping = False
                 stepped = True
                 if time.monotonic() - self.snapshot[0] > SNAPSHOT_EVERY_S:
                     self.snapshot, stepped = (time.monotonic(), self.service.stats()), False
             except Exception as error:
+                self.stepping = False
                 logger.exception("engine step failed; resetting the engine")
                 try:
                     self.service.recover(error)
@@ -286,12 +290,16 @@ class ChatServer:
 
     async def _stats(self, msg: Incoming) -> None:
         load_fields(msg.data, NO_FIELDS)
-        fresh = self.engine.call(self.engine.service.stats)
-        try:  # between two steps: at once; during one: the snapshot, whatever the step's length
+        # between two steps: fresh, at once; during one: the snapshot, whatever the step's length
+        fresh = None if self.engine.stepping else self.engine.call(self.engine.service.stats)
+        try:
+            if fresh is None:
+                raise TimeoutError
             stats = await asyncio.wait_for(asyncio.wrap_future(fresh), STATS_WAIT_S)
             age = 0.0
-        except TimeoutError:
-            fresh.cancel()
+        except TimeoutError:  # a step began meanwhile
+            if fresh is not None:
+                fresh.cancel()
             taken, stats = self.engine.snapshot
             age = time.monotonic() - taken
         stats = {**stats, "age_s": round(age, 3)}

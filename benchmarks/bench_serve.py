@@ -235,10 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-stream", action="store_true", help="whole replies only")
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    p.add_argument(
+        "--probe-every",
+        type=float,
+        default=0.2,
+        metavar="S",
+        help="send stats, list and get beside the load every S seconds (0: none)",
+    )
     args = p.parse_args(argv)
     conversations = load_conversations(args.conversations, args.num_conversations)
     options = LoadOptions(args.concurrency, args.max_turns, args.max_tokens, args.ignore_eos,
-                          not args.no_stream)  # fmt: skip
+                          not args.no_stream, probe_every_s=args.probe_every)  # fmt: skip
 
     async def go() -> dict[str, Any]:
         bus = await Bus.connect(args.nats_url, name="pensieve-bench-serve")

@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_actors.sh OUT_DIR [CONCURRENCY ...]    (default: 64 128)
 #
 # carry: .whl and .bench (see gpu_serve.sh). MODEL_ARGS, CONVS, TURNS and TOKENS as there;
+# PROBE: seconds between the stats, list and get requests sent beside the load (0: none).
 # VARIANTS picks some of the four; REPEAT runs each concurrency that many times against one
 # server (rounds interleaved). Logs go to LOGS (default /tmp/gpu_actors). Prints one table row
 # per variant and concurrency last: the median output tok/s over the rounds, its ratio to
@@ -89,7 +90,9 @@ for variant in "${variants[@]}"; do
         for r in $(seq "$repeat"); do
             for c in "${concurrencies[@]}"; do
                 name=${variant}_c${c}_r$r
-                python3 -m benchmarks.bench_serve .bench/sharegpt.jsonl --nats-url "$url" \
+                probe=()  # management requests beside the load, where the client sends them
+                grep -q probe-every benchmarks/bench_serve.py && probe=(--probe-every "${PROBE:-0.2}")
+                python3 -m benchmarks.bench_serve .bench/sharegpt.jsonl --nats-url "$url" "${probe[@]}" \
                     "${work[@]}" --max-tokens "${TOKENS:-128}" --ignore-eos --concurrency "$c" \
                     --json "$out/$name.json" > "$logs/$name.txt" 2>&1 || tail -5 "$logs/$name.txt"
             done

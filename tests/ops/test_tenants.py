@@ -1,4 +1,4 @@
-"""Tenants against a real nats-server with accounts, as `pensieve serve --auth` starts it, and
+"""Tenants against a real nats-server with accounts, as `pensieve serve` starts it, and
 the real engine behind it: a tenant reaches only its own conversations, sees none of another's
 traffic and cannot answer as the service; nobody connects without credentials."""
 
