@@ -73,6 +73,7 @@ def test_turns_and_log_survive_reopen_in_new_process(tmp_path: Path) -> None:
         assert seen[conv_id]["meta"] == {
             "conversation_id": conv_id, "created_at": 1000.0, "last_active": 1001.5,
             "num_turns": 2, "log_len": len(log) + 2, "stateless": False, "ended": False,
+            "tenant": None,
         }  # fmt: skip
 
 
