@@ -48,6 +48,7 @@ class LoadOptions:
     # seconds between management requests (stats, list, get) sent beside the load, whose
     # latencies the summary reports (0: none)
     probe_every_s: float = 0.2
+    final: bool = False  # each conversation's last turn says "final": its KV goes at once
 
 
 @dataclass
@@ -161,10 +162,13 @@ async def _conversation(bus: Bus, conv: Conversation, options: LoadOptions, turn
     conversation_id = None
     system = [{"role": "system", "content": m.text} for m in conv.turns[:1]
               if m.role is Role.SYSTEM]  # fmt: skip
-    for turn in list(human_turns(conv))[: options.max_turns]:
+    chosen = list(human_turns(conv))[: options.max_turns]
+    for i, turn in enumerate(chosen):
         body: dict[str, Any] = {"max_tokens": options.max_tokens,
                                 "ignore_eos": options.ignore_eos,
                                 "stream": options.stream}  # fmt: skip
+        if options.final and i == len(chosen) - 1:
+            body["final"] = True
         if conversation_id is not None:
             body |= {"conversation_id": conversation_id, "message": turn.text}
         elif system:  # as `pensieve replay` renders it
@@ -235,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-stream", action="store_true", help="whole replies only")
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    p.add_argument("--final", action="store_true",
+                   help="send each conversation's last turn with \"final\": true")  # fmt: skip
     p.add_argument(
         "--probe-every",
         type=float,
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     conversations = load_conversations(args.conversations, args.num_conversations)
     options = LoadOptions(args.concurrency, args.max_turns, args.max_tokens, args.ignore_eos,
-                          not args.no_stream, probe_every_s=args.probe_every)  # fmt: skip
+                          not args.no_stream, probe_every_s=args.probe_every,
+                          final=args.final)  # fmt: skip
 
     async def go() -> dict[str, Any]:
         bus = await Bus.connect(args.nats_url, name="pensieve-bench-serve")
