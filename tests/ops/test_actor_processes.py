@@ -48,6 +48,7 @@ READY = {"ingress": "ready on", "tokenizer": "ready on", "executor": "ready on",
 # the executor and the scheduler first: the turns after them, on a warm cache again, meet the
 # CPU tier
 KILL_ORDER = ("executor", "scheduler", "recompute-planner", "tokenizer", "ingress")
+POLICY_TURNS = 4  # turns of each chat under each policy: histories outgrow the GPU tier by then
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +61,13 @@ def reference(smollm2, smollm2_chat, tmp_path_factory) -> list[list[list[int]]]:
 class Actor:
     """`pensieve actor NAME` in a subprocess; its stderr is read for the line it announces."""
 
-    def __init__(self, name: str, url: str, data_dir: Path) -> None:
+    def __init__(self, name: str, url: str, data_dir: Path, *extra: str) -> None:
         self.name = name
         # the scheduler renders nothing itself: the tokenizer actors do, in processes of their own
         tokenizers = ["--tokenizers", "1" if name == "tokenizer" else "0"]
         command = [sys.executable, "-m", "pensieve.ops.cli", "actor", name, *OPTIONS,
-                   *tokenizers, "--nats-url", url, "--data-dir", str(data_dir)]  # fmt: skip
+                   *tokenizers, "--nats-url", url, "--data-dir", str(data_dir),
+                   *extra]  # fmt: skip
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
@@ -232,3 +234,43 @@ def test_each_actor_killed_under_load_rejoins_and_every_turn_keeps_its_tokens(
     # histories kept on the GPU across turns, and recomputed after the executor's restart
     assert any(u["gpu"] for u in usage) and any(u["recomputed"] for u in usage), usage
     assert codes == dict.fromkeys(codes, 0), {n: a.lines[-20:] for n, a in actors.items()}
+
+
+def test_every_policy_gives_the_stateless_tokens_with_each_actor_in_its_own_process(
+    reference, tmp_path
+) -> None:
+    """The cache paths of each policy on tiny tiers (kept, swapped, dropped and recomputed
+    histories), through the actors in processes of their own: the greedy tokens of every turn
+    equal the stateless in-process reference (itself equal to transformers'). One ingress,
+    tokenizer and recompute planner serve every policy; the scheduler and the executor start
+    again with the next one."""
+    with EmbeddedNats() as server:
+        url = server.url
+        front = [Actor(name, url, tmp_path) for name in ("ingress", "tokenizer",
+                                                          "recompute-planner")]  # fmt: skip
+        try:
+            for actor in front:
+                actor.wait_ready()
+            for policy in ("pensieve", "lru", "gpu-only", "stateless"):
+                engine = [Actor(name, url, tmp_path, "--policy", policy)
+                          for name in ("executor", "scheduler")]  # fmt: skip
+                try:
+                    for actor in engine:
+                        actor.wait_ready()
+                    conversations = [Conversation(chat[:POLICY_TURNS]) for chat in CHATS]
+
+                    async def run(conversations: list[Conversation] = conversations) -> None:
+                        acknowledged: list[int] = []
+                        await asyncio.gather(*(talk(url, c, acknowledged) for c in conversations))
+
+                    asyncio.run(run())
+                finally:
+                    codes = [actor.stop() for actor in engine]
+                assert codes == [0, 0], [a.lines[-20:] for a in engine]
+                for conv, tokens in zip(conversations, reference, strict=True):
+                    got = [r["token_ids"] for r in conv.replies]
+                    assert got == tokens[:POLICY_TURNS], (policy, conv.conv_id)
+                    assert conv.num_resent == 0, policy
+        finally:
+            for actor in front:
+                actor.stop()
