@@ -64,7 +64,7 @@ def test_a_cancel_message_ends_a_streamed_turn_and_the_conversation_goes_on(url)
             second = await request(
                 client,
                 subjects.CHAT,
-                {"conversation_id": conv, "message": "Stop.", "max_tokens": 3},
+                {"conversation_id": conv, "message": "Stop.", "max_tokens": 3, "ignore_eos": True},
             )
             assert second["turn"] == 1 and len(second["token_ids"]) == 3
             # what the cancelled turn said is the greedy beginning of the whole reply
