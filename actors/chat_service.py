@@ -161,6 +161,7 @@ class ChatService:
         self.new_id = new_id
         self.conversations: dict[str, _Conversation] = {}
         self.turns: dict[str, _Turn] = {}  # request id -> turn in flight
+        self._timed: dict[str, _Turn] = {}  # those of them with a `cancel_at`
         self.num_reserved = 0  # turns reserved and not yet started: queued from their arrival
         self._deleting: set[str] = set()  # deleted here, not yet in the store
         self._closed: ApiError | None = None  # set by `close`: every new turn gets it
@@ -254,6 +255,8 @@ class ChatService:
             time.time(), span, follower, final=request.final,
             cancel_at=None if request.timeout_s is None else time.monotonic() + request.timeout_s,
         )  # fmt: skip
+        if request.timeout_s is not None:
+            self._timed[engine_request.request_id] = self.turns[engine_request.request_id]
         span.set_attributes({
             "pensieve.conversation_id": conv.conv_id,
             "pensieve.turn": conv.turns,
@@ -361,11 +364,12 @@ class ChatService:
                 finished.append(turn.request)
         for request in finished:
             turn = self.turns.pop(request.request_id, None)
+            self._timed.pop(request.request_id, None)
             if turn is not None:
                 self._complete(turn)
-        now = time.monotonic()
-        for turn in [t for t in self.turns.values() if t.cancel_at is not None]:
-            if turn.cancel_at is not None and turn.cancel_at <= now:
+        if self._timed:  # turns with a timeout, or cancelled while suspended
+            now = time.monotonic()
+            for turn in [t for t in self._timed.values() if (t.cancel_at or 0.0) <= now]:
                 self._end_early(turn)
 
     def cancel(self, conv_id: str, tenant: str | None = None) -> bool:
@@ -383,6 +387,7 @@ class ChatService:
         if turn is None:
             return False
         turn.cancel_at = -math.inf
+        self._timed[turn.request.request_id] = turn  # tried again each step until it ends
         self._end_early(turn)
         return True
 
@@ -390,6 +395,7 @@ class ChatService:
         """End a turn whose time is up; one suspended now ends once it runs again."""
         if self.engine.cancel(turn.request):
             del self.turns[turn.request.request_id]
+            del self._timed[turn.request.request_id]
             self._complete(turn)
 
     def recover(self, error: Exception) -> None:
@@ -414,6 +420,7 @@ class ChatService:
             turn.conv.busy = False
             turn.sink.error(error)
         self.turns.clear()
+        self._timed.clear()
 
     def _pass_kv_events(self) -> None:
         """The chunk events since the last call, to the spill index and the publisher."""
