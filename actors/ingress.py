@@ -21,11 +21,11 @@ from typing import Any, ClassVar
 
 import orjson
 from opentelemetry import propagate
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
 from pensieve.actors import subjects, tracing
 from pensieve.actors.actor import Actor
-from pensieve.actors.bus import TENANT_HEADER, Bus, Handler, Incoming, ServiceInfo
+from pensieve.actors.bus import TENANT_HEADER, Handler, Incoming, ServiceInfo
 from pensieve.actors.schemas import (
     CONVERSATION_FIELDS,
     NO_FIELDS,
@@ -67,9 +67,6 @@ OWNED = (subjects.CHAT, subjects.CHAT_CANCEL, subjects.CONVERSATIONS_GET,
 class IngressActor(Actor):
     name: ClassVar[str] = "ingress"
     description: ClassVar[str] = "the client API: checks requests, hands them to the scheduler"
-
-    def __init__(self, bus: Bus, engine_id: str) -> None:
-        super().__init__(bus, engine_id)
 
     async def setup(self) -> None:
         """Answer the shared subjects (with every engine) and this engine's own."""
@@ -130,10 +127,10 @@ class IngressActor(Actor):
                     logger.warning("%s", lost)
                     error = ApiError("unavailable", f"the scheduler of engine {self.engine_id} "
                                      "is not running; retry when it is")  # fmt: skip
-                    _record(span, error)
+                    tracing.record_refusal(span, error)
                     raise error from None
                 except ApiError as error:
-                    _record(span, error)
+                    tracing.record_refusal(span, error)
                     raise
 
         return hand_to_scheduler
@@ -145,8 +142,3 @@ def _conversation_id(data: bytes) -> object:
     except orjson.JSONDecodeError:
         return None  # the handler reports it
     return body.get("conversation_id") if isinstance(body, dict) else None
-
-
-def _record(span: Any, error: ApiError) -> None:
-    span.set_attribute("pensieve.error", error.code)
-    span.set_status(Status(StatusCode.ERROR, error.message))

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Sequence
 
 from opentelemetry import propagate
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
 from pensieve.actors import subjects, tracing
 from pensieve.actors.actor import Actor
@@ -182,8 +182,7 @@ class RecomputePlannerActor(Actor):
             try:
                 plan = await self._planned(msg.data)
             except ApiError as error:
-                span.set_attribute("pensieve.error", error.code)
-                span.set_status(Status(StatusCode.ERROR, error.message))
+                tracing.record_refusal(span, error)
                 raise
             span.set_attributes({
                 "pensieve.conversation_id": plan.conversation_id,

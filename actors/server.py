@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import orjson
 import torch
 from opentelemetry import propagate, trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
 from pensieve.actors import subjects, tracing
 from pensieve.actors.bus import TENANT_HEADER, Bus, Handler, Incoming, ServiceInfo
@@ -227,8 +227,7 @@ class ChatServer:
             try:
                 await self._chat_turn(msg, span)
             except ApiError as error:
-                span.set_attribute("pensieve.error", error.code)
-                span.set_status(Status(StatusCode.ERROR, error.message))
+                tracing.record_refusal(span, error)
                 raise
 
     async def _chat_turn(self, msg: Incoming, span: trace.Span) -> None:

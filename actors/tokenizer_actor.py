@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 from opentelemetry import propagate
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace import SpanKind
 
 from pensieve.actors import subjects, tracing
 from pensieve.actors.actor import Actor
@@ -62,8 +62,7 @@ class TokenizerActor(Actor):
             try:
                 ids = await self._render_ids(msg.data)
             except ApiError as error:
-                span.set_attribute("pensieve.error", error.code)
-                span.set_status(Status(StatusCode.ERROR, error.message))
+                tracing.record_refusal(span, error)
                 raise
             span.set_attribute("pensieve.prompt_tokens", len(ids))
             await msg.send(RenderReply(ids).encode())

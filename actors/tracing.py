@@ -10,11 +10,16 @@ actor traces through the global API tracer, a no-op unless something else config
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from pensieve.actors import subjects
 from pensieve.actors.version import version
+
+if TYPE_CHECKING:
+    from pensieve.actors.schemas import ApiError
 
 _tracers: dict[str, trace.Tracer] = {}  # replaced whole, never changed in place
 
@@ -47,3 +52,9 @@ def uninstall() -> None:
     """Back to the global API tracer for every actor."""
     global _tracers
     _tracers = {}
+
+
+def record_refusal(span: trace.Span, error: ApiError) -> None:
+    """Mark `span` as the work of a request refused with `error` (its code as an attribute)."""
+    span.set_attribute("pensieve.error", error.code)
+    span.set_status(Status(StatusCode.ERROR, error.message))
