@@ -31,7 +31,7 @@ from pensieve.actors.request import (
     TokenSources,
 )
 from pensieve.actors.scheduler import Scheduler, StepOutcome
-from pensieve.actors.step import StepPlan
+from pensieve.actors.step import StepPlan, TraceContexts
 from pensieve.actors.swap import SwapStats
 
 
@@ -96,6 +96,8 @@ class Engine:
         self.last_timing: StepTiming | None = None
         self.overlap = overlap
         self._inflight: Launch | None = None  # launched, its tokens not applied yet
+        self._traces: TraceContexts | None = None  # see `trace_requests`
+        self._kv_follower: Callable[[list[KvEvent]], None] | None = None
 
     def add_request(
         self,
@@ -145,8 +147,22 @@ class Engine:
 
     def take_kv_events(self) -> list[KvEvent]:
         """What happened to which chunk since the last call, in order (the KV event plane).
-        Recording starts with the first call: make it before the first step."""
-        return self.kv.take_events()
+        Recording starts with the first call: make it before the first step. They go to the
+        follower set by `follow_kv_events` too."""
+        events = self.kv.take_events()
+        if events and self._kv_follower is not None:
+            self._kv_follower(events)
+        return events
+
+    def follow_kv_events(self, follower: Callable[[list[KvEvent]], None] | None) -> None:
+        """Hand `follower` every batch of events `take_kv_events` takes (None: no one): the
+        spill index of a swap manager in this thread, where no event plane reaches it."""
+        self._kv_follower = follower
+
+    def trace_requests(self, contexts: TraceContexts | None) -> None:
+        """While tracing is on, the executor traces each request's phases under the trace that
+        `contexts` gives for it; it asks when the request first comes to it (None: no one)."""
+        self._traces = contexts
 
     def restore(self, conv_id: str, token_log: list[int]) -> None:
         """Adopt a conversation known only from its token log (after a restart): all of its KV
@@ -293,16 +309,6 @@ class Engine:
         return outcome
 
     def _launch(self, plan: StepPlan) -> Launch:
-        orders = plan.orders
-        if not (orders.swap_in or orders.swap_out or orders.evict_first):
-            return self.runner.launch(plan, self._inflight)
-        # a span for steps that move KV, under the executor, which runs them
-        with tracing.tracer("executor").start_as_current_span("step") as span:
-            span.set_attributes({
-                "pensieve.swap_in_blocks": len(orders.swap_in),
-                "pensieve.swap_out_blocks": len(orders.swap_out),
-                "pensieve.evict_first_blocks": len(orders.evict_first),
-                "pensieve.sequences": len(plan.pieces),
-                "pensieve.tokens": plan.num_tokens,
-            })  # fmt: skip
-            return self.runner.launch(plan, self._inflight)
+        if self._traces is not None and tracing.enabled():  # the executor traces its phases
+            plan = dataclasses.replace(plan, traces=self._traces)
+        return self.runner.launch(plan, self._inflight)

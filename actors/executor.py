@@ -15,12 +15,14 @@ from typing import Protocol
 
 import torch
 
+from pensieve.actors import tracing
 from pensieve.actors.config import CacheConfig
 from pensieve.actors.cuda_graphs import DecodeGraphs
 from pensieve.actors.device_clock import DeviceClock, DeviceTime
 from pensieve.actors.request import PLACEHOLDER
 from pensieve.actors.sampler import sample_async
 from pensieve.actors.step import SeqPiece, StepPlan
+from pensieve.actors.step_tracing import StepTracer
 from pensieve.actors.swap import SwapEngine, SwapStats
 from pensieve.kernels import AttentionImpl, AttentionMetadata, build_metadata
 from pensieve.kernels.metadata import upload
@@ -40,6 +42,9 @@ class Launched:
     ready: torch.cuda.Event | None  # recorded after the copy; None: done already
     executed: StepPlan | None = None  # None: `plan` itself
     rows: dict[str, int] = field(init=False)  # request id -> its row of `tokens`
+    # told when the tokens reach the host, with the step's number (None: not traced)
+    tracer: StepTracer | None = field(default=None, init=False)
+    trace_step: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         ran = self.plan if self.executed is None else self.executed
@@ -50,6 +55,9 @@ class Launched:
         """The sampled tokens in `plan`'s order (waits for the step)."""
         if self.ready is not None:
             self.ready.synchronize()
+        if self.tracer is not None:
+            self.tracer.done(self.trace_step)
+            self.tracer = None
         values: list[int] = self.host.tolist()
         if self.executed is None:
             return values
@@ -149,6 +157,7 @@ class ModelRunner:
             self.gpu_caches, self.cpu_caches, out_dma=swap_out_dma, batched=swap_batched
         )
         self.scale = self.config.attn_scale
+        self.tracer = StepTracer(self.swap.block_bytes)  # fed only while tracing is on
         if device.type == "cuda" and impl is not AttentionImpl.TORCH:
             # every attention variant a step can launch, compiled now rather than mid-serving
             from pensieve.kernels.triton_attention import compile_variants
@@ -176,6 +185,7 @@ class ModelRunner:
 
     def settle(self) -> None:
         self.swap.settle()
+        self.tracer.reset()
 
     def swap_stats(self, wait: bool = True) -> SwapStats:
         return self.swap.collect_stats(wait=wait)
@@ -193,9 +203,32 @@ class ModelRunner:
         running when this returns: the host can work (or launch the next step) meanwhile.
 
         `feed`: the step issued just before, which samples the tokens this plan's PLACEHOLDER
-        positions stand for."""
+        positions stand for. While tracing is on, a plan with trace contexts (`plan.traces`)
+        has its requests' phases traced (`StepTracer`), and a step that moves KV is a span."""
         if feed is not None and not isinstance(feed, Launched):
             raise TypeError("a ModelRunner is fed only by its own launches")
+        if not tracing.enabled():
+            return self._launch(plan, feed)
+        step = self.tracer.launched(plan, plan.traces) if plan.traces is not None else None
+        orders = plan.orders
+        if orders.swap_in or orders.swap_out or orders.evict_first:
+            # not in any turn's trace: it serves many
+            with tracing.tracer("executor").start_as_current_span("step") as span:
+                span.set_attributes({
+                    "pensieve.swap_in_blocks": len(orders.swap_in),
+                    "pensieve.swap_out_blocks": len(orders.swap_out),
+                    "pensieve.evict_first_blocks": len(orders.evict_first),
+                    "pensieve.sequences": len(plan.pieces),
+                    "pensieve.tokens": plan.num_tokens,
+                })  # fmt: skip
+                launched = self._launch(plan, feed)
+        else:
+            launched = self._launch(plan, feed)
+        if step is not None:
+            launched.tracer, launched.trace_step = self.tracer, step
+        return launched
+
+    def _launch(self, plan: StepPlan, feed: Launched | None) -> Launched:
         if not plan.pieces:
             self.swap.issue(plan.orders)
             empty = torch.empty(0, dtype=torch.long)

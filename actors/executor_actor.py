@@ -6,8 +6,13 @@ through a mailbox, in order, and go to one worker thread that launches them on t
 second thread waits for each launch's tokens and sends them back, so the worker can launch step
 N+1 (fed from step N's tokens on the device) while step N still runs.
 
+While tracing is on, the runner traces each request's phases here (`actors/step_tracing.py`),
+under the trace context its plan brings. Given the store, the swap manager keeps the CPU tier's
+spill index in it (`SpillKeeper`), following the engine's KV events on a writer thread of its own.
+
 Subjects (`pensieve.internal.<engine>.executor.*`): `step` (plans and resets, a mailbox),
-`describe` (what cache this executor holds, asked by the scheduler when it starts).
+`describe` (what cache this executor holds, asked by the scheduler when it starts); and the
+engine's KV events, `pensieve.v1.engine.<id>.kv` (a mailbox), with the store.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from typing import Any
 
 import torch
 
+from pensieve.actors import subjects
 from pensieve.actors.actor import Actor
 from pensieve.actors.bus import Incoming
 from pensieve.actors.executor import Launched, ModelRunner
-from pensieve.actors.messages import MessageError
+from pensieve.actors.messages import MessageError, decode_kv_events
+from pensieve.actors.spill_keeper import SpillKeeper
 from pensieve.actors.step_channel import (
     UNKNOWN_STEP,
     ExecutorInfo,
@@ -33,6 +40,7 @@ from pensieve.actors.step_channel import (
     StepResult,
     swap_fields,
 )
+from pensieve.store import ConversationStore, StoreWriter
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +52,14 @@ class ExecutorActor(Actor):
     description = "runs the scheduler's step plans on the model and samples (and the swaps)"
 
     def __init__(self, bus: Any, engine_id: str, runner: ModelRunner,
-                 cpu_threads: int | None = None) -> None:  # fmt: skip
+                 cpu_threads: int | None = None,
+                 store: ConversationStore | None = None) -> None:  # fmt: skip
         super().__init__(bus, engine_id)
         self.runner = runner
         self.cpu_threads = cpu_threads
+        self.store = store  # where the spill index goes (None: kept by no one here)
+        self.spills: SpillKeeper | None = None
+        self._spill_writer: StoreWriter | None = None
         self.decoder = PlanDecoder()
         self.incarnation = secrets.token_hex(6)  # this start of the executor: its KV
         self.last_step = 0  # the last step plan taken, since the last reset
@@ -71,6 +83,10 @@ class ExecutorActor(Actor):
         ]
         for thread in self._threads:
             thread.start()
+        if self.store is not None:  # this start's CPU tier is empty, and so is its index
+            self._spill_writer = StoreWriter("pensieve-spill-index")
+            self.spills = SpillKeeper(self.store, self._spill_writer)
+            await self.bus.mailbox(subjects.kv_events(self.engine_id), self._on_kv_events)
         await self.mailbox("step", self._on_step)
         await self.serve("describe", self._describe)
 
@@ -78,6 +94,21 @@ class ExecutorActor(Actor):
         self._plans.put(_STOP)
         for thread in self._threads:
             await asyncio.to_thread(thread.join)
+        if self._spill_writer is not None:  # applies the writes still queued
+            await asyncio.to_thread(self._spill_writer.close)
+
+    async def _on_kv_events(self, data: bytes, headers: dict[str, str]) -> None:
+        assert self._spill_writer is not None
+        self._spill_writer.submit(self._follow_kv_events, data)  # decoded off the event loop
+
+    def _follow_kv_events(self, data: bytes) -> None:  # on the spill writer's thread
+        assert self.spills is not None
+        try:
+            batch = decode_kv_events(data)
+        except ValueError as error:  # unreadable: the next batch shows a gap
+            logger.warning("a KV event batch was not applied to the spill index: %s", error)
+            return
+        self.spills.apply_batch(batch)
 
     async def _describe(self, msg: Incoming) -> None:
         await msg.send(self.info().encode())

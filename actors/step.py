@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pensieve.actors.kv_cache import SwapOrders
 from pensieve.actors.request import SamplingParams
+
+RequestTrace = tuple[str, int]  # a request's traceparent, and the blocks swapped in for it
+# request id -> its trace (None: not traced); see `actors/step_tracing.py`
+TraceContexts = Callable[[str], RequestTrace | None]
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,8 @@ class SeqPiece:
 class StepPlan:
     pieces: tuple[SeqPiece, ...]
     orders: SwapOrders = field(default_factory=SwapOrders)
+    # where the executor finds the trace of a request new to it (None: the step is not traced)
+    traces: TraceContexts | None = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:

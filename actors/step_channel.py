@@ -3,8 +3,9 @@ tokens back, as messages on `pensieve.internal.<engine>.executor.step` and `...s
 
 The core here is sans-I/O: `PlanEncoder` (scheduler side) and `PlanDecoder` (executor side) keep
 the same picture of what the executor already knows, so a request new to the executor goes in
-full once (its sampling parameters and block table) and a running one as a diff (the blocks its
-table gained). Both sides forget a request as soon as a step leaves it out; so both caches hold
+full once (its sampling parameters and block table, and the trace context of its turn with the
+blocks swapped in for it, when it is traced) and a running one as a diff (the blocks its table
+gained). Both sides forget a request as soon as a step leaves it out; so both caches hold
 exactly the requests of the last step and never grow. `RemoteRunner` is the scheduler's shell: to
 the engine it is one more `StepRunner`.
 
@@ -90,8 +91,15 @@ class PlanEncoder:
         placeholders (None: it has none)."""
         known, self._known = self._known, {}
         rows: list[list[Any]] = []
+        traces: dict[str, list[Any]] = {}  # of the requests new to the executor, if traced
         for piece in plan.pieces:
-            held = self._known.get(piece.request_id) or known.get(piece.request_id) or _Known()
+            rid = piece.request_id
+            held = self._known.get(rid) or known.get(rid)
+            if held is None:
+                held = _Known()
+                context = plan.traces(rid) if plan.traces is not None else None
+                if context is not None:
+                    traces[rid] = list(context)
             keep = _kept(held.table, piece.block_table)
             sampling: Any = None
             if piece.sampling is not None:
@@ -105,6 +113,8 @@ class PlanEncoder:
             self._known[piece.request_id] = _Known(piece.block_table, held.sampling)
         body = {"v": VERSION, "kind": "step", "to": self.target, "step": step, "feed": feed,
                 "pieces": rows, "orders": _orders(plan.orders)}  # fmt: skip
+        if traces:
+            body["traces"] = traces
         return orjson.dumps(body)
 
 
@@ -156,7 +166,9 @@ class PlanDecoder:
             self._known[rid] = _Known(table, held.sampling)
         evict, swap_in, swap_out, fence = body["orders"]
         orders = SwapOrders(_copy_ops(evict), _copy_ops(swap_in), _copy_ops(swap_out), fence)
-        plan = StepPlan(tuple(pieces), orders)
+        traces = {rid: (str(parent), int(blocks))
+                  for rid, (parent, blocks) in body.get("traces", {}).items()}  # fmt: skip
+        plan = StepPlan(tuple(pieces), orders, traces.get)
         return StepMessage(body["to"], body["step"], body["feed"], plan)
 
 

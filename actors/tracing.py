@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pensieve.actors import subjects
 from pensieve.actors.version import version
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from pensieve.actors.schemas import ApiError
 
 _tracers: dict[str, trace.Tracer] = {}  # replaced whole, never changed in place
+_W3C = TraceContextTextMapPropagator()
 
 
 def tracer(actor: str) -> trace.Tracer:
@@ -58,3 +61,17 @@ def record_refusal(span: trace.Span, error: ApiError) -> None:
     """Mark `span` as the work of a request refused with `error` (its code as an attribute)."""
     span.set_attribute("pensieve.error", error.code)
     span.set_status(Status(StatusCode.ERROR, error.message))
+
+
+def traceparent(span: trace.Span) -> str:
+    """`span`'s W3C trace context, as a `traceparent` header holds it ("" for a span that is
+    not recording): what a message carries so that another actor's spans join its trace."""
+    carrier: dict[str, str] = {}
+    _W3C.inject(carrier, trace.set_span_in_context(span))
+    return carrier.get("traceparent", "")
+
+
+def parent_context(traceparent: str) -> Context:
+    """The context whose spans are children of the span `traceparent` names (a fresh trace for
+    "" or a malformed one)."""
+    return _W3C.extract({"traceparent": traceparent})

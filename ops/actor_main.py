@@ -4,7 +4,7 @@ option list starts any of them, and each waits for the others rather than failin
 first. The engine is named by the store in `--data-dir`: give every actor of one engine the same.
 
 - `executor`: loads the model and holds the KV tiers (the swap manager lives here too); runs the
-  step plans it is sent.
+  step plans it is sent, and keeps the CPU tier's spill index in the store.
 - `scheduler`: admission, batching and KV accounting, with `--tokenizers` tokenizer replicas
   (0: none here); loads only the model's config and tokenizer, and steps the executor over the
   bus.
@@ -64,7 +64,7 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
             if name == "executor":
                 built = build(engine)
                 with frozen_heap():
-                    asyncio.run(_executor(built.engine.runner, nats, store.engine_id(),
+                    asyncio.run(_executor(built.engine.runner, nats, store,
                                           cpu_threads(engine)))  # fmt: skip
             elif name == "recompute-planner":
                 asyncio.run(_planner(nats, store, engine.block_size))
@@ -103,10 +103,13 @@ def _on_signals() -> asyncio.Event:
     return stop
 
 
-async def _executor(runner: object, nats: _Nats, engine_id: str, threads: int | None) -> None:
+async def _executor(
+    runner: object, nats: _Nats, store: ConversationStore, threads: int | None
+) -> None:
     assert isinstance(runner, ModelRunner)
     stop = _on_signals()
-    async with ExecutorActor(await nats.bus(), engine_id, runner, threads):
+    engine_id = store.engine_id()
+    async with ExecutorActor(await nats.bus(), engine_id, runner, threads, store):
         print(f"pensieve: executor of engine {engine_id} ready on {nats}", file=sys.stderr,
               flush=True)  # fmt: skip
         await stop.wait()

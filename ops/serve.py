@@ -30,6 +30,7 @@ from pensieve.actors.executor_actor import ExecutorActor
 from pensieve.actors.ingress import IngressActor
 from pensieve.actors.recompute_planner import RecomputePlannerActor
 from pensieve.actors.server import ChatServer, EngineThread
+from pensieve.actors.spill_keeper import SpillKeeper
 from pensieve.actors.step_channel import connect_executor
 from pensieve.actors.sweeper import sweeping
 from pensieve.actors.tokenizer_actor import tokenizer_replicas
@@ -96,7 +97,6 @@ async def serving(
     `tokenizers` replicas of the tokenizer actor render the chat templates; conversations idle
     past their TTL (`expiry`) are deleted. On leaving, turns in flight get `shutdown_grace_s` to
     finish; the rest are answered `unavailable`."""
-    store.clear_spills()  # the CPU tier does not survive a restart
     with StoreWriter() as writer:
         engine_id = store.engine_id()
 
@@ -107,10 +107,15 @@ async def serving(
                               store, writer, max_waiting, new_id)  # fmt: skip
         async with contextlib.AsyncExitStack() as actors:
             # an engine around a remote executor (`pensieve actor scheduler`) starts none here
-            if step_channel is StepChannel.NATS and isinstance(built.engine.runner, ModelRunner):
-                await actors.enter_async_context(
-                    executor_actor(built, nats_url, engine_id, threads, connect)
-                )
+            # and keeps no spill index: the executor's swap manager does
+            if isinstance(built.engine.runner, ModelRunner):
+                if step_channel is StepChannel.NATS:
+                    await actors.enter_async_context(
+                        executor_actor(built, nats_url, engine_id, threads, connect, store)
+                    )
+                else:  # the model runs on the engine thread, which hands it the KV events
+                    built.engine.follow_kv_events(SpillKeeper(store, writer).apply)
+                    actors.callback(built.engine.follow_kv_events, None)
             await actors.enter_async_context(  # up before the ingress, down after it
                 tokenizer_replicas(nats_url, engine_id, built.chat, tokenizers, connect)
             )
@@ -131,14 +136,16 @@ async def executor_actor(
     engine_id: str,
     threads: int | None,
     connect: ConnectOptions | None = None,
+    store: ConversationStore | None = None,
 ) -> AsyncIterator[None]:
     """The model behind an executor actor on the bus; the engine steps it through the
-    per-step channel (`actors/step_channel.py`) until the context closes."""
+    per-step channel (`actors/step_channel.py`) until the context closes. With `store`, the
+    actor keeps the spill index there."""
     runner = built.engine.runner
     if not isinstance(runner, ModelRunner):
         raise TypeError("the engine's model already runs elsewhere")
     async with ExecutorActor(await Bus.connect(nats_url, options=connect), engine_id, runner,
-                             threads):  # fmt: skip
+                             threads, store):  # fmt: skip
         bus = await Bus.connect(nats_url, options=connect)
         remote = await connect_executor(bus, engine_id, timeout_s=30)
         built.engine.runner = remote

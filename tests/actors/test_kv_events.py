@@ -2,8 +2,9 @@
 in, reclaimed, dropped and recomputed: a subscriber that applies every batch rebuilds the engine's
 own tier map after every step, and the LMDB spill index equals the CPU tier once the store writer
 has caught up. Over a real nats-server, the published batches do the same and come numbered
-1, 2, 3, ... The cache manager's property tests (test_kv_manager.py) check the same two maps
-after every random operation.
+1, 2, 3, ..., and an executor actor on its own connection keeps the spill index from them. The
+cache manager's property tests (test_kv_manager.py) check the same two maps after every random
+operation.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,7 @@ import torch
 
 from pensieve.actors import subjects
 from pensieve.actors.chat_service import ChatService
-from pensieve.actors.config import CacheConfig, Policy
+from pensieve.actors.config import CacheConfig, Policy, StepChannel
 from pensieve.actors.kv_events import (
     KvEventStream,
     SequenceGap,
@@ -39,6 +41,7 @@ from pensieve.actors.messages import (
     encode_kv_events,
 )
 from pensieve.actors.schemas import ApiError, parse_chat
+from pensieve.actors.spill_keeper import SpillKeeper
 from pensieve.actors.tokenizer import ChatTokenizer
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops.factory import Built, EngineOptions, assemble
@@ -126,6 +129,7 @@ def test_a_subscriber_and_the_spill_index_follow_the_engine_through_every_tier(
         service = ChatService(
             built.engine, chat, 2048, store, writer, publish_kv=subscriber.publish
         )
+        built.engine.follow_kv_events(SpillKeeper(store, writer).apply)  # as `pensieve serve`
         kv = built.engine.kv
         # four at once, twice: turns wait, evict each other and come back to moved histories
         conv_ids = turns(service, [{"message": MESSAGES[0]} for _ in range(4)], subscriber)
@@ -259,37 +263,39 @@ def test_the_spill_writer_coalesces_changes_into_one_waiting_write(
         assert len(written) == 2 and store.spills("c") == {}
 
 
+async def converse(url: str, engine_id: str) -> list[KvEventBatch]:
+    """Four conversations of two turns over NATS, the turns of a round at once; the KV event
+    batches published meanwhile."""
+    nc = await nats.connect(url)
+    sub = await nc.subscribe(subjects.kv_events(engine_id))
+    await nc.flush()
+
+    async def ask(subject: str, body: dict[str, Any]) -> dict[str, Any]:
+        reply = await nc.request(subject, orjson.dumps(body), timeout=120)
+        return orjson.loads(reply.data)
+
+    first = [ask(subjects.CHAT, {"message": MESSAGES[0], "max_tokens": 4}) for _ in "abcd"]
+    conv_ids = [reply["conversation_id"] for reply in await asyncio.gather(*first)]
+    await asyncio.gather(*[
+        ask(subjects.CHAT, {"conversation_id": c, "message": MESSAGES[1], "max_tokens": 4})
+        for c in conv_ids
+    ])  # fmt: skip
+    await ask(subjects.STATS, {})  # runs between steps: every batch before it is out
+    batches = []
+    with contextlib.suppress(nats.errors.TimeoutError):
+        while True:
+            batches.append(decode_kv_events((await sub.next_msg(timeout=1.0)).data))
+    await nc.close()
+    return batches
+
+
 def test_a_nats_subscriber_rebuilds_the_engines_tier_map(smollm2, chat, tmp_path: Path) -> None:
     built = engine(smollm2, chat)
     with (
         EmbeddedNats() as server,
         serve_on_thread(built, tmp_path, server.url) as (engine_id, service),
     ):
-
-        async def client() -> list[KvEventBatch]:
-            nc = await nats.connect(server.url)
-            sub = await nc.subscribe(subjects.kv_events(engine_id))
-            await nc.flush()
-
-            async def ask(subject: str, body: dict[str, Any]) -> dict[str, Any]:
-                reply = await nc.request(subject, orjson.dumps(body), timeout=120)
-                return orjson.loads(reply.data)
-
-            first = [ask(subjects.CHAT, {"message": MESSAGES[0], "max_tokens": 4}) for _ in "abcd"]
-            conv_ids = [reply["conversation_id"] for reply in await asyncio.gather(*first)]
-            await asyncio.gather(*[
-                ask(subjects.CHAT, {"conversation_id": c, "message": MESSAGES[1], "max_tokens": 4})
-                for c in conv_ids
-            ])  # fmt: skip
-            await ask(subjects.STATS, {})  # runs between steps: every batch before it is out
-            batches = []
-            with contextlib.suppress(nats.errors.TimeoutError):
-                while True:
-                    batches.append(decode_kv_events((await sub.next_msg(timeout=1.0)).data))
-            await nc.close()
-            return batches
-
-        batches = asyncio.run(client())
+        batches = asyncio.run(converse(server.url, engine_id))
         tier_map = TierMap()
         for batch in batches:
             tier_map.apply(batch)
@@ -303,3 +309,55 @@ def test_a_nats_subscriber_rebuilds_the_engines_tier_map(smollm2, chat, tmp_path
         assert {c: service.store.spills(c) for c in kv.conversations} == {
             c: cpu_tier(kv, c) for c in kv.conversations
         }
+
+
+def test_the_executor_actor_keeps_the_spill_index_from_the_kv_events(
+    smollm2, chat, tmp_path: Path
+) -> None:
+    """With the model behind an executor actor on a NATS connection of its own, the scheduler
+    keeps no spill index: the executor's swap manager writes it from the KV event plane. It
+    starts empty (an executor that starts has an empty CPU tier) and equals the CPU tier once
+    the executor has applied the batches."""
+    with ConversationStore(tmp_path) as store:  # what an earlier executor left
+        store.put_spills([("c-0123abcd-0000000000000000", 0, 1)])
+    built = engine(smollm2, chat)
+    with (
+        EmbeddedNats() as server,
+        serve_on_thread(built, tmp_path, server.url, step_channel=StepChannel.NATS)
+        as (engine_id, service),
+    ):  # fmt: skip
+        assert service.store.spills("c-0123abcd-0000000000000000") == {}
+        asyncio.run(converse(server.url, engine_id))
+        kv = built.engine.kv
+        cpu = {c: cpu_tier(kv, c) for c in kv.conversations}
+        assert any(cpu.values()), "nothing is left in the CPU tier"
+        deadline = time.monotonic() + 10  # applied on the executor's writer thread
+        while {c: service.store.spills(c) for c in cpu} != cpu and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert {c: service.store.spills(c) for c in cpu} == cpu
+
+
+def test_the_spill_index_starts_over_where_the_events_do(tmp_path: Path) -> None:
+    """Batch 1 (a scheduler that started afresh) and a gap in the numbering empty the index;
+    the batches that follow build it again."""
+    a, b = "c-0123abcd-000000000000000a", "c-0123abcd-000000000000000b"
+
+    def stored(index: int, slot: int | None, conv_id: str = a) -> KvEvent:
+        kind = KvEventKind.SWAPPED_OUT if slot is not None else KvEventKind.CPU_FREED
+        return KvEvent(kind, conv_id, index, None, slot)
+
+    with ConversationStore(tmp_path) as store, StoreWriter() as writer:
+        store.put_spills([(b, 0, 7)])
+        keeper = SpillKeeper(store, writer)
+        stream = KvEventStream("e")
+        keeper.apply_batch(stream.batch([stored(0, 1), stored(1, 2)]))
+        keeper.apply_batch(stream.batch([stored(1, None)]))
+        writer.flush()
+        assert store.spills(a) == {0: 1} and store.spills(b) == {}
+        stream.batch([])  # lost on the way
+        keeper.apply_batch(stream.batch([stored(0, 3, b)]))
+        writer.flush()
+        assert store.spills(a) == {} and store.spills(b) == {0: 3}
+        keeper.apply_batch(KvEventStream("e").batch([stored(2, 4)]))  # a fresh scheduler
+        writer.flush()
+        assert store.spills(a) == {2: 4} and store.spills(b) == {}

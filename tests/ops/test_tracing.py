@@ -7,8 +7,9 @@ leaves the GPU."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,13 @@ import orjson
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
 from pensieve.actors import subjects, tracing
 from pensieve.actors.chat_service import ChatService
+from pensieve.actors.config import StepChannel
 from pensieve.actors.schemas import parse_chat
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats
@@ -33,9 +36,23 @@ from tests.ops.test_chat_service import Sink
 LONG = " ".join(["Tell me about the history of Paris, its bridges, its museums and its food."] * 8)
 
 
+class Recorder(InMemorySpanExporter):
+    """Keeps every span, and the thread that ended it (the tests export each span at once,
+    on that thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: dict[int, str] = {}  # span id -> the name of the thread that ended it
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        for span in spans:
+            self.threads[span.context.span_id] = threading.current_thread().name
+        return super().export(spans)
+
+
 @pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
+def spans() -> Iterator[Recorder]:
+    exporter = Recorder()
     installed = setup_tracing(exporter, engine_id="0123abcd")
     assert installed is not None
     yield exporter
@@ -124,20 +141,26 @@ def finished(spans: InMemorySpanExporter, trace_id: int, names: set[str]) -> lis
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("step_channel", [StepChannel.DIRECT, StepChannel.NATS])
 def test_a_turn_is_one_trace_across_the_actors_it_crosses(
-    smollm2, smollm2_chat, tmp_path, spans
+    smollm2, smollm2_chat, tmp_path, spans, step_channel
 ) -> None:
     """Through the actors on a real nats-server: a returning conversation whose history is
     partly on the CPU tier and partly dropped has one trace with spans from all six actors, its
     swap-in and recompute plan among them; and the swap-out and the drop of that history are
-    spans linked to the turn before."""
+    spans linked to the turn before. The executor's and the swap manager's spans of the turn
+    are written where the model runs: by the executor actor's threads when the engine steps it
+    over NATS, else by the engine thread that runs the model itself."""
     # 8 GPU blocks and 3 CPU blocks of 32 tokens: three conversations of ~180 tokens each push
     # the older ones' history to the CPU tier, and out of it
     options = EngineOptions(model="smollm2", gpu_cache_tokens=256, cpu_cache_tokens=96,
                             admission_reserve=0.0)  # fmt: skip
     built = assemble(options, smollm2, smollm2_chat)
     traces = iter(range(0x7E57_0000_0000_0000_0000_0000_0000_0001, 1 << 127))
-    with EmbeddedNats() as server, serve_on_thread(built, tmp_path, server.url):
+    with (
+        EmbeddedNats() as server,
+        serve_on_thread(built, tmp_path, server.url, step_channel=step_channel),
+    ):
 
         def turn(**body: Any) -> tuple[dict[str, Any], int]:
             trace_id = next(traces)
@@ -166,6 +189,13 @@ def test_a_turn_is_one_trace_across_the_actors_it_crosses(
         assert by_name[name].parent.span_id == turn_span.context.span_id, name  # type: ignore[union-attr]
     assert service_of(by_name["queued"]) == "pensieve-scheduler"
     assert service_of(by_name["prefill"]) == service_of(by_name["decode"]) == "pensieve-executor"
+    executor_side = {spans.threads[by_name[name].context.span_id]
+                     for name in ("prefill", "decode", "kv.swap_in")}  # fmt: skip
+    if step_channel is StepChannel.NATS:  # the worker or the reporter of the executor actor
+        assert all(name.startswith("pensieve-executor") for name in executor_side), executor_side
+    else:
+        assert executor_side == {"pensieve-engine"}
+    assert spans.threads[by_name["queued"].context.span_id] == "pensieve-engine"
     queued, prefill, decode = by_name["queued"], by_name["prefill"], by_name["decode"]
     times = [request.start_time, turn_span.start_time, queued.start_time, queued.end_time,
              prefill.start_time, prefill.end_time, decode.start_time, decode.end_time,
