@@ -34,14 +34,19 @@ from opentelemetry.context import Context
 from pensieve.actors import tracing
 from pensieve.actors.config import ExpiryConfig
 from pensieve.actors.engine import Engine
-from pensieve.actors.kv_events import SpillIndex
-from pensieve.actors.messages import KvEvent, KvEventKind
+from pensieve.actors.messages import (
+    DetokenizeReply,
+    DetokenizeRequest,
+    KvEvent,
+    KvEventKind,
+    TextPiece,
+)
 from pensieve.actors.request import FinishReason, Request, SamplingParams, common_prefix
 from pensieve.actors.schemas import MAX_PAGE, PAGE_BYTES, ApiError, ChatRequest, Page, chat_reply
+from pensieve.actors.step import RequestTrace
 from pensieve.actors.step_channel import ExecutorLost
-from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer, TextStream
+from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
 from pensieve.store import ConversationMeta, ConversationStore, StoreWriter, TurnRecord
-from pensieve.store.spill_index import SpillIndexWriter
 
 logger = logging.getLogger(__name__)
 FIRST_PAGE = Page(None, MAX_PAGE)
@@ -89,13 +94,21 @@ class _Turn:
     stop: tuple[str, ...]
     started_at: float
     span: trace.Span
-    follower: TextStream | None  # the reply's text as it grows (streamed or with stop strings)
+    followed: bool  # streamed or with stop strings: its text is found as its tokens come
     final: bool = False  # the conversation ends with this turn
     # when to end it early (time.monotonic()): its timeout, or at once once its requester
     # cancelled it (None: it runs to its end)
     cancel_at: float | None = None
+    # its text, found by the tokenizer actor: the text so far, where the last answer left off
+    # (`TextPiece`), how many output tokens were sent, whether a piece is out now
+    text: str = ""
+    prefix: int = 0
+    read: int = 0
+    fed: int = 0
+    asking: bool = False
     sent: int = 0  # characters of text already streamed
-    text: str | None = None  # set when a stop string ended the turn
+    ended: bool = False  # the engine is done with it: its final text is being found
+    whole: str | None = None  # the reply's final text
     holdback: int = field(init=False)
 
     def __post_init__(self) -> None:  # a streamed delta never reveals a stop string's beginning
@@ -165,10 +178,17 @@ class ChatService:
         self.num_reserved = 0  # turns reserved and not yet started: queued from their arrival
         self._deleting: set[str] = set()  # deleted here, not yet in the store
         self._closed: ApiError | None = None  # set by `close`: every new turn gets it
-        # the KV event plane: after each step the CPU tier's changes go to the LMDB spill index
-        # and every event to `publish_kv` (on this thread; the NATS shell sets it)
-        self.spills = SpillIndex(SpillIndexWriter(store, writer).update)
+        # the KV event plane: after each step every event goes to `publish_kv` (on this thread;
+        # the NATS shell sets it), where the swap manager keeps the CPU tier's spill index
         self.publish_kv = publish_kv
+        # the executor traces each turn's phases in its trace, which it learns from here
+        self.engine.trace_requests(self._trace_context)
+        # reply tokens go to the tokenizer actor for their text (the NATS shell sets this, and
+        # hands each answer to `apply_text`); by default the same core answers on this thread
+        self.detokenize: Callable[[DetokenizeRequest], None] = self._detokenize_here
+        self._answers: list[DetokenizeReply] = []  # answered here, not applied yet
+        self._applying = False
+        self._followed: dict[str, _Turn] = {}  # request id -> a followed turn still running
         self.engine.take_kv_events()  # recording starts now, while the cache is empty
 
     # ---- requests ------------------------------------------------------------------------
@@ -249,12 +269,15 @@ class ChatService:
         except ValueError as error:
             self._free(reservation)
             raise ApiError("invalid_request", str(error)) from None
-        follower = self.chat.text_stream() if request.stream or request.stop else None
-        self.turns[engine_request.request_id] = _Turn(
+        followed = request.stream or bool(request.stop)
+        turn = _Turn(
             conv, engine_request, reservation.messages, sink, request.stream, request.stop,
-            time.time(), span, follower, final=request.final,
+            time.time(), span, followed, final=request.final,
             cancel_at=None if request.timeout_s is None else time.monotonic() + request.timeout_s,
         )  # fmt: skip
+        self.turns[engine_request.request_id] = turn
+        if followed:
+            self._followed[engine_request.request_id] = turn
         if request.timeout_s is not None:
             self._timed[engine_request.request_id] = self.turns[engine_request.request_id]
         span.set_attributes({
@@ -357,16 +380,15 @@ class ChatService:
     def step(self) -> None:
         outcome = self.engine.step()
         self._pass_kv_events()
-        finished = list(outcome.finished)
-        for request_id in outcome.new_tokens:
-            turn = self.turns.get(request_id)
-            if turn is not None and turn.follower is not None and self._follow_text(turn):
-                finished.append(turn.request)
-        for request in finished:
-            turn = self.turns.pop(request.request_id, None)
-            self._timed.pop(request.request_id, None)
-            if turn is not None:
-                self._complete(turn)
+        asked = []
+        for request in outcome.finished:
+            turn = self.turns.get(request.request_id)
+            if turn is not None and self._end(turn):
+                asked.append(turn)
+        if self._followed:
+            followed = self._followed
+            asked += [followed[r] for r in outcome.new_tokens if r in followed]
+        self._ask_text(asked)
         if self._timed:  # turns with a timeout, or cancelled while suspended
             now = time.monotonic()
             for turn in [t for t in self._timed.values() if (t.cancel_at or 0.0) <= now]:
@@ -386,6 +408,8 @@ class ChatService:
         turn = next((t for t in self.turns.values() if t.conv is conv), None)
         if turn is None:
             return False
+        if turn.ended:  # its text is being found; it ends with the tokens it has
+            return True
         turn.cancel_at = -math.inf
         self._timed[turn.request.request_id] = turn  # tried again each step until it ends
         self._end_early(turn)
@@ -393,10 +417,8 @@ class ChatService:
 
     def _end_early(self, turn: _Turn) -> None:
         """End a turn whose time is up; one suspended now ends once it runs again."""
-        if self.engine.cancel(turn.request):
-            del self.turns[turn.request.request_id]
-            del self._timed[turn.request.request_id]
-            self._complete(turn)
+        if self.engine.cancel(turn.request) and self._end(turn):
+            self._ask_text([turn])
 
     def recover(self, error: Exception) -> None:
         """The engine's step raised: answer every turn in flight with `internal` and reset the
@@ -421,12 +443,12 @@ class ChatService:
             turn.sink.error(error)
         self.turns.clear()
         self._timed.clear()
+        self._followed.clear()
 
     def _pass_kv_events(self) -> None:
-        """The chunk events since the last call, to the spill index and the publisher."""
+        """The chunk events since the last call, to the publisher."""
         events = self.engine.take_kv_events()
         if events:
-            self.spills.apply(events)
             if self.publish_kv is not None:
                 self.publish_kv(events)
             if tracing.enabled():
@@ -470,11 +492,10 @@ class ChatService:
                              tenant=meta.tenant)  # fmt: skip
 
     def _trace(self, turn: _Turn, record: TurnRecord) -> None:
-        """The turn's outcome as attributes of its request span, and its phases as child spans,
-        each under the actor that ran it: "queued" (scheduler: from arrival to admission),
-        "prefill" (executor: to the first token), "decode" (executor: to the last); with
-        "kv.swap_in" (swap manager) if its history came back from the CPU tier. (The recompute
-        planner traces its own "kv.plan_recompute" when the turn arrives.)"""
+        """The turn's outcome as attributes of its request span, and its wait for admission as
+        the child span "queued". (The recompute planner traces its own "kv.plan_recompute"
+        when the turn arrives, the executor "prefill" and "decode", and the swap manager
+        "kv.swap_in", where they run: see `_trace_context`.)"""
         request, span = turn.request, turn.span
         span.set_attributes({
             "pensieve.cached_tokens.gpu": record.cached_gpu,
@@ -496,25 +517,18 @@ class ChatService:
     def _trace_phases(self, request: Request, record: TurnRecord, parent: Context) -> None:
         offset = time.time_ns() - int(self.engine.clock() * 1e9)  # engine clock -> epoch ns
         admitted = request.admitted_at or request.arrival
-        first = request.first_token_time or request.finish_time or admitted
-        finish = request.finish_time or first
-        phases: list[tuple[str, str, float, float, dict[str, int]]] = [
-            ("scheduler", "queued", request.arrival, admitted, {}),
-            ("executor", "prefill", admitted, first, {}),
-            ("executor", "decode", first, finish, {}),
-        ]
-        blocks = request.swapped_in_blocks
-        if blocks:
-            # the copies go out with the step that admits the turn and are done before its
-            # first token (a suspended turn's swap-ins on readmission count here too)
-            moved = {"pensieve.blocks": blocks, "pensieve.bytes": blocks * self.engine.block_bytes}
-            phases.append(("swap-manager", "kv.swap_in", admitted, first, moved))
-        for actor, name, start, end, attributes in phases:
-            start_ns = offset + int(start * 1e9)
-            child = tracing.tracer(actor).start_span(
-                name, parent, attributes=attributes, start_time=start_ns
-            )
-            child.end(end_time=offset + int(end * 1e9))
+        queued = tracing.tracer("scheduler").start_span(
+            "queued", parent, start_time=offset + int(request.arrival * 1e9)
+        )
+        queued.end(end_time=offset + int(admitted * 1e9))
+
+    def _trace_context(self, request_id: str) -> RequestTrace | None:
+        """The trace of a turn's request, for the executor that runs it: its span's context and
+        the blocks swapped in for it (None: it is not traced)."""
+        turn = self.turns.get(request_id)
+        if turn is None or not turn.span.is_recording():
+            return None
+        return tracing.traceparent(turn.span), turn.request.swapped_in_blocks
 
     def trace_evictions(
         self, conv_ids_swapped_out: dict[str, int], conv_ids_dropped: dict[str, int]
@@ -532,28 +546,105 @@ class ChatService:
                 attributes = {"pensieve.conversation_id": conv_id, "pensieve.chunks": num_chunks}
                 manager.start_span(name, Context(), links=links, attributes=attributes).end()
 
-    def _follow_text(self, turn: _Turn) -> bool:
-        """Stream what is safe to show and watch for stop strings; True if one ended the turn.
-        Only the step's new tokens are decoded, and only text that a stop string ending in the
-        new text could start in is searched, so a step costs the same at any reply length."""
-        assert turn.follower is not None
-        before = len(turn.follower.text)
-        turn.follower.push(turn.request.output_ids)
-        text = turn.follower.text
-        start = max(0, before - turn.holdback)
-        hits = [i for i in (text.find(s, start) for s in turn.stop) if i >= 0]
-        if hits and self.engine.stop(turn.request):
-            turn.text = text[: min(hits)]
-            return True
-        if turn.stream:
-            end = len(text) - turn.holdback
-            if end > turn.sent:
-                turn.sink.delta(text[turn.sent : end])
-                turn.sent = end
-        return False
+    # ---- the reply's text, from the tokenizer actor ---------------------------------------
+
+    def apply_text(self, reply: DetokenizeReply) -> None:
+        """The tokenizer's answer to pieces of replies (`detokenize`): stream what is safe to
+        show, end a turn where a stop string completes (`Engine.stop_at`: the tokens sampled
+        after it are discarded, so the reply never depends on how late the answer came), and
+        answer a turn whose final text has come."""
+        asked = []
+        for update in reply.updates:
+            turn = self.turns.get(update.key)
+            if turn is None:  # answered meanwhile (failed, or the service closed)
+                continue
+            turn.asking = False
+            turn.text = turn.text[: len(turn.text) - update.trim] + update.text
+            turn.prefix, turn.read = update.prefix, update.read
+            if update.stop_at is not None:
+                self._followed.pop(update.key, None)  # nothing after the stop is followed
+                if self.engine.stop_at(turn.request, update.stop_at) and not turn.ended:
+                    self._end(turn)
+            if update.whole is not None:
+                turn.whole = update.whole
+                self._complete(turn)
+                continue
+            if turn.stream and turn.request.stop_at is None:
+                end = len(turn.text) - turn.holdback
+                if end > turn.sent:
+                    turn.sink.delta(turn.text[turn.sent : end])
+                    turn.sent = end
+            asked.append(turn)
+        self._ask_text(asked)
+
+    def text_failed(self, request: DetokenizeRequest, error: ApiError) -> None:
+        """No tokenizer answered `request`: its turns end with `error`, their conversations as
+        before them (the engine stops those still running)."""
+        for piece in request.pieces:
+            turn = self.turns.pop(piece.key, None)
+            if turn is None:
+                continue
+            self._followed.pop(piece.key, None)
+            self._timed.pop(piece.key, None)
+            if not turn.ended:
+                self.engine.cancel(turn.request)
+            turn.conv.busy = False
+            turn.sink.error(error)
+
+    def _detokenize_here(self, request: DetokenizeRequest) -> None:
+        """Without a tokenizer actor (the service driven directly): the same core, here."""
+        self._answers.append(DetokenizeReply(tuple(map(self.chat.follow, request.pieces))))
+
+    def _ask_text(self, turns: Sequence[_Turn]) -> None:
+        """Send the tokenizer what `turns` have new: tokens of a followed turn, or the whole
+        reply of one that ended. A turn has at most one piece out, so answers apply in order."""
+        pieces = [piece for turn in turns if (piece := self._piece(turn)) is not None]
+        if pieces:
+            self.detokenize(DetokenizeRequest(tuple(pieces)))
+        if self._applying:  # answered here: the outermost call applies them, in order
+            return
+        self._applying = True
+        try:
+            while self._answers:
+                self.apply_text(self._answers.pop(0))
+        finally:
+            self._applying = False
+
+    def _piece(self, turn: _Turn) -> TextPiece | None:
+        if turn.asking or turn.whole is not None:
+            return None
+        output = turn.request.output_ids
+        tail = turn.text[len(turn.text) - turn.holdback :] if turn.holdback else ""
+        key = turn.request.request_id
+        if turn.ended:
+            prefix, read = (turn.prefix, turn.read) if turn.followed else (len(output),) * 2
+            piece = TextPiece(key, tuple(output), 0, prefix, read, tail, turn.stop, True,
+                              tracing.traceparent(turn.span))  # fmt: skip
+        elif turn.request.stop_at is None and len(output) > turn.fed:
+            piece = TextPiece(key, tuple(output[turn.prefix :]), turn.prefix, turn.prefix,
+                              turn.read, tail, turn.stop)  # fmt: skip
+        else:
+            return None
+        turn.fed, turn.asking = len(output), True
+        return piece
+
+    def _end(self, turn: _Turn) -> bool:
+        """The engine is done with `turn`. True if its final text is to be found; a turn that
+        failed, or was cancelled before its first token, is answered at once."""
+        key = turn.request.request_id
+        turn.ended = True
+        self._followed.pop(key, None)
+        self._timed.pop(key, None)
+        request = turn.request
+        cancelled = request.finish_reason is FinishReason.CANCELLED
+        if request.finish_reason is FinishReason.ABORT or (cancelled and not request.output_ids):
+            self._complete(turn)
+            return False
+        return True
 
     def _complete(self, turn: _Turn) -> None:
         request, conv = turn.request, turn.conv
+        del self.turns[request.request_id]
         if request.finish_reason is FinishReason.ABORT:
             conv.busy = False
             code = "too_long" if (request.error or "").startswith("too_long") else "internal"
@@ -568,13 +659,10 @@ class ChatService:
             turn.sink.error(ApiError("cancelled", "the turn was cancelled before its first "
                                      "token; nothing was stored"))  # fmt: skip
             return
-        text = turn.text if turn.text is not None else self.chat.decode(request.output_ids)
-        hits = [i for i in (text.find(s) for s in turn.stop) if i >= 0]
-        if hits:  # a stop string in the step that ended the turn anyway
-            text = text[: min(hits)]
-            request.finish_reason = FinishReason.STOP
-        if turn.stream and turn.follower is not None:
-            streamed = turn.follower.text[: turn.sent]
+        assert turn.whole is not None
+        text = turn.whole
+        if turn.stream:
+            streamed = turn.text[: turn.sent]
             if not text.startswith(streamed):  # the tokenizer decodes a whole reply differently
                 logger.warning("turn %s of %s: the reply's text does not continue its streamed "
                                "deltas", conv.turns, conv.conv_id)  # fmt: skip

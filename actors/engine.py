@@ -174,9 +174,17 @@ class Engine:
         self.scheduler.forget(conv_id)
         self.kv.forget(conv_id)
 
-    def stop(self, request: Request) -> bool:
-        """End a running request now (a stop string appeared); False if it is not running."""
-        return self.scheduler.stop(request, self.clock())
+    def stop_at(self, request: Request, num_output: int) -> bool:
+        """End a request with its first `num_output` tokens, where a stop string completes
+        (`Scheduler.stop_at`); False if it is suspended and ends at its next token."""
+        before = len(request.output_ids)
+        finished = request.finish_reason is not None
+        stopped = self.scheduler.stop_at(request, num_output, self.clock())
+        if finished:  # counted in the totals already, with the tokens now discarded
+            self.totals.output_tokens -= before - len(request.output_ids)
+        elif stopped:
+            self._count(request)
+        return stopped
 
     def cancel(self, request: Request) -> bool:
         """End a request now, as its requester asked (`Scheduler.cancel`); False if it cannot
@@ -245,11 +253,15 @@ class Engine:
         )
         self.totals.steps += 1
         for request in outcome.finished:
-            self.totals.requests += 1
-            self.totals.prompt_tokens += len(request.prompt_ids)
-            self.totals.output_tokens += len(request.output_ids)
-            self.totals.sources = self.totals.sources + request.sources
+            self._count(request)
         return self._with_rejected(outcome)
+
+    def _count(self, request: Request) -> None:
+        """A finished request, in the totals."""
+        self.totals.requests += 1
+        self.totals.prompt_tokens += len(request.prompt_ids)
+        self.totals.output_tokens += len(request.output_ids)
+        self.totals.sources = self.totals.sources + request.sources
 
     def stats(self) -> dict[str, Any]:
         """Totals since start (requests finished, their prompt tokens by where they came from,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import orjson
 
@@ -96,6 +96,131 @@ class RenderReply:
     def encode(self) -> bytes:
         # written out by hand: the ids go to orjson as they are, with no per-field detour
         return orjson.dumps({"v": VERSION, "token_ids": self.token_ids})
+
+
+@dataclasses.dataclass(frozen=True)
+class TextPiece:
+    """One reply's new tokens to turn into text, a part of a `DetokenizeRequest`.
+
+    A replica keeps nothing between requests, so the piece says where the last answer left off:
+    `ids` are the reply's output token ids from index `start` on; those before `read` have given
+    their text already, and those from `prefix` on are decoded again as context (a character or
+    a leading space may depend on the token before). `tail` is the end of the text found so far,
+    where a stop string may have begun. A `final` piece holds the whole reply (`start` 0): its
+    answer also carries the reply's whole text."""
+
+    key: str  # the turn's request id
+    ids: tuple[int, ...]
+    start: int
+    prefix: int
+    read: int
+    tail: str = ""
+    stop: tuple[str, ...] = ()
+    final: bool = False
+    trace: str = ""  # a final piece's W3C traceparent: the turn it ends (empty: not traced)
+
+    def check(self) -> None:
+        """Raise MessageError unless the fields make sense (a received piece; one made here is
+        trusted, as it is made once per turn and step)."""
+        offsets = (self.start, self.prefix, self.read)
+        if not (isinstance(self.key, str) and all(_is_int(n) and n >= 0 for n in offsets)):
+            raise MessageError("TextPiece: key must be a string and the offsets integers >= 0")
+        if not isinstance(self.ids, list | tuple) or not set(map(type, self.ids)) <= {int}:
+            raise MessageError("TextPiece: ids must be a list of integers")
+        end = self.start + len(self.ids)
+        if not self.start <= self.prefix <= self.read <= end or (self.final and self.start):
+            raise MessageError("TextPiece: needs start <= prefix <= read <= the last id, and a "
+                               "final piece from the reply's first token")  # fmt: skip
+        if not isinstance(self.stop, list | tuple) or not all(
+            isinstance(s, str) and s for s in self.stop
+        ):
+            raise MessageError("TextPiece: stop must be a list of non-empty strings")
+        if not (isinstance(self.tail, str) and isinstance(self.trace, str)):
+            raise MessageError("TextPiece: tail and trace must be strings")
+        if not isinstance(self.final, bool):
+            raise MessageError("TextPiece: final must be a boolean")
+        object.__setattr__(self, "ids", tuple(self.ids))  # decoded, these are lists
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
+@dataclasses.dataclass(frozen=True)
+class TextUpdate:
+    """The answer to one `TextPiece`: drop the last `trim` characters of the text found so far
+    (the start of a stop string, never streamed) and append `text`; the next piece starts from
+    `prefix` and `read`. `stop_at`: a stop string completes with the reply's token number
+    `stop_at` (counted from 1), so the reply is its first `stop_at` tokens. `whole` (a final
+    piece only): the reply's text, decoded whole and cut before its first stop string."""
+
+    key: str
+    text: str
+    trim: int
+    prefix: int
+    read: int
+    stop_at: int | None = None
+    whole: str | None = None
+
+    def check(self) -> None:
+        """Raise MessageError unless the fields make sense (as `TextPiece.check`)."""
+        counts = (self.trim, self.prefix, self.read)
+        if not (isinstance(self.key, str) and isinstance(self.text, str)):
+            raise MessageError("TextUpdate: key and text must be strings")
+        if not all(_is_int(n) and n >= 0 for n in counts):
+            raise MessageError("TextUpdate: trim, prefix and read must be integers >= 0")
+        if not (self.stop_at is None or (_is_int(self.stop_at) and self.stop_at >= 1)):
+            raise MessageError("TextUpdate: stop_at must be null or an integer >= 1")
+        if not (self.whole is None or isinstance(self.whole, str)):
+            raise MessageError("TextUpdate: whole must be null or a string")
+
+
+@dataclasses.dataclass(frozen=True)
+class DetokenizeRequest:
+    """To the tokenizer (`detokenize`): one step's new reply tokens, of every turn that streams
+    or has stop strings, and the last tokens of every turn that ended."""
+
+    pieces: tuple[TextPiece, ...]
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"v": VERSION, "pieces": self.pieces})
+
+    @staticmethod
+    def decode(data: bytes) -> DetokenizeRequest:
+        return DetokenizeRequest(_items(data, "DetokenizeRequest", "pieces", TextPiece))
+
+
+@dataclasses.dataclass(frozen=True)
+class DetokenizeReply:
+    """From the tokenizer: one update per piece, in the request's order."""
+
+    updates: tuple[TextUpdate, ...]
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"v": VERSION, "updates": self.updates})
+
+    @staticmethod
+    def decode(data: bytes) -> DetokenizeReply:
+        return DetokenizeReply(_items(data, "DetokenizeReply", "updates", TextUpdate))
+
+
+class _Checked(Protocol):
+    def check(self) -> None: ...
+
+
+_C = TypeVar("_C", bound=_Checked)
+
+
+def _items(data: bytes, kind: str, name: str, cls: type[_C]) -> tuple[_C, ...]:
+    """The list field `name` of a message of `kind`, each item built as `cls` and checked."""
+    body = decode_fields(data, kind)
+    items = body.pop(name, None)
+    if body or not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise MessageError(f"{kind}: must hold exactly {name}, a list of objects")
+    try:
+        built = tuple(cls(**item) for item in items)
+    except TypeError as error:
+        raise MessageError(f"{kind}: {error}") from None
+    for item in built:
+        item.check()
+    return built
 
 
 def _is_chat_message(message: object) -> bool:

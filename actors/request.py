@@ -95,6 +95,9 @@ class Request:
     # the recompute planner's ranges for its history, asked when it arrived (None: no plan);
     # admission decides, and counts whether the plan foresaw what it recomputed
     planned_recompute: tuple[tuple[int, int], ...] | None = None
+    # a stop string completes with output token number `stop_at`: the turn ends there, and
+    # tokens sampled after it (while the text was being found) are discarded
+    stop_at: int | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -157,6 +160,8 @@ class Request:
     def finish_check(self, max_model_len: int) -> FinishReason | None:
         """Whether the last applied token ends the turn (`expect_sample` predicted the lengths)."""
         last = self.output_ids[-1]
+        if self.stop_at is not None and len(self.output_ids) >= self.stop_at:
+            return FinishReason.STOP
         if not self.sampling.ignore_eos and last in self.eos_token_ids:
             return FinishReason.STOP
         if last in self.sampling.stop_token_ids:

@@ -61,9 +61,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def stop(self, request: Request, now: float) -> bool:
-        """Finish a running request before its end (a stop string appeared in its text); False if
-        it is not running (a suspended request is stopped once it runs again)."""
+    def stop_at(self, request: Request, num_output: int, now: float) -> bool:
+        """End a request with its first `num_output` tokens (a stop string completes at the
+        last of them): at once if it runs, or cut back if it has ended meanwhile (an
+        end-of-sequence token, its length). Tokens after them are discarded and so is their KV,
+        so the conversation is as if the request had stopped there. False if it is suspended:
+        it ends at its next token."""
+        request.stop_at = num_output
+        if request.status is RequestStatus.FINISHED:
+            self._cut(request)
+            request.finish_reason = FinishReason.STOP
+            return True
         if request not in self.running:
             return False
         self._finish(request, FinishReason.STOP, now)
@@ -296,6 +304,18 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.histories[request.conv_id] = request.all_ids
+        self._cut(request)
         self.kv.release(self.kv.conversations[request.conv_id], now)
         if request.conv_id not in self.kv.conversations:
             self.histories.pop(request.conv_id, None)  # stateless: forgotten with its KV
+
+    def _cut(self, request: Request) -> None:
+        """Discard a finished request's tokens after its `stop_at`, and their KV."""
+        if request.stop_at is None or len(request.output_ids) <= request.stop_at:
+            return
+        del request.output_ids[request.stop_at :]
+        if request.conv_id in self.histories:  # (a stateless one is forgotten already)
+            self.histories[request.conv_id] = request.all_ids
+        conv = self.kv.conversations.get(request.conv_id)
+        if conv is not None:  # its last token is never fed: the KV ends before it
+            self.kv.truncate(conv, len(request.all_ids) - 1)

@@ -32,7 +32,7 @@ from pensieve.actors import subjects, tracing
 from pensieve.actors.bus import TENANT_HEADER, Bus, Handler, Incoming, ServiceInfo
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.kv_events import KvEventStream
-from pensieve.actors.messages import KvEvent, encode_kv_events
+from pensieve.actors.messages import DetokenizeRequest, KvEvent, encode_kv_events
 from pensieve.actors.recompute_planner import plan_remote
 from pensieve.actors.schemas import (
     CONVERSATION_FIELDS,
@@ -44,7 +44,7 @@ from pensieve.actors.schemas import (
     parse_get,
     parse_list,
 )
-from pensieve.actors.tokenizer_actor import RENDER_TIMEOUT_S, render_remote
+from pensieve.actors.tokenizer_actor import RENDER_TIMEOUT_S, detokenize_remote, render_remote
 from pensieve.actors.version import version
 
 logger = logging.getLogger(__name__)
@@ -156,6 +156,7 @@ class ChatServer:
         self.engine_id = engine_id
         self._kv_stream = KvEventStream(engine_id)  # this process's KV event batches
         self._kv_sends: set[asyncio.Task[None]] = set()
+        self._detokenizing: set[asyncio.Task[None]] = set()
 
     async def drain(self, grace_s: float) -> None:
         """Stop taking requests, give those in hand `grace_s` to finish, then answer what is
@@ -174,6 +175,7 @@ class ChatServer:
         """Take the requests the ingress hands to this engine's scheduler (see
         `actors/ingress.py`), each answered to its client directly."""
         await self._call(self._publish_kv_events, asyncio.get_running_loop())
+        await self._call(self._detokenize_remotely, asyncio.get_running_loop())
         handlers: dict[str, Handler] = {
             "chat": self._chat,
             "cancel": self._cancel,
@@ -202,6 +204,34 @@ class ChatServer:
                 loop.call_soon_threadsafe(self._send_kv, body)
 
         self.engine.service.publish_kv = publish
+
+    def _detokenize_remotely(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine thread: from now on the reply tokens go to this engine's tokenizer
+        replicas for their text, and each answer comes back to the engine thread."""
+
+        def send(request: DetokenizeRequest) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to answer
+                loop.call_soon_threadsafe(self._send_text, request)
+
+        self.engine.service.detokenize = send
+
+    def _send_text(self, request: DetokenizeRequest) -> None:
+        task = asyncio.ensure_future(self._detokenize(request))
+        self._detokenizing.add(task)
+        task.add_done_callback(self._detokenizing.discard)
+
+    async def _detokenize(self, request: DetokenizeRequest) -> None:
+        service = self.engine.service
+        try:
+            try:
+                reply = await detokenize_remote(self.bus, self.engine_id, request,
+                                                RENDER_TIMEOUT_S)  # fmt: skip
+            except ApiError as error:
+                await self._call(service.text_failed, request, error)
+            else:
+                await self._call(service.apply_text, reply)
+        except ApiError as broken:  # the engine thread takes no more calls: it answered all
+            logger.debug("a reply's text was not applied: %s", broken)
 
     def _send_kv(self, body: bytes) -> None:
         # tasks start in the order they are made, and each hands its message to the client

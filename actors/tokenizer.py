@@ -7,9 +7,11 @@ token ids folded into its vocabulary; the benchmark only needs realistic lengths
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from pensieve.actors.messages import TextPiece, TextUpdate
 
 ChatMessage = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -69,10 +71,51 @@ class ChatTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
-    def text_stream(self) -> TextStream:
-        """A follower of one growing reply: the text of each new token costs O(1), not a decode
-        of the whole reply (see `TextStream`)."""
-        return TextStream(self)
+    def follow(self, piece: TextPiece) -> TextUpdate:
+        """The text a reply's new tokens add, and whether a stop string ends the reply (see
+        `TextPiece`). Tokens are taken one at a time, so a stop string ends the reply at the
+        exact token that completes it however its tokens were grouped into pieces: the reply,
+        and so the next turn, never depend on timing. Each token decodes only the short window
+        from `prefix` on, so a piece costs the same at any reply length. A character split over
+        several tokens (multi-byte UTF-8, byte-fallback pieces) waits until it is whole."""
+        decode = self._decode_window
+        ids, start = piece.ids, piece.start
+        prefix, read = piece.prefix, piece.read
+        found = piece.tail  # what is searched for stop strings: the tail, then the new text
+        stop_at: int | None = None
+        shown: str | None = None  # the text of ids [prefix, read)
+        for end in range(read + 1, start + len(ids) + 1):
+            if shown is None:
+                shown = decode(ids[prefix - start : read - start])
+            text = decode(ids[prefix - start : end - start])
+            if len(text) <= len(shown) or text.endswith("\ufffd"):
+                continue  # a special token, or an unfinished character: wait for more
+            searched = len(found)
+            found += text[len(shown) :]
+            prefix, read, shown = read, end, None
+            hit = _first_stop(found, piece.stop, searched)
+            if hit is not None:
+                found, stop_at = found[:hit], end
+                break
+        base = len(piece.tail)
+        trim, added = max(base - len(found), 0), found[base:]
+        whole = None
+        if piece.final:  # the reply's text is its tokens decoded whole, not the pieces joined
+            count = start + len(ids) if stop_at is None else stop_at
+            whole = self.decode(ids[:count])
+            hit = _first_stop(whole, piece.stop, 0)
+            if hit is not None:
+                whole, stop_at = whole[:hit], count
+        return TextUpdate(piece.key, added, trim, prefix, read, stop_at, whole)
+
+    @functools.cached_property
+    def _decode_window(self) -> Callable[[Sequence[int]], str]:
+        """`decode` for the few ids of a window, straight through the Rust tokenizer where that
+        gives the same text (no clean-up of spaces): it is called twice a token."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or getattr(self.tokenizer, "clean_up_tokenization_spaces", True):
+            return self.decode
+        return lambda ids: str(backend.decode(list(ids), skip_special_tokens=True))
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -80,42 +123,7 @@ class ChatTokenizer:
         return frozenset() if eos is None else frozenset({int(eos) % self.vocab_size})
 
 
-class TextStream:
-    """The text of a reply as its tokens arrive.
-
-    `push(ids)` takes the reply's token ids so far and returns the text they add. A character
-    split over several tokens (multi-byte UTF-8, byte-fallback pieces) waits until it is whole.
-    With a fast tokenizer this is the `tokenizers` library's `DecodeStream` (Rust, a few
-    microseconds a token: it decodes only a short window of the latest tokens); a tokenizer
-    without a Rust backend decodes the whole reply each time, which is correct but quadratic, and
-    so does a stream from the moment `DecodeStream` refuses its tokens (it raises on some
-    sequences of byte pieces that are not valid UTF-8).
-    """
-
-    def __init__(self, chat: ChatTokenizer) -> None:
-        self.chat = chat
-        self.text = ""  # everything returned so far
-        self._fed = 0  # token ids consumed
-        self._backend = getattr(chat.tokenizer, "backend_tokenizer", None)
-        self._stream: Any = None
-        if self._backend is not None:
-            from tokenizers.decoders import DecodeStream
-
-            self._stream = DecodeStream(skip_special_tokens=True)
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        new_ids = token_ids[self._fed :]
-        self._fed = len(token_ids)
-        added = None
-        if self._stream is not None:
-            try:
-                pieces = [self._stream.step(self._backend, int(t)) for t in new_ids]
-                added = "".join(p for p in pieces if p)
-            except Exception:  # it refuses some invalid byte sequences: decode whole from here
-                self._stream = None
-        if added is None:
-            whole = self.chat.decode(token_ids)
-            end = len(whole.rstrip("\ufffd"))  # an unfinished character waits
-            added = whole[len(self.text) : end] if end > len(self.text) else ""
-        self.text += added
-        return added
+def _first_stop(text: str, stops: Sequence[str], searched: int) -> int | None:
+    """Where the first stop string that ends after `text[:searched]` begins in `text`."""
+    hits = [i for s in stops if (i := text.find(s, max(0, searched - len(s) + 1))) >= 0]
+    return min(hits, default=None)

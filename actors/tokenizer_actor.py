@@ -1,12 +1,14 @@
-"""The tokenizer actor: chat templates rendered into prompt token ids by a queue group of
-stateless replicas.
+"""The tokenizer actor: chat templates rendered into prompt token ids, and reply tokens turned
+back into text with their stop strings found, by a queue group of stateless replicas.
 
-Subject `pensieve.internal.<engine>.tokenizer.render`, queue group `tokenizer`: a `RenderRequest`
-in, a `RenderReply` (or an error) back. NATS hands each request to one replica, so N replicas
-render N turns at once, and one that dies loses only the requests it held, which `render_remote`
-sends again. Each replica renders on a worker thread of its own with a tokenizer of its own (a
-Rust tokenizer refuses to be borrowed by two threads at once), so the event loop never waits on
-a template.
+Subjects `pensieve.internal.<engine>.tokenizer.render` (a `RenderRequest` in, a `RenderReply` or
+an error back) and `...tokenizer.detokenize` (a `DetokenizeRequest` of one step's reply tokens
+in, a `DetokenizeReply` back), queue group `tokenizer`. NATS hands each request to one replica,
+so N replicas work on N requests at once, and one that dies loses only the requests it held,
+which `render_remote` and `detokenize_remote` send again. A replica keeps nothing between
+requests: each piece of reply tokens says where the last answer left off (`TextPiece`). Each
+replica works on a worker thread of its own with a tokenizer of its own (a Rust tokenizer refuses
+to be borrowed by two threads at once), so the event loop never waits on a template or a decode.
 """
 
 from __future__ import annotations
@@ -25,11 +27,21 @@ from opentelemetry.trace import SpanKind
 from pensieve.actors import subjects, tracing
 from pensieve.actors.actor import Actor
 from pensieve.actors.bus import Bus, ConnectOptions, Incoming
-from pensieve.actors.messages import MessageError, RenderReply, RenderRequest, decode
+from pensieve.actors.messages import (
+    DetokenizeReply,
+    DetokenizeRequest,
+    MessageError,
+    RenderReply,
+    RenderRequest,
+    TextPiece,
+    TextUpdate,
+    decode,
+)
 from pensieve.actors.schemas import ERROR_CODES, ApiError
 from pensieve.actors.tokenizer import ChatMessage, ChatTokenizer
 
 RENDER = "render"
+DETOKENIZE = "detokenize"
 RENDER_TIMEOUT_S = 30.0  # what the ingress gives one render, retries included
 # a request left unanswered this many times is given up: each waits a share of the time left
 MAX_SILENT_TRIES = 3
@@ -48,6 +60,7 @@ class TokenizerActor(Actor):
 
     async def setup(self) -> None:
         await self.serve(RENDER, self._render)
+        await self.serve(DETOKENIZE, self._detokenize)
 
     async def teardown(self) -> None:
         # a render still on the thread finishes there; nobody waits for its answer
@@ -66,6 +79,31 @@ class TokenizerActor(Actor):
                 raise
             span.set_attribute("pensieve.prompt_tokens", len(ids))
             await msg.send(RenderReply(ids).encode())
+
+    async def _detokenize(self, msg: Incoming) -> None:
+        try:
+            request = DetokenizeRequest.decode(msg.data)
+        except MessageError as error:
+            raise ApiError("invalid_request", str(error)) from None
+        loop = asyncio.get_running_loop()
+        updates = await loop.run_in_executor(self._worker, self._follow, request.pieces)
+        await msg.send(DetokenizeReply(updates).encode())
+
+    def _follow(self, pieces: Sequence[TextPiece]) -> tuple[TextUpdate, ...]:
+        """On the worker thread; a final piece is traced in its turn's trace."""
+        tracer = tracing.tracer(self.name)
+        updates = []
+        for piece in pieces:
+            if not piece.trace:
+                updates.append(self.chat.follow(piece))
+                continue
+            parent = propagate.extract({"traceparent": piece.trace})
+            with tracer.start_as_current_span("tokenizer.detokenize", context=parent) as span:
+                update = self.chat.follow(piece)
+                span.set_attributes({"pensieve.completion_tokens": len(piece.ids),
+                                     "pensieve.stopped": update.stop_at is not None})  # fmt: skip
+            updates.append(update)
+        return tuple(updates)
 
     async def _render_ids(self, data: bytes) -> list[int]:
         try:
@@ -118,32 +156,58 @@ async def render_remote(
     max_tokens: int | None = None,
 ) -> list[int]:
     """The prompt token ids of `messages`, rendered by one of engine `engine_id`'s tokenizer
-    replicas, in the caller's trace.
+    replicas, in the caller's trace (resent as `_ask_replica` says). A template that refuses
+    the messages: ApiError("invalid_request"); a prompt over `max_tokens`: ApiError("too_long")."""
+    body = RenderRequest(tuple(messages), max_tokens).encode()
+    answer = await _ask_replica(bus, engine_id, RENDER, body, timeout)
+    try:
+        return decode(answer, RenderReply).token_ids
+    except MessageError as unreadable:  # an error body has no version: is it one?
+        raise _refusal(answer) or ApiError(
+            "internal", f"the tokenizer's answer could not be read: {unreadable}"
+        ) from None
+
+
+async def detokenize_remote(
+    bus: Bus, engine_id: str, request: DetokenizeRequest, timeout: float
+) -> DetokenizeReply:
+    """The text of one step's reply tokens, found by one of engine `engine_id`'s tokenizer
+    replicas (resent as `_ask_replica` says)."""
+    answer = await _ask_replica(bus, engine_id, DETOKENIZE, request.encode(), timeout)
+    try:
+        reply = DetokenizeReply.decode(answer)
+    except MessageError as unreadable:
+        raise _refusal(answer) or ApiError(
+            "internal", f"the tokenizer's answer could not be read: {unreadable}"
+        ) from None
+    if [u.key for u in reply.updates] != [p.key for p in request.pieces]:
+        raise ApiError("internal", "the tokenizer answered other pieces than those asked")
+    return reply
+
+
+async def _ask_replica(bus: Bus, engine_id: str, verb: str, body: bytes, timeout: float) -> bytes:
+    """The answer of one of the engine's tokenizer replicas to `body` on `verb`, in the
+    caller's trace.
 
     A request nobody answers is sent again, to whichever replica NATS picks then: one that went
     unanswered (its replica died or hangs holding it) up to `MAX_SILENT_TRIES` times, one that
     found no replica subscribed (all restarting, or reconnecting to NATS) after a short pause.
-    After `timeout` s in all: ApiError("unavailable"). A template that refuses the messages:
-    ApiError("invalid_request"); a prompt over `max_tokens`: ApiError("too_long")."""
-    subject = subjects.internal(engine_id, TokenizerActor.name, RENDER)
-    body = RenderRequest(tuple(messages), max_tokens).encode()
+    After `timeout` s in all: ApiError("unavailable")."""
+    subject = subjects.internal(engine_id, TokenizerActor.name, verb)
     headers: dict[str, str] = {}
     propagate.inject(headers)  # W3C traceparent: the replica's span is the caller's child
     deadline = time.monotonic() + timeout
     num_silent, pause = 0, _FIRST_PAUSE_S
     while (left := deadline - time.monotonic()) > 0 and num_silent < MAX_SILENT_TRIES:
         try:
-            answer = await _ask(bus, subject, body, left / (MAX_SILENT_TRIES - num_silent), headers)
+            return await _ask(bus, subject, body, left / (MAX_SILENT_TRIES - num_silent), headers)
         except TimeoutError:
             num_silent += 1
-            continue
         except ConnectionError:
             await asyncio.sleep(min(pause, left))
             pause = min(2 * pause, _MAX_PAUSE_S)
-            continue
-        return _token_ids(answer)
-    raise ApiError("unavailable", f"no tokenizer of engine {engine_id} rendered the turn in "
-                   f"{timeout:.0f} s; send it again")  # fmt: skip
+    raise ApiError("unavailable", f"no tokenizer of engine {engine_id} answered {verb} in "
+                   f"{timeout:.0f} s; send the turn again")  # fmt: skip
 
 
 async def _ask(
@@ -152,15 +216,6 @@ async def _ask(
     """One try: the first message of the answer (a render is answered in one)."""
     async with contextlib.aclosing(bus.ask(subject, body, timeout, headers)) as answer:
         return await anext(answer)
-
-
-def _token_ids(answer: bytes) -> list[int]:
-    try:
-        return decode(answer, RenderReply).token_ids
-    except MessageError as unreadable:  # an error body has no version: is it one?
-        raise _refusal(answer) or ApiError(
-            "internal", f"the tokenizer's answer could not be read: {unreadable}"
-        ) from None
 
 
 def _refusal(answer: bytes) -> ApiError | None:

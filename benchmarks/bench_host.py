@@ -10,9 +10,10 @@ while the device runs a step).
 
     python3 -m benchmarks.bench_host [--steps 3000] [--seed 0]
 
-`--streams N` times instead the text work the engine thread does per step for N streamed replies
-(ShareGPT replies through SmolLM2's tokenizer, one token each per step): following each reply
-with a `TextStream` against decoding each whole reply again every step.
+`--streams N` times instead the text work of one step for N streamed replies (ShareGPT replies
+through SmolLM2's tokenizer, one token each per step): the scheduler's part (a `TextPiece` per
+reply out, the answer applied) and a tokenizer replica's (the pieces followed, messages decoded
+and encoded both ways), against decoding each whole reply again every step.
 
     python3 -m benchmarks.bench_host --streams 256 [--tokens 256]
 """
@@ -26,6 +27,7 @@ import time
 
 from pensieve.actors.config import DEFAULTS, CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.kv_manager import KVCacheManager
+from pensieve.actors.messages import DetokenizeReply, DetokenizeRequest, TextPiece
 from pensieve.actors.request import Request, SamplingParams
 from pensieve.actors.scheduler import Scheduler
 from pensieve.actors.tokenizer import ChatTokenizer
@@ -88,8 +90,9 @@ def run(steps: int, seed: int, policy: Policy = Policy.PENSIEVE) -> dict[str, fl
 
 
 def follow_cost(chat: ChatTokenizer, streams: int, tokens: int) -> dict[str, float]:
-    """Mean text time per step (ms) of `streams` replies growing one token a step, followed
-    incrementally and decoded whole, over `tokens` steps."""
+    """Mean text time per step (ms) of `streams` replies growing one token a step: on the
+    scheduler, on a tokenizer replica, and for a whole decode of each reply, over `tokens`
+    steps."""
     from pensieve.ops.sharegpt import Role, load_conversations
 
     replies: list[list[int]] = []
@@ -100,19 +103,33 @@ def follow_cost(chat: ChatTokenizer, streams: int, tokens: int) -> dict[str, flo
                 replies.append(ids[:tokens])
     if len(replies) < streams:
         raise SystemExit(f"only {len(replies)} replies of {tokens} tokens in the dataset")
-    followers = [chat.text_stream() for _ in replies]
-    begin = time.perf_counter()
+    texts, prefixes, reads = [""] * streams, [0] * streams, [0] * streams
+    scheduler_s = replica_s = 0.0
     for step in range(1, tokens + 1):
-        for follower, ids in zip(followers, replies, strict=True):
-            follower.push(ids[:step])
-    incremental_s = time.perf_counter() - begin
+        begin = time.perf_counter()
+        pieces = tuple(
+            TextPiece(str(i), tuple(ids[prefixes[i] : step]), prefixes[i], prefixes[i], reads[i])
+            for i, ids in enumerate(replies)
+        )
+        body = DetokenizeRequest(pieces).encode()
+        sent = time.perf_counter()
+        request = DetokenizeRequest.decode(body)
+        answer = DetokenizeReply(tuple(map(chat.follow, request.pieces))).encode()
+        answered = time.perf_counter()
+        for i, update in enumerate(DetokenizeReply.decode(answer).updates):
+            texts[i] = texts[i][: len(texts[i]) - update.trim] + update.text
+            prefixes[i], reads[i] = update.prefix, update.read
+        scheduler_s += (sent - begin) + (time.perf_counter() - answered)
+        replica_s += answered - sent
     begin = time.perf_counter()
     for step in range(1, tokens + 1):
         for ids in replies:
             chat.decode(ids[:step])
     whole_s = time.perf_counter() - begin
-    assert all(f.text == chat.decode(ids) for f, ids in zip(followers, replies, strict=True))
-    return {"stream_ms": incremental_s / tokens * 1e3, "whole_ms": whole_s / tokens * 1e3}
+    assert texts == [chat.decode(ids) for ids in replies]
+    per_step = 1e3 / tokens
+    return {"scheduler_ms": scheduler_s * per_step, "replica_ms": replica_s * per_step,
+            "whole_ms": whole_s * per_step}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         chat = ChatTokenizer(smollm2_tokenizer(), vocab_size=2**31)
         cost = follow_cost(chat, args.streams, args.tokens)
         print(
-            f"per step, {args.streams} streams of {args.tokens} tokens: TextStream "
-            f"{cost['stream_ms']:.2f} ms, whole-reply decode {cost['whole_ms']:.2f} ms"
+            f"per step, {args.streams} streams of {args.tokens} tokens: scheduler "
+            f"{cost['scheduler_ms']:.2f} ms, tokenizer replica {cost['replica_ms']:.2f} ms; "
+            f"whole-reply decode {cost['whole_ms']:.2f} ms"
         )
         return 0
     result = run(args.steps, args.seed)

@@ -99,7 +99,8 @@ def test_a_step_with_prefill_work_admits_into_a_single_free_slot() -> None:
     d.step()
     assert long_prompt.pending  # its last 11 positions still to compute
     # the running set is full; free one slot by stopping a decoding request
-    assert d.scheduler.stop(d.scheduler.running[0], d.now)
+    stopped = d.scheduler.running[0]
+    assert d.scheduler.stop_at(stopped, len(stopped.output_ids), d.now)
     queued = [d.send(8, max_tokens=5), d.send(8, max_tokens=5)]
     plan = d.step()  # has a multi-token piece anyway: admits into the one free slot
     assert admitted(plan, queued) == {queued[0].request_id}

@@ -1,4 +1,6 @@
-"""`TextStream`: the text of a reply followed token by token equals the whole reply decoded.
+"""`ChatTokenizer.follow`, the tokenizer actor's detokenizing core: the text of a reply followed
+in pieces of any size equals the whole reply decoded, and a stop string ends the reply at the
+token that completes it however the tokens were grouped.
 
 Two real tokenizer families: SmolLM2's byte-level BPE (GPT-2 style: a character may span several
 tokens, spaces are part of the next token) and a sentencepiece-style one (Llama style: `▁` for
@@ -21,7 +23,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pensieve.actors.tokenizer import ChatTokenizer, TextStream
+from pensieve.actors.messages import TextPiece
+from pensieve.actors.tokenizer import ChatTokenizer
 from pensieve.models.assets import smollm2_tokenizer
 from pensieve.ops.sharegpt import load_conversations
 
@@ -57,7 +60,7 @@ def _sentencepiece_style() -> Any:
 
 
 class _NoBackend:
-    """A real tokenizer seen without its Rust backend (the fallback path of `TextStream`)."""
+    """A real tokenizer seen without its Rust backend."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
@@ -82,45 +85,95 @@ def chat(request: pytest.FixtureRequest) -> ChatTokenizer:
     return ChatTokenizer(tokenizer, vocab_size=len(tokenizer))
 
 
-def _follow(chat: ChatTokenizer, ids: Sequence[int], sizes: random.Random) -> TextStream:
-    """Push `ids` in random-sized pieces, checking every step's returned text against the whole
+class Follower:
+    """What the chat service keeps of one reply: the text so far and where the tokenizer's last
+    answer left off; each `push` sends one piece, as a stateless replica receives it."""
+
+    def __init__(self, chat: ChatTokenizer, stop: Sequence[str] = ()) -> None:
+        self.chat, self.stop = chat, tuple(stop)
+        self.holdback = max(map(len, self.stop), default=1) - 1
+        self.text, self.prefix, self.read = "", 0, 0
+        self.stop_at: int | None = None
+
+    def push(self, ids: Sequence[int], final: bool = False) -> str | None:
+        """Follow the reply `ids` so far; its whole text if `final`."""
+        tail = self.text[len(self.text) - self.holdback :] if self.holdback else ""
+        start = 0 if final else self.prefix
+        piece = TextPiece("t", tuple(ids[start:]), start, self.prefix, self.read, tail,
+                          self.stop, final)  # fmt: skip
+        piece.check()
+        update = self.chat.follow(piece)
+        self.text = self.text[: len(self.text) - update.trim] + update.text
+        self.prefix, self.read = update.prefix, update.read
+        if update.stop_at is not None:
+            self.stop_at = update.stop_at
+        return update.whole
+
+
+def _follow(chat: ChatTokenizer, ids: Sequence[int], sizes: random.Random) -> Follower:
+    """Push `ids` in random-sized pieces, checking every step's text against the whole
     sequence decoded (unless that holds invalid UTF-8: see the last test)."""
-    stream = chat.text_stream()
+    follower = Follower(chat)
     whole = chat.decode(ids)
     valid = "\ufffd" not in whole
     fed = 0
     while fed < len(ids):
         fed = min(len(ids), fed + sizes.randint(1, 4))
-        before = stream.text
-        added = stream.push(ids[:fed])
-        assert stream.text == before + added
-        assert whole.startswith(stream.text) or not valid, (fed, stream.text[-20:])
-        assert not stream.text.endswith("\ufffd")  # an unfinished character is never shown
-    return stream
+        follower.push(ids[:fed])
+        assert whole.startswith(follower.text) or not valid, (fed, follower.text[-20:])
+        assert not follower.text.endswith("\ufffd")  # an unfinished character is never shown
+    assert follower.push(ids, final=True) == whole
+    return follower
 
 
 def test_following_a_reply_gives_its_whole_text(chat: ChatTokenizer) -> None:
     sizes = random.Random(0)
     for text in [MIXED, *_sharegpt_texts(40)]:
         ids = chat.encode(text)
-        stream = _follow(chat, ids, sizes)
-        assert stream.text == chat.decode(ids)
+        follower = _follow(chat, ids, sizes)
+        assert follower.text == chat.decode(ids)
 
 
 def test_special_tokens_add_no_text(chat: ChatTokenizer) -> None:
     (eos,) = chat.eos_token_ids
     ids = [*chat.encode("First part 你"), eos, *chat.encode(" and after 🎉")]
-    stream = _follow(chat, ids, random.Random(1))
-    assert stream.text == "First part 你 and after 🎉" == chat.decode(ids)
+    follower = _follow(chat, ids, random.Random(1))
+    assert follower.text == "First part 你 and after 🎉" == chat.decode(ids)
+
+
+def test_a_stop_string_ends_the_reply_at_the_token_that_completes_it(chat: ChatTokenizer) -> None:
+    """However the tokens are grouped into pieces (one a step, or several when the answer came
+    late), the reply is cut at the first token whose text completes a stop string, and its text
+    ends before the stop string, also one that began in text held back from an earlier piece."""
+    sizes = random.Random(2)
+    for text in _sharegpt_texts(30):
+        ids = chat.encode(text)
+        whole = chat.decode(ids)
+        if len(whole) < 40 or "\ufffd" in whole:
+            continue
+        at = sizes.randint(10, len(whole) - 8)
+        stops = [whole[at : at + sizes.randint(2, 6)], "\x00never"]
+        first = min(i for s in stops if (i := whole.find(s)) >= 0)
+        completes = next(n for n in range(1, len(ids) + 1)
+                         if any(s in chat.decode(ids[:n]) for s in stops))  # fmt: skip
+        for size in (1, 3, 7):
+            follower = Follower(chat, stops)
+            fed = 0
+            while follower.stop_at is None and fed < len(ids):
+                fed = min(len(ids), fed + sizes.randint(1, size))
+                follower.push(ids[:fed])
+            assert follower.stop_at == completes, (text[:40], stops, size)
+            assert follower.push(ids[:completes], final=True) == whole[:first]
+            assert whole[:first].startswith(follower.text)
 
 
 def test_a_sequence_the_rust_stream_refuses_is_still_followed() -> None:
-    """`DecodeStream` raises on these byte pieces (found by the test below); the follower goes
-    on by decoding the whole reply, and the engine thread never sees the exception."""
+    """Byte pieces that are not valid UTF-8, then text: the follower waits out the broken
+    character and goes on with the text after it."""
     chat = ChatTokenizer(_sentencepiece_style(), vocab_size=len(_sentencepiece_style()))
     ids = [*_byte_pieces(b"\x00\x80"), *chat.encode(" then text 你好")]
-    stream = _follow(chat, ids, random.Random(0))
-    assert stream.text.endswith("then text 你好")
+    follower = _follow(chat, ids, random.Random(0))
+    assert follower.text.endswith("then text 你好")
 
 
 def _byte_pieces(data: bytes) -> list[int]:
@@ -133,13 +186,13 @@ def test_any_token_sequence_is_followed(data: st.DataObject) -> None:
     """Random ids, byte-fallback pieces among them. Where they spell valid UTF-8 the followed
     text is always a prefix of the whole decode and ends equal to it. Where they do not, the two
     may differ (`ByteFallback` turns a whole run of bytes into U+FFFD once any of it is invalid,
-    while the stream has already shown the valid start of the run); the stream then still never
-    shows an unfinished character, and the chat service logs the mismatch."""
+    while the follower may have shown the valid start of the run); the follower then still
+    never shows an unfinished character, and the chat service logs the mismatch."""
     chat = ChatTokenizer(_sentencepiece_style(), vocab_size=len(_sentencepiece_style()))
     ids = data.draw(st.lists(st.integers(0, chat.vocab_size - 1), max_size=40))
-    stream = _follow(chat, ids, random.Random(data.draw(st.integers(0, 99))))
+    follower = _follow(chat, ids, random.Random(data.draw(st.integers(0, 99))))
     if "\ufffd" not in chat.decode(ids):
-        assert stream.text == chat.decode(ids)
+        assert follower.text == chat.decode(ids)
 
 
 FORGED = (

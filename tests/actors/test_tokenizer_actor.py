@@ -22,10 +22,10 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from pensieve.actors import subjects
 from pensieve.actors.bus import ERROR_HEADER, SERVICE_ERROR_CODE_HEADER, Bus
-from pensieve.actors.messages import RenderRequest
+from pensieve.actors.messages import DetokenizeRequest, RenderRequest, TextPiece
 from pensieve.actors.schemas import ApiError
 from pensieve.actors.tokenizer import ChatTokenizer
-from pensieve.actors.tokenizer_actor import render_remote, tokenizer_replicas
+from pensieve.actors.tokenizer_actor import detokenize_remote, render_remote, tokenizer_replicas
 from pensieve.models.assets import smollm2_tokenizer
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.telemetry import setup_tracing
@@ -133,12 +133,50 @@ def test_replicas_share_the_renders_and_each_answers_the_service_protocol(chat, 
                 counts = []
                 for replica in replicas:
                     (info,) = await _answers(bus, f"$SRV.INFO.{SERVICE}.{replica.instance_id}", 1)
-                    (endpoint,) = info["endpoints"]
-                    assert endpoint["subject"] == _render_subject(engine_id)
-                    assert endpoint["queue_group"] == "tokenizer"
+                    render, detokenize = info["endpoints"]
+                    assert render["subject"] == _render_subject(engine_id)
+                    assert detokenize["subject"] == _render_subject(engine_id).replace(
+                        ".render", ".detokenize"
+                    )
+                    assert render["queue_group"] == detokenize["queue_group"] == "tokenizer"
                     (stats,) = await _answers(bus, f"$SRV.STATS.{SERVICE}.{replica.instance_id}", 1)
                     counts.append(stats["endpoints"][0]["num_requests"])
                 assert sum(counts) == 40 and min(counts) > 0  # each took a share
+            finally:
+                await bus.close()
+
+    asyncio.run(go())
+
+
+def test_replicas_find_a_replys_text_and_stop_as_the_core_does(chat, url) -> None:
+    """Pieces of two replies sent a few tokens at a time, each to whichever replica NATS picks
+    (they keep nothing between pieces): the text and the stop found equal the core's, here."""
+    reply = chat.encode(" Paris is the capital of France. It is known for the Eiffel Tower.")
+
+    async def follow(bus: Bus, engine_id: str, stop: tuple[str, ...]) -> tuple[str, int | None]:
+        text, prefix, read, fed = "", 0, 0, 0
+        while fed < len(reply):
+            fed = min(len(reply), fed + 3)
+            tail = text[len(text) - 4 :] if stop else ""
+            piece = TextPiece("t", tuple(reply[prefix:fed]), prefix, prefix, read, tail, stop)
+            (update,) = (await detokenize_remote(bus, engine_id, DetokenizeRequest((piece,)),
+                                                 10)).updates  # fmt: skip
+            text = text[: len(text) - update.trim] + update.text
+            prefix, read = update.prefix, update.read
+            if update.stop_at is not None:
+                return text, update.stop_at
+        return text, None
+
+    async def go() -> None:
+        engine_id = _engine_id()
+        async with tokenizer_replicas(url, engine_id, chat, 2):
+            bus = await Bus.connect(url)
+            try:
+                assert await follow(bus, engine_id, ()) == (chat.decode(reply), None)
+                text, stop_at = await follow(bus, engine_id, ("France", "Tower"))
+                assert text == " Paris is the capital of " and stop_at is not None
+                assert "France" in chat.decode(reply[:stop_at])
+                assert "France" not in chat.decode(reply[: stop_at - 1])
             finally:
                 await bus.close()
 

@@ -16,4 +16,4 @@ def test_a_short_run_loads_the_gpu_and_times_both_phases(capsys) -> None:
 def test_the_text_cost_of_streams_is_timed_both_ways(capsys) -> None:
     assert main(["--streams", "4", "--tokens", "16"]) == 0
     out = capsys.readouterr().out
-    assert "TextStream" in out and "whole-reply decode" in out
+    assert "tokenizer replica" in out and "whole-reply decode" in out

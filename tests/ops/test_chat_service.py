@@ -1,6 +1,7 @@
 """The chat service's core, driven step by step without NATS (the real SmolLM2, a real LMDB):
-a turn whose commit fails leaves its conversation exactly as before it, and a deleted
-conversation cannot be loaded again while the store is still deleting it."""
+a turn whose commit fails leaves its conversation exactly as before it, a deleted conversation
+cannot be loaded again while the store is still deleting it, and a stop string ends a turn at
+the same token however late the tokenizer's answer comes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import orjson
 import pytest
 
 from pensieve.actors.chat_service import ChatService
+from pensieve.actors.messages import DetokenizeReply, DetokenizeRequest
 from pensieve.actors.schemas import ApiError, Page, parse_chat
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.store import ConversationStore, StoreWriter, TurnRecord
@@ -110,3 +112,54 @@ def test_a_long_conversation_is_read_in_pages_that_each_fit_one_message(service)
         if cursor is None:
             break
     assert turns == list(range(40)) and answer["num_turns"] == 40
+
+
+def late_turn(service: ChatService, delay: int, **body: Any) -> dict[str, Any]:
+    """One turn whose reply tokens reach the tokenizer's core only `delay` engine steps after
+    they are sent (a slow or busy tokenizer replica): the engine keeps stepping meanwhile."""
+    sent: list[tuple[int, DetokenizeRequest]] = []
+    steps = 0
+    service.detokenize = lambda request: sent.append((steps, request))
+    reservation = service.reserve(parse_chat(orjson.dumps({"max_tokens": 8, **body})))
+    sink = Sink()
+    service.start(reservation, service.chat.render(reservation.messages), sink)
+    while not sink.settled.wait(0 if service.has_work() else 0.01):
+        if service.has_work():
+            service.step()
+        steps += 1  # an idle engine waits for the answers like a stepping one
+        due = [request for at, request in sent if steps - at >= delay]
+        sent[:] = [(at, request) for at, request in sent if steps - at < delay]
+        for request in due:
+            service.apply_text(DetokenizeReply(tuple(map(service.chat.follow, request.pieces))))
+    assert sink.reply is not None, sink.refused
+    return sink.reply
+
+
+def test_a_stop_string_ends_the_turn_at_the_same_token_however_late_its_text_comes(
+    service,
+) -> None:
+    """The turn's tokens, its text, the stored log and the next turn are the same whether the
+    tokenizer answers at once or five steps late, when the engine has sampled tokens past the
+    stop string already (they are discarded with their KV)."""
+    body = {"message": CHAT[0], "max_tokens": 40, "ignore_eos": True}
+    full = late_turn(service, 0, **body)
+    text = full["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    assert stop.strip() and text.count(stop) == 1, text
+    decode = service.chat.decode
+    completes = next(n for n in range(1, 41) if stop in decode(full["token_ids"][:n]))
+    runs = []
+    for delay in (0, 2, 5):
+        first = late_turn(service, delay, **body, stop=[stop], stream=delay == 2)
+        conv_id = first["conversation_id"]
+        second = late_turn(service, delay, conversation_id=conv_id, message=CHAT[1],
+                           max_tokens=12)  # fmt: skip
+        log = service.store.token_log(conv_id)
+        runs.append((first, second, log))
+    for first, second, log in runs:
+        assert first["token_ids"] == full["token_ids"][:completes]
+        assert first["text"] == text[: text.index(stop)] and first["finish_reason"] == "stop"
+        assert log == runs[0][2]
+        assert second["token_ids"] == runs[0][1]["token_ids"]
+        assert second["usage"] == runs[0][1]["usage"]  # the same history kept, from the GPU
+    assert runs[0][1]["usage"]["cached_tokens"]["gpu"] > 0
