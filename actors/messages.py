@@ -98,7 +98,7 @@ class RenderReply:
         return orjson.dumps({"v": VERSION, "token_ids": self.token_ids})
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class TextPiece:
     """One reply's new tokens to turn into text, a part of a `DetokenizeRequest`.
 
@@ -143,7 +143,7 @@ class TextPiece:
         object.__setattr__(self, "stop", tuple(self.stop))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class TextUpdate:
     """The answer to one `TextPiece`: drop the last `trim` characters of the text found so far
     (the start of a stop string, never streamed) and append `text`; the next piece starts from

@@ -51,12 +51,17 @@ _MAX_PAUSE_S = 1.0
 
 class TokenizerActor(Actor):
     name = "tokenizer"
-    description = "renders chat templates into prompt token ids (one of N stateless replicas)"
+    description = ("renders chat templates into prompt token ids and finds the text and stop "
+                   "strings of reply tokens (one of N stateless replicas)")  # fmt: skip
 
     def __init__(self, bus: Bus, engine_id: str, chat: ChatTokenizer) -> None:
         super().__init__(bus, engine_id)
+        # renders and reply text on threads (and tokenizers) of their own: a turn's render
+        # never waits behind a step's text
         self.chat = ChatTokenizer(copy.deepcopy(chat.tokenizer), chat.vocab_size)
+        self._text_chat = ChatTokenizer(copy.deepcopy(chat.tokenizer), chat.vocab_size)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pensieve-tokenizer")
+        self._text_worker = ThreadPoolExecutor(1, thread_name_prefix="pensieve-detokenizer")
 
     async def setup(self) -> None:
         await self.serve(RENDER, self._render)
@@ -65,6 +70,7 @@ class TokenizerActor(Actor):
     async def teardown(self) -> None:
         # a render still on the thread finishes there; nobody waits for its answer
         self._worker.shutdown(wait=False, cancel_futures=True)
+        self._text_worker.shutdown(wait=False, cancel_futures=True)
 
     async def _render(self, msg: Incoming) -> None:
         parent = propagate.extract(msg.headers)
@@ -81,25 +87,29 @@ class TokenizerActor(Actor):
             await msg.send(RenderReply(ids).encode())
 
     async def _detokenize(self, msg: Incoming) -> None:
+        loop = asyncio.get_running_loop()
+        # decoded, followed and encoded on the text thread: the event loop only passes bytes
+        answer = await loop.run_in_executor(self._text_worker, self._answer_text, msg.data)
+        await msg.send(answer)
+
+    def _answer_text(self, data: bytes) -> bytes:
         try:
-            request = DetokenizeRequest.decode(msg.data)
+            request = DetokenizeRequest.decode(data)
         except MessageError as error:
             raise ApiError("invalid_request", str(error)) from None
-        loop = asyncio.get_running_loop()
-        updates = await loop.run_in_executor(self._worker, self._follow, request.pieces)
-        await msg.send(DetokenizeReply(updates).encode())
+        return DetokenizeReply(self._follow(request.pieces)).encode()
 
     def _follow(self, pieces: Sequence[TextPiece]) -> tuple[TextUpdate, ...]:
-        """On the worker thread; a final piece is traced in its turn's trace."""
+        """A final piece is traced in its turn's trace."""
         tracer = tracing.tracer(self.name)
         updates = []
         for piece in pieces:
             if not piece.trace:
-                updates.append(self.chat.follow(piece))
+                updates.append(self._text_chat.follow(piece))
                 continue
-            parent = propagate.extract({"traceparent": piece.trace})
+            parent = tracing.parent_context(piece.trace)
             with tracer.start_as_current_span("tokenizer.detokenize", context=parent) as span:
-                update = self.chat.follow(piece)
+                update = self._text_chat.follow(piece)
                 span.set_attributes({"pensieve.completion_tokens": len(piece.ids),
                                      "pensieve.stopped": update.stop_at is not None})  # fmt: skip
             updates.append(update)

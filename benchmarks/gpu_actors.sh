@@ -5,8 +5,8 @@
 #   before  the build in .bench/before (the engine called in-thread; see benchmarks.md)
 #   direct  this build, `--step-channel direct`: the scheduler calls the model in its own thread
 #   nats    this build, every actor in one process, step plans to the executor actor over NATS
-#   procs   this build, one process per actor: `pensieve actor executor`, `scheduler` (with its
-#           tokenizer replicas), `recompute-planner` and `ingress`
+#   procs   this build, one process per actor, as compose runs them: `pensieve actor executor`,
+#           `scheduler --tokenizers 0`, two `tokenizer` replicas, `recompute-planner`, `ingress`
 #   nats-tN as nats, with N tokenizer replicas
 #
 #   bash benchmarks/gpu_actors.sh OUT_DIR [CONCURRENCY ...]    (default: 64 128)
@@ -73,14 +73,16 @@ for variant in "${variants[@]}"; do
                 python3 -m pensieve.ops.cli actor executor $model --nats-url "nats://127.0.0.1:$port" \
                     --data-dir "$logs/data_$variant" > "$logs/executor.txt" 2>&1 &
                 pids+=($!)
-                for actor in recompute-planner ingress; do
+                for actor in recompute-planner ingress tokenizer tokenizer; do
+                    one=()  # each tokenizer process one replica
+                    [ "$actor" = tokenizer ] && one=(--tokenizers 1)
                     # shellcheck disable=SC2086
-                    python3 -m pensieve.ops.cli actor "$actor" $model \
+                    python3 -m pensieve.ops.cli actor "$actor" $model "${one[@]}" \
                         --nats-url "nats://127.0.0.1:$port" --data-dir "$logs/data_$variant" \
-                        > "$logs/$actor.txt" 2>&1 &
+                        > "$logs/$actor-${#pids[@]}.txt" 2>&1 &
                     pids+=($!)
                 done
-                serve=(actor scheduler --nats-url "nats://127.0.0.1:$port") ;;
+                serve=(actor scheduler --tokenizers 0 --nats-url "nats://127.0.0.1:$port") ;;
         esac
         # shellcheck disable=SC2086
         python3 -m pensieve.ops.cli "${serve[@]}" $model --nats-port "$port" \
