@@ -150,8 +150,14 @@ class _Reply:
 
 
 class ChatServer:
-    def __init__(self, bus: Bus, engine: EngineThread, engine_id: str) -> None:
+    """With `remote_text`, reply tokens go to the tokenizer actor for their text; otherwise the
+    engine thread finds it with the same core (`ChatService.detokenize`)."""
+
+    def __init__(
+        self, bus: Bus, engine: EngineThread, engine_id: str, remote_text: bool = True
+    ) -> None:
         self.bus = bus
+        self.remote_text = remote_text
         self.engine = engine
         self.engine_id = engine_id
         self._kv_stream = KvEventStream(engine_id)  # this process's KV event batches
@@ -175,7 +181,8 @@ class ChatServer:
         """Take the requests the ingress hands to this engine's scheduler (see
         `actors/ingress.py`), each answered to its client directly."""
         await self._call(self._publish_kv_events, asyncio.get_running_loop())
-        await self._call(self._detokenize_remotely, asyncio.get_running_loop())
+        if self.remote_text:
+            await self._call(self._detokenize_remotely, asyncio.get_running_loop())
         handlers: dict[str, Handler] = {
             "chat": self._chat,
             "cancel": self._cancel,

@@ -94,7 +94,10 @@ async def serving(
     recompute planner runs elsewhere); every actor logs in to NATS as `connect` says (None:
     anonymously); a CPU engine steps on
     `threads` PyTorch threads, its model behind an executor actor with `StepChannel.NATS`.
-    `tokenizers` replicas of the tokenizer actor render the chat templates; conversations idle
+    `tokenizers` replicas of the tokenizer actor render the chat templates. The reply tokens'
+    text is found by the tokenizer actors over NATS where they run elsewhere (`tokenizers` 0),
+    and on the engine thread, with the same core, where they would share this process (they
+    would compete with the engine thread for the interpreter lock). Conversations idle
     past their TTL (`expiry`) are deleted. On leaving, turns in flight get `shutdown_grace_s` to
     finish; the rest are answered `unavailable`."""
     with StoreWriter() as writer:
@@ -124,9 +127,10 @@ async def serving(
                 await actors.enter_async_context(RecomputePlannerActor(
                     await Bus.connect(nats_url, options=connect), engine_id, store, block_size
                 ))  # fmt: skip
+            text_remote = tokenizers == 0
             async with _engine_serving(service, nats_url, engine_id, threads, shutdown_grace_s,
-                                       expiry, ingress, connect) as served:  # fmt: skip
-                yield served
+                                       expiry, ingress, connect, text_remote) as run:  # fmt: skip
+                yield run
 
 
 @contextlib.asynccontextmanager
@@ -167,11 +171,12 @@ async def _engine_serving(
     expiry: ExpiryConfig,
     ingress: bool,
     connect: ConnectOptions | None,
+    remote_text: bool,
 ) -> AsyncIterator[ChatService]:
     engine = EngineThread(service, threads)
     try:
         bus = await Bus.connect(nats_url, options=connect)
-        server = ChatServer(bus, engine, engine_id)
+        server = ChatServer(bus, engine, engine_id, remote_text)
         try:
             await server.start()
             async with contextlib.AsyncExitStack() as front:
