@@ -189,6 +189,10 @@ class ChatService:
         self._answers: list[DetokenizeReply] = []  # answered here, not applied yet
         self._applying = False
         self._followed: dict[str, _Turn] = {}  # request id -> a followed turn still running
+        # followed turns with new tokens, whose text is found here during the engine's next
+        # wait for the device rather than between two steps, where it would delay the next one
+        self._due: list[_Turn] = []
+        self.engine.while_waiting = self._follow_due
         self.engine.take_kv_events()  # recording starts now, while the cache is empty
 
     # ---- requests ------------------------------------------------------------------------
@@ -387,8 +391,14 @@ class ChatService:
                 asked.append(turn)
         if self._followed:
             followed = self._followed
-            asked += [followed[r] for r in outcome.new_tokens if r in followed]
+            grown = [followed[r] for r in outcome.new_tokens if r in followed]
+            if self.detokenize == self._detokenize_here:
+                self._due += grown
+            else:  # a tokenizer replica works on them meanwhile
+                asked += grown
         self._ask_text(asked)
+        if self._due and not self.engine.has_work():  # no wait comes: now
+            self._follow_due()
         if self._timed:  # turns with a timeout, or cancelled while suspended
             now = time.monotonic()
             for turn in [t for t in self._timed.values() if (t.cancel_at or 0.0) <= now]:
@@ -444,6 +454,7 @@ class ChatService:
         self.turns.clear()
         self._timed.clear()
         self._followed.clear()
+        self._due.clear()
 
     def _pass_kv_events(self) -> None:
         """The chunk events since the last call, to the publisher."""
@@ -590,6 +601,11 @@ class ChatService:
                 self.engine.cancel(turn.request)
             turn.conv.busy = False
             turn.sink.error(error)
+
+    def _follow_due(self) -> None:
+        due, self._due = self._due, []
+        if due:
+            self._ask_text(due)
 
     def _detokenize_here(self, request: DetokenizeRequest) -> None:
         """Without a tokenizer actor (the service driven directly): the same core, here."""

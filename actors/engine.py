@@ -96,6 +96,8 @@ class Engine:
         self.last_timing: StepTiming | None = None
         self.overlap = overlap
         self._inflight: Launch | None = None  # launched, its tokens not applied yet
+        # host work that needs no sampled token, done while the step waits for the device
+        self.while_waiting: Callable[[], None] | None = None
         self._traces: TraceContexts | None = None  # see `trace_requests`
         self._kv_follower: Callable[[list[KvEvent]], None] | None = None
 
@@ -232,6 +234,9 @@ class Engine:
         if done is None:  # the first step of a busy period: nothing to apply yet
             self.last_timing = None
             return self._with_rejected(StepOutcome({}, []))
+        if self.while_waiting is not None:
+            self.while_waiting()
+            chosen = time.perf_counter()
         sampled = done.result()
         executed = time.perf_counter()
         plan, orders = done.plan, done.plan.orders
