@@ -392,10 +392,11 @@ class ChatService:
         if self._followed:
             followed = self._followed
             grown = [followed[r] for r in outcome.new_tokens if r in followed]
-            if self.detokenize == self._detokenize_here:
-                self._due += grown
-            else:  # a tokenizer replica works on them meanwhile
+            if self.detokenize != self._detokenize_here:  # a replica works on them meanwhile
                 asked += grown
+            else:  # a reply's first text at once: it is the time to first token
+                for turn in grown:
+                    (self._due if turn.fed else asked).append(turn)
         self._ask_text(asked)
         if self._due and not self.engine.has_work():  # no wait comes: now
             self._follow_due()

@@ -88,6 +88,7 @@ async def serving(
     ingress: bool = True,
     planner: bool = True,
     connect: ConnectOptions | None = None,
+    remote_text: bool | None = None,
 ) -> AsyncIterator[ChatService]:
     """Serve the client API on `nats_url` while the context is open (with `ingress` False,
     only the scheduler's side of it: ingress actors run elsewhere; with `planner` False, the
@@ -97,7 +98,8 @@ async def serving(
     `tokenizers` replicas of the tokenizer actor render the chat templates. The reply tokens'
     text is found by the tokenizer actors over NATS where they run elsewhere (`tokenizers` 0),
     and on the engine thread, with the same core, where they would share this process (they
-    would compete with the engine thread for the interpreter lock). Conversations idle
+    would compete with the engine thread for the interpreter lock); `remote_text` True or False
+    chooses. Conversations idle
     past their TTL (`expiry`) are deleted. On leaving, turns in flight get `shutdown_grace_s` to
     finish; the rest are answered `unavailable`."""
     with StoreWriter() as writer:
@@ -127,7 +129,7 @@ async def serving(
                 await actors.enter_async_context(RecomputePlannerActor(
                     await Bus.connect(nats_url, options=connect), engine_id, store, block_size
                 ))  # fmt: skip
-            text_remote = tokenizers == 0
+            text_remote = tokenizers == 0 if remote_text is None else remote_text
             async with _engine_serving(service, nats_url, engine_id, threads, shutdown_grace_s,
                                        expiry, ingress, connect, text_remote) as run:  # fmt: skip
                 yield run

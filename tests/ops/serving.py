@@ -66,6 +66,7 @@ def serve_on_thread(
     shutdown_grace_s: float = DEFAULTS.shutdown_grace_s,
     step_channel: StepChannel = DEFAULTS.step_channel,
     connect: ConnectOptions | None = None,
+    remote_text: bool | None = None,
 ) -> Iterator[tuple[str, ChatService]]:
     """`serving()` on `url` from a thread with its own event loop; yields the engine id and the
     chat service, and checks on leaving that the server stopped cleanly."""
@@ -76,7 +77,8 @@ def serve_on_thread(
     async def main() -> None:
         with ConversationStore(data_dir) as store:
             async with serving(built, store, url, max_waiting, None, shutdown_grace_s,
-                               step_channel, connect=connect) as service:  # fmt: skip
+                               step_channel, connect=connect,
+                               remote_text=remote_text) as service:  # fmt: skip
                 held.append((store.engine_id(), service))
                 ready.set()
                 await stop.wait()

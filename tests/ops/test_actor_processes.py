@@ -236,14 +236,41 @@ def test_each_actor_killed_under_load_rejoins_and_every_turn_keeps_its_tokens(
     assert codes == dict.fromkeys(codes, 0), {n: a.lines[-20:] for n, a in actors.items()}
 
 
+async def stream_then_stop(url: str, chat: Any, want: list[int]) -> None:
+    """A streamed turn's deltas add up to its reply, whose greedy tokens are `want`; the same
+    turn with a stop string from the middle of that reply ends at the token that completes it,
+    its text before it (the text found by the tokenizer actor in a process of its own)."""
+    client = await nats.connect(url)
+    try:
+        body = {"message": CHATS[0][0], "max_tokens": MAX_TOKENS, "stream": True}
+        inbox = client.new_inbox()
+        sub = await client.subscribe(inbox)
+        await client.publish(subjects.CHAT, orjson.dumps(body), reply=inbox)
+        deltas = []
+        while "done" not in (message := orjson.loads((await sub.next_msg(60)).data)):
+            deltas.append(message["delta"])
+        await sub.unsubscribe()
+        assert message["token_ids"] == want and "".join(deltas) == message["text"]
+        text = message["text"]
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        completes = next(n for n in range(1, len(want) + 1) if stop in chat.decode(want[:n]))
+        body = {"message": CHATS[0][0], "max_tokens": MAX_TOKENS, "stop": [stop]}
+        cut = orjson.loads((await client.request(subjects.CHAT, orjson.dumps(body), 60)).data)
+        assert cut["token_ids"] == want[:completes] and cut["finish_reason"] == "stop"
+        assert cut["text"] == text[: text.find(stop)]
+    finally:
+        await client.close()
+
+
 def test_every_policy_gives_the_stateless_tokens_with_each_actor_in_its_own_process(
-    reference, tmp_path
+    reference, smollm2_chat, tmp_path
 ) -> None:
     """The cache paths of each policy on tiny tiers (kept, swapped, dropped and recomputed
     histories), through the actors in processes of their own: the greedy tokens of every turn
     equal the stateless in-process reference (itself equal to transformers'). One ingress,
     tokenizer and recompute planner serve every policy; the scheduler and the executor start
-    again with the next one."""
+    again with the next one. Under the first, a streamed turn and a turn with a stop string
+    too."""
     with EmbeddedNats() as server:
         url = server.url
         front = [Actor(name, url, tmp_path) for name in ("ingress", "tokenizer",
@@ -259,9 +286,13 @@ def test_every_policy_gives_the_stateless_tokens_with_each_actor_in_its_own_proc
                         actor.wait_ready()
                     conversations = [Conversation(chat[:POLICY_TURNS]) for chat in CHATS]
 
-                    async def run(conversations: list[Conversation] = conversations) -> None:
+                    async def run(
+                        conversations: list[Conversation] = conversations, policy: str = policy
+                    ) -> None:
                         acknowledged: list[int] = []
                         await asyncio.gather(*(talk(url, c, acknowledged) for c in conversations))
+                        if policy == "pensieve":
+                            await stream_then_stop(url, smollm2_chat, reference[0][0])
 
                     asyncio.run(run())
                 finally:

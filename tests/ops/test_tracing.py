@@ -150,7 +150,9 @@ def test_a_turn_is_one_trace_across_the_actors_it_crosses(
     swap-in and recompute plan among them; and the swap-out and the drop of that history are
     spans linked to the turn before. The executor's and the swap manager's spans of the turn
     are written where the model runs: by the executor actor's threads when the engine steps it
-    over NATS, else by the engine thread that runs the model itself."""
+    over NATS, else by the engine thread that runs the model itself. With the step plans over
+    NATS the reply's text goes to the tokenizer replicas over NATS too, and the replica that
+    decodes the whole reply traces it in the turn's trace."""
     # 8 GPU blocks and 3 CPU blocks of 32 tokens: three conversations of ~180 tokens each push
     # the older ones' history to the CPU tier, and out of it
     options = EngineOptions(model="smollm2", gpu_cache_tokens=256, cpu_cache_tokens=96,
@@ -159,7 +161,13 @@ def test_a_turn_is_one_trace_across_the_actors_it_crosses(
     traces = iter(range(0x7E57_0000_0000_0000_0000_0000_0000_0001, 1 << 127))
     with (
         EmbeddedNats() as server,
-        serve_on_thread(built, tmp_path, server.url, step_channel=step_channel),
+        serve_on_thread(
+            built,
+            tmp_path,
+            server.url,
+            step_channel=step_channel,
+            remote_text=step_channel is StepChannel.NATS,
+        ),
     ):
 
         def turn(**body: Any) -> tuple[dict[str, Any], int]:
@@ -196,6 +204,11 @@ def test_a_turn_is_one_trace_across_the_actors_it_crosses(
     else:
         assert executor_side == {"pensieve-engine"}
     assert spans.threads[by_name["queued"].context.span_id] == "pensieve-engine"
+    if step_channel is StepChannel.NATS:
+        detokenize = by_name["tokenizer.detokenize"]
+        assert service_of(detokenize) == "pensieve-tokenizer"
+        assert detokenize.parent.span_id == turn_span.context.span_id  # type: ignore[union-attr]
+        assert spans.threads[detokenize.context.span_id].startswith("pensieve-detokenizer")
     queued, prefill, decode = by_name["queued"], by_name["prefill"], by_name["decode"]
     times = [request.start_time, turn_span.start_time, queued.start_time, queued.end_time,
              prefill.start_time, prefill.end_time, decode.start_time, decode.end_time,
