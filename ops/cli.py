@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import sys
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _actor_parser(commands)
     _tenant_parser(commands)
     _nats_config_parser(commands)
+    _chat_parser(commands)
     commands.add_parser(
         "profile",
         help="measure what recomputing a chunk costs on this device (pensieve profile --help)",
@@ -204,6 +206,35 @@ def _accounts_dir_arg(p: argparse.ArgumentParser) -> None:
         help="the data dir of the engine, whose nats/ folder holds the accounts (default: "
         "that of pensieve serve)",
     )  # fmt: skip
+
+
+def _chat_parser(commands: Any) -> None:
+    from pensieve.ops.chat import add_chat_args
+
+    chat = commands.add_parser(
+        "chat", help="talk to a running server from this terminal",
+        description="Chat with a running server over NATS: each line is the next message of "
+        "one conversation, the reply streams in. /new, /history, /stats, /quit.",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+    add_chat_args(chat)
+    _nats_auth_args(chat, embedded=False)
+    _log_arg(chat)
+    chat.set_defaults(run=_chat, log_level="warning")  # the terminal is for the conversation
+
+
+def _chat(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.chat import ChatOptions, chat, tenant_options
+    from pensieve.ops.nats_auth import nats_auth_from_args
+
+    url, connect = args.nats_url or "nats://127.0.0.1:4222", None
+    if args.tenant is not None:
+        server, connect = tenant_options(args.tenant)
+        url = args.nats_url or server
+    elif (auth := nats_auth_from_args(args)) is not None:
+        connect = auth.connect_options()
+    options = ChatOptions(url, connect, args.max_tokens, args.temperature)
+    return asyncio.run(chat(options))
 
 
 def _nats_auth_args(p: argparse.ArgumentParser, embedded: bool) -> None:
