@@ -35,7 +35,7 @@ from typing import Any
 import lmdb
 import orjson
 
-from benchmarks.bench_serve import server_stats
+from pensieve.ops.load import server_stats
 from pensieve.actors import subjects
 from pensieve.actors.bus import Bus
 from pensieve.ops.sharegpt import human_turns, load_conversations

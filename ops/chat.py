@@ -176,11 +176,16 @@ async def chat(options: ChatOptions, read: Reader = read_terminal, out: TextIO =
     return 0
 
 
-def add_chat_args(parser: argparse.ArgumentParser) -> None:
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """Where a client command connects: `--nats-url`, or a tenant's line (`--tenant`)."""
     parser.add_argument("--nats-url", metavar="URL", help="the server's NATS (default: the "
                         "tenant file's, else nats://127.0.0.1:4222)")  # fmt: skip
     parser.add_argument("--tenant", type=Path, metavar="FILE",
                         help="connect as the tenant whose line `pensieve tenant add` printed "
                         "into FILE")  # fmt: skip
+
+
+def add_chat_args(parser: argparse.ArgumentParser) -> None:
+    add_connection_args(parser)
     parser.add_argument("--max-tokens", type=int, default=256, metavar="N")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T")

@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     _tenant_parser(commands)
     _nats_config_parser(commands)
     _chat_parser(commands)
+    _bench_parser(commands)
     commands.add_parser(
         "profile",
         help="measure what recomputing a chunk costs on this device (pensieve profile --help)",
@@ -224,7 +225,38 @@ def _chat_parser(commands: Any) -> None:
 
 
 def _chat(args: argparse.Namespace, started: float) -> int:
-    from pensieve.ops.chat import ChatOptions, chat, tenant_options
+    from pensieve.ops.chat import ChatOptions, chat
+
+    url, connect = _client_connection(args)
+    return asyncio.run(chat(ChatOptions(url, connect, args.max_tokens, args.temperature)))
+
+
+def _bench_parser(commands: Any) -> None:
+    from pensieve.ops.bench import add_bench_args
+
+    bench = commands.add_parser(
+        "bench", help="load a running server with real conversations; table, JSON and plots",
+        description="Send real conversations to a running server over NATS, closed loop or at "
+        "Poisson arrival rates, and report what it served: a table, JSON, and with --plot "
+        "normalized latency and time to first token against the request rate.",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+    add_bench_args(bench)
+    _nats_auth_args(bench, embedded=False)
+    _log_arg(bench)
+    bench.set_defaults(run=_bench, log_level="warning")
+
+
+def _bench(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.bench import bench
+
+    return bench(args, *_client_connection(args))
+
+
+def _client_connection(args: argparse.Namespace) -> tuple[str, Any]:
+    """Where a client command connects, and as whom: `--tenant`'s line, else the NATS
+    credentials options (anonymous without)."""
+    from pensieve.ops.chat import tenant_options
     from pensieve.ops.nats_auth import nats_auth_from_args
 
     url, connect = args.nats_url or "nats://127.0.0.1:4222", None
@@ -233,8 +265,7 @@ def _chat(args: argparse.Namespace, started: float) -> int:
         url = args.nats_url or server
     elif (auth := nats_auth_from_args(args)) is not None:
         connect = auth.connect_options()
-    options = ChatOptions(url, connect, args.max_tokens, args.temperature)
-    return asyncio.run(chat(options))
+    return url, connect
 
 
 def _nats_auth_args(p: argparse.ArgumentParser, embedded: bool) -> None:

@@ -29,7 +29,7 @@ import pytest
 import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from benchmarks.bench_serve import LoadOptions, run_load
+from pensieve.ops.load import LoadOptions, run_load
 from pensieve.actors import subjects
 from pensieve.actors.bus import ERROR_HEADER, Bus
 from pensieve.actors.chat_service import ChatService
@@ -166,7 +166,7 @@ def _service(url: str, subject: str) -> dict[str, Any]:
 
 
 def test_the_load_client_drives_conversations_through_the_api(server, sharegpt20) -> None:
-    """`benchmarks/bench_serve.py`: three real conversations, two at a time, two streamed turns
+    """The load client (`ops/load.py`): three real conversations, two at a time, two streamed turns
     each; every turn is answered, later turns reuse the history, and the timings are consistent."""
     conversations = load_conversations(sharegpt20)[:3]
     options = LoadOptions(concurrency=2, max_turns=2, max_tokens=8, ignore_eos=True)

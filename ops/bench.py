@@ -1,0 +1,159 @@
+"""`pensieve bench`: load a running server with real conversations and report what it served.
+
+Closed loop (`--concurrency N`: N conversations at once), or a sweep of Poisson arrival rates
+(`--rates 1,2,4`: new conversations a second, each next turn sent after a think time). A
+progress bar while it runs; a table at the end; each run's summary (`ops/load.py`) in `--json`
+under `--label`; and `--plot FILE.png` draws normalized latency and time to first token against
+the request rate, one line per labelled sweep (this one and those of `--compare` files), so two
+servers or two policies are one picture.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from pensieve.actors.bus import Bus, ConnectOptions
+from pensieve.ops.chat import add_connection_args
+from pensieve.ops.load import LoadOptions, run_load, run_poisson
+from pensieve.ops.sharegpt import Conversation, human_turns, load_conversations
+
+COLUMNS = ("run", "turns/s", "out tok/s", "ttft p50", "ttft p90", "norm p50", "norm p90",
+           "gpu", "cpu", "recomp", "new", "errors")  # fmt: skip
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("conversations", nargs="?", default="sharegpt",
+                        help="a conversations file (JSON Lines), or 'sharegpt'")  # fmt: skip
+    add_connection_args(parser)
+    load = parser.add_argument_group("load")
+    load.add_argument("--num-conversations", type=int, default=32, metavar="N")
+    load.add_argument("--max-turns", type=int, default=3, metavar="N")
+    load.add_argument("--max-tokens", type=int, default=128, metavar="N")
+    load.add_argument("--ignore-eos", action="store_true", help="every reply max-tokens long")
+    load.add_argument("--concurrency", type=int, default=8, metavar="N",
+                      help="closed loop: N conversations at once (without --rates)")  # fmt: skip
+    load.add_argument("--rates", metavar="R,R,...",
+                      help="Poisson arrivals instead: one run at each rate of new "
+                      "conversations a second")  # fmt: skip
+    load.add_argument("--think-time", type=float, default=0.0, metavar="S",
+                      help="with --rates: mean seconds from a reply to the next turn")  # fmt: skip
+    load.add_argument("--seed", type=int, default=0)
+    out = parser.add_argument_group("output")
+    out.add_argument("--label", default="pensieve", help="this sweep's name in JSON and plots")
+    out.add_argument("--json", type=Path, metavar="FILE", help="write the sweep's runs here")
+    out.add_argument("--plot", type=Path, metavar="FILE.png",
+                     help="draw normalized latency and TTFT against the request rate")  # fmt: skip
+    out.add_argument("--compare", type=Path, nargs="*", default=[], metavar="JSON",
+                     help="other sweeps (their --json) to draw beside this one")  # fmt: skip
+
+
+def parse_rates(text: str | None) -> list[float]:
+    if text is None:
+        return []
+    try:
+        rates = [float(r) for r in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--rates must be numbers separated by commas, got {text!r}") from None
+    if not rates or not all(r > 0 and math.isfinite(r) for r in rates):
+        raise ValueError("--rates must be positive")
+    return rates
+
+
+async def sweep(
+    url: str,
+    connect: ConnectOptions | None,
+    conversations: list[Conversation],
+    options: LoadOptions,
+    rates: Sequence[float],
+    think_s: float,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """One run per rate (one closed-loop run without rates), each with a progress bar."""
+    bus = await asyncio.wait_for(Bus.connect(url, name="pensieve-bench", options=connect), 10)
+    total = sum(len(list(human_turns(c))[: options.max_turns]) for c in conversations)
+    runs = []
+    try:
+        chosen: list[float | None] = [*rates] if rates else [None]
+        for rate in chosen:
+            name = f"{rate:g}/s" if rate is not None else f"c={options.concurrency}"
+            with tqdm(total=total, desc=name, unit="turn", leave=False) as bar:
+                told = dataclasses.replace(options, on_turn=lambda: bar.update(1))
+                if rate is None:
+                    runs.append(await run_load(bus, conversations, told))
+                else:
+                    runs.append(await run_poisson(bus, conversations, told, rate, think_s, seed))
+    finally:
+        await bus.close()
+    return runs
+
+
+def table(label: str, runs: Sequence[dict[str, Any]]) -> str:
+    rows = [COLUMNS]
+    for run in runs:
+        mode = (f"{run['request_rate']:g}/s" if "request_rate" in run
+                else f"c={run.get('concurrency', '?')}")  # fmt: skip
+        cached = run["cached_tokens"]
+        errors = ",".join(f"{k}:{v}" for k, v in sorted(run["errors"].items())) or "-"
+        rows.append((f"{label} {mode}", f"{run['turns_per_s']:.2f}",
+                     f"{run['output_tok_per_s']:.1f}", f"{run['ttft_s_p50']:.3f}",
+                     f"{run['ttft_s_p90']:.3f}", f"{run['norm_latency_s_p50']:.4f}",
+                     f"{run['norm_latency_s_p90']:.4f}", str(cached["gpu"]), str(cached["cpu"]),
+                     str(cached["recomputed"]), str(run["new_prompt_tokens"]),
+                     errors))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
+                     for row in rows)  # fmt: skip
+
+
+def plot(path: Path, sweeps: dict[str, list[dict[str, Any]]]) -> None:
+    """Normalized latency (p90) and time to first token (p90) against the request rate, one
+    line per labelled sweep; closed-loop runs have no rate and are left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4.4), constrained_layout=True)
+    panels = (("norm_latency_s_p90", "p90 normalized latency (s / token)"),
+              ("ttft_s_p90", "p90 time to first token (s)"))  # fmt: skip
+    for axis, (key, title) in zip(axes, panels, strict=True):
+        for label, runs in sweeps.items():
+            points = sorted((r["turns_per_s"], r[key]) for r in runs if "request_rate" in r)
+            if points:
+                axis.plot(*zip(*points, strict=True), marker="o", label=label)
+        axis.set_xlabel("requests served per second")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+    # one legend under both panels, off the data
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside lower center", ncols=max(len(labels), 1))
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def bench(args: argparse.Namespace, url: str, connect: ConnectOptions | None) -> int:
+    rates = parse_rates(args.rates)
+    conversations = load_conversations(args.conversations, args.num_conversations)
+    options = LoadOptions(args.concurrency, args.max_turns, args.max_tokens, args.ignore_eos,
+                          probe_every_s=0.0)  # fmt: skip
+    runs = asyncio.run(sweep(url, connect, conversations, options, rates, args.think_time,
+                             args.seed))  # fmt: skip
+    print(table(args.label, runs))
+    if args.json is not None:
+        args.json.write_text(json.dumps({"label": args.label, "runs": runs}, indent=1))
+    if args.plot is not None:
+        sweeps = {args.label: runs}
+        for path in args.compare:
+            other = json.loads(path.read_text())
+            sweeps[other["label"]] = other["runs"]
+        plot(args.plot, sweeps)
+    return 0 if all(run["turns"] for run in runs) else 1

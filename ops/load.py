@@ -1,0 +1,315 @@
+"""Load for a running `pensieve serve`, sent over NATS as clients send it (`pensieve bench`).
+
+ShareGPT conversations, each human message one streamed turn on `pensieve.v1.chat` (the first
+without a conversation id, the next ones with the id the first reply gave), sent when the
+previous reply is complete: K conversations at once (closed loop, `run_load`), or new ones
+arriving as a Poisson process with a think time before each next turn (`run_poisson`). The
+time to the first streamed delta is the time to first token. At the end: turns, output tokens
+per second, time to first token, latency and normalized latency (latency / output tokens)
+percentiles, prompt tokens by where their KV came from, errors by code, and (`server`) what the
+engine's own totals on `pensieve.v1.stats` moved by meanwhile: token sources and swap volumes
+and rates.
+
+    python3 -m pensieve.ops.load --nats-url nats://127.0.0.1:4222 [sharegpt]
+        [--num-conversations 32] [--max-turns 3] [--max-tokens 128] [--concurrency 8]
+        [--ignore-eos] [--probe-every S] [--json OUT]
+
+`pensieve replay` with the same conversations, turns, token limit and concurrency runs the
+same work on the engine directly, without NATS: the two summaries side by side show what the
+serving layer costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from pensieve.actors import subjects
+from pensieve.actors.bus import Bus
+from pensieve.ops.sharegpt import Conversation, Role, human_turns, load_conversations
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    concurrency: int = 8
+    max_turns: int = 3
+    max_tokens: int = 128
+    ignore_eos: bool = False
+    stream: bool = True  # else the time to first token is the whole latency
+    timeout_s: float = 600.0
+    # seconds between management requests (stats, list, get) sent beside the load, whose
+    # latencies the summary reports (0: none)
+    probe_every_s: float = 0.2
+    final: bool = False  # each conversation's last turn says "final": its KV goes at once
+    on_turn: Callable[[], None] | None = None  # told after each turn (a progress bar)
+
+
+@dataclass
+class _Turns:
+    ttft: list[float] = field(default_factory=list)
+    latency: list[float] = field(default_factory=list)
+    normalized: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+async def run_load(
+    bus: Bus, conversations: list[Conversation], options: LoadOptions
+) -> dict[str, Any]:
+    """Send every conversation's turns through `bus`; returns the summary."""
+    pending = list(reversed(conversations))
+    turns = _Turns()
+
+    async def client() -> None:
+        while pending:
+            await _conversation(bus, pending.pop(), options, turns)
+
+    before = await server_stats(bus)
+    begin = time.perf_counter()
+    probes: dict[str, list[float]] = {"stats": [], "list": [], "get": []}
+    probing = asyncio.ensure_future(_probe(bus, options.probe_every_s, probes))
+    await asyncio.gather(*(client() for _ in range(options.concurrency)))
+    probing.cancel()
+    summary = _summary(turns, time.perf_counter() - begin)
+    summary["concurrency"] = options.concurrency
+    summary["management_s"] = {
+        name: {"n": len(values), "p50": _percentile(values, 0.5), "p99": _percentile(values, 0.99)}
+        for name, values in probes.items()
+    }
+    after = await server_stats(bus)
+    if before is not None and after is not None and before["engine_id"] == after["engine_id"]:
+        summary["server"] = _server_moved(before, after)
+    return summary
+
+
+async def run_poisson(
+    bus: Bus,
+    conversations: list[Conversation],
+    options: LoadOptions,
+    rate: float,
+    think_s: float,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """New conversations arrive `rate` a second (a Poisson process), each next turn is sent a
+    think time after the reply before it (exponential, mean `think_s`); returns the summary."""
+    draw = random.Random(seed)
+    turns = _Turns()
+    before = await server_stats(bus)
+    begin = time.perf_counter()
+    talking = []
+    for conv in conversations:
+        pause = draw.expovariate(1 / think_s) if think_s > 0 else 0.0
+        talking.append(asyncio.ensure_future(_conversation(bus, conv, options, turns, pause)))
+        await asyncio.sleep(draw.expovariate(rate))
+    await asyncio.gather(*talking)
+    summary = _summary(turns, time.perf_counter() - begin)
+    summary |= {"request_rate": rate, "think_s": think_s}
+    after = await server_stats(bus)
+    if before is not None and after is not None and before["engine_id"] == after["engine_id"]:
+        summary["server"] = _server_moved(before, after)
+    return summary
+
+
+async def _probe(bus: Bus, every_s: float, latencies: dict[str, list[float]]) -> None:
+    """Management requests beside the load, one every `every_s`, round robin: how long each
+    waits for its answer while turns run."""
+    if every_s <= 0:
+        return
+    conv_id: str | None = None
+    for i in itertools.count():
+        name = ("stats", "list", "get")[i % 3]
+        subject, body = {
+            "stats": (subjects.STATS, {}),
+            "list": (subjects.CONVERSATIONS_LIST, {"limit": 10}),
+            "get": (subjects.CONVERSATIONS_GET, {"conversation_id": conv_id, "limit": 10}),
+        }[name]
+        if name == "get" and conv_id is None:
+            await asyncio.sleep(every_s)
+            continue
+        begin = time.perf_counter()
+        try:
+            async with aclosing(bus.ask(subject, orjson.dumps(body), timeout=30.0)) as answer:
+                reply = orjson.loads(await anext(answer))
+        except (TimeoutError, ConnectionError):
+            reply = None
+        latencies[name].append(time.perf_counter() - begin)
+        if name == "list" and reply and reply.get("conversations"):
+            conv_id = reply["conversations"][0]
+        await asyncio.sleep(every_s)
+
+
+async def server_stats(bus: Bus) -> dict[str, Any] | None:
+    """`pensieve.v1.stats` of the engine that answers (None if none does, e.g. an older one)."""
+    try:
+        async with aclosing(bus.ask(subjects.STATS, b"{}", timeout=30.0)) as answer:
+            async for data in answer:
+                body = orjson.loads(data)
+                return None if "error" in body else dict(body)
+    except (TimeoutError, ConnectionError):
+        return None
+    return None
+
+
+def _server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What the engine did during the load, by its own totals: requests finished, suspensions,
+    prompt tokens by source, and swaps in each direction with their rate over the device time
+    the copies took. With one engine on the bus and no other client, its prompt sources add up
+    the replies' `cached_tokens`."""
+
+    def moved(a: Any, b: Any) -> Any:
+        if isinstance(a, dict):
+            return {k: moved(a[k], b[k]) for k in a if k in b}
+        return a - b
+
+    requests = after["requests"]
+    out: dict[str, Any] = {
+        "engine_id": after["engine_id"],
+        "requests_finished": requests["finished"] - before["requests"]["finished"],
+        "suspensions": requests["suspensions"] - before["requests"]["suspensions"],
+        "tokens": moved(after["tokens"], before["tokens"]),
+        "swaps": moved(after["swaps"], before["swaps"]),
+    }
+    if "device" in after and "device" in before:  # device time in steps and idle between them
+        device = moved(after["device"], before["device"])
+        total = device["busy_s"] + device["idle_s"]
+        out["device"] = {**device, "idle_fraction": device["idle_s"] / total if total else None}
+    for swap in out["swaps"].values():
+        swap["gb_per_s"] = swap["bytes"] / swap["seconds"] / 1e9 if swap["seconds"] > 0 else None
+    return out
+
+
+async def _conversation(
+    bus: Bus, conv: Conversation, options: LoadOptions, turns: _Turns, think_s: float = 0.0
+) -> None:
+    """The conversation's turns one after the other, `think_s` between a reply and the next."""
+    conversation_id = None
+    system = [{"role": "system", "content": m.text} for m in conv.turns[:1]
+              if m.role is Role.SYSTEM]  # fmt: skip
+    chosen = list(human_turns(conv))[: options.max_turns]
+    for i, turn in enumerate(chosen):
+        body: dict[str, Any] = {"max_tokens": options.max_tokens,
+                                "ignore_eos": options.ignore_eos,
+                                "stream": options.stream}  # fmt: skip
+        if options.final and i == len(chosen) - 1:
+            body["final"] = True
+        if conversation_id is not None:
+            body |= {"conversation_id": conversation_id, "message": turn.text}
+        elif system:  # as `pensieve replay` renders it
+            body["messages"] = [*system, {"role": "user", "content": turn.text}]
+        else:
+            body["message"] = turn.text
+        if i and think_s:
+            await asyncio.sleep(think_s)
+        begin = time.perf_counter()
+        first = None
+        reply: dict[str, Any] = {}
+        asked = bus.ask(subjects.CHAT, orjson.dumps(body), options.timeout_s)
+        async with aclosing(asked) as answer:
+            async for data in answer:
+                reply = orjson.loads(data)
+                if "delta" not in reply:
+                    break
+                first = first or time.perf_counter()
+        done = time.perf_counter()
+        if "error" in reply:
+            turns.errors[reply["error"]["code"]] += 1
+            return  # the conversation cannot go on without this turn
+        conversation_id = reply["conversation_id"]
+        usage = reply["usage"]
+        turns.ttft.append((first or done) - begin)
+        turns.latency.append(done - begin)
+        turns.normalized.append((done - begin) / max(usage["completion_tokens"], 1))
+        turns.output_tokens += usage["completion_tokens"]
+        turns.prompt_tokens += usage["prompt_tokens"]
+        turns.cached.update(usage["cached_tokens"])
+        if options.on_turn is not None:
+            options.on_turn()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _summary(turns: _Turns, seconds: float) -> dict[str, Any]:
+    return {
+        "turns": len(turns.latency),
+        "errors": dict(turns.errors),
+        "seconds": seconds,
+        "output_tokens": turns.output_tokens,
+        "output_tok_per_s": turns.output_tokens / seconds if seconds else 0.0,
+        "turns_per_s": len(turns.latency) / seconds if seconds else 0.0,
+        "prompt_tokens": turns.prompt_tokens,
+        "cached_tokens": {k: turns.cached[k] for k in ("gpu", "cpu", "recomputed")},
+        "new_prompt_tokens": turns.prompt_tokens - sum(turns.cached.values()),
+        **{
+            f"{name}_p{int(q * 100)}": _percentile(values, q)
+            for name, values in (
+                ("ttft_s", turns.ttft),
+                ("latency_s", turns.latency),
+                ("norm_latency_s", turns.normalized),
+            )  # fmt: skip
+            for q in (0.5, 0.9)
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("conversations", nargs="?", default="sharegpt", help="file, or 'sharegpt'")
+    p.add_argument("--nats-url", required=True)
+    p.add_argument("--num-conversations", type=int, default=32)
+    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--no-stream", action="store_true", help="whole replies only")
+    p.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    p.add_argument("--final", action="store_true",
+                   help="send each conversation's last turn with \"final\": true")  # fmt: skip
+    p.add_argument(
+        "--probe-every",
+        type=float,
+        default=0.2,
+        metavar="S",
+        help="send stats, list and get beside the load every S seconds (0: none)",
+    )
+    args = p.parse_args(argv)
+    conversations = load_conversations(args.conversations, args.num_conversations)
+    options = LoadOptions(args.concurrency, args.max_turns, args.max_tokens, args.ignore_eos,
+                          not args.no_stream, probe_every_s=args.probe_every,
+                          final=args.final)  # fmt: skip
+
+    async def go() -> dict[str, Any]:
+        bus = await Bus.connect(args.nats_url, name="pensieve-load")
+        try:
+            return await run_load(bus, conversations, options)
+        finally:
+            await bus.close()
+
+    summary = asyncio.run(go())
+    text = orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode()
+    print(text)
+    if args.json is not None:
+        args.json.write_text(text)
+    return 0 if summary["turns"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""`pensieve bench` against a real server (a real nats-server, the real SmolLM2, real ShareGPT
+conversations): a Poisson rate sweep and a closed-loop run report every turn; the table, the
+JSON and the plot hold what was measured, and the plot draws one line per labelled sweep."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pensieve.ops.cli import main
+from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.nats_server import EmbeddedNats
+from tests.ops.serving import serve_on_thread
+
+pytestmark = pytest.mark.slow
+
+# matplotlib's first two line colours, as 0-1 RGB
+FIRST, SECOND = (0x1F / 255, 0x77 / 255, 0xB4 / 255), (0xFF / 255, 0x7F / 255, 0x0E / 255)
+
+
+def coloured(image: np.ndarray, rgb: tuple[float, float, float]) -> np.ndarray:
+    """Which pixels are (nearly) `rgb`."""
+    return np.all(np.abs(image[..., :3] - np.array(rgb)) < 0.08, axis=-1)
+
+
+def test_a_rate_sweep_is_measured_tabled_and_plotted_beside_another(
+    smollm2, smollm2_chat, sharegpt20, tmp_path, capsys
+) -> None:
+    built = assemble(EngineOptions(model="smollm2"), smollm2, smollm2_chat)
+    work = [str(sharegpt20), "--num-conversations", "3", "--max-turns", "2", "--max-tokens",
+            "4", "--ignore-eos"]  # fmt: skip
+    with EmbeddedNats() as server, serve_on_thread(built, tmp_path / "data", server.url):
+        url = ["--nats-url", server.url]
+        closed = ["bench", *url, *work, "--concurrency", "2", "--label", "closed"]
+        assert main(closed) == 0
+        assert "closed c=2" in capsys.readouterr().out
+        first = ["bench", *url, *work, "--rates", "2,8", "--think-time", "0.1", "--label",
+                 "first", "--json", str(tmp_path / "first.json")]  # fmt: skip
+        assert main(first) == 0
+        second = ["bench", *url, *work, "--rates", "1,4", "--label", "second", "--json",
+                  str(tmp_path / "second.json"), "--plot", str(tmp_path / "rates.png"),
+                  "--compare", str(tmp_path / "first.json")]  # fmt: skip
+        assert main(second) == 0
+    out = capsys.readouterr().out
+    for row in ("first 2/s", "first 8/s", "second 1/s", "second 4/s"):
+        assert row in out
+    sweep = json.loads((tmp_path / "first.json").read_text())
+    assert sweep["label"] == "first" and [r["request_rate"] for r in sweep["runs"]] == [2, 8]
+    for run in sweep["runs"]:
+        assert run["turns"] == 6 and run["output_tokens"] == 24 and not run["errors"]
+        assert run["cached_tokens"]["gpu"] > 0  # second turns came from the KV the first left
+        assert 0 < run["ttft_s_p50"] <= run["latency_s_p50"]
+
+    from matplotlib import image
+
+    picture = image.imread(tmp_path / "rates.png")
+    height, width = picture.shape[:2]
+    plots = picture[: int(height * 0.85)]  # the panels, without the legend under them
+    for panel in (plots[:, : width // 2], plots[:, width // 2 :]):  # latency, then TTFT
+        # each sweep drawn in each panel: at least its two markers of its colour
+        assert coloured(panel, FIRST).sum() > 80 and coloured(panel, SECOND).sum() > 80
+    legend = picture[int(height * 0.85) :]
+    assert coloured(legend, FIRST).any() and coloured(legend, SECOND).any()
