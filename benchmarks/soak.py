@@ -35,9 +35,9 @@ from typing import Any
 import lmdb
 import orjson
 
-from pensieve.ops.load import server_stats
 from pensieve.actors import subjects
 from pensieve.actors.bus import Bus
+from pensieve.ops.load import server_stats
 from pensieve.ops.sharegpt import human_turns, load_conversations
 
 MIB = 2**20

@@ -29,7 +29,6 @@ import pytest
 import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pensieve.ops.load import LoadOptions, run_load
 from pensieve.actors import subjects
 from pensieve.actors.bus import ERROR_HEADER, Bus
 from pensieve.actors.chat_service import ChatService
@@ -37,6 +36,7 @@ from pensieve.actors.config import DEFAULTS, StepChannel
 from pensieve.actors.schemas import ERROR_STATUS, ApiError, parse_chat
 from pensieve.actors.server import EngineThread
 from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.load import LoadOptions, run_load
 from pensieve.ops.nats_server import EmbeddedNats, free_port
 from pensieve.ops.sharegpt import load_conversations
 from pensieve.ops.telemetry import setup_tracing
