@@ -232,7 +232,7 @@ def _chat(args: argparse.Namespace, started: float) -> int:
 
 
 def _bench_parser(commands: Any) -> None:
-    from pensieve.ops.bench import add_bench_args
+    from pensieve.ops.sweep import add_bench_args
 
     bench = commands.add_parser(
         "bench", help="load a running server with real conversations; table, JSON and plots",
@@ -248,7 +248,7 @@ def _bench_parser(commands: Any) -> None:
 
 
 def _bench(args: argparse.Namespace, started: float) -> int:
-    from pensieve.ops.bench import bench
+    from pensieve.ops.sweep import bench
 
     return bench(args, *_client_connection(args))
 
