@@ -209,19 +209,27 @@ def _accounts_dir_arg(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _client_parser(commands: Any, name: str, help: str, description: str) -> Any:
+    """A command that talks to a running server as a client: its NATS credentials options,
+    and quiet logs (the terminal is for its own output)."""
+    parser = commands.add_parser(name, help=help, description=description,
+                                 formatter_class=HelpFormatter)  # fmt: skip
+    _nats_auth_args(parser, embedded=False)
+    _log_arg(parser)
+    parser.set_defaults(log_level="warning")
+    return parser
+
+
 def _chat_parser(commands: Any) -> None:
     from pensieve.ops.chat import add_chat_args
 
-    chat = commands.add_parser(
-        "chat", help="talk to a running server from this terminal",
-        description="Chat with a running server over NATS: each line is the next message of "
-        "one conversation, the reply streams in. /new, /history, /stats, /quit.",
-        formatter_class=HelpFormatter,
+    chat = _client_parser(
+        commands, "chat", "talk to a running server from this terminal",
+        "Chat with a running server over NATS: each line is the next message of one "
+        "conversation, the reply streams in. /new, /history, /stats, /quit.",
     )  # fmt: skip
     add_chat_args(chat)
-    _nats_auth_args(chat, embedded=False)
-    _log_arg(chat)
-    chat.set_defaults(run=_chat, log_level="warning")  # the terminal is for the conversation
+    chat.set_defaults(run=_chat)
 
 
 def _chat(args: argparse.Namespace, started: float) -> int:
@@ -234,17 +242,14 @@ def _chat(args: argparse.Namespace, started: float) -> int:
 def _bench_parser(commands: Any) -> None:
     from pensieve.ops.sweep import add_bench_args
 
-    bench = commands.add_parser(
-        "bench", help="load a running server with real conversations; table, JSON and plots",
-        description="Send real conversations to a running server over NATS, closed loop or at "
-        "Poisson arrival rates, and report what it served: a table, JSON, and with --plot "
-        "normalized latency and time to first token against the request rate.",
-        formatter_class=HelpFormatter,
+    bench = _client_parser(
+        commands, "bench", "load a running server with real conversations; table, JSON and plots",
+        "Send real conversations to a running server over NATS, closed loop or at Poisson "
+        "arrival rates, and report what it served: a table, JSON, and with --plot normalized "
+        "latency and time to first token against the request rate.",
     )  # fmt: skip
     add_bench_args(bench)
-    _nats_auth_args(bench, embedded=False)
-    _log_arg(bench)
-    bench.set_defaults(run=_bench, log_level="warning")
+    bench.set_defaults(run=_bench)
 
 
 def _bench(args: argparse.Namespace, started: float) -> int:
