@@ -34,6 +34,7 @@ from opentelemetry.context import Context
 from pensieve.actors import tracing
 from pensieve.actors.config import ExpiryConfig
 from pensieve.actors.engine import Engine
+from pensieve.actors.executor import Launch
 from pensieve.actors.messages import (
     DetokenizeReply,
     DetokenizeRequest,
@@ -192,7 +193,10 @@ class ChatService:
         # followed turns with new tokens, whose text is found here during the engine's next
         # wait for the device rather than between two steps, where it would delay the next one
         self._due: list[_Turn] = []
-        self.engine.while_waiting = self._follow_due
+        # and while it waits, the tokenizer's answers (the NATS shell sets this: it applies
+        # them as they come, so a reply's text never waits for the step after the one in flight)
+        self.take_text: Callable[[Launch], None] | None = None
+        self.engine.while_waiting = self._while_waiting
         self.engine.take_kv_events()  # recording starts now, while the cache is empty
 
     # ---- requests ------------------------------------------------------------------------
@@ -602,6 +606,14 @@ class ChatService:
                 self.engine.cancel(turn.request)
             turn.conv.busy = False
             turn.sink.error(error)
+
+    def _while_waiting(self, step: Launch) -> None:
+        self._follow_due()
+        if self.take_text is not None and self._text_out():
+            self.take_text(step)
+
+    def _text_out(self) -> bool:
+        return any(turn.asking for turn in self.turns.values())
 
     def _follow_due(self) -> None:
         due, self._due = self._due, []

@@ -96,8 +96,9 @@ class Engine:
         self.last_timing: StepTiming | None = None
         self.overlap = overlap
         self._inflight: Launch | None = None  # launched, its tokens not applied yet
-        # host work that needs no sampled token, done while the step waits for the device
-        self.while_waiting: Callable[[], None] | None = None
+        # host work that needs no sampled token, done while the step waits for the device (it
+        # is given the step waited for, and may return before or after that step is done)
+        self.while_waiting: Callable[[Launch], None] | None = None
         self._traces: TraceContexts | None = None  # see `trace_requests`
         self._kv_follower: Callable[[list[KvEvent]], None] | None = None
 
@@ -235,7 +236,7 @@ class Engine:
             self.last_timing = None
             return self._with_rejected(StepOutcome({}, []))
         if self.while_waiting is not None:
-            self.while_waiting()
+            self.while_waiting(done)
             chosen = time.perf_counter()
         sampled = done.result()
         executed = time.perf_counter()

@@ -10,6 +10,7 @@ one runs, its decodes fed the tokens this one samples straight from the device (
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -64,6 +65,9 @@ class Launched:
         rows = self.rows  # a request samples in at most one piece of a step
         return [values[rows[p.request_id]] for p in self.plan.pieces if p.sampling is not None]
 
+    def when_done(self, callback: Callable[[], None]) -> bool:
+        return False  # a CUDA event is polled, not awaited
+
 
 class Launch(Protocol):
     """A step handed to an executor: its plan, and its sampled tokens once it has run."""
@@ -73,6 +77,11 @@ class Launch(Protocol):
 
     def result(self) -> list[int]:
         """One sampled token per piece that samples, in plan order (waits for the step)."""
+        ...
+
+    def when_done(self, callback: Callable[[], None]) -> bool:
+        """Call `callback` (from any thread) once `result` would not wait; False if this
+        launch cannot tell, and never calls it."""
         ...
 
 

@@ -1,8 +1,9 @@
 """The async shell of the chat service: NATS subjects in, the engine on a thread of its own.
 
 `EngineThread` owns the `ChatService` (and through it the engine, the scheduler and the cache):
-every call into it runs on that thread, between steps, so none of them needs a lock. The thread
-steps the engine while there is work and otherwise sleeps on its command queue.
+every call into it runs on that thread, between steps (or, for the tokenizer's answers, while a
+step waits for the device), so none of them needs a lock. The thread steps the engine while there
+is work and otherwise sleeps on its command queue.
 
 `ChatServer` is the scheduler actor's shell: it takes the client requests the ingress hands
 over (`actors/ingress.py`) on the scheduler's internal subjects, has the chat template rendered by
@@ -13,6 +14,7 @@ replies (or streamed deltas) straight to the client's inbox.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import gc
 import logging
@@ -31,6 +33,7 @@ from opentelemetry.trace import SpanKind
 from pensieve.actors import subjects, tracing
 from pensieve.actors.bus import TENANT_HEADER, Bus, Handler, Incoming, ServiceInfo
 from pensieve.actors.chat_service import ChatService
+from pensieve.actors.executor import Launch
 from pensieve.actors.kv_events import KvEventStream
 from pensieve.actors.messages import DetokenizeRequest, KvEvent, encode_kv_events
 from pensieve.actors.recompute_planner import plan_remote
@@ -53,6 +56,16 @@ _T = TypeVar("_T")
 _STOP = object()
 SNAPSHOT_EVERY_S = 0.1
 STATS_WAIT_S = 0.05  # how long a stats request waits for the engine thread, then its snapshot
+# how long the engine thread takes answers during a step before it waits on the step itself,
+# which checks that a remote executor still lives
+TAKE_TEXT_FOR_S = 1.0
+
+
+class _StepDone:
+    """Queued when a remote step's tokens are in: the engine thread stops taking answers."""
+
+    def __init__(self, step: Launch) -> None:
+        self.step = step
 
 
 class EngineThread:
@@ -70,13 +83,22 @@ class EngineThread:
         self.snapshot: tuple[float, dict[str, Any]] = (time.monotonic(), service.stats())
         self.stepping = False  # in a step now: a stats request takes the snapshot
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._deferred: collections.deque[Any] = collections.deque()  # taken out during a step
         self._thread = threading.Thread(target=self._run, name="pensieve-engine", daemon=True)
         self._thread.start()
 
     def call(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
         """Run `fn(*args)` on the engine thread, between two steps."""
         future: Future[_T] = Future()
-        self._commands.put((fn, args, future))
+        self._commands.put((fn, args, future, False))
+        return future
+
+    def call_text(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+        """Run `fn(*args)`, which applies a tokenizer's answer, on the engine thread: between
+        two steps, or as soon as it comes while a remote step is in flight (see
+        `ChatService.take_text`)."""
+        future: Future[_T] = Future()
+        self._commands.put((fn, args, future, True))
         return future
 
     def stop(self) -> None:
@@ -93,22 +115,17 @@ class EngineThread:
             if stepped and not busy:  # idle from here: the snapshot is exact until it steps
                 self.snapshot, stepped = (time.monotonic(), self.service.stats()), False
             try:
-                command = self._commands.get(block=not busy)
+                command = self._deferred.popleft() if self._deferred else None
+                command = command or self._commands.get(block=not busy)
             except queue.Empty:
                 command = None
+            if isinstance(command, _StepDone):  # that wait ended already
+                continue
             if command is _STOP:
                 self.service.fail_all(ApiError("internal", "the server is shutting down"))
                 return
             if command is not None:
-                fn, args, future = command
-                if not future.set_running_or_notify_cancel():  # its caller went away
-                    continue
-                try:
-                    if broken is not None:
-                        raise broken
-                    future.set_result(fn(*args))
-                except BaseException as error:  # handed to the caller, who answers with it
-                    future.set_exception(error)
+                _run_command(command, broken)
                 continue  # take every queued command before the next step
             try:
                 self.stepping = True
@@ -127,6 +144,39 @@ class EngineThread:
                     broken = ApiError("internal", f"the engine failed and could not be reset "
                                       f"({failure}); restart the server")  # fmt: skip
                     self.service.fail_all(broken)
+
+    def take_text(self, step: Launch) -> None:
+        """While `step` runs in a remote executor: apply the tokenizer's answers as they come
+        (an answer only touches turns whose tokens it was asked about); keep every other
+        command, in order, for after the step."""
+        if not step.when_done(lambda: self._commands.put(_StepDone(step))):
+            return
+        while True:
+            try:
+                command = self._commands.get(timeout=TAKE_TEXT_FOR_S)
+            except queue.Empty:
+                return
+            if isinstance(command, _StepDone):
+                if command.step is step:
+                    return
+            elif command is not _STOP and command[3]:
+                _run_command(command, None)
+            else:
+                self._deferred.append(command)
+                if command is _STOP:
+                    return
+
+
+def _run_command(command: tuple[Any, ...], broken: ApiError | None) -> None:
+    fn, args, future, _ = command
+    if not future.set_running_or_notify_cancel():  # its caller went away
+        return
+    try:
+        if broken is not None:
+            raise broken
+        future.set_result(fn(*args))
+    except BaseException as error:  # handed to the caller, who answers with it
+        future.set_exception(error)
 
 
 class _Reply:
@@ -221,6 +271,7 @@ class ChatServer:
                 loop.call_soon_threadsafe(self._send_text, request)
 
         self.engine.service.detokenize = send
+        self.engine.service.take_text = self.engine.take_text
 
     def _send_text(self, request: DetokenizeRequest) -> None:
         task = asyncio.ensure_future(self._detokenize(request))
@@ -236,7 +287,7 @@ class ChatServer:
             except ApiError as error:
                 await self._call(service.text_failed, request, error)
             else:
-                await self._call(service.apply_text, reply)
+                await asyncio.wrap_future(self.engine.call_text(service.apply_text, reply))
         except ApiError as broken:  # the engine thread takes no more calls: it answered all
             logger.debug("a reply's text was not applied: %s", broken)
 

@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -262,6 +263,10 @@ class RemoteLaunch:
                 problem = self._runner.check_step(self.step)
                 if problem is not None and not self.future.done():
                     raise ExecutorLost(f"step {self.step}: {problem}") from None
+
+    def when_done(self, callback: Callable[[], None]) -> bool:
+        self.future.add_done_callback(lambda _: callback())
+        return True
 
 
 class RemoteRunner:

@@ -8,6 +8,7 @@
 #   procs   this build, one process per actor, as compose runs them: `pensieve actor executor`,
 #           `scheduler --tokenizers 0`, two `tokenizer` replicas, `recompute-planner`, `ingress`
 #   nats-tN as nats, with N tokenizer replicas
+#   MODE@BUILD  one of the above with the build in .bench/BUILD (e.g. procs@last)
 #
 #   bash benchmarks/gpu_actors.sh OUT_DIR [CONCURRENCY ...]    (default: 64 128)
 #
@@ -48,6 +49,8 @@ wait_line() {  # FILE PID: the nats URL of the "serving on" line, once the serve
 
 for variant in "${variants[@]}"; do
     dir=$root
+    mode=${variant%@*}
+    [ "$mode" != "$variant" ] && dir=$root/.bench/${variant#*@}
     [ "$variant" = before ] && dir=$root/.bench/before
     (
         cd "$dir" || exit 1
@@ -60,11 +63,11 @@ for variant in "${variants[@]}"; do
         # serves it open, on loopback
         open_nats=()
         python3 -m pensieve.ops.cli serve --help | grep -q -- --insecure && open_nats=(--insecure)
-        case $variant in
+        case $mode in
             before) serve=(serve "${open_nats[@]}") ;;
             direct) serve=(serve "${open_nats[@]}" --step-channel direct) ;;
             nats) serve=(serve "${open_nats[@]}" --step-channel nats) ;;
-            nats-t*) serve=(serve "${open_nats[@]}" --step-channel nats --tokenizers "${variant#nats-t}") ;;
+            nats-t*) serve=(serve "${open_nats[@]}" --step-channel nats --tokenizers "${mode#nats-t}") ;;
             procs)
                 nats-server -a 127.0.0.1 -p "$port" > "$logs/nats.txt" 2>&1 &
                 pids+=($!)
@@ -107,7 +110,7 @@ for variant in "${variants[@]}"; do
 done
 
 echo
-printf '%-7s %5s %9s %7s %7s %9s %9s %6s %8s\n' variant conc 'tok/s' 'x dir' 'x bef' 'ttft p50' \
+printf '%-11s %5s %9s %7s %7s %9s %9s %6s %8s\n' variant conc 'tok/s' 'x dir' 'x bef' 'ttft p50' \
     'ttft p90' idle 'mgmt p99'
 for c in "${concurrencies[@]}"; do
     python3 - "$out" "$c" "$repeat" "${variants[@]}" <<'PY'
@@ -144,7 +147,7 @@ def management(v):  # the slowest of stats, list and get at their 99th percentil
             pass
     return statistics.median(values) if values else nan
 for v in variants:
-    print(f"{v:<7} {c:>5} {rate(v):9.1f} {rate(v) / rate('direct'):7.3f} "
+    print(f"{v:<11} {c:>5} {rate(v):9.1f} {rate(v) / rate('direct'):7.3f} "
           f"{rate(v) / rate('before'):7.3f} {median(v, 'ttft_s_p50'):9.3f} "
           f"{median(v, 'ttft_s_p90'):9.3f} {idle(v):6.3f} {management(v):8.3f}")
 PY
