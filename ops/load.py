@@ -258,6 +258,7 @@ def _summary(turns: _Turns, seconds: float) -> dict[str, Any]:
         "prompt_tokens": turns.prompt_tokens,
         "cached_tokens": {k: turns.cached[k] for k in ("gpu", "cpu", "recomputed")},
         "new_prompt_tokens": turns.prompt_tokens - sum(turns.cached.values()),
+        "ttft_s_mean": sum(turns.ttft) / len(turns.ttft) if turns.ttft else float("nan"),
         **{
             f"{name}_p{int(q * 100)}": _percentile(values, q)
             for name, values in (
