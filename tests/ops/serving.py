@@ -19,7 +19,7 @@ from pensieve.actors.tokenizer import ChatTokenizer
 from pensieve.models.loader import LoadedModel
 from pensieve.ops.factory import Built, EngineOptions, assemble
 from pensieve.ops.replay import ReplayOptions, replay
-from pensieve.ops.serve import serving
+from pensieve.ops.serve import Front, serving
 from pensieve.ops.sharegpt import load_conversations
 from pensieve.store import ConversationStore
 from tests.event_loops import finish_tasks
@@ -67,6 +67,7 @@ def serve_on_thread(
     step_channel: StepChannel = DEFAULTS.step_channel,
     connect: ConnectOptions | None = None,
     remote_text: bool | None = None,
+    front: Front = Front(),
 ) -> Iterator[tuple[str, ChatService]]:
     """`serving()` on `url` from a thread with its own event loop; yields the engine id and the
     chat service, and checks on leaving that the server stopped cleanly."""
@@ -77,8 +78,8 @@ def serve_on_thread(
     async def main() -> None:
         with ConversationStore(data_dir) as store:
             async with serving(built, store, url, max_waiting, None, shutdown_grace_s,
-                               step_channel, connect=connect,
-                               remote_text=remote_text) as service:  # fmt: skip
+                               step_channel, connect=connect, remote_text=remote_text,
+                               front=front) as service:  # fmt: skip
                 held.append((store.engine_id(), service))
                 ready.set()
                 await stop.wait()
