@@ -131,9 +131,9 @@ class HttpIngressActor(Actor):
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             CONVERSATION_HEADER: conv_id,
         })  # fmt: skip
-        await response.prepare(request)
         message = first
         try:
+            await response.prepare(request)
             await response.write(openai_api.event(
                 openai_api.chunk(asked, {"role": "assistant", "content": ""})))  # fmt: skip
             try:

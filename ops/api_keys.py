@@ -53,8 +53,9 @@ def new_api_key(data_dir: Path, tenant: str) -> str:
 
 
 class ApiKeys:
-    """Who presents which key. With `required` False (a server without accounts), a request
-    with no key is the service's own; a key given must still be one of a tenant."""
+    """Who presents which key. With `required` False (a server without accounts, where every
+    client reaches everything anyway), a request with no key or another key than a tenant's is
+    the service's own, as vLLM without --api-key takes any key ("EMPTY")."""
 
     def __init__(self, data_dir: Path, required: bool = True) -> None:
         self.directory = keys_dir(data_dir)
@@ -74,7 +75,7 @@ class ApiKeys:
         found = self._find(digest)
         if found is None and self._reload():
             found = self._find(digest)
-        if found is None:
+        if found is None and self.required:
             raise unauthorized("Incorrect API key provided")
         return found
 

@@ -92,6 +92,9 @@ class Front:
     metrics_host: str = "127.0.0.1"
 
 
+NO_FRONT = Front()  # the NATS ingress alone
+
+
 def _loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
@@ -116,7 +119,7 @@ async def serving(
     planner: bool = True,
     connect: ConnectOptions | None = None,
     remote_text: bool | None = None,
-    front: Front = Front(),
+    front: Front = NO_FRONT,
 ) -> AsyncIterator[ChatService]:
     """Serve the client API on `nats_url` while the context is open (with `ingress` False,
     only the scheduler's side of it: ingress actors run elsewhere; with `planner` False, the

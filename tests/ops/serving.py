@@ -19,7 +19,7 @@ from pensieve.actors.tokenizer import ChatTokenizer
 from pensieve.models.loader import LoadedModel
 from pensieve.ops.factory import Built, EngineOptions, assemble
 from pensieve.ops.replay import ReplayOptions, replay
-from pensieve.ops.serve import Front, serving
+from pensieve.ops.serve import NO_FRONT, Front, serving
 from pensieve.ops.sharegpt import load_conversations
 from pensieve.store import ConversationStore
 from tests.event_loops import finish_tasks
@@ -67,7 +67,7 @@ def serve_on_thread(
     step_channel: StepChannel = DEFAULTS.step_channel,
     connect: ConnectOptions | None = None,
     remote_text: bool | None = None,
-    front: Front = Front(),
+    front: Front = NO_FRONT,
 ) -> Iterator[tuple[str, ChatService]]:
     """`serving()` on `url` from a thread with its own event loop; yields the engine id and the
     chat service, and checks on leaving that the server stopped cleanly."""
