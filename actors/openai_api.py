@@ -3,7 +3,8 @@
 The HTTP ingress (`actors/http_ingress.py`) turns each `POST /v1/chat/completions` into one
 `pensieve.v1.chat` request (`to_chat`), and the replies and streamed deltas that come back into
 OpenAI's response, chunk and error bodies. Where OpenAI is silent this follows vLLM: `ignore_eos`
-and `return_token_ids` are accepted as extra fields, and an unsupported sampling option is
+and `return_token_ids` are accepted as extra fields (and Pensieve's `final`: the conversation
+ends after this turn), and an unsupported sampling option is
 refused, never ignored.
 
 Statefulness: a request that names its conversation (the field `conversation_id`, or the header
@@ -137,7 +138,7 @@ def to_chat(data: bytes, model: str, conversation_header: str | None) -> Complet
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     chat["max_tokens"] = MAX_TOKENS_LIMIT if max_tokens is None else max_tokens  # to the context
     chat["temperature"] = body.get("temperature", 1.0)  # OpenAI's default
-    for name in ("top_p", "seed", "stop", "ignore_eos"):
+    for name in ("top_p", "seed", "stop", "ignore_eos", "final"):
         if body.get(name) is not None:
             chat[name] = body[name]
     options = body.get("stream_options") or {}

@@ -246,9 +246,10 @@ def _bench_parser(commands: Any) -> None:
 
     bench = _client_parser(
         commands, "bench", "load a running server with real conversations; table, JSON and plots",
-        "Send real conversations to a running server over NATS, closed loop or at Poisson "
-        "arrival rates, and report what it served: a table, JSON, and with --plot normalized "
-        "latency and time to first token against the request rate.",
+        "Send real conversations to a running server over NATS (or, with --http, over the "
+        "OpenAI API), closed loop or at Poisson arrival rates, and report what it served: a "
+        "table, JSON, and with --plot normalized latency and time to first token against the "
+        "request rate.",
     )  # fmt: skip
     add_bench_args(bench)
     bench.set_defaults(run=_bench)

@@ -7,10 +7,12 @@ import asyncio
 import contextlib
 import io
 import threading
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from pensieve.actors.bus import ConnectOptions
 from pensieve.actors.chat_service import ChatService
@@ -103,3 +105,23 @@ def serve_on_thread(
         thread.join(60)
         loop.close()
     assert not thread.is_alive() and not failed, f"the server did not stop cleanly: {failed}"
+
+
+# a scrape of /metrics: (sample name, labels) -> value
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples}  # fmt: skip
+
+
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        return parse(response.read().decode())
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(f"pensieve:{name}", tuple(sorted(labels.items())))]

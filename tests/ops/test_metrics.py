@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from openai import AsyncOpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from pensieve.actors.bus import Bus
 from pensieve.actors.http_ingress import HttpConfig, HttpIngressActor
@@ -23,29 +21,12 @@ from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
 from pensieve.ops.serve import Front
 from pensieve.ops.sharegpt import human_turns, load_conversations
-from tests.ops.serving import serve_on_thread
+from tests.ops.serving import Samples, scrape, serve_on_thread, value
 
 pytestmark = pytest.mark.slow
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 MAX_TOKENS = 12
 SOURCES = ("gpu", "cpu", "recomputed", "new")
-
-
-def parse(text: str) -> Samples:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples}  # fmt: skip
-
-
-def scrape(url: str) -> Samples:
-    with urllib.request.urlopen(url, timeout=30) as response:
-        assert response.headers["Content-Type"].startswith("text/plain")
-        return parse(response.read().decode())
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(f"pensieve:{name}", tuple(sorted(labels.items())))]
 
 
 @pytest.fixture(scope="module")
@@ -141,8 +122,7 @@ def test_the_metrics_read_the_same_on_every_way_out(served) -> None:
 
     async def from_the_bus() -> Samples:
         bus = await Bus.connect(served["nats"])
-        actor = HttpIngressActor(bus, served["engine_id"], HttpConfig(0),
-                                 ApiKeys.__new__(ApiKeys).tenant)  # fmt: skip
+        actor = HttpIngressActor(bus, served["engine_id"], HttpConfig(0), lambda key: None)
         async with actor:
             return await asyncio.to_thread(scrape, f"http://127.0.0.1:{actor.port}/metrics")
 
