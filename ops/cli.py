@@ -490,7 +490,8 @@ def _serve(args: argparse.Namespace, started: float) -> int:
     if args.insecure:
         logging.getLogger("pensieve").warning(
             "--insecure: the nats-server asks no one who they are: anyone on this host can "
-            "read and write every conversation (without it, each tenant has its own)"
+            "read and write every conversation (without it, each tenant has its own)%s",
+            "; HTTP requests need no API key" if args.http_port is not None else "",
         )
     return serve(engine_options(args), _serve_options(args), started)
 

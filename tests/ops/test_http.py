@@ -238,3 +238,33 @@ def test_models_and_health(server, alice) -> None:
     assert [m.id for m in client(server, alice).models.list()] == [MODEL]
     with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/health", timeout=30) as up:
         assert up.status == 200
+
+
+def test_a_client_that_leaves_a_stream_cancels_its_turn(server, alice) -> None:
+    api = client(server, alice)
+    raw = api.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to a thousand."}], stream=True,
+        max_tokens=4000, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    conv_id = raw.headers["X-Conversation-Id"]
+    stream = raw.parse()
+    for _, _ in zip(range(3), stream, strict=False):  # the role, then text
+        pass
+    stream.close()
+
+    async def last_turn() -> dict[str, Any]:
+        nc = await nats.connect(**alice["nats"])
+        try:
+            body = orjson.dumps({"conversation_id": conv_id})
+            for _ in range(300):
+                got = orjson.loads((await nc.request(subjects.CONVERSATIONS_GET, body,
+                                                     timeout=30)).data)  # fmt: skip
+                if got.get("turns") and not got["busy"]:  # a new one is stored at its end
+                    return dict(got["turns"][-1])
+                await asyncio.sleep(0.1)
+            raise AssertionError("the turn did not end")
+        finally:
+            await nc.close()
+
+    turn = asyncio.run(last_turn())
+    assert turn["finish_reason"] == "cancelled" and turn["completion_tokens"] < 4000
