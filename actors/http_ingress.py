@@ -4,6 +4,7 @@
     GET  /v1/models             the model served
     GET  /health                200 while this engine's ingress and scheduler answer, else 503
     GET  /metrics               the scheduler's Prometheus metrics (`actors/metrics.py`)
+    GET  /version               this build's version, as vLLM answers it
 
 Each completion becomes one `pensieve.v1.chat` request on the bus (`actors/openai_api.py`
 translates both ways), sent with the service's identity on the subject of the tenant whose API
@@ -38,6 +39,7 @@ from pensieve.actors.actor import Actor
 from pensieve.actors.bus import Bus
 from pensieve.actors.metrics import CONTENT_TYPE
 from pensieve.actors.openai_api import CONVERSATION_HEADER, Completion, OpenAIError
+from pensieve.actors.version import version
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class HttpIngressActor(Actor):
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/version", self._version)
         self._runner = web.AppRunner(app, access_log=None,
                                      shutdown_timeout=self.config.shutdown_grace_s)  # fmt: skip
         await self._runner.setup()
@@ -172,6 +175,9 @@ class HttpIngressActor(Actor):
     async def _models(self, request: web.Request) -> web.StreamResponse:
         self._tenant(request)
         return _json(openai_api.models(self.config.model, self.created))
+
+    async def _version(self, request: web.Request) -> web.StreamResponse:
+        return _json({"version": version()})
 
     async def _health(self, request: web.Request) -> web.StreamResponse:
         scheduler = f"$SRV.PING.{subjects.actor_service('scheduler')}.{self.engine_id}"

@@ -1,4 +1,5 @@
-"""Load for a running `pensieve serve`, sent over NATS as clients send it (`pensieve bench`).
+"""Load for a running `pensieve serve`, sent over NATS as clients send it (`pensieve bench`), or
+over the OpenAI API (`ops/openai_client.py`, `pensieve bench --http`).
 
 ShareGPT conversations, each human message one streamed turn on `pensieve.v1.chat` (the first
 without a conversation id, the next ones with the id the first reply gave), sent when the

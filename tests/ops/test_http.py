@@ -234,10 +234,13 @@ def test_a_tenants_key_does_not_reach_another_tenants_conversation(server, alice
     assert named == conv_id and reply.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_models_and_health(server, alice) -> None:
+def test_models_health_and_version(server, alice) -> None:
     assert [m.id for m in client(server, alice).models.list()] == [MODEL]
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/health", timeout=30) as up:
+    root = f"http://127.0.0.1:{server.http_port}"
+    with urllib.request.urlopen(f"{root}/health", timeout=30) as up:
         assert up.status == 200
+    with urllib.request.urlopen(f"{root}/version", timeout=30) as answer:
+        assert json.loads(answer.read())["version"]
 
 
 def test_a_client_that_leaves_a_stream_cancels_its_turn(server, alice) -> None:
