@@ -37,6 +37,7 @@ from opentelemetry.trace import SpanKind
 from pensieve.actors import openai_api, subjects, tracing
 from pensieve.actors.actor import Actor
 from pensieve.actors.bus import Bus
+from pensieve.actors.chat_index import ChatIndex
 from pensieve.actors.metrics import CONTENT_TYPE
 from pensieve.actors.openai_api import CONVERSATION_HEADER, Completion, OpenAIError
 from pensieve.actors.version import version
@@ -78,6 +79,7 @@ class HttpIngressActor(Actor):
         self.metrics = metrics
         self.created = int(time.time())
         self.port: int | None = None  # the one bound (config.port 0: any free port)
+        self.index = ChatIndex()  # the conversations stateless clients' chats continue
         self._runner: web.AppRunner | None = None
 
     async def setup(self) -> None:
@@ -105,19 +107,44 @@ class HttpIngressActor(Actor):
         tenant = self._tenant(request)
         asked = openai_api.to_chat(await request.read(), self.config.model,
                                    request.headers.get(CONVERSATION_HEADER))  # fmt: skip
-        subject = _as_tenant(tenant, subjects.CHAT)
         tracer = tracing.tracer("http-ingress")
         with tracer.start_as_current_span("POST /v1/chat/completions", kind=SpanKind.SERVER):
-            headers: dict[str, str] = {}
-            propagate.inject(headers)  # the NATS ingress's span goes under this one
-            body = orjson.dumps(asked.chat)
-            answer = self.bus.ask(subject, body, self.config.timeout_s, headers)
-            async with aclosing(answer) as messages:
-                first = await self._next(messages)
-                conv_id = str(first["conversation_id"])
+            async with contextlib.AsyncExitStack() as stack:
+                first, messages = await self._first(asked, tenant, stack)
                 if not asked.stream:
-                    return _json(openai_api.completion(asked, first), conv_id)
+                    self._remember(asked, tenant, first)
+                    return _json(openai_api.completion(asked, first), first["conversation_id"])
                 return await self._stream(request, asked, first, messages, tenant)
+        raise AssertionError("unreachable")  # for mypy: the stack does not swallow errors
+
+    async def _first(
+        self, asked: Completion, tenant: str | None, stack: contextlib.AsyncExitStack
+    ) -> tuple[dict[str, Any], AsyncIterator[bytes]]:
+        """Send the request; its answer's first message, and the rest to come. A stateless
+        chat that continues a known conversation goes to it (`actors/chat_index.py`); if that
+        one is busy or gone, the chat starts a new conversation instead."""
+        chat = asked.chat
+        guess = None
+        if "conversation_id" not in chat:
+            guess = self.index.find(tenant, chat["messages"])
+        headers: dict[str, str] = {}
+        propagate.inject(headers)  # the NATS ingress's span goes under this one
+        for body in ([{**chat, "conversation_id": guess}] if guess else []) + [chat]:
+            answer = self.bus.ask(_as_tenant(tenant, subjects.CHAT), orjson.dumps(body),
+                                  self.config.timeout_s, headers)  # fmt: skip
+            messages = await stack.enter_async_context(aclosing(answer))
+            try:
+                return await self._next(messages), messages
+            except OpenAIError as error:
+                if body is chat or error.code not in ("invalid_request", "not_found"):
+                    raise
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    def _remember(self, asked: Completion, tenant: str | None, reply: dict[str, Any]) -> None:
+        """A whole chat answered: the next request that continues it finds its conversation."""
+        if "messages" in asked.chat:
+            self.index.remember(tenant, asked.chat["messages"], reply["text"],
+                                reply["conversation_id"])  # fmt: skip
 
     async def _stream(
         self,
@@ -144,6 +171,7 @@ class HttpIngressActor(Actor):
                     delta = openai_api.chunk(asked, {"content": message["delta"]})
                     await response.write(openai_api.event(delta))
                     message = await self._next(messages)
+                self._remember(asked, tenant, message)
                 for last in openai_api.last_chunks(asked, message):
                     await response.write(openai_api.event(last))
             except OpenAIError as error:

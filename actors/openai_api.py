@@ -10,8 +10,9 @@ refused, never ignored.
 Statefulness: a request that names its conversation (the field `conversation_id`, or the header
 `X-Conversation-Id`) with one user message in `messages` appends that message to it; with more
 messages, they are the whole chat, and the KV is reused up to the first token where it differs
-from the conversation's (the NATS API's stateless path). Without a name every request is a new
-conversation. Each response names its conversation in the `X-Conversation-Id` header.
+from the conversation's (the NATS API's stateless path). Without a name, the HTTP ingress looks
+for the conversation the chat continues (`actors/chat_index.py`). Each response names its
+conversation in the `X-Conversation-Id` header.
 """
 
 from __future__ import annotations

@@ -150,6 +150,37 @@ def test_a_conversation_over_http_reuses_its_kv(server, alice) -> None:
     assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_a_client_that_names_no_conversation_still_hits_its_kv(server, alice, bob) -> None:
+    """The plain OpenAI way: the whole chat every time, no conversation named."""
+    api = client(server, alice)
+    chat = [{"role": "user", "content": "Name a colour."}]
+    first = api.chat.completions.with_raw_response.create(model=MODEL, messages=chat, **GREEDY)
+    chat.append({"role": "assistant", "content": first.parse().choices[0].message.content})
+    chat.append({"role": "user", "content": "And another one?"})
+    second = api.chat.completions.with_raw_response.create(model=MODEL, messages=chat, **GREEDY)
+    assert second.headers["X-Conversation-Id"] == first.headers["X-Conversation-Id"]
+    assert second.parse().usage.prompt_tokens_details.cached_tokens > 0
+    # another tenant's identical chat is a conversation of its own, with nothing cached
+    theirs = client(server, bob).chat.completions.with_raw_response.create(
+        model=MODEL, messages=chat, **GREEDY)  # fmt: skip
+    assert theirs.headers["X-Conversation-Id"] != first.headers["X-Conversation-Id"]
+    assert theirs.parse().usage.prompt_tokens_details.cached_tokens == 0
+
+    async def delete(conv_id: str) -> None:
+        nc = await nats.connect(**alice["nats"])
+        body = orjson.dumps({"conversation_id": conv_id})
+        await nc.request(subjects.CONVERSATIONS_DELETE, body, timeout=30)
+        await nc.close()
+
+    # the conversation gone, the chat goes on in a new one
+    asyncio.run(delete(second.headers["X-Conversation-Id"]))
+    chat += [{"role": "assistant", "content": second.parse().choices[0].message.content},
+             {"role": "user", "content": "A third?"}]  # fmt: skip
+    third = api.chat.completions.with_raw_response.create(model=MODEL, messages=chat, **GREEDY)
+    assert third.headers["X-Conversation-Id"] != second.headers["X-Conversation-Id"]
+    assert third.parse().choices[0].message.content
+
+
 def test_greedy_tokens_equal_those_of_the_nats_api(server, alice) -> None:
     api = client(server, alice)
     whole, conv_id = ask(api, CHAT[0], **TOKEN_IDS)
