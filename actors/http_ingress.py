@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 Authenticate = Callable[[str | None], str | None]
 Exposition = Callable[[], bytes]
 HEALTH_TIMEOUT_S = 1.0
+# a guessed conversation that is busy (invalid_request) or deleted (not_found): start a new one
+_GUESS_MISSED = ("invalid_request", "not_found")
 MAX_BODY_BYTES = 1 << 20  # NATS's default largest message
 
 
@@ -109,34 +111,35 @@ class HttpIngressActor(Actor):
                                    request.headers.get(CONVERSATION_HEADER))  # fmt: skip
         tracer = tracing.tracer("http-ingress")
         with tracer.start_as_current_span("POST /v1/chat/completions", kind=SpanKind.SERVER):
-            async with contextlib.AsyncExitStack() as stack:
-                first, messages = await self._first(asked, tenant, stack)
+            first, answer = await self._first(asked, tenant)
+            async with aclosing(answer) as messages:
                 if not asked.stream:
                     self._remember(asked, tenant, first)
                     return _json(openai_api.completion(asked, first), first["conversation_id"])
                 return await self._stream(request, asked, first, messages, tenant)
-        raise AssertionError("unreachable")  # for mypy: the stack does not swallow errors
 
     async def _first(
-        self, asked: Completion, tenant: str | None, stack: contextlib.AsyncExitStack
-    ) -> tuple[dict[str, Any], AsyncIterator[bytes]]:
-        """Send the request; its answer's first message, and the rest to come. A stateless
-        chat that continues a known conversation goes to it (`actors/chat_index.py`); if that
-        one is busy or gone, the chat starts a new conversation instead."""
+        self, asked: Completion, tenant: str | None
+    ) -> tuple[dict[str, Any], AsyncGenerator[bytes, None]]:
+        """Send the request; its answer's first message, and the answer (to close). A
+        stateless chat that continues a known conversation goes to it (`actors/chat_index.py`);
+        if that one is busy or gone, the chat starts a new conversation instead."""
         chat = asked.chat
         guess = None
         if "conversation_id" not in chat:
             guess = self.index.find(tenant, chat["messages"])
         headers: dict[str, str] = {}
         propagate.inject(headers)  # the NATS ingress's span goes under this one
-        for body in ([{**chat, "conversation_id": guess}] if guess else []) + [chat]:
+        tries = [{**chat, "conversation_id": guess}] if guess else []
+        for body in [*tries, chat]:
             answer = self.bus.ask(_as_tenant(tenant, subjects.CHAT), orjson.dumps(body),
                                   self.config.timeout_s, headers)  # fmt: skip
-            messages = await stack.enter_async_context(aclosing(answer))
             try:
-                return await self._next(messages), messages
-            except OpenAIError as error:
-                if body is chat or error.code not in ("invalid_request", "not_found"):
+                return await self._next(answer), answer
+            except BaseException as error:
+                await answer.aclose()
+                guessed = body is not chat
+                if not (guessed and isinstance(error, OpenAIError) and error.code in _GUESS_MISSED):
                     raise
         raise AssertionError("unreachable: the last try returns or raises")
 
