@@ -42,6 +42,7 @@ from pensieve.actors.messages import (
     KvEventKind,
     TextPiece,
 )
+from pensieve.actors.metrics import Metrics
 from pensieve.actors.request import FinishReason, Request, SamplingParams, common_prefix
 from pensieve.actors.schemas import MAX_PAGE, PAGE_BYTES, ApiError, ChatRequest, Page, chat_reply
 from pensieve.actors.step import RequestTrace
@@ -165,6 +166,7 @@ class ChatService:
         max_waiting: int = 1024,
         new_id: Callable[[], str] = lambda: f"c-{uuid.uuid4().hex[:16]}",
         publish_kv: Callable[[list[KvEvent]], None] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.engine = engine
         self.chat = chat
@@ -182,6 +184,8 @@ class ChatService:
         # the KV event plane: after each step every event goes to `publish_kv` (on this thread;
         # the NATS shell sets it), where the swap manager keeps the CPU tier's spill index
         self.publish_kv = publish_kv
+        # Prometheus metrics: each turn counted as its reply goes out (see `actors/metrics.py`)
+        self.metrics = metrics or Metrics()
         # the executor traces each turn's phases in its trace, which it learns from here
         self.engine.trace_requests(self._trace_context)
         # reply tokens go to the tokenizer actor for their text (the NATS shell sets this, and
@@ -465,6 +469,7 @@ class ChatService:
         """The chunk events since the last call, to the publisher."""
         events = self.engine.take_kv_events()
         if events:
+            self.metrics.count_kv_events(events)
             if self.publish_kv is not None:
                 self.publish_kv(events)
             if tracing.enabled():
@@ -725,6 +730,7 @@ class ChatService:
                 conv.turns += 1
                 conv.ended = turn.final
                 conv.busy = False
+                self.metrics.observe_turn(request)  # before the reply: a scrape after it sees it
                 turn.sink.done(reply)
                 _log_turn(conv.conv_id, record, request)
             else:

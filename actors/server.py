@@ -82,6 +82,7 @@ class EngineThread:
         # busy: it never waits for a step (refreshed at most every SNAPSHOT_EVERY_S)
         self.snapshot: tuple[float, dict[str, Any]] = (time.monotonic(), service.stats())
         self.stepping = False  # in a step now: a stats request takes the snapshot
+        service.metrics.follow_engine(lambda: self.snapshot[1])  # read at each scrape
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._deferred: collections.deque[Any] = collections.deque()  # taken out during a step
         self._thread = threading.Thread(target=self._run, name="pensieve-engine", daemon=True)
@@ -244,6 +245,9 @@ class ChatServer:
         for verb, handler in handlers.items():
             subject = subjects.internal(self.engine_id, "scheduler", verb)
             await self.bus.serve(subject, handler, queue="scheduler", handoff=True)
+        # asked directly (not handed off) by an HTTP ingress in another process
+        metrics = subjects.internal(self.engine_id, "scheduler", "metrics")
+        await self.bus.serve(metrics, self._metrics, queue="scheduler")
         await self.bus.advertise(ServiceInfo(
             subjects.actor_service("scheduler"), self.engine_id, version(),
             "admission, the unified batch, KV accounting and eviction; plans every step",
@@ -374,6 +378,10 @@ class ChatServer:
         listed = await asyncio.to_thread(self.engine.service.list, parse_list(msg.data),
                                          _tenant(msg))  # fmt: skip
         await msg.send(orjson.dumps({**listed, "engine_id": self.engine_id}))
+
+    async def _metrics(self, msg: Incoming) -> None:
+        """The Prometheus text of this engine's metrics (`actors/metrics.py`)."""
+        await msg.send(self.engine.service.metrics.exposition())
 
     async def _stats(self, msg: Incoming) -> None:
         load_fields(msg.data, NO_FIELDS)

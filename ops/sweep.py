@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from pensieve.actors.bus import Bus, ConnectOptions
 from pensieve.ops.chat import add_connection_args
-from pensieve.ops.load import LoadOptions, run_load, run_poisson
+from pensieve.ops.load import ChatClient, LoadOptions, NatsClient, run_load, run_poisson
 from pensieve.ops.sharegpt import Conversation, human_turns, load_conversations
 
 COLUMNS = ("run", "turns/s", "out tok/s", "ttft p50", "ttft p90", "norm p50", "norm p90",
@@ -34,6 +34,14 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("conversations", nargs="?", default="sharegpt",
                         help="a conversations file (JSON Lines), or 'sharegpt'")  # fmt: skip
     add_connection_args(parser)
+    parser.add_argument("--http", metavar="URL",
+                        help="drive the OpenAI API at URL (http://HOST:PORT/v1) instead of NATS, "
+                        "as the --tenant file's key, else $OPENAI_API_KEY")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        metavar="NAME",
+        help="with --http: the model to ask for (default: the one listed)",
+    )
     load = parser.add_argument_group("load")
     load.add_argument("--num-conversations", type=int, default=32, metavar="N")
     load.add_argument("--max-turns", type=int, default=3, metavar="N")
@@ -68,9 +76,33 @@ def parse_rates(text: str | None) -> list[float]:
     return rates
 
 
+@dataclasses.dataclass(frozen=True)
+class Server:
+    """Where the load goes: NATS at `url` as `connect` says, or the OpenAI API at `http`."""
+
+    url: str
+    connect: ConnectOptions | None = None
+    http: str | None = None
+    api_key: str = "EMPTY"
+    model: str | None = None
+
+
+async def _connect(server: Server) -> tuple[ChatClient, Any]:
+    """The load's client, and what closes it."""
+    if server.http is not None:
+        from pensieve.ops.openai_client import OpenAIChatClient, base_url
+
+        client = OpenAIChatClient(base_url(server.http), server.api_key, server.model)
+        await client.served_model()  # fails here if nothing answers
+        return client, client.close
+    bus = await asyncio.wait_for(
+        Bus.connect(server.url, name="pensieve-bench", options=server.connect), 10
+    )
+    return NatsClient(bus), bus.close
+
+
 async def sweep(
-    url: str,
-    connect: ConnectOptions | None,
+    server: Server,
     conversations: list[Conversation],
     options: LoadOptions,
     rates: Sequence[float],
@@ -78,7 +110,7 @@ async def sweep(
     seed: int,
 ) -> list[dict[str, Any]]:
     """One run per rate (one closed-loop run without rates), each with a progress bar."""
-    bus = await asyncio.wait_for(Bus.connect(url, name="pensieve-bench", options=connect), 10)
+    client, close = await _connect(server)
     total = sum(len(list(human_turns(c))[: options.max_turns]) for c in conversations)
     runs = []
     try:
@@ -88,11 +120,12 @@ async def sweep(
             with tqdm(total=total, desc=name, unit="turn", leave=False) as bar:
                 told = dataclasses.replace(options, on_turn=lambda: bar.update(1))
                 if rate is None:
-                    runs.append(await run_load(bus, conversations, told))
+                    runs.append(await run_load(client, conversations, told))
                 else:
-                    runs.append(await run_poisson(bus, conversations, told, rate, think_s, seed))
+                    runs.append(await run_poisson(client, conversations, told, rate, think_s,
+                                                  seed))  # fmt: skip
     finally:
-        await bus.close()
+        await close()
     return runs
 
 
@@ -145,7 +178,12 @@ def bench(args: argparse.Namespace, url: str, connect: ConnectOptions | None) ->
     conversations = load_conversations(args.conversations, args.num_conversations)
     options = LoadOptions(args.concurrency, args.max_turns, args.max_tokens, args.ignore_eos,
                           probe_every_s=0.0)  # fmt: skip
-    runs = asyncio.run(sweep(url, connect, conversations, options, rates, args.think_time,
+    server = Server(url, connect)
+    if args.http is not None:
+        from pensieve.ops.openai_client import api_key
+
+        server = Server(url, None, args.http, api_key(args.tenant), args.model)
+    runs = asyncio.run(sweep(server, conversations, options, rates, args.think_time,
                              args.seed))  # fmt: skip
     print(table(args.label, runs))
     if args.json is not None:

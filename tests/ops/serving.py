@@ -7,10 +7,12 @@ import asyncio
 import contextlib
 import io
 import threading
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from pensieve.actors.bus import ConnectOptions
 from pensieve.actors.chat_service import ChatService
@@ -19,7 +21,7 @@ from pensieve.actors.tokenizer import ChatTokenizer
 from pensieve.models.loader import LoadedModel
 from pensieve.ops.factory import Built, EngineOptions, assemble
 from pensieve.ops.replay import ReplayOptions, replay
-from pensieve.ops.serve import serving
+from pensieve.ops.serve import NO_FRONT, Front, serving
 from pensieve.ops.sharegpt import load_conversations
 from pensieve.store import ConversationStore
 from tests.event_loops import finish_tasks
@@ -67,6 +69,7 @@ def serve_on_thread(
     step_channel: StepChannel = DEFAULTS.step_channel,
     connect: ConnectOptions | None = None,
     remote_text: bool | None = None,
+    front: Front = NO_FRONT,
 ) -> Iterator[tuple[str, ChatService]]:
     """`serving()` on `url` from a thread with its own event loop; yields the engine id and the
     chat service, and checks on leaving that the server stopped cleanly."""
@@ -77,8 +80,8 @@ def serve_on_thread(
     async def main() -> None:
         with ConversationStore(data_dir) as store:
             async with serving(built, store, url, max_waiting, None, shutdown_grace_s,
-                               step_channel, connect=connect,
-                               remote_text=remote_text) as service:  # fmt: skip
+                               step_channel, connect=connect, remote_text=remote_text,
+                               front=front) as service:  # fmt: skip
                 held.append((store.engine_id(), service))
                 ready.set()
                 await stop.wait()
@@ -102,3 +105,23 @@ def serve_on_thread(
         thread.join(60)
         loop.close()
     assert not thread.is_alive() and not failed, f"the server did not stop cleanly: {failed}"
+
+
+# a scrape of /metrics: (sample name, labels) -> value
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples}  # fmt: skip
+
+
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        return parse(response.read().decode())
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(f"pensieve:{name}", tuple(sorted(labels.items())))]

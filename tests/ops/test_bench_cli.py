@@ -9,10 +9,13 @@ import json
 import numpy as np
 import pytest
 
+from pensieve.actors.http_ingress import HttpConfig
+from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.cli import main
 from pensieve.ops.factory import EngineOptions, assemble
-from pensieve.ops.nats_server import EmbeddedNats
-from tests.ops.serving import serve_on_thread
+from pensieve.ops.nats_server import EmbeddedNats, free_port
+from pensieve.ops.serve import Front
+from tests.ops.serving import scrape, serve_on_thread, value
 
 pytestmark = pytest.mark.slow
 
@@ -63,3 +66,33 @@ def test_a_rate_sweep_is_measured_tabled_and_plotted_beside_another(
         assert coloured(panel, FIRST).sum() > 80 and coloured(panel, SECOND).sum() > 80
     legend = picture[int(height * 0.85) :]
     assert coloured(legend, FIRST).any() and coloured(legend, SECOND).any()
+
+
+def test_bench_drives_the_openai_api_and_reports_what_the_server_counted(
+    smollm2, smollm2_chat, sharegpt20, tmp_path, capsys
+) -> None:
+    """`pensieve bench --http`: the same conversations over the OpenAI API, measured and
+    reported as over NATS; what it reports is what the server's metrics counted."""
+    built = assemble(EngineOptions(model="smollm2"), smollm2, smollm2_chat)
+    data_dir, port = tmp_path / "data", free_port()
+    front = Front(HttpConfig(port, model="smollm2"), ApiKeys(data_dir, required=False).tenant)
+    metrics = f"http://127.0.0.1:{port}/metrics"
+    with EmbeddedNats() as server, serve_on_thread(built, data_dir, server.url, front=front):
+        before = scrape(metrics)
+        run = ["bench", "--http", f"http://127.0.0.1:{port}", str(sharegpt20),
+               "--num-conversations", "3", "--max-turns", "2", "--max-tokens", "4",
+               "--ignore-eos", "--concurrency", "2", "--label", "http", "--json",
+               str(tmp_path / "http.json")]  # fmt: skip
+        assert main(run) == 0
+        after = scrape(metrics)
+    assert "http c=2" in capsys.readouterr().out
+    (summary,) = json.loads((tmp_path / "http.json").read_text())["runs"]
+    assert summary["turns"] == 6 and summary["output_tokens"] == 24 and not summary["errors"]
+    assert summary["cached_tokens"]["gpu"] > 0
+    assert 0 < summary["ttft_s_p50"] <= summary["latency_s_p50"]
+
+    def moved(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    assert moved("prompt_tokens_total") == summary["prompt_tokens"]
+    assert moved("generation_tokens_total") == 24

@@ -34,7 +34,7 @@ def _ports(service: dict[str, Any]) -> set[int]:
     return {int(p.split(":")[-1]) for p in service.get("ports", [])}
 
 
-ACTORS = ("ingress", "tokenizer", "scheduler", "recompute-planner", "executor")
+ACTORS = ("ingress", "http", "tokenizer", "scheduler", "recompute-planner", "executor")
 
 
 @pytest.mark.parametrize("files", [["compose.yaml"], ["compose.yaml", "ops/compose.gpu.yaml"]])

@@ -1,0 +1,304 @@
+"""`pensieve serve --http-port` end to end with the official `openai` client: a real server
+process with its nats-server and accounts, tenants made by `pensieve tenant add`, the real
+SmolLM2 on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import openai
+import orjson
+import pytest
+from openai import OpenAI
+
+from pensieve.actors import subjects
+from pensieve.ops.nats_server import free_port
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2"
+CHAT = ["What is the capital of France?", "And of Italy?"]
+GREEDY = {"temperature": 0, "max_tokens": 24}
+TOKEN_IDS = {"return_token_ids": True}
+
+
+class Server:
+    """`pensieve serve --http-port` in a subprocess."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.http_port, self.nats_port = free_port(), free_port()
+        command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", MODEL,
+                   "--data-dir", str(data_dir), "--nats-port", str(self.nats_port),
+                   "--http-port", str(self.http_port), "--gpu-cache-tokens", "256",
+                   "--cpu-cache-tokens", "256", "--admission-reserve", "0",
+                   "--log-level", "warning"]  # fmt: skip
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            self.lines.append(line)
+            if "OpenAI-compatible API on" in line:
+                return
+        raise AssertionError(f"the server did not start:\n{''.join(self.lines)}")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def tenant(self, name: str) -> dict[str, Any]:
+        done = subprocess.run([sys.executable, "-m", "pensieve.ops.cli", "tenant", "add", name,
+                               "--data-dir", str(self.data_dir)], capture_output=True,
+                              text=True, timeout=60, check=True)  # fmt: skip
+        return dict(json.loads(done.stdout))
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    running = Server(tmp_path_factory.mktemp("data"))
+    try:
+        yield running
+    finally:
+        assert running.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def alice(server) -> dict[str, Any]:
+    return server.tenant("alice")
+
+
+@pytest.fixture(scope="module")
+def bob(server) -> dict[str, Any]:
+    return server.tenant("bob")
+
+
+def client(server: Server, tenant: dict[str, Any]) -> OpenAI:
+    """The official client, as a user makes it from the line of `pensieve tenant add`."""
+    return OpenAI(base_url=server.base_url, api_key=tenant["http"]["api_key"], max_retries=0)
+
+
+def ask(api: OpenAI, content: str, conv_id: str | None = None, **extra: Any) -> tuple[Any, str]:
+    """One whole reply and its conversation's id (from the response header)."""
+    headers = {} if conv_id is None else {"X-Conversation-Id": conv_id}
+    raw = api.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], extra_headers=headers,
+        extra_body=extra, **GREEDY,
+    )  # fmt: skip
+    return raw.parse(), raw.headers["X-Conversation-Id"]
+
+
+def ask_streamed(
+    api: OpenAI, messages: list[dict[str, str]], conv_id: str, **extra: Any
+) -> tuple[str, Any, list[int], str]:
+    """One streamed reply: its text, usage, token ids and the conversation named in the
+    response header."""
+    raw = api.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True},
+        extra_body={"conversation_id": conv_id, **extra}, **GREEDY,
+    )  # fmt: skip
+    text, usage, ids = "", None, []
+    for chunk in raw.parse():
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            ids += (choice.model_extra or {}).get("token_ids") or []
+    return text, usage, ids, raw.headers["X-Conversation-Id"]
+
+
+def test_a_conversation_over_http_reuses_its_kv(server, alice) -> None:
+    api = client(server, alice)
+    first, conv_id = ask(api, CHAT[0])
+    assert first.choices[0].message.content and first.usage.prompt_tokens_details.cached_tokens == 0
+    # the next message alone, the conversation named: streamed, its prompt served from the cache
+    text, usage, _, named = ask_streamed(api, [{"role": "user", "content": CHAT[1]}], conv_id)
+    assert named == conv_id and text
+    assert usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    # a stateless client resends the whole chat: the same cache hit, the same reply
+    history = [{"role": "user", "content": CHAT[0]},
+               {"role": "assistant", "content": first.choices[0].message.content},
+               {"role": "user", "content": CHAT[1]}]  # fmt: skip
+    again = api.chat.completions.create(model=MODEL, messages=history, **GREEDY,
+                                        extra_body={"conversation_id": conv_id})  # fmt: skip
+    assert again.choices[0].message.content == text
+    assert again.usage.prompt_tokens == usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_a_client_that_names_no_conversation_still_hits_its_kv(server, alice, bob) -> None:
+    """The plain OpenAI way: the whole chat every time, no conversation named."""
+    api = client(server, alice)
+    chat = [{"role": "user", "content": "Name a colour."}]
+    first = api.chat.completions.with_raw_response.create(model=MODEL, messages=chat, **GREEDY)
+    chat.append({"role": "assistant", "content": first.parse().choices[0].message.content})
+    chat.append({"role": "user", "content": "And another one?"})
+    second = api.chat.completions.with_raw_response.create(model=MODEL, messages=chat, **GREEDY)
+    assert second.headers["X-Conversation-Id"] == first.headers["X-Conversation-Id"]
+    assert second.parse().usage.prompt_tokens_details.cached_tokens > 0
+    # another tenant's identical chat is a conversation of its own, with nothing cached
+    theirs = client(server, bob).chat.completions.with_raw_response.create(
+        model=MODEL, messages=chat, **GREEDY)  # fmt: skip
+    assert theirs.headers["X-Conversation-Id"] != first.headers["X-Conversation-Id"]
+    assert theirs.parse().usage.prompt_tokens_details.cached_tokens == 0
+
+    async def delete(conv_id: str) -> None:
+        nc = await nats.connect(**alice["nats"])
+        body = orjson.dumps({"conversation_id": conv_id})
+        await nc.request(subjects.CONVERSATIONS_DELETE, body, timeout=30)
+        await nc.close()
+
+    # the conversation gone, the chat goes on in a new one
+    asyncio.run(delete(second.headers["X-Conversation-Id"]))
+    chat += [{"role": "assistant", "content": second.parse().choices[0].message.content},
+             {"role": "user", "content": "A third?"}]  # fmt: skip
+    third = api.chat.completions.with_raw_response.create(model=MODEL, messages=chat, **GREEDY)
+    assert third.headers["X-Conversation-Id"] != second.headers["X-Conversation-Id"]
+    assert third.parse().choices[0].message.content
+
+
+def test_greedy_tokens_equal_those_of_the_nats_api(server, alice) -> None:
+    api = client(server, alice)
+    whole, conv_id = ask(api, CHAT[0], **TOKEN_IDS)
+    text, _, streamed_ids, _ = ask_streamed(api, [{"role": "user", "content": CHAT[1]}],
+                                            conv_id, **TOKEN_IDS)  # fmt: skip
+    over_http = [whole.choices[0].model_extra["token_ids"], streamed_ids]
+
+    async def over_nats() -> list[dict[str, Any]]:
+        nc = await nats.connect(**alice["nats"])
+        try:
+            replies: list[dict[str, Any]] = []
+            body: dict[str, Any] = {"message": CHAT[0], "max_tokens": GREEDY["max_tokens"]}
+            for message in CHAT:
+                if replies:
+                    body = {**body, "message": message,
+                            "conversation_id": replies[0]["conversation_id"]}  # fmt: skip
+                answer = await nc.request(subjects.CHAT, orjson.dumps(body), timeout=120)
+                replies.append(orjson.loads(answer.data))
+            return replies
+        finally:
+            await nc.close()
+
+    replies = asyncio.run(over_nats())
+    assert over_http == [reply["token_ids"] for reply in replies]
+    assert text == replies[1]["text"]
+
+
+def error_of(call: Any) -> tuple[int, dict[str, Any]]:
+    with pytest.raises(openai.APIStatusError) as raised:
+        call()
+    body = raised.value.body
+    assert isinstance(body, dict) and {"message", "type", "code"} <= set(body), body
+    return raised.value.status_code, body
+
+
+def test_bad_requests_get_openai_errors_with_their_status(server, alice) -> None:
+    api = client(server, alice)
+    user = [{"role": "user", "content": "Hi"}]
+
+    def create(**fields: Any) -> Any:
+        return lambda: api.chat.completions.create(**{"model": MODEL, "messages": user,
+                                                      **fields})  # fmt: skip
+
+    status, body = error_of(create(model="gpt-4"))
+    assert status == 404 and body["code"] == "model_not_found"
+    status, body = error_of(create(messages=[]))
+    assert status == 400 and body["type"] == "invalid_request_error"
+    status, body = error_of(create(n=2))
+    assert status == 400 and body["param"] == "n"
+    status, body = error_of(create(temperature=-1))  # checked by the NATS ingress
+    assert status == 400 and "temperature" in body["message"]
+    _, conv_id = ask(api, "Hi")
+    missing = conv_id[:-4] + ("0000" if not conv_id.endswith("0000") else "1111")
+    status, body = error_of(create(extra_body={"conversation_id": missing}))
+    assert status == 404 and body["code"] == "not_found"
+    long = [{"role": "user", "content": "word " * 9000}]
+    status, body = error_of(create(messages=long, max_tokens=4))
+    assert status == 400 and body["code"] == "context_length_exceeded"
+    nobody = OpenAI(base_url=server.base_url, api_key="pk-wrong", max_retries=0)
+    status, body = error_of(lambda: nobody.models.list())
+    assert status == 401 and body["code"] == "invalid_api_key"
+    for path, data in (("/chat/completions", b"{not json"), ("/completions", b"{}")):
+        request = urllib.request.Request(server.base_url + path, data=data, headers={
+            "Authorization": f"Bearer {alice['http']['api_key']}"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(request, timeout=30)
+        assert raised.value.code in (400, 404)
+        assert set(json.loads(raised.value.read())["error"]) >= {"message", "type", "code"}
+
+
+def test_a_tenants_key_does_not_reach_another_tenants_conversation(server, alice, bob) -> None:
+    _, conv_id = ask(client(server, alice), "Hello")
+    intruder = client(server, bob)
+    status, body = error_of(lambda: ask(intruder, "Tell me everything", conv_id))
+    assert status == 404 and body["code"] == "not_found"
+    history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"},
+               {"role": "user", "content": "Mine now"}]  # fmt: skip
+    status, _ = error_of(lambda: ask_streamed(intruder, history, conv_id))
+    assert status == 404
+    # alice's conversation goes on as she left it
+    reply, named = ask(client(server, alice), "Still there?", conv_id)
+    assert named == conv_id and reply.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_models_health_and_version(server, alice) -> None:
+    assert [m.id for m in client(server, alice).models.list()] == [MODEL]
+    root = f"http://127.0.0.1:{server.http_port}"
+    with urllib.request.urlopen(f"{root}/health", timeout=30) as up:
+        assert up.status == 200
+    with urllib.request.urlopen(f"{root}/version", timeout=30) as answer:
+        assert json.loads(answer.read())["version"]
+
+
+def test_a_client_that_leaves_a_stream_cancels_its_turn(server, alice) -> None:
+    api = client(server, alice)
+    raw = api.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to a thousand."}], stream=True,
+        max_tokens=4000, temperature=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    conv_id = raw.headers["X-Conversation-Id"]
+    stream = raw.parse()
+    for _, _ in zip(range(3), stream, strict=False):  # the role, then text
+        pass
+    stream.close()
+
+    async def last_turn() -> dict[str, Any]:
+        nc = await nats.connect(**alice["nats"])
+        try:
+            body = orjson.dumps({"conversation_id": conv_id})
+            for _ in range(300):
+                got = orjson.loads((await nc.request(subjects.CONVERSATIONS_GET, body,
+                                                     timeout=30)).data)  # fmt: skip
+                if got.get("turns") and not got["busy"]:  # a new one is stored at its end
+                    return dict(got["turns"][-1])
+                await asyncio.sleep(0.1)
+            raise AssertionError("the turn did not end")
+        finally:
+            await nc.close()
+
+    turn = asyncio.run(last_turn())
+    assert turn["finish_reason"] == "cancelled" and turn["completion_tokens"] < 4000

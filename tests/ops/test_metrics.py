@@ -1,0 +1,133 @@
+"""The Prometheus metrics of a served engine, scraped while real conversations run through the
+OpenAI API and parsed with prometheus_client's own parser: the counters move by exactly what
+the replies' `usage` says, and the scheduler's metrics read the same on the HTTP port, on
+`--metrics-port` and over the bus (an HTTP ingress in another process)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from openai import AsyncOpenAI
+
+from pensieve.actors.bus import Bus
+from pensieve.actors.http_ingress import HttpConfig, HttpIngressActor
+from pensieve.ops.api_keys import ApiKeys
+from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.nats_server import EmbeddedNats, free_port
+from pensieve.ops.serve import Front
+from pensieve.ops.sharegpt import human_turns, load_conversations
+from tests.ops.serving import Samples, scrape, serve_on_thread, value
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+SOURCES = ("gpu", "cpu", "recomputed", "new")
+
+
+@pytest.fixture(scope="module")
+def served(smollm2, smollm2_chat, tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """A served engine with small tiers (its history swaps and is dropped), the HTTP ingress
+    and a metrics port, on a nats-server without accounts."""
+    data_dir = tmp_path_factory.mktemp("data")
+    options = EngineOptions(model="smollm2", max_batch_tokens=512, gpu_cache_tokens=256,
+                            cpu_cache_tokens=256, admission_reserve=0.0)  # fmt: skip
+    built = assemble(options, smollm2, smollm2_chat)
+    http, metrics = free_port(), free_port()
+    front = Front(HttpConfig(http, model="smollm2"), ApiKeys(data_dir, required=False).tenant,
+                  metrics)  # fmt: skip
+    with (
+        EmbeddedNats() as nats_server,
+        serve_on_thread(built, data_dir, nats_server.url, front=front) as (engine_id, _),
+    ):
+        yield {"http": f"http://127.0.0.1:{http}", "metrics": f"http://127.0.0.1:{metrics}",
+               "nats": nats_server.url, "engine_id": engine_id}  # fmt: skip
+
+
+async def converse(api: AsyncOpenAI, messages: list[str], usages: list[Any]) -> None:
+    """One conversation, each turn streamed, naming the conversation after the first."""
+    conv_id = None
+    for message in messages:
+        raw = await api.chat.completions.with_raw_response.create(
+            model="smollm2", messages=[{"role": "user", "content": message}], stream=True,
+            max_tokens=MAX_TOKENS, temperature=0, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, **({"conversation_id": conv_id} if conv_id else {})},
+        )  # fmt: skip
+        conv_id = raw.headers["X-Conversation-Id"]
+        stream = raw.parse()
+        if inspect.isawaitable(stream):  # openai 1.x: a coroutine
+            stream = await stream
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usages.append(chunk.usage)
+
+
+def test_counters_move_by_exactly_what_the_replies_usage_says(served, sharegpt20) -> None:
+    chats = [[t.text for t in human_turns(c)][:2] for c in load_conversations(sharegpt20)[:4]]
+    url = served["http"] + "/metrics"
+    before = scrape(url)
+    usages: list[Any] = []
+    during: list[Samples] = []
+
+    async def load() -> None:
+        api = AsyncOpenAI(base_url=served["http"] + "/v1", api_key="none", max_retries=0)
+        talking = asyncio.gather(*(converse(api, chat, usages) for chat in chats))
+        while not talking.done():  # scraped and parsed while the turns run
+            during.append(await asyncio.to_thread(scrape, url))
+            await asyncio.sleep(0.1)
+        await talking
+        await api.close()
+
+    asyncio.run(load())
+    after = scrape(url)
+    turns = sum(len(chat) for chat in chats)
+    assert len(usages) == turns and len(during) > 1
+
+    def moved(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert moved("generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert moved("generation_tokens_total") == turns * MAX_TOKENS
+    sources = Counter[str]()
+    for u in usages:
+        sources.update(u.prompt_tokens_details.model_extra["sources"])
+    for source in SOURCES:
+        assert moved("prompt_tokens_by_source_total", source=source) == sources[source]
+    assert sources["gpu"] + sources["cpu"] > 0  # second turns hit the cache
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert moved("prefix_cache_hits_total") == cached
+    assert value(after, "request_success_total", finished_reason="length") == turns
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds",
+                      "e2e_request_latency_seconds", "request_queue_time_seconds"):  # fmt: skip
+        assert moved(f"{histogram}_count") == turns
+        assert moved(f"{histogram}_sum") > 0 or histogram == "request_queue_time_seconds"
+    # the engine's state: busy while the turns ran, idle after; its tiers full of history
+    assert max(value(s, "num_requests_running") for s in during) >= 1
+    assert value(after, "num_requests_running") == 0 == value(after, "num_requests_waiting")
+    assert 0 < value(after, "kv_cache_usage_perc", tier="gpu") <= 1
+    assert moved("kv_swap_bytes_total", direction="out") > 0
+    assert moved("kv_chunks_total", event="evicted") > 0
+    for samples in (*during, after):  # counters only grow
+        assert value(samples, "prompt_tokens_total") >= value(before, "prompt_tokens_total")
+
+
+def test_the_metrics_read_the_same_on_every_way_out(served) -> None:
+    """The HTTP port, --metrics-port, and an HTTP ingress of another process, which asks the
+    scheduler over the bus."""
+
+    async def from_the_bus() -> Samples:
+        bus = await Bus.connect(served["nats"])
+        actor = HttpIngressActor(bus, served["engine_id"], HttpConfig(0), lambda key: None)
+        async with actor:
+            return await asyncio.to_thread(scrape, f"http://127.0.0.1:{actor.port}/metrics")
+
+    counters = ("prompt_tokens_total", "generation_tokens_total", "prefix_cache_hits_total")
+    got = [scrape(served["http"] + "/metrics"), scrape(served["metrics"] + "/metrics"),
+           asyncio.run(from_the_bus())]  # fmt: skip
+    for name in counters:
+        assert len({value(samples, name) for samples in got}) == 1, name
