@@ -419,12 +419,27 @@ class ChatService:
         turn = next((t for t in self.turns.values() if t.conv is conv), None)
         if turn is None:
             return False
+        self._cancel(turn)
+        return True
+
+    def abandon(self, sink: TurnSink) -> bool:
+        """The requester of the turn that answers to `sink` went away (its reply inbox is gone,
+        or its connection closed): end the turn as `cancel` does, its KV kept as after a normal
+        end. False if that turn is no longer in flight."""
+        turn = next((t for t in self.turns.values() if t.sink is sink), None)
+        if turn is None:
+            return False
+        logger.info("turn %d of %s: its requester went away; cancelled", turn.conv.turns,
+                    turn.conv.conv_id)  # fmt: skip
+        self._cancel(turn)
+        return True
+
+    def _cancel(self, turn: _Turn) -> None:
         if turn.ended:  # its text is being found; it ends with the tokens it has
-            return True
+            return
         turn.cancel_at = -math.inf
         self._timed[turn.request.request_id] = turn  # tried again each step until it ends
         self._end_early(turn)
-        return True
 
     def _end_early(self, turn: _Turn) -> None:
         """End a turn whose time is up; one suspended now ends once it runs again."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from pensieve.actors.bus import DISCONNECTS
 from pensieve.actors.config import DEFAULTS
 from pensieve.actors.subjects import PREFIX
 from pensieve.ops.nats_auth import (
@@ -37,6 +38,9 @@ logger = logging.getLogger("pensieve")
 CONFIG = "nats-server.conf"
 PID_FILE = "nats-server.pid"  # written by nats-server itself
 SERVICE_PASSWORD = "service.password"
+EVENTS_PASSWORD = "events.password"
+EVENTS_USER = "pensieve-events"
+SYSTEM_ACCOUNT = "system"
 TENANTS = "tenants"
 TENANT_ACCOUNT = "tenant-"  # + the tenant's name: its account, and its user's name
 # the longest silence within one streamed answer (a turn queued for admission, say): past it
@@ -71,7 +75,8 @@ class Tenant:
                        "subscribe": {"allow": [f"{self.inbox_prefix}.>"]}}  # fmt: skip
         user = {"user": self.account, "password": self.password, "permissions": permissions}
         api = {"account": SERVICE_ACCOUNT, "subject": tenant_subject(self.name, f"{PREFIX}.>")}
-        imports = [{"service": api, "to": f"{PREFIX}.>"}] if self.wired else []
+        # share: each request names the connection it came from (`bus.requester`)
+        imports = [{"service": api, "to": f"{PREFIX}.>", "share": True}] if self.wired else []
         return {"users": [user], "imports": imports}
 
     def connect_kwargs(self, servers: list[str]) -> dict[str, Any]:
@@ -86,15 +91,21 @@ class ServerConfig:
 
     listen: str  # host:port
     service_password: str = field(repr=False)
+    events_password: str = field(repr=False)
     tenants: tuple[Tenant, ...] = ()
     pid_file: Path | None = None
 
     def text(self) -> str:
         service = {"users": [{"user": SERVICE_USER, "password": self.service_password}],
                    "exports": [t.export() for t in self.tenants if t.wired]}  # fmt: skip
-        accounts = {SERVICE_ACCOUNT: service}
+        # the engine's user of the system account hears of closed connections, and no more
+        watcher = {"user": EVENTS_USER, "password": self.events_password,
+                   "permissions": {"publish": {"deny": [">"]},
+                                   "subscribe": {"allow": [DISCONNECTS]}}}  # fmt: skip
+        accounts: dict[str, Any] = {SERVICE_ACCOUNT: service, SYSTEM_ACCOUNT: {"users": [watcher]}}
         accounts.update((t.account, t.account_config()) for t in self.tenants)
-        config: dict[str, Any] = {"listen": self.listen, "accounts": accounts}
+        config: dict[str, Any] = {"listen": self.listen, "accounts": accounts,
+                                  "system_account": SYSTEM_ACCOUNT}  # fmt: skip
         if self.pid_file is not None:
             config["pid_file"] = str(self.pid_file)
         return json.dumps(config, indent=2) + "\n"  # nats-server reads JSON as its own format
@@ -124,6 +135,12 @@ def write_server_config(data_dir: Path, listen: str, pid_file: bool) -> Path:
 def service_connect_options(data_dir: Path) -> NatsAuth:
     """Who the engine's actors are to a server running from `data_dir`'s accounts."""
     return NatsAuth(user=SERVICE_USER, password=read_secret(nats_dir(data_dir) / SERVICE_PASSWORD))
+
+
+def events_connect_options(data_dir: Path) -> NatsAuth:
+    """Who the scheduler is to the same server's system account, to hear of closed
+    connections (`Bus.on_disconnects`)."""
+    return NatsAuth(user=EVENTS_USER, password=read_secret(nats_dir(data_dir) / EVENTS_PASSWORD))
 
 
 def add_tenant(data_dir: Path, name: str, servers: str | None = None) -> dict[str, Any]:
@@ -217,14 +234,15 @@ def _on_file(directory: Path) -> ServerConfig:
         last = json.loads((directory / CONFIG).read_text())
     except FileNotFoundError:
         last = {}
-    service = directory / SERVICE_PASSWORD
-    if not service.exists():
-        _write_private(service, new_secret())
+    service, events = directory / SERVICE_PASSWORD, directory / EVENTS_PASSWORD
+    for path in (service, events):
+        if not path.exists():
+            _write_private(path, new_secret())
     tenants = tuple(Tenant(path.stem, read_secret(path))
                     for path in sorted((directory / TENANTS).glob("*.password")))  # fmt: skip
     pid_file = last.get("pid_file")
     return ServerConfig(last.get("listen", f"127.0.0.1:{DEFAULTS.nats_port}"),
-                        read_secret(service), tenants,
+                        read_secret(service), read_secret(events), tenants,
                         None if pid_file is None else Path(pid_file))  # fmt: skip
 
 

@@ -67,6 +67,7 @@ def serve_on_thread(
     step_channel: StepChannel = DEFAULTS.step_channel,
     connect: ConnectOptions | None = None,
     remote_text: bool | None = None,
+    events: ConnectOptions | None = None,
 ) -> Iterator[tuple[str, ChatService]]:
     """`serving()` on `url` from a thread with its own event loop; yields the engine id and the
     chat service, and checks on leaving that the server stopped cleanly."""
@@ -78,7 +79,7 @@ def serve_on_thread(
         with ConversationStore(data_dir) as store:
             async with serving(built, store, url, max_waiting, None, shutdown_grace_s,
                                step_channel, connect=connect,
-                               remote_text=remote_text) as service:  # fmt: skip
+                               remote_text=remote_text, events=events) as service:  # fmt: skip
                 held.append((store.engine_id(), service))
                 ready.set()
                 await stop.wait()
