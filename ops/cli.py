@@ -160,7 +160,8 @@ def _actor_parser(commands: Any) -> None:
 
 def _tenant_parser(commands: Any) -> None:
     tenant = commands.add_parser(
-        "tenant", help="add a tenant: a NATS account that reaches only its own requests",
+        "tenant", help="add, rotate, remove or list tenants: NATS accounts that reach only their "
+        "own requests",
         description="Tenants of the nats-server that `pensieve serve` starts.",
     )  # fmt: skip
     actions = tenant.add_subparsers(required=True, metavar="ACTION")
@@ -180,6 +181,42 @@ def _tenant_parser(commands: Any) -> None:
     )  # fmt: skip
     _log_arg(add)
     add.set_defaults(run=_tenant_add)
+    rotate = actions.add_parser(
+        "rotate", help="give a tenant a new password and print how it connects",
+        description="Give tenant NAME a new password and print its JSON line, as `add` does. "
+        "From when the command returns, a nats-server running from DIR refuses the old "
+        "password and has closed the connections made with it.",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+    rotate.add_argument("name", metavar="NAME", help="the tenant")
+    _accounts_dir_arg(rotate)
+    rotate.add_argument(
+        "--nats-url", metavar="URL",
+        help="where the tenant connects (default: the server's own address)",
+    )  # fmt: skip
+    _log_arg(rotate)
+    rotate.set_defaults(run=_tenant_rotate)
+    remove = actions.add_parser(
+        "remove", help="remove a tenant: its credentials stop working",
+        description="Remove tenant NAME. From when the command returns, a nats-server running "
+        "from DIR refuses its password and has closed its connections (their turns in flight "
+        "are cancelled); a server not yet started never takes it. Its conversations stay in "
+        "the store, out of everyone's reach, until they expire; a tenant added again under "
+        "the same name reaches them.",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+    remove.add_argument("name", metavar="NAME", help="the tenant")
+    _accounts_dir_arg(remove)
+    _log_arg(remove)
+    remove.set_defaults(run=_tenant_remove)
+    listing = actions.add_parser(
+        "list", help="list the tenants",
+        description="One JSON line {\"tenant\": NAME} per tenant (no secrets).",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+    _accounts_dir_arg(listing)
+    _log_arg(listing)
+    listing.set_defaults(run=_tenant_list)
 
 
 def _nats_config_parser(commands: Any) -> None:
@@ -483,6 +520,32 @@ def _tenant_add(args: argparse.Namespace, started: float) -> int:
 
     nats = add_tenant(args.data_dir or default_data_dir(), args.name, args.nats_url)
     print(json.dumps({"tenant": args.name, "nats": nats}), flush=True)
+    return 0
+
+
+def _tenant_rotate(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.nats_accounts import rotate_tenant
+    from pensieve.ops.serve import default_data_dir
+
+    nats = rotate_tenant(args.data_dir or default_data_dir(), args.name, args.nats_url)
+    print(json.dumps({"tenant": args.name, "nats": nats}), flush=True)
+    return 0
+
+
+def _tenant_remove(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.nats_accounts import remove_tenant
+    from pensieve.ops.serve import default_data_dir
+
+    remove_tenant(args.data_dir or default_data_dir(), args.name)
+    return 0
+
+
+def _tenant_list(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.nats_accounts import list_tenants
+    from pensieve.ops.serve import default_data_dir
+
+    for name in list_tenants(args.data_dir or default_data_dir()):
+        print(json.dumps({"tenant": name}), flush=True)
     return 0
 
 

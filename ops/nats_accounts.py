@@ -2,7 +2,8 @@
 
 Their passwords and the server's configuration live under <data-dir>/nats/ (the layout and the
 subjects are in ops/nats_auth.py). `EmbeddedNats(auth_data_dir=...)` starts a server from them;
-`add_tenant` (`pensieve tenant add`) adds a tenant, and reloads a server running from them.
+`add_tenant`, `rotate_tenant` and `remove_tenant` (`pensieve tenant add|rotate|remove`) change
+the tenants, and reload a server running from them.
 """
 
 from __future__ import annotations
@@ -150,20 +151,70 @@ def add_tenant(data_dir: Path, name: str, servers: str | None = None) -> dict[st
     own address)."""
     check_tenant_name(name)
     with _locked(data_dir) as directory:
-        path = directory / TENANTS / f"{name}.password"
+        path = _password_file(directory, name)
         if path.exists():
             raise ValueError(f"tenant {name} exists (its password is in {path})")
         _private_dir(path.parent)
         _write_private(path, new_secret())
-        config = _on_file(directory)
-        pid = running_pid(data_dir)
-        if pid is None:
-            _write_private(directory / CONFIG, config.text())
-            logger.info("tenant %s added; no nats-server runs from %s: it takes the tenant when "
-                        "it starts (or reload it twice, SIGHUP)", name, directory)  # fmt: skip
-        else:
-            _reload(directory, pid, config)
-            logger.info("tenant %s added; nats-server (pid %d) reloaded", name, pid)
+        config = _take(data_dir, directory, f"tenant {name} added")
+    return _connect_kwargs(config, name, servers)
+
+
+def rotate_tenant(data_dir: Path, name: str, servers: str | None = None) -> dict[str, Any]:
+    """Give tenant `name` a new password, as `add_tenant` gives one: from when this returns its
+    old password is refused, and the server has closed the connections made with it."""
+    check_tenant_name(name)
+    with _locked(data_dir) as directory:
+        _write_private(_existing(directory, name), new_secret())
+        config = _take(data_dir, directory, f"tenant {name} has a new password")
+    return _connect_kwargs(config, name, servers)
+
+
+def remove_tenant(data_dir: Path, name: str) -> None:
+    """Remove tenant `name`: from when this returns the server refuses its password, and has
+    closed its connections (their turns in flight are cancelled). Its conversations stay in the
+    store, out of everyone's reach, until they expire; a tenant added later under the same name
+    reaches them again."""
+    check_tenant_name(name)
+    with _locked(data_dir) as directory:
+        _existing(directory, name).unlink()
+        _take(data_dir, directory, f"tenant {name} removed")
+
+
+def list_tenants(data_dir: Path) -> list[str]:
+    """The names of the tenants on file."""
+    with _locked(data_dir) as directory:
+        return [tenant.name for tenant in _on_file(directory).tenants]
+
+
+def _take(data_dir: Path, directory: Path, done: str) -> ServerConfig:
+    """Write the configuration of the files on file, and have the server running from it (if
+    any) take it."""
+    config = _on_file(directory)
+    pid = running_pid(data_dir)
+    if pid is None:
+        _write_private(directory / CONFIG, config.text())
+        logger.info("%s; no nats-server runs from %s: it takes this when it starts (a server "
+                    "started otherwise: SIGHUP it twice, or restart it)", done,
+                    directory)  # fmt: skip
+    else:
+        _reload(directory, pid, config)
+        logger.info("%s; nats-server (pid %d) reloaded", done, pid)
+    return config
+
+
+def _password_file(directory: Path, name: str) -> Path:
+    return directory / TENANTS / f"{name}.password"
+
+
+def _existing(directory: Path, name: str) -> Path:
+    path = _password_file(directory, name)
+    if not path.exists():
+        raise ValueError(f"no tenant {name} (tenants: pensieve tenant list)")
+    return path
+
+
+def _connect_kwargs(config: ServerConfig, name: str, servers: str | None) -> dict[str, Any]:
     (tenant,) = [t for t in config.tenants if t.name == name]
     host, port = config.address
     return tenant.connect_kwargs(servers.split(",") if servers else [f"nats://{host}:{port}"])
@@ -190,27 +241,43 @@ def running_pid(data_dir: Path) -> int | None:
 
 
 def _reload(directory: Path, pid: int, config: ServerConfig) -> None:
-    """Make the nats-server `pid` run `config`. nats-server (2.15) leaves the service import
-    of an account created by a reload unwired until the next reload (the tenant's requests find
-    no responders), so a tenant new to the server comes in two: its account, with a throwaway
-    password and no import, then its import and its own password. Each reload is awaited by
-    logging in as the new tenants with that reload's password."""
-    loaded = _wired_tenants(directory / CONFIG)
+    """Make the nats-server `pid` run `config`, and wait until it does: until every tenant new
+    to it or with a new password logs in with it, and the old password of every tenant removed
+    or given a new one is refused.
+
+    nats-server (2.15) subscribes to the service imports of an account that a reload creates
+    only at the next reload (`configureAccounts` wires the imports of a new account only when
+    the server starts; a reload rewires those of the accounts it had already), so until then
+    the tenant's requests find no responders. So a tenant new to the server comes in two
+    reloads: its account, with a throwaway password and no import, then its import and its own
+    password."""
+    loaded = _loaded_passwords(directory / CONFIG)
+    names = {t.name for t in config.tenants}
     new = [t for t in config.tenants if t.name not in loaded]
+    changed = [t for t in config.tenants if loaded.get(t.name, t.password) != t.password]
+    refused = [Tenant(name, password) for name, password in loaded.items()
+               if name not in names or any(t.name == name for t in changed)]  # fmt: skip
     if new:
         staged = tuple(Tenant(t.name, new_secret(), wired=False) if t in new else t
                        for t in config.tenants)  # fmt: skip
         first = [t for t in staged if not t.wired]
         _apply(directory, pid, replace(config, tenants=staged), first)
-    _apply(directory, pid, config, new)
+    _apply(directory, pid, config, new + changed, refused)
 
 
-def _apply(directory: Path, pid: int, config: ServerConfig, logins: list[Tenant]) -> None:
+def _apply(
+    directory: Path,
+    pid: int,
+    config: ServerConfig,
+    logins: list[Tenant],
+    refused: list[Tenant] | None = None,
+) -> None:
     _write_private(directory / CONFIG, config.text())
     os.kill(pid, signal.SIGHUP)
     deadline = time.monotonic() + RELOAD_TIMEOUT_S
-    for tenant in logins:
-        while not _logs_in(config.address, tenant):
+    waits = [(t, True) for t in logins] + [(t, False) for t in refused or []]
+    for tenant, taken in waits:
+        while _logs_in(config.address, tenant) != taken:
             if time.monotonic() > deadline:
                 raise OSError(f"nats-server (pid {pid}) did not take {directory / CONFIG} "
                               f"within {RELOAD_TIMEOUT_S:.0f} s: see its log")  # fmt: skip
@@ -246,13 +313,14 @@ def _on_file(directory: Path) -> ServerConfig:
                         None if pid_file is None else Path(pid_file))  # fmt: skip
 
 
-def _wired_tenants(config: Path) -> set[str]:
-    """The tenants whose import the configuration at `config` holds."""
+def _loaded_passwords(config: Path) -> dict[str, str]:
+    """The tenants whose import the configuration at `config` holds, with their passwords."""
     try:
         accounts = json.loads(config.read_text())["accounts"]
     except FileNotFoundError:
-        return set()
-    return {name.removeprefix(TENANT_ACCOUNT) for name, account in accounts.items()
+        return {}
+    return {name.removeprefix(TENANT_ACCOUNT): account["users"][0]["password"]
+            for name, account in accounts.items()
             if name.startswith(TENANT_ACCOUNT) and account["imports"]}  # fmt: skip
 
 

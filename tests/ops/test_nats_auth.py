@@ -203,6 +203,67 @@ def test_a_tenant_added_while_the_server_runs_is_served_at_once(
         asyncio.run(go(server))
 
 
+def test_a_removed_tenant_is_refused_and_a_rotated_one_takes_only_its_new_password(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tenant remove` and `tenant rotate`, before the server starts and while it runs: the
+    old credentials connect no more, and their connections are closed."""
+    alice, bob = tenant_add(tmp_path, "alice", capsys), tenant_add(tmp_path, "bob", capsys)
+    tenant_add(tmp_path, "carol", capsys)
+    assert main(["tenant", "remove", "carol", "--data-dir", str(tmp_path)]) == 0
+
+    async def refused(kwargs: dict[str, Any], url: str) -> bool:
+        async def quiet(error: Exception) -> None:
+            pass
+
+        try:
+            client = await nats.connect(**{**kwargs, "servers": [url]}, allow_reconnect=False,
+                                        error_cb=quiet)  # fmt: skip
+        except nats.errors.Error as error:
+            return "Authorization Violation" in str(error)
+        await client.close()
+        return False
+
+    async def dropped(client: Client) -> bool:  # by the server; it does not get back in
+        for _ in range(100):
+            if not client.is_connected:
+                await asyncio.sleep(0.5)
+                connected = client.is_connected
+                await client.close()
+                return not connected
+            await asyncio.sleep(0.02)
+        return False
+
+    async def go(server: EmbeddedNats) -> None:
+        received: list[Msg] = []
+        async with fake_service(server, received):
+            assert await refused(carol, server.url)
+            a_client = await connect_tenant(alice, server.url, [])
+            b_client = await connect_tenant(bob, server.url, [])
+            assert await ask(b_client) == [f"bob {part}".encode() for part in range(NUM_PARTS)]
+            rotated = await asyncio.to_thread(rotate, "alice")
+            assert rotated["password"] != alice["password"]
+            assert await refused(alice, server.url) and await dropped(a_client)
+            await asyncio.to_thread(main, ["tenant", "remove", "bob", "--data-dir", str(tmp_path)])
+            assert await refused(bob, server.url) and await dropped(b_client)
+            again = await connect_tenant(rotated, server.url, [])
+            assert await ask(again) == [f"alice {part}".encode() for part in range(NUM_PARTS)]
+            await again.close()
+
+    def rotate(name: str) -> dict[str, Any]:
+        assert main(["tenant", "rotate", name, "--data-dir", str(tmp_path)]) == 0
+        return dict(json.loads(capsys.readouterr().out)["nats"])
+
+    carol = {**alice, "user": "tenant-carol"}  # any password: none is taken
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        asyncio.run(go(server))
+    capsys.readouterr()
+    assert main(["tenant", "list", "--data-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == ['{"tenant": "alice"}']
+    assert main(["tenant", "remove", "bob", "--data-dir", str(tmp_path)]) == 2
+    assert "no tenant bob" in capsys.readouterr().err
+
+
 def test_secrets_stay_in_private_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Not in the server's argv, not in any log line; files 0600 in a folder of 0700."""
     caplog.set_level(logging.INFO, logger="pensieve")
