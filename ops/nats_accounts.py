@@ -13,6 +13,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import time
@@ -43,7 +44,8 @@ EVENTS_PASSWORD = "events.password"
 EVENTS_USER = "pensieve-events"
 SYSTEM_ACCOUNT = "system"
 TENANTS = "tenants"
-TENANT_ACCOUNT = "tenant-"  # + the tenant's name: its account, and its user's name
+TENANT_USER = "tenant-"  # + the tenant's name: its user's name (user names are server-wide)
+SPARE = "spare.account"  # the name of the account the next tenant takes (see `_reload`)
 # the longest silence within one streamed answer (a turn queued for admission, say): past it
 # the server forgets where the rest of the answer goes
 RESPONSE_THRESHOLD = "10m"
@@ -54,11 +56,16 @@ RELOAD_TIMEOUT_S = 10.0
 class Tenant:
     name: str
     password: str = field(repr=False)
+    account: str = ""  # its NATS account's name (default: its user's)
     wired: bool = True  # False: its account and user only, not yet its import (see `_reload`)
 
+    def __post_init__(self) -> None:
+        if not self.account:
+            object.__setattr__(self, "account", self.user)
+
     @property
-    def account(self) -> str:
-        return TENANT_ACCOUNT + self.name  # also its user's: user names are server-wide
+    def user(self) -> str:
+        return TENANT_USER + self.name
 
     @property
     def inbox_prefix(self) -> str:
@@ -74,7 +81,7 @@ class Tenant:
         subjects of the service account, and subscribes to its own inbox only."""
         permissions = {"publish": {"allow": [f"{PREFIX}.>"]},
                        "subscribe": {"allow": [f"{self.inbox_prefix}.>"]}}  # fmt: skip
-        user = {"user": self.account, "password": self.password, "permissions": permissions}
+        user = {"user": self.user, "password": self.password, "permissions": permissions}
         api = {"account": SERVICE_ACCOUNT, "subject": tenant_subject(self.name, f"{PREFIX}.>")}
         # share: each request names the connection it came from (`bus.requester`)
         imports = [{"service": api, "to": f"{PREFIX}.>", "share": True}] if self.wired else []
@@ -82,7 +89,7 @@ class Tenant:
 
     def connect_kwargs(self, servers: list[str]) -> dict[str, Any]:
         """The keyword arguments of nats-py's `nats.connect()` for this tenant."""
-        return {"servers": servers, "user": self.account, "password": self.password,
+        return {"servers": servers, "user": self.user, "password": self.password,
                 "inbox_prefix": self.inbox_prefix}  # fmt: skip
 
 
@@ -93,6 +100,7 @@ class ServerConfig:
     listen: str  # host:port
     service_password: str = field(repr=False)
     events_password: str = field(repr=False)
+    spare: str  # an account with nothing in it yet, which the next tenant added takes
     tenants: tuple[Tenant, ...] = ()
     pid_file: Path | None = None
 
@@ -105,6 +113,7 @@ class ServerConfig:
                                    "subscribe": {"allow": [DISCONNECTS]}}}  # fmt: skip
         accounts: dict[str, Any] = {SERVICE_ACCOUNT: service, SYSTEM_ACCOUNT: {"users": [watcher]}}
         accounts.update((t.account, t.account_config()) for t in self.tenants)
+        accounts[self.spare] = {}
         config: dict[str, Any] = {"listen": self.listen, "accounts": accounts,
                                   "system_account": SYSTEM_ACCOUNT}  # fmt: skip
         if self.pid_file is not None:
@@ -155,6 +164,8 @@ def add_tenant(data_dir: Path, name: str, servers: str | None = None) -> dict[st
         if path.exists():
             raise ValueError(f"tenant {name} exists (its password is in {path})")
         _private_dir(path.parent)
+        _write_private(path.with_suffix(".account"), _on_file(directory).spare)
+        _write_private(directory / SPARE, _new_account())
         _write_private(path, new_secret())
         config = _take(data_dir, directory, f"tenant {name} added")
     return _connect_kwargs(config, name, servers)
@@ -178,6 +189,7 @@ def remove_tenant(data_dir: Path, name: str) -> None:
     check_tenant_name(name)
     with _locked(data_dir) as directory:
         _existing(directory, name).unlink()
+        _password_file(directory, name).with_suffix(".account").unlink(missing_ok=True)
         _take(data_dir, directory, f"tenant {name} removed")
 
 
@@ -194,9 +206,8 @@ def _take(data_dir: Path, directory: Path, done: str) -> ServerConfig:
     pid = running_pid(data_dir)
     if pid is None:
         _write_private(directory / CONFIG, config.text())
-        logger.info("%s; no nats-server runs from %s: it takes this when it starts (a server "
-                    "started otherwise: SIGHUP it twice, or restart it)", done,
-                    directory)  # fmt: skip
+        logger.info("%s; no nats-server runs from %s: it takes this when it starts (one "
+                    "started otherwise: SIGHUP it)", done, directory)  # fmt: skip
     else:
         _reload(directory, pid, config)
         logger.info("%s; nats-server (pid %d) reloaded", done, pid)
@@ -246,19 +257,22 @@ def _reload(directory: Path, pid: int, config: ServerConfig) -> None:
     or given a new one is refused.
 
     nats-server (2.15) subscribes to the service imports of an account that a reload creates
-    only at the next reload (`configureAccounts` wires the imports of a new account only when
-    the server starts; a reload rewires those of the accounts it had already), so until then
-    the tenant's requests find no responders. So a tenant new to the server comes in two
-    reloads: its account, with a throwaway password and no import, then its import and its own
-    password."""
-    loaded = _loaded_passwords(directory / CONFIG)
+    only at the next reload (its `configureAccounts` wires a new account's imports only when
+    the server starts; a reload rewires those of the accounts it had already), and until then
+    the tenant's requests find no responders. So the configuration always holds a spare
+    account, empty, which the next tenant added takes (`add_tenant`): one reload gives it
+    its user and its import. A tenant whose account the server does not have yet (added
+    before there were spares) comes in two reloads: its account, with a throwaway password
+    and no import, then its import and its own password."""
+    loaded, accounts = _loaded(directory / CONFIG)
     names = {t.name for t in config.tenants}
     new = [t for t in config.tenants if t.name not in loaded]
     changed = [t for t in config.tenants if loaded.get(t.name, t.password) != t.password]
     refused = [Tenant(name, password) for name, password in loaded.items()
                if name not in names or any(t.name == name for t in changed)]  # fmt: skip
-    if new:
-        staged = tuple(Tenant(t.name, new_secret(), wired=False) if t in new else t
+    unknown = [t for t in new if t.account not in accounts]
+    if unknown:
+        staged = tuple(replace(t, password=new_secret(), wired=False) if t in unknown else t
                        for t in config.tenants)  # fmt: skip
         first = [t for t in staged if not t.wired]
         _apply(directory, pid, replace(config, tenants=staged), first)
@@ -287,7 +301,7 @@ def _apply(
 def _logs_in(address: tuple[str, int], tenant: Tenant) -> bool:
     """Whether the server takes `tenant`'s password: the client handshake (server INFO, client
     CONNECT, PING), to which it answers PONG, or -ERR and closes."""
-    hello = json.dumps({"user": tenant.account, "pass": tenant.password, "verbose": False})
+    hello = json.dumps({"user": tenant.user, "pass": tenant.password, "verbose": False})
     with socket.create_connection(address, timeout=2.0) as sock, sock.makefile("rb") as lines:
         lines.readline()  # INFO {...}
         sock.sendall(f"CONNECT {hello}\r\nPING\r\n".encode())
@@ -301,27 +315,41 @@ def _on_file(directory: Path) -> ServerConfig:
         last = json.loads((directory / CONFIG).read_text())
     except FileNotFoundError:
         last = {}
-    service, events = directory / SERVICE_PASSWORD, directory / EVENTS_PASSWORD
-    for path in (service, events):
+    service, events, spare = (directory / SERVICE_PASSWORD, directory / EVENTS_PASSWORD,
+                              directory / SPARE)  # fmt: skip
+    for path, make in ((service, new_secret), (events, new_secret), (spare, _new_account)):
         if not path.exists():
-            _write_private(path, new_secret())
-    tenants = tuple(Tenant(path.stem, read_secret(path))
+            _write_private(path, make())
+    tenants = tuple(Tenant(path.stem, read_secret(path), _account_on_file(path))
                     for path in sorted((directory / TENANTS).glob("*.password")))  # fmt: skip
     pid_file = last.get("pid_file")
     return ServerConfig(last.get("listen", f"127.0.0.1:{DEFAULTS.nats_port}"),
-                        read_secret(service), read_secret(events), tenants,
+                        read_secret(service), read_secret(events), read_secret(spare), tenants,
                         None if pid_file is None else Path(pid_file))  # fmt: skip
 
 
-def _loaded_passwords(config: Path) -> dict[str, str]:
-    """The tenants whose import the configuration at `config` holds, with their passwords."""
+def _account_on_file(password: Path) -> str:
+    """The account a tenant took when it was added ("": one added before the spare accounts,
+    whose account is named as its user)."""
+    path = password.with_suffix(".account")
+    return read_secret(path) if path.exists() else ""
+
+
+def _loaded(config: Path) -> tuple[dict[str, str], set[str]]:
+    """Of the configuration at `config`: the tenants whose import it holds, with their
+    passwords, and the names of all its accounts."""
     try:
         accounts = json.loads(config.read_text())["accounts"]
     except FileNotFoundError:
-        return {}
-    return {name.removeprefix(TENANT_ACCOUNT): account["users"][0]["password"]
-            for name, account in accounts.items()
-            if name.startswith(TENANT_ACCOUNT) and account["imports"]}  # fmt: skip
+        return {}, set()
+    wired = {user["user"].removeprefix(TENANT_USER): user["password"]
+             for account in accounts.values() if account.get("imports")
+             for user in account["users"]}  # fmt: skip
+    return wired, set(accounts)
+
+
+def _new_account() -> str:
+    return f"account-{secrets.token_hex(6)}"  # no tenant's: theirs begin with TENANT_USER
 
 
 @contextlib.contextmanager

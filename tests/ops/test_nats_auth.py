@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -25,7 +26,12 @@ from nats.aio.msg import Msg
 from pensieve.actors.bus import Bus
 from pensieve.actors.subjects import CHAT, CONVERSATIONS_GET
 from pensieve.ops.cli import main
-from pensieve.ops.nats_accounts import add_tenant, nats_dir
+from pensieve.ops.nats_accounts import (
+    add_tenant,
+    nats_dir,
+    service_connect_options,
+    write_server_config,
+)
 from pensieve.ops.nats_auth import (
     NatsAuth,
     TlsFiles,
@@ -262,6 +268,67 @@ def test_a_removed_tenant_is_refused_and_a_rotated_one_takes_only_its_new_passwo
     assert capsys.readouterr().out.splitlines() == ['{"tenant": "alice"}']
     assert main(["tenant", "remove", "bob", "--data-dir", str(tmp_path)]) == 2
     assert "no tenant bob" in capsys.readouterr().err
+
+
+def test_a_tenant_added_to_a_server_run_elsewhere_is_served_after_one_reload(
+    tmp_path: Path,
+) -> None:
+    """A nats-server started from `pensieve nats-config`'s file takes a tenant added meanwhile
+    with one SIGHUP (the account the tenant takes is in the file it runs from already)."""
+    port = free_port()
+    config = write_server_config(tmp_path, f"127.0.0.1:{port}", pid_file=False)
+    server = subprocess.Popen([find_binary(), "-c", str(config)], stderr=subprocess.DEVNULL)
+    url = f"nats://127.0.0.1:{port}"
+
+    async def go() -> None:
+        service = service_connect_options(tmp_path).connect_options()
+        bus = await Bus.connect(url, options=service)
+
+        async def answer(msg: Msg) -> None:
+            await bus.client.publish(msg.reply, tenant_of(msg.subject).encode())
+
+        await bus.client.subscribe(tenant_subject("*", CHAT), cb=answer)
+        await bus.flush()
+        for name in ("alice", "bob"):
+            kwargs = add_tenant(tmp_path, name)  # no server runs from tmp_path: none reloaded
+            server.send_signal(signal.SIGHUP)
+            client = await logged_in(kwargs, url)
+            reply = await client.request(CHAT, b"{}", timeout=2)
+            assert reply.data == name.encode()
+            await client.close()
+        await bus.close()
+
+    try:
+        wait_for_port(port)
+        asyncio.run(go())
+    finally:
+        server.terminate()
+        server.wait()
+
+
+async def logged_in(kwargs: dict[str, Any], url: str) -> Client:
+    """A client of the tenant, once the server takes its password (after a reload)."""
+
+    async def quiet(error: Exception) -> None:
+        pass
+
+    for _ in range(250):
+        try:
+            return await nats.connect(**{**kwargs, "servers": [url]}, allow_reconnect=False,
+                                      error_cb=quiet)  # fmt: skip
+        except nats.errors.Error:
+            await asyncio.sleep(0.02)
+    raise AssertionError("the tenant never logged in")
+
+
+def wait_for_port(port: int) -> None:
+    for _ in range(250):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+    raise AssertionError(f"nothing listens on {port}")
 
 
 def test_secrets_stay_in_private_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
