@@ -127,6 +127,7 @@ class ConnectOptions:
     password: str | None = field(default=None, repr=False)
     token: str | None = field(default=None, repr=False)
     nkeys_seed: str | None = None  # the path of a seed file
+    nkeys_seed_str: str | None = field(default=None, repr=False)  # or the seed itself
     user_credentials: str | None = None  # the path of a .creds file
     tls: ssl.SSLContext | None = None
     inbox_prefix: str = "_INBOX"  # a tenant may subscribe only below its own
@@ -154,7 +155,8 @@ class Bus:
         client = await nats.connect(
             url, name=name, max_reconnect_attempts=-1, error_cb=on_error,
             user=given.user, password=given.password, token=given.token,
-            nkeys_seed=given.nkeys_seed, user_credentials=given.user_credentials,
+            nkeys_seed=given.nkeys_seed, nkeys_seed_str=given.nkeys_seed_str,
+            user_credentials=given.user_credentials,
             tls=given.tls, inbox_prefix=given.inbox_prefix,
         )  # fmt: skip
         return cls(client)

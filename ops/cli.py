@@ -169,11 +169,17 @@ def _tenant_parser(commands: Any) -> None:
         "add", help="create a tenant and print how it connects",
         description="Create tenant NAME and print one JSON line {\"tenant\": NAME, \"nats\": "
         "{...}}, where \"nats\" is the keyword arguments of nats.connect() for it (servers, "
-        "user, password, inbox prefix). A nats-server running from DIR is reloaded; one not "
-        "yet started takes the tenant when it starts.",
+        "user and password or nkey seed, inbox prefix). A nats-server running from DIR is "
+        "reloaded; one not yet started takes the tenant when it starts.",
         formatter_class=HelpFormatter,
     )  # fmt: skip
     add.add_argument("name", metavar="NAME", help="a-z 0-9 _ -, at most 64")
+    add.add_argument(
+        "--auth", choices=["password", "nkey"], default="password",
+        help="how the tenant logs in: a password (kept in DIR), or an nkey, whose seed is in "
+        "the printed line only and whose public key alone the server keeps (needs the nkeys "
+        "package)",
+    )  # fmt: skip
     _accounts_dir_arg(add)
     add.add_argument(
         "--nats-url", metavar="URL",
@@ -183,9 +189,9 @@ def _tenant_parser(commands: Any) -> None:
     add.set_defaults(run=_tenant_add)
     rotate = actions.add_parser(
         "rotate", help="give a tenant a new password and print how it connects",
-        description="Give tenant NAME a new password and print its JSON line, as `add` does. "
-        "From when the command returns, a nats-server running from DIR refuses the old "
-        "password and has closed the connections made with it.",
+        description="Give tenant NAME a new password (or nkey, for a tenant with one) and "
+        "print its JSON line, as `add` does. From when the command returns, a nats-server "
+        "running from DIR refuses the old one and has closed the connections made with it.",
         formatter_class=HelpFormatter,
     )  # fmt: skip
     rotate.add_argument("name", metavar="NAME", help="the tenant")
@@ -515,10 +521,11 @@ def _actor(args: argparse.Namespace, started: float) -> int:
 
 
 def _tenant_add(args: argparse.Namespace, started: float) -> int:
-    from pensieve.ops.nats_accounts import add_tenant
+    from pensieve.ops.nats_accounts import TenantAuth, add_tenant
     from pensieve.ops.serve import default_data_dir
 
-    nats = add_tenant(args.data_dir or default_data_dir(), args.name, args.nats_url)
+    nats = add_tenant(args.data_dir or default_data_dir(), args.name, args.nats_url,
+                      TenantAuth(args.auth))  # fmt: skip
     print(json.dumps({"tenant": args.name, "nats": nats}), flush=True)
     return 0
 

@@ -8,10 +8,14 @@ The nats-server that `pensieve serve` starts (unless --insecure) runs with accou
 <data-dir>/nats/ (a folder of mode 0700, every file in it 0600):
 
     service.password           the engine's actors: user `pensieve` of account `service`
-    tenants/<name>.password    tenant <name>: user `tenant-<name>` of account `tenant-<name>`
-    nats-server.conf           generated from the two above (JSON, which nats-server reads)
+    events.password            the scheduler's watch on closed connections (system account)
+    tenants/<name>.password    tenant <name>: user `tenant-<name>` (or <name>.nkey: its nkey's
+                               public key), in the account named in tenants/<name>.account
+    spare.account              the empty account the next tenant takes
+    nats-server.conf           generated from the files above (JSON, which nats-server reads;
+                               its shape: ops/nats_config.py)
 
-    account tenant-alice                                  account service
+    alice's account                                       account service
     publishes pensieve.v1.chat  ---(service import)--->  pensieve.tenant.alice.v1.chat
     subscribes _INBOX.alice.>   <--(streamed replies)--  the engine answers the reply subject
 

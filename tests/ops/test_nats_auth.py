@@ -24,7 +24,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from pensieve.actors.bus import Bus
+from pensieve.actors.config import DEFAULTS
 from pensieve.actors.subjects import CHAT, CONVERSATIONS_GET
+from pensieve.ops.chat import tenant_options
 from pensieve.ops.cli import main
 from pensieve.ops.nats_accounts import (
     add_tenant,
@@ -329,6 +331,50 @@ def wait_for_port(port: int) -> None:
         except OSError:
             time.sleep(0.02)
     raise AssertionError(f"nothing listens on {port}")
+
+
+def test_a_tenant_with_an_nkey_connects_with_its_line_and_the_server_keeps_no_secret_of_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tenant add --auth nkey`: the line's seed logs in, before and while the server runs; the
+    data dir holds the public key alone; `rotate` gives a new seed and the old one is refused."""
+
+    def add(name: str) -> dict[str, Any]:
+        assert main(["tenant", "add", name, "--auth", "nkey", "--data-dir", str(tmp_path)]) == 0
+        line = json.loads(capsys.readouterr().out)
+        assert set(line["nats"]) == {"servers", "nkeys_seed_str", "inbox_prefix"}
+        return dict(line["nats"])
+
+    alice = add("alice")
+    stored = (nats_dir(tmp_path) / "tenants" / "alice.nkey").read_text()
+    assert stored.startswith("U") and alice["nkeys_seed_str"].startswith("SU")
+    for path in nats_dir(tmp_path).rglob("*"):
+        assert not path.is_file() or alice["nkeys_seed_str"] not in path.read_text()
+    line = tmp_path / "alice.json"
+    line.write_text(json.dumps({"tenant": "alice", "nats": alice}))
+    server_url, options = tenant_options(line)  # what `pensieve chat --tenant` reads
+    assert options.nkeys_seed_str == alice["nkeys_seed_str"] and options.user is None
+
+    async def go(server: EmbeddedNats) -> None:
+        received: list[Msg] = []
+        async with fake_service(server, received):
+            for name, kwargs in (("alice", alice), ("bob", await asyncio.to_thread(add, "bob"))):
+                client = await nats.connect(**{**kwargs, "servers": [server.url]})
+                assert await ask(client) == [f"{name} {part}".encode() for part in range(NUM_PARTS)]
+                await client.close()
+            argv = ["tenant", "rotate", "alice", "--data-dir", str(tmp_path)]
+            assert await asyncio.to_thread(main, argv) == 0
+            rotated = json.loads(capsys.readouterr().out)["nats"]
+            assert rotated["nkeys_seed_str"] != alice["nkeys_seed_str"]
+            with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+                await nats.connect(**{**alice, "servers": [server.url]}, allow_reconnect=False)
+            client = await nats.connect(**{**rotated, "servers": [server.url]})
+            assert await ask(client) == [f"alice {part}".encode() for part in range(NUM_PARTS)]
+            await client.close()
+
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        assert server_url == f"nats://127.0.0.1:{DEFAULTS.nats_port}"
+        asyncio.run(go(server))
 
 
 def test_secrets_stay_in_private_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
