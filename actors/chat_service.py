@@ -368,7 +368,7 @@ class ChatService:
         """`tenant`'s conversation ids in the store's order, `page.limit` at most after
         `page.cursor`; `next_cursor` continues, None at the end."""
         after = bytes.fromhex(page.cursor) if page.cursor else None
-        ids, last = self.store.list_page(after, page.limit, lambda m: m.tenant == tenant)
+        ids, last = self.store.list_page(after, page.limit, tenant)
         return {"conversations": ids, "next_cursor": last.hex() if last else None}
 
     def stats(self) -> dict[str, Any]:
