@@ -84,8 +84,9 @@ Handler = Callable[[Incoming], Awaitable[None]]
 
 
 def requester(headers: dict[str, str]) -> str | None:
-    """The connection that sent a request through a tenant's import, as `server-id/client-id`
-    (what `Bus.on_disconnects` reports when it closes); None where nats-server said nothing."""
+    """The connection that sent a request through a tenant's import, as `server/client-id`
+    (the server's name, which is its id unless configured; what `Bus.on_disconnects` reports
+    when it closes); None where nats-server said nothing."""
     try:
         info = orjson.loads(headers.get(REQUEST_INFO_HEADER, ""))
         return f"{info['server']}/{info['id']}"
@@ -220,7 +221,7 @@ class Bus:
         async def on_event(msg: Msg) -> None:
             try:
                 event = orjson.loads(msg.data)
-                gone(f"{event['server']['id']}/{event['client']['id']}")
+                gone(f"{event['server']['name']}/{event['client']['id']}")
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 logger.warning("a disconnect event not understood: %r", msg.data[:200])
 
