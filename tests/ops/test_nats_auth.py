@@ -23,7 +23,7 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from pensieve.actors.bus import Bus
+from pensieve.actors.bus import REQUEST_INFO_HEADER, Bus, requester
 from pensieve.actors.config import DEFAULTS
 from pensieve.actors.subjects import CHAT, CONVERSATIONS_GET
 from pensieve.ops.chat import tenant_options
@@ -125,9 +125,18 @@ def test_a_tenant_reaches_the_service_on_its_own_subject_with_the_plain_api(
         async with fake_service(server, received):
             client = await connect_tenant(alice, server.url, [])
             assert await ask(client) == [f"alice {part}".encode() for part in range(NUM_PARTS)]
+            # the connection a request names is nats-server's word, not the client's
+            inbox = client.new_inbox()
+            sub = await client.subscribe(inbox)
+            forged = {REQUEST_INFO_HEADER: '{"server": "elsewhere", "id": 1}'}
+            await client.publish(CHAT, b"{}", reply=inbox, headers=forged)
+            await sub.next_msg(timeout=5)
             await client.close()
-        (msg,) = received
+        msg, again = received
         assert msg.subject == tenant_subject("alice", CHAT) == "pensieve.tenant.alice.v1.chat"
+        sender = requester(dict(msg.headers or {}))
+        assert sender is not None and sender == requester(dict(again.headers or {}))
+        assert sender != "elsewhere/1"
 
     with EmbeddedNats(auth_data_dir=tmp_path) as server:
         asyncio.run(go(server))
