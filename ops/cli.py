@@ -257,7 +257,7 @@ def _client_parser(commands: Any, name: str, help: str, description: str) -> Any
     and quiet logs (the terminal is for its own output)."""
     parser = commands.add_parser(name, help=help, description=description,
                                  formatter_class=HelpFormatter)  # fmt: skip
-    _nats_auth_args(parser, embedded=False)
+    _nats_auth_args(parser, embedded=False, engine=False)
     _log_arg(parser)
     parser.set_defaults(log_level="warning")
     return parser
@@ -316,10 +316,13 @@ def _client_connection(args: argparse.Namespace) -> tuple[str, Any]:
     return url, connect
 
 
-def _nats_auth_args(p: argparse.ArgumentParser, embedded: bool) -> None:
-    from pensieve.ops.nats_auth import add_connect_args, add_embedded_args
+def _nats_auth_args(p: argparse.ArgumentParser, embedded: bool, engine: bool = True) -> None:
+    """NATS credentials; with `engine`, also the scheduler's watch on closed connections."""
+    from pensieve.ops.nats_auth import add_connect_args, add_embedded_args, add_events_args
 
     add_connect_args(p)
+    if engine:
+        add_events_args(p)
     if embedded:
         add_embedded_args(p)
 
@@ -567,13 +570,14 @@ def _nats_config(args: argparse.Namespace, started: float) -> int:
 
 
 def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from pensieve.ops.nats_auth import auth_data_dir, nats_auth_from_args
+    from pensieve.ops.nats_auth import auth_data_dir, events_auth_from_args, nats_auth_from_args
     from pensieve.ops.serve import ServeOptions, default_data_dir
 
     data_dir = args.data_dir or default_data_dir()
     return ServeOptions(
         data_dir=data_dir,
         nats_auth=nats_auth_from_args(args),
+        events_auth=events_auth_from_args(args),
         auth_data_dir=auth_data_dir(args, data_dir),
         nats_url=args.nats_url,
         nats_port=args.nats_port,

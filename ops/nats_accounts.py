@@ -25,6 +25,7 @@ from typing import Any
 
 from pensieve.actors.config import DEFAULTS
 from pensieve.ops.nats_auth import (
+    EVENTS_USER,
     SERVICE_USER,
     NatsAuth,
     check_tenant_name,
@@ -32,7 +33,6 @@ from pensieve.ops.nats_auth import (
     read_secret,
 )
 from pensieve.ops.nats_config import (
-    EVENTS_USER,
     RELOAD_USER,
     ServerConfig,
     Tenant,

@@ -19,9 +19,8 @@ from typing import Any
 
 from pensieve.actors.bus import DISCONNECTS
 from pensieve.actors.subjects import PREFIX
-from pensieve.ops.nats_auth import SERVICE_ACCOUNT, SERVICE_USER, tenant_subject
+from pensieve.ops.nats_auth import EVENTS_USER, SERVICE_ACCOUNT, SERVICE_USER, tenant_subject
 
-EVENTS_USER = "pensieve-events"
 RELOAD_USER = "pensieve-reload"
 SYSTEM_ACCOUNT = "system"
 RELOAD_ACCOUNT = "reload"

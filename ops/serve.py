@@ -55,6 +55,7 @@ class ServeOptions:
     tokenizers: int = DEFAULTS.tokenizers
     expiry: ExpiryConfig = DEFAULT_EXPIRY
     nats_auth: NatsAuth | None = None  # who the actors are to the server at `nats_url`
+    events_auth: NatsAuth | None = None  # who the scheduler is to its system account there
     # the embedded server asks who connects: accounts and credentials under <this>/nats/
     auth_data_dir: Path | None = None
 
@@ -247,7 +248,7 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
         # the store holds every prompt and reply: readable by this user only
         options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         with ConversationStore(options.data_dir) as store, contextlib.ExitStack() as stack:
-            url, auth, events = options.nats_url, options.nats_auth, None
+            url, auth, events = options.nats_url, options.nats_auth, options.events_auth
             if url is None:  # first, so a taken port fails before the model loads
                 begin = time.monotonic()
                 server = stack.enter_context(

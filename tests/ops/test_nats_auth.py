@@ -38,6 +38,8 @@ from pensieve.ops.nats_auth import (
     NatsAuth,
     TlsFiles,
     add_connect_args,
+    add_events_args,
+    events_auth_from_args,
     nats_auth_from_args,
     redact_url,
     tenant_of,
@@ -433,6 +435,7 @@ def _parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nats-url")
     add_connect_args(parser)
+    add_events_args(parser)
     return parser.parse_args(argv)
 
 
@@ -457,6 +460,13 @@ def test_credentials_come_from_flags_files_and_the_environment(tmp_path: Path) -
         nats_auth_from_args(_parse(), {**env, "PENSIEVE_NATS_TOKEN": "t"})
     with pytest.raises(ValueError, match="go together"):
         TlsFiles(cert=secret)
+    # the scheduler's watch on closed connections: a user of the system account
+    assert events_auth_from_args(_parse(), {}) is None
+    watch = NatsAuth("pensieve-events", "from-file")
+    assert events_auth_from_args(_parse("--nats-events-password-file", str(secret)), {}) == watch
+    assert events_auth_from_args(_parse(), {"PENSIEVE_NATS_EVENTS_PASSWORD_FILE": str(secret)}) == (
+        watch
+    )
 
 
 def _self_signed(folder: Path, name: str, ip: str | None = None) -> tuple[Path, Path]:
