@@ -176,6 +176,7 @@ class ChatService:
         self.turns: dict[str, _Turn] = {}  # request id -> turn in flight
         self._timed: dict[str, _Turn] = {}  # those of them with a `cancel_at`
         self.num_reserved = 0  # turns reserved and not yet started: queued from their arrival
+        self.num_abandoned = 0  # turns cancelled because their requester went away
         self._deleting: set[str] = set()  # deleted here, not yet in the store
         self._closed: ApiError | None = None  # set by `close`: every new turn gets it
         # the KV event plane: after each step every event goes to `publish_kv` (on this thread;
@@ -373,8 +374,10 @@ class ChatService:
 
     def stats(self) -> dict[str, Any]:
         """The engine's totals and state (`Engine.stats`) with the turns this service has in
-        flight (handed to the engine and not yet answered)."""
-        return {**self.engine.stats(), "turns_in_flight": len(self.turns)}
+        flight (handed to the engine and not yet answered), and how many turns it cancelled
+        because their requester went away."""
+        return {**self.engine.stats(), "turns_in_flight": len(self.turns),
+                "turns_abandoned": self.num_abandoned}  # fmt: skip
 
     # ---- the step loop -------------------------------------------------------------------
 
@@ -429,8 +432,10 @@ class ChatService:
         turn = next((t for t in self.turns.values() if t.sink is sink), None)
         if turn is None:
             return False
-        logger.info("turn %d of %s: its requester went away; cancelled", turn.conv.turns,
-                    turn.conv.conv_id)  # fmt: skip
+        if not turn.ended:
+            logger.info("turn %d of %s: its requester went away; cancelled", turn.conv.turns,
+                        turn.conv.conv_id)  # fmt: skip
+            self.num_abandoned += 1
         self._cancel(turn)
         return True
 

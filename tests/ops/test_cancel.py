@@ -132,6 +132,7 @@ def test_a_streamed_turn_whose_requester_goes_away_is_cancelled(url, leaving) ->
             # the probe rides as the delta's reply subject; a reader needs nothing of it
             assert "delta" in orjson.loads(delta.data)
             conv = orjson.loads(delta.data)["conversation_id"]
+            abandoned = (await request(other, subjects.STATS, {}))["turns_abandoned"]
             begin = time.monotonic()
             if leaving == "unsubscribes":
                 await sub.unsubscribe()
@@ -143,6 +144,8 @@ def test_a_streamed_turn_whose_requester_goes_away_is_cancelled(url, leaving) ->
             (turn,) = got["turns"]
             assert turn["finish_reason"] == "cancelled"
             assert 0 < turn["completion_tokens"] < LONG["max_tokens"]
+            stats = await request(other, subjects.STATS, {})
+            assert stats["turns_abandoned"] == abandoned + 1
             after = {"conversation_id": conv, "message": "Stop.", "max_tokens": 3,
                      "ignore_eos": True}  # fmt: skip
             assert (await request(other, subjects.CHAT, after))["turn"] == 1
