@@ -301,7 +301,9 @@ class ChatServer:
 
     async def _chat_turn(self, msg: Incoming, span: trace.Span) -> None:
         sink = _Reply(asyncio.get_running_loop())
-        with self._watching(sink, msg.headers.get(REQUESTER_HEADER)) as probe:
+        # a tenant's inbox is in another account, where a probe tells nothing (see the class)
+        probing = _tenant(msg) is None
+        with self._watching(sink, msg.headers.get(REQUESTER_HEADER), probing) as probe:
             await self._run_turn(msg, span, sink, probe)
 
     async def _run_turn(self, msg: Incoming, span: trace.Span, sink: _Reply, probe: str) -> None:
@@ -348,18 +350,20 @@ class ChatServer:
                 return
 
     @contextlib.contextmanager
-    def _watching(self, sink: _Reply, requester: str | None) -> Iterator[str]:
-        """While the turn answering to `sink` is in hand: its probe subject (see the class), and
-        its requester's connection (a tenant's), watched for closing."""
+    def _watching(self, sink: _Reply, requester: str | None, probing: bool) -> Iterator[str]:
+        """While the turn answering to `sink` is in hand: with `probing`, its probe subject (see
+        the class; else ""), and its requester's connection (a tenant's), watched for
+        closing."""
         self._num_probes += 1
-        probe = f"{self._probes}.{self._num_probes}"
-        self._probed[probe] = sink
+        probe = f"{self._probes}.{self._num_probes}" if probing else ""
+        if probe:
+            self._probed[probe] = sink
         if requester is not None:
             self._by_requester.setdefault(requester, set()).add(sink)
         try:
             yield probe
         finally:
-            del self._probed[probe]
+            self._probed.pop(probe, None)
             if requester is not None:
                 sinks = self._by_requester[requester]
                 sinks.discard(sink)
