@@ -17,7 +17,7 @@ import pytest
 
 from pensieve.actors import subjects
 from pensieve.ops.factory import EngineOptions, assemble
-from pensieve.ops.nats_accounts import add_tenant
+from pensieve.ops.nats_accounts import add_tenant, remove_tenant
 from pensieve.ops.nats_server import EmbeddedNats
 from tests.ops.serving import serve_on_thread
 
@@ -36,7 +36,8 @@ def engine(smollm2, smollm2_chat, tmp_path_factory) -> Iterator[dict[str, Any]]:
         events = server.events_auth.connect_options()
         with serve_on_thread(built, data_dir, server.url, connect=connect, events=events):
             yield {"url": server.url, "alice": add_tenant(data_dir, "alice"),
-                   "bob": add_tenant(data_dir, "bob"), "service": connect}  # fmt: skip
+                   "bob": add_tenant(data_dir, "bob"), "service": connect,
+                   "data_dir": data_dir}  # fmt: skip
 
 
 async def request(client: Any, subject: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -179,6 +180,29 @@ def test_a_tenants_turn_is_cancelled_when_its_connection_closes(engine, stream) 
             assert after["turn"] == got["num_turns"]
         finally:
             await alice.close()
+            await again.close()
+
+    asyncio.run(go())
+
+
+def test_a_removed_tenants_conversations_come_back_to_a_tenant_of_its_name(engine) -> None:
+    async def go() -> None:
+        first = await nats.connect(**await asyncio.to_thread(add_tenant, engine["data_dir"],
+                                                              "carol"))  # fmt: skip
+        conv = (await request(first, subjects.CHAT, {"message": "Hi", "max_tokens": 2}))[
+            "conversation_id"
+        ]
+        await first.close()
+        await asyncio.to_thread(remove_tenant, engine["data_dir"], "carol")
+        again = await nats.connect(**await asyncio.to_thread(add_tenant, engine["data_dir"],
+                                                              "carol"))  # fmt: skip
+        try:
+            assert (await request(again, subjects.CONVERSATIONS_LIST, {}))["conversations"] == [
+                conv
+            ]
+            turn = {"conversation_id": conv, "message": "Again", "max_tokens": 2}
+            assert (await request(again, subjects.CHAT, turn))["turn"] == 1
+        finally:
             await again.close()
 
     asyncio.run(go())
