@@ -38,6 +38,12 @@ SERVICE_ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 # it came from, as NATS delivered it (absent: the service's own account)
 REPLY_TO_HEADER = "Pensieve-Reply-To"
 TENANT_HEADER = "Pensieve-Tenant"
+# the connection a tenant's request came from, as nats-server named it (see `requester`)
+REQUESTER_HEADER = "Pensieve-Requester"
+# set by nats-server on a request that crossed into the service account through an import
+# with `share`, in place of anything the client sent under that name
+REQUEST_INFO_HEADER = "Nats-Request-Info"
+DISCONNECTS = "$SYS.ACCOUNT.*.DISCONNECT"  # the system account's event of a closed connection
 
 
 @dataclass
@@ -48,10 +54,14 @@ class Incoming:
     _client: Client
     subject: str = ""  # where it was delivered (a tenant's requests name the tenant)
 
-    async def send(self, body: bytes, headers: dict[str, str] | None = None) -> None:
-        """Publish one message to the requester's inbox (nothing if it gave none)."""
+    async def send(
+        self, body: bytes, headers: dict[str, str] | None = None, probe: str = ""
+    ) -> None:
+        """Publish one message to the requester's inbox (nothing if it gave none); with
+        `probe`, a subject of `Bus.on_no_responders`, as its reply subject, which a client
+        reading the message ignores."""
         if self.reply:
-            await self._client.publish(self.reply, body, headers=headers)
+            await self._client.publish(self.reply, body, reply=probe, headers=headers)
 
     async def send_error(self, error: ApiError) -> None:
         """The error as a body and as headers: ours, and the NATS service protocol's, which
@@ -71,6 +81,17 @@ class Incoming:
 
 
 Handler = Callable[[Incoming], Awaitable[None]]
+
+
+def requester(headers: dict[str, str]) -> str | None:
+    """The connection that sent a request through a tenant's import, as `server/client-id`
+    (the server's name, which is its id unless configured; what `Bus.on_disconnects` reports
+    when it closes); None where nats-server said nothing."""
+    try:
+        info = orjson.loads(headers.get(REQUEST_INFO_HEADER, ""))
+        return f"{info['server']}/{info['id']}"
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -107,6 +128,7 @@ class ConnectOptions:
     password: str | None = field(default=None, repr=False)
     token: str | None = field(default=None, repr=False)
     nkeys_seed: str | None = None  # the path of a seed file
+    nkeys_seed_str: str | None = field(default=None, repr=False)  # or the seed itself
     user_credentials: str | None = None  # the path of a .creds file
     tls: ssl.SSLContext | None = None
     inbox_prefix: str = "_INBOX"  # a tenant may subscribe only below its own
@@ -134,7 +156,8 @@ class Bus:
         client = await nats.connect(
             url, name=name, max_reconnect_attempts=-1, error_cb=on_error,
             user=given.user, password=given.password, token=given.token,
-            nkeys_seed=given.nkeys_seed, user_credentials=given.user_credentials,
+            nkeys_seed=given.nkeys_seed, nkeys_seed_str=given.nkeys_seed_str,
+            user_credentials=given.user_credentials,
             tls=given.tls, inbox_prefix=given.inbox_prefix,
         )  # fmt: skip
         return cls(client)
@@ -173,6 +196,36 @@ class Bus:
         self._endpoint_subscriptions.append(
             await self.client.subscribe(subject, cb=on_message, pending_msgs_limit=1 << 20)
         )
+
+    async def on_no_responders(self, gone: Callable[[str], None]) -> str:
+        """A subject prefix of this connection's own, for probes: when a message sent with a
+        reply subject below it (`Incoming.send(..., probe=...)`) reaches no subscriber,
+        nats-server answers that reply subject with a no-responders status (503), and
+        `gone(subject)` is called. This holds within one account only: a reply to a tenant
+        crosses accounts through the tenant's import, which takes it whether or not the tenant
+        still listens (see `on_disconnects` for those)."""
+        prefix = self.client.new_inbox()
+
+        async def on_status(msg: Msg) -> None:
+            if not msg.data and (msg.headers or {}).get("Status") == "503":
+                gone(msg.subject)
+
+        await self.client.subscribe(f"{prefix}.>", cb=on_status)
+        return prefix
+
+    async def on_disconnects(self, gone: Callable[[str], None]) -> None:
+        """Call `gone(connection)` whenever a client connection of the server closes,
+        `connection` named as `requester` names it. Needs a user of the system account allowed
+        to subscribe to its disconnect events."""
+
+        async def on_event(msg: Msg) -> None:
+            try:
+                event = orjson.loads(msg.data)
+                gone(f"{event['server']['name']}/{event['client']['id']}")
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                logger.warning("a disconnect event not understood: %r", msg.data[:200])
+
+        await self.client.subscribe(DISCONNECTS, cb=on_event)
 
     async def publish(
         self, subject: str, body: bytes, headers: dict[str, str] | None = None

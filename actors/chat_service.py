@@ -179,6 +179,7 @@ class ChatService:
         self.turns: dict[str, _Turn] = {}  # request id -> turn in flight
         self._timed: dict[str, _Turn] = {}  # those of them with a `cancel_at`
         self.num_reserved = 0  # turns reserved and not yet started: queued from their arrival
+        self.num_abandoned = 0  # turns cancelled because their requester went away
         self._deleting: set[str] = set()  # deleted here, not yet in the store
         self._closed: ApiError | None = None  # set by `close`: every new turn gets it
         # the KV event plane: after each step every event goes to `publish_kv` (on this thread;
@@ -376,13 +377,15 @@ class ChatService:
         """`tenant`'s conversation ids in the store's order, `page.limit` at most after
         `page.cursor`; `next_cursor` continues, None at the end."""
         after = bytes.fromhex(page.cursor) if page.cursor else None
-        ids, last = self.store.list_page(after, page.limit, lambda m: m.tenant == tenant)
+        ids, last = self.store.list_page(after, page.limit, tenant)
         return {"conversations": ids, "next_cursor": last.hex() if last else None}
 
     def stats(self) -> dict[str, Any]:
         """The engine's totals and state (`Engine.stats`) with the turns this service has in
-        flight (handed to the engine and not yet answered)."""
-        return {**self.engine.stats(), "turns_in_flight": len(self.turns)}
+        flight (handed to the engine and not yet answered), and how many turns it cancelled
+        because their requester went away."""
+        return {**self.engine.stats(), "turns_in_flight": len(self.turns),
+                "turns_abandoned": self.num_abandoned}  # fmt: skip
 
     # ---- the step loop -------------------------------------------------------------------
 
@@ -427,12 +430,29 @@ class ChatService:
         turn = next((t for t in self.turns.values() if t.conv is conv), None)
         if turn is None:
             return False
+        self._cancel(turn)
+        return True
+
+    def abandon(self, sink: TurnSink) -> bool:
+        """The requester of the turn that answers to `sink` went away (its reply inbox is gone,
+        or its connection closed): end the turn as `cancel` does, its KV kept as after a normal
+        end. False if that turn is no longer in flight."""
+        turn = next((t for t in self.turns.values() if t.sink is sink), None)
+        if turn is None:
+            return False
+        if not turn.ended:
+            logger.info("turn %d of %s: its requester went away; cancelled", turn.conv.turns,
+                        turn.conv.conv_id)  # fmt: skip
+            self.num_abandoned += 1
+        self._cancel(turn)
+        return True
+
+    def _cancel(self, turn: _Turn) -> None:
         if turn.ended:  # its text is being found; it ends with the tokens it has
-            return True
+            return
         turn.cancel_at = -math.inf
         self._timed[turn.request.request_id] = turn  # tried again each step until it ends
         self._end_early(turn)
-        return True
 
     def _end_early(self, turn: _Turn) -> None:
         """End a turn whose time is up; one suspended now ends once it runs again."""

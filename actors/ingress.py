@@ -10,7 +10,8 @@ serve one engine.
 A tenant's requests arrive on `pensieve.tenant.<tenant>.v1.*` (NATS maps them there from the
 tenant's own account; see `subjects.tenant_subject`): the ingress passes the tenant the subject
 names on to the scheduler, which scopes every conversation to it. Nothing in a request body or
-header can name a tenant.
+header can name a tenant. NATS also names the tenant's connection (`bus.requester`), which
+the ingress passes on as well: a turn ends when its requester's connection closes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from opentelemetry.trace import SpanKind
 
 from pensieve.actors import subjects, tracing
 from pensieve.actors.actor import Actor
-from pensieve.actors.bus import TENANT_HEADER, Handler, Incoming, ServiceInfo
+from pensieve.actors.bus import (
+    REQUESTER_HEADER,
+    TENANT_HEADER,
+    Handler,
+    Incoming,
+    ServiceInfo,
+    requester,
+)
 from pensieve.actors.schemas import (
     CONVERSATION_FIELDS,
     NO_FIELDS,
@@ -122,6 +130,10 @@ class IngressActor(Actor):
                     if tenant is not None:
                         span.set_attribute("pensieve.tenant", tenant)
                         headers[TENANT_HEADER] = tenant
+                        # its connection, whose closing cancels its turn (nats-server's word)
+                        sender = requester(msg.headers)
+                        if sender is not None:
+                            headers[REQUESTER_HEADER] = sender
                     await self.bus.hand_off(scheduler, msg, headers, HANDOFF_TIMEOUT_S)
                 except (ConnectionError, TimeoutError) as lost:
                     logger.warning("%s", lost)

@@ -18,10 +18,11 @@ import collections
 import contextlib
 import gc
 import logging
+import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -31,7 +32,14 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from pensieve.actors import subjects, tracing
-from pensieve.actors.bus import TENANT_HEADER, Bus, Handler, Incoming, ServiceInfo
+from pensieve.actors.bus import (
+    REQUESTER_HEADER,
+    TENANT_HEADER,
+    Bus,
+    Handler,
+    Incoming,
+    ServiceInfo,
+)
 from pensieve.actors.chat_service import ChatService
 from pensieve.actors.executor import Launch
 from pensieve.actors.kv_events import KvEventStream
@@ -59,6 +67,7 @@ STATS_WAIT_S = 0.05  # how long a stats request waits for the engine thread, the
 # how long the engine thread takes answers during a step before it waits on the step itself,
 # which checks that a remote executor still lives
 TAKE_TEXT_FOR_S = 1.0
+PROBE_EVERY_S = 0.5  # a streamed turn's deltas ask NATS whether its inbox is there this often
 
 
 class _StepDone:
@@ -186,6 +195,7 @@ class _Reply:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.abandoned = False  # its requester went away (on the event loop's thread)
 
     def _put(self, kind: str, value: Any) -> None:
         self.loop.call_soon_threadsafe(self.items.put_nowait, (kind, value))
@@ -202,18 +212,36 @@ class _Reply:
 
 class ChatServer:
     """With `remote_text`, reply tokens go to the tokenizer actor for their text; otherwise the
-    engine thread finds it with the same core (`ChatService.detokenize`)."""
+    engine thread finds it with the same core (`ChatService.detokenize`).
+
+    A turn whose requester goes away is cancelled (`ChatService.abandon`). A streamed turn's
+    deltas carry a probe as their reply subject (`Bus.on_no_responders`), at most every
+    PROBE_EVERY_S: once nobody listens on its inbox, NATS says so. A tenant's inbox lies in
+    another account, where NATS says nothing of the kind; there, with `events` (a connection
+    of the system account), the closing of the tenant's connection ends its turns, streamed
+    or not. A turn of the service's own account that is not streamed has no probe (any
+    message would be taken for its reply): its `timeout_s` bounds it."""
 
     def __init__(
-        self, bus: Bus, engine: EngineThread, engine_id: str, remote_text: bool = True
+        self,
+        bus: Bus,
+        engine: EngineThread,
+        engine_id: str,
+        remote_text: bool = True,
+        events: Bus | None = None,
     ) -> None:
         self.bus = bus
+        self.events = events
         self.remote_text = remote_text
         self.engine = engine
         self.engine_id = engine_id
         self._kv_stream = KvEventStream(engine_id)  # this process's KV event batches
         self._kv_sends: set[asyncio.Task[None]] = set()
         self._detokenizing: set[asyncio.Task[None]] = set()
+        self._probes = ""  # the prefix of this connection's probe subjects
+        self._num_probes = 0
+        self._probed: dict[str, _Reply] = {}  # probe subject -> its turn's sink
+        self._by_requester: dict[str, set[_Reply]] = {}  # tenant connection -> its turns
 
     async def drain(self, grace_s: float) -> None:
         """Stop taking requests, give those in hand `grace_s` to finish, then answer what is
@@ -232,6 +260,10 @@ class ChatServer:
         """Take the requests the ingress hands to this engine's scheduler (see
         `actors/ingress.py`), each answered to its client directly."""
         await self._call(self._publish_kv_events, asyncio.get_running_loop())
+        self._probes = await self.bus.on_no_responders(self._inbox_gone)
+        if self.events is not None:
+            await self.events.on_disconnects(self._requester_gone)
+            await self.events.flush()
         if self.remote_text:
             await self._call(self._detokenize_remotely, asyncio.get_running_loop())
         handlers: dict[str, Handler] = {
@@ -323,8 +355,14 @@ class ChatServer:
                 raise
 
     async def _chat_turn(self, msg: Incoming, span: trace.Span) -> None:
-        request = parse_chat(msg.data)
         sink = _Reply(asyncio.get_running_loop())
+        # a tenant's inbox is in another account, where a probe tells nothing (see the class)
+        probing = _tenant(msg) is None
+        with self._watching(sink, msg.headers.get(REQUESTER_HEADER), probing) as probe:
+            await self._run_turn(msg, span, sink, probe)
+
+    async def _run_turn(self, msg: Incoming, span: trace.Span, sink: _Reply, probe: str) -> None:
+        request = parse_chat(msg.data)
         service = self.engine.service
         reservation = await self._call(service.reserve, request, _tenant(msg))
         # rendered in a tokenizer replica (this engine's), not between two engine steps; the
@@ -346,16 +384,60 @@ class ChatServer:
         planned = plan.ranges if plan is not None and plan.known else None
         conv_id = reservation.conv.conv_id
         await self._call(service.start, reservation, prompt, sink, span, planned)
+        if sink.abandoned:  # before it started
+            self.engine.call(service.abandon, sink)
+        probed_at = -math.inf
         while True:
             kind, value = await sink.items.get()
             if kind == "delta":
-                if request.stream:  # with the id: a new conversation's turn can be cancelled
-                    await msg.send(orjson.dumps({"delta": value, "conversation_id": conv_id}))
+                if not request.stream:
+                    continue
+                now = time.monotonic()
+                asking = probe if now - probed_at >= PROBE_EVERY_S else ""
+                probed_at = now if asking else probed_at
+                # with the id: a new conversation's turn can be cancelled
+                delta = orjson.dumps({"delta": value, "conversation_id": conv_id})
+                await msg.send(delta, probe=asking)
             elif kind == "error":
                 raise value
             else:
                 await msg.send(orjson.dumps({**value, "done": True} if request.stream else value))
                 return
+
+    @contextlib.contextmanager
+    def _watching(self, sink: _Reply, requester: str | None, probing: bool) -> Iterator[str]:
+        """While the turn answering to `sink` is in hand: with `probing`, its probe subject (see
+        the class; else ""), and its requester's connection (a tenant's), watched for
+        closing."""
+        self._num_probes += 1
+        probe = f"{self._probes}.{self._num_probes}" if probing else ""
+        if probe:
+            self._probed[probe] = sink
+        if requester is not None:
+            self._by_requester.setdefault(requester, set()).add(sink)
+        try:
+            yield probe
+        finally:
+            self._probed.pop(probe, None)
+            if requester is not None:
+                sinks = self._by_requester[requester]
+                sinks.discard(sink)
+                if not sinks:
+                    del self._by_requester[requester]
+
+    def _inbox_gone(self, probe: str) -> None:
+        sink = self._probed.get(probe)
+        if sink is not None:
+            self._abandon(sink)
+
+    def _requester_gone(self, requester: str) -> None:
+        for sink in self._by_requester.get(requester, ()):
+            self._abandon(sink)
+
+    def _abandon(self, sink: _Reply) -> None:
+        """Cancel the turn answering to `sink`; one not started yet is, once it starts."""
+        sink.abandoned = True
+        self.engine.call(self.engine.service.abandon, sink)
 
     async def _cancel(self, msg: Incoming) -> None:
         conv_id = conversation_id(load_fields(msg.data, CONVERSATION_FIELDS))

@@ -175,8 +175,10 @@ async def _scheduler(
         runner = await connect_executor(bus, store.engine_id(), timeout_s=24 * 3600)
         try:
             built = assemble_remote(engine, loaded, chat, runner)
+            events = options.events_auth and options.events_auth.connect_options()
             await serve_until_signal(built, store, nats.url, options, started, ingress=False,
-                                     planner=False, connect=nats.connect)  # fmt: skip
+                                     planner=False, connect=nats.connect,
+                                     events=events)  # fmt: skip
         finally:
             await runner.close()
     finally:

@@ -28,8 +28,9 @@ def keys_dir(data_dir: Path) -> Path:
     return data_dir.absolute() / "http" / "keys"
 
 
-def new_api_key(data_dir: Path, tenant: str) -> str:
-    """Make tenant `tenant`'s API key, keep its hash, and return it (shown this once)."""
+def new_api_key(data_dir: Path, tenant: str, replace: bool = False) -> str:
+    """Make tenant `tenant`'s API key, keep its hash, and return it (shown this once); with
+    `replace`, in place of the key it has (which stops working at once)."""
     check_tenant_name(tenant)
     directory = keys_dir(data_dir)
     for folder in (directory.parent, directory):
@@ -44,12 +45,21 @@ def new_api_key(data_dir: Path, tenant: str) -> str:
     with os.fdopen(fd, "w") as out:
         out.write(_digest(key) + "\n")
     try:
-        os.link(temporary, path)
+        if replace:
+            os.replace(temporary, path)
+        else:
+            os.link(temporary, path)
     except FileExistsError:
         raise ValueError(f"tenant {tenant} has an API key already ({path})") from None
     finally:
-        temporary.unlink()
+        temporary.unlink(missing_ok=True)
     return key
+
+
+def remove_api_key(data_dir: Path, tenant: str) -> None:
+    """Tenant `tenant`'s API key stops working (a running HTTP ingress rereads the folder)."""
+    check_tenant_name(tenant)
+    (keys_dir(data_dir) / f"{tenant}{SUFFIX}").unlink(missing_ok=True)
 
 
 class ApiKeys:
@@ -71,10 +81,8 @@ class ApiKeys:
                 raise unauthorized("no API key given: send 'Authorization: Bearer <key>' with "
                                    "the key `pensieve tenant add` printed")  # fmt: skip
             return None
-        digest = _digest(key)
-        found = self._find(digest)
-        if found is None and self._reload():
-            found = self._find(digest)
+        self._reload()  # one stat a request: a removed or rotated key stops working at once
+        found = self._find(_digest(key))
         if found is None and self.required:
             raise unauthorized("Incorrect API key provided")
         return found

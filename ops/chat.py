@@ -41,7 +41,10 @@ def tenant_options(path: Path) -> tuple[str, ConnectOptions]:
     try:
         line = json.loads(path.read_text())
         nats = line["nats"]
-        options = ConnectOptions(user=nats["user"], password=nats["password"],
+        seed = nats.get("nkeys_seed_str")  # a tenant with an nkey; else one with a password
+        options = ConnectOptions(user=None if seed else nats["user"],
+                                 password=None if seed else nats["password"],
+                                 nkeys_seed_str=seed,
                                  inbox_prefix=nats["inbox_prefix"])  # fmt: skip
         return nats["servers"][0], options
     except (ValueError, KeyError, IndexError, TypeError) as error:

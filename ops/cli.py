@@ -161,7 +161,8 @@ def _actor_parser(commands: Any) -> None:
 
 def _tenant_parser(commands: Any) -> None:
     tenant = commands.add_parser(
-        "tenant", help="add a tenant: a NATS account that reaches only its own requests",
+        "tenant", help="add, rotate, remove or list tenants: NATS accounts that reach only their "
+        "own requests",
         description="Tenants of the nats-server that `pensieve serve` starts.",
     )  # fmt: skip
     actions = tenant.add_subparsers(required=True, metavar="ACTION")
@@ -169,12 +170,18 @@ def _tenant_parser(commands: Any) -> None:
         "add", help="create a tenant and print how it connects",
         description="Create tenant NAME and print one JSON line {\"tenant\": NAME, \"nats\": "
         "{...}, \"http\": {\"api_key\": ...}}, where \"nats\" is the keyword arguments of "
-        "nats.connect() for it (servers, user, password, inbox prefix) and \"api_key\" its key "
-        "for the HTTP API (kept only as a hash). A nats-server running from DIR is reloaded; "
-        "one not yet started takes the tenant when it starts.",
+        "nats.connect() for it (servers, user and password or nkey seed, inbox prefix) and "
+        "\"api_key\" its key for the HTTP API (kept only as a hash). A nats-server running "
+        "from DIR is reloaded; one not yet started takes the tenant when it starts.",
         formatter_class=HelpFormatter,
     )  # fmt: skip
     add.add_argument("name", metavar="NAME", help="a-z 0-9 _ -, at most 64")
+    add.add_argument(
+        "--auth", choices=["password", "nkey"], default="password",
+        help="how the tenant logs in: a password (kept in DIR), or an nkey, whose seed is in "
+        "the printed line only and whose public key alone the server keeps (needs the nkeys "
+        "package)",
+    )  # fmt: skip
     _accounts_dir_arg(add)
     add.add_argument(
         "--nats-url", metavar="URL",
@@ -182,6 +189,44 @@ def _tenant_parser(commands: Any) -> None:
     )  # fmt: skip
     _log_arg(add)
     add.set_defaults(run=_tenant_add)
+    rotate = actions.add_parser(
+        "rotate", help="give a tenant a new password and API key and print how it connects",
+        description="Give tenant NAME a new password (or nkey, for a tenant with one) and HTTP "
+        "API key, and print its JSON line, as `add` does. From when the command returns, a "
+        "nats-server running from DIR refuses the old password and has closed the connections "
+        "made with it, and the old API key is refused.",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+    rotate.add_argument("name", metavar="NAME", help="the tenant")
+    _accounts_dir_arg(rotate)
+    rotate.add_argument(
+        "--nats-url", metavar="URL",
+        help="where the tenant connects (default: the server's own address)",
+    )  # fmt: skip
+    _log_arg(rotate)
+    rotate.set_defaults(run=_tenant_rotate)
+    remove = actions.add_parser(
+        "remove", help="remove a tenant: its credentials stop working",
+        description="Remove tenant NAME. From when the command returns, a nats-server running "
+        "from DIR refuses its password and has closed its connections (their turns in flight "
+        "are cancelled), and its HTTP API key is refused; a server not yet started never "
+        "takes it. Its conversations stay in "
+        "the store, out of everyone's reach, until they expire; a tenant added again under "
+        "the same name reaches them.",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+    remove.add_argument("name", metavar="NAME", help="the tenant")
+    _accounts_dir_arg(remove)
+    _log_arg(remove)
+    remove.set_defaults(run=_tenant_remove)
+    listing = actions.add_parser(
+        "list", help="list the tenants",
+        description="One JSON line {\"tenant\": NAME} per tenant (no secrets).",
+        formatter_class=HelpFormatter,
+    )  # fmt: skip
+    _accounts_dir_arg(listing)
+    _log_arg(listing)
+    listing.set_defaults(run=_tenant_list)
 
 
 def _nats_config_parser(commands: Any) -> None:
@@ -216,7 +261,7 @@ def _client_parser(commands: Any, name: str, help: str, description: str) -> Any
     and quiet logs (the terminal is for its own output)."""
     parser = commands.add_parser(name, help=help, description=description,
                                  formatter_class=HelpFormatter)  # fmt: skip
-    _nats_auth_args(parser, embedded=False)
+    _nats_auth_args(parser, embedded=False, engine=False)
     _log_arg(parser)
     parser.set_defaults(log_level="warning")
     return parser
@@ -276,10 +321,13 @@ def _client_connection(args: argparse.Namespace) -> tuple[str, Any]:
     return url, connect
 
 
-def _nats_auth_args(p: argparse.ArgumentParser, embedded: bool) -> None:
-    from pensieve.ops.nats_auth import add_connect_args, add_embedded_args
+def _nats_auth_args(p: argparse.ArgumentParser, embedded: bool, engine: bool = True) -> None:
+    """NATS credentials; with `engine`, also the scheduler's watch on closed connections."""
+    from pensieve.ops.nats_auth import add_connect_args, add_embedded_args, add_events_args
 
     add_connect_args(p)
+    if engine:
+        add_events_args(p)
     if embedded:
         add_embedded_args(p)
 
@@ -504,13 +552,45 @@ def _actor(args: argparse.Namespace, started: float) -> int:
 
 def _tenant_add(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.api_keys import new_api_key
-    from pensieve.ops.nats_accounts import add_tenant
+    from pensieve.ops.nats_accounts import TenantAuth, add_tenant
     from pensieve.ops.serve import default_data_dir
 
     data_dir = args.data_dir or default_data_dir()
-    nats = add_tenant(data_dir, args.name, args.nats_url)
+    nats = add_tenant(data_dir, args.name, args.nats_url, TenantAuth(args.auth))
     http = {"api_key": new_api_key(data_dir, args.name)}
     print(json.dumps({"tenant": args.name, "nats": nats, "http": http}), flush=True)
+    return 0
+
+
+def _tenant_rotate(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.api_keys import new_api_key
+    from pensieve.ops.nats_accounts import rotate_tenant
+    from pensieve.ops.serve import default_data_dir
+
+    data_dir = args.data_dir or default_data_dir()
+    nats = rotate_tenant(data_dir, args.name, args.nats_url)
+    http = {"api_key": new_api_key(data_dir, args.name, replace=True)}
+    print(json.dumps({"tenant": args.name, "nats": nats, "http": http}), flush=True)
+    return 0
+
+
+def _tenant_remove(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.api_keys import remove_api_key
+    from pensieve.ops.nats_accounts import remove_tenant
+    from pensieve.ops.serve import default_data_dir
+
+    data_dir = args.data_dir or default_data_dir()
+    remove_tenant(data_dir, args.name)
+    remove_api_key(data_dir, args.name)
+    return 0
+
+
+def _tenant_list(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.nats_accounts import list_tenants
+    from pensieve.ops.serve import default_data_dir
+
+    for name in list_tenants(args.data_dir or default_data_dir()):
+        print(json.dumps({"tenant": name}), flush=True)
     return 0
 
 
@@ -526,7 +606,7 @@ def _nats_config(args: argparse.Namespace, started: float) -> int:
 
 def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from pensieve.actors.http_ingress import HttpConfig
-    from pensieve.ops.nats_auth import auth_data_dir, nats_auth_from_args
+    from pensieve.ops.nats_auth import auth_data_dir, events_auth_from_args, nats_auth_from_args
     from pensieve.ops.serve import ServeOptions, default_data_dir
 
     data_dir = args.data_dir or default_data_dir()
@@ -540,6 +620,7 @@ def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return ServeOptions(
         data_dir=data_dir,
         nats_auth=nats_auth_from_args(args),
+        events_auth=events_auth_from_args(args),
         auth_data_dir=auth_data_dir(args, data_dir),
         nats_url=args.nats_url,
         nats_port=args.nats_port,

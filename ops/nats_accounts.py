@@ -1,8 +1,10 @@
-"""The accounts of a nats-server run with authentication: the service's and each tenant's.
+"""The accounts of a nats-server run with authentication, kept on file: the service's, each
+tenant's (the configuration's shape is in ops/nats_config.py).
 
-Their passwords and the server's configuration live under <data-dir>/nats/ (the layout and the
-subjects are in ops/nats_auth.py). `EmbeddedNats(auth_data_dir=...)` starts a server from them;
-`add_tenant` (`pensieve tenant add`) adds a tenant, and reloads a server running from them.
+They live under <data-dir>/nats/ (the layout and the subjects are in ops/nats_auth.py):
+`EmbeddedNats(auth_data_dir=...)` starts a server from them; `add_tenant`, `rotate_tenant` and
+`remove_tenant` (`pensieve tenant add|rotate|remove`) change the tenants, and reload a server
+running from them.
 """
 
 from __future__ import annotations
@@ -16,20 +18,26 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from pensieve.actors.config import DEFAULTS
-from pensieve.actors.subjects import PREFIX
 from pensieve.ops.nats_auth import (
-    SERVICE_ACCOUNT,
+    EVENTS_USER,
     SERVICE_USER,
     NatsAuth,
     check_tenant_name,
     new_secret,
     read_secret,
-    tenant_subject,
+)
+from pensieve.ops.nats_config import (
+    RELOAD_USER,
+    ServerConfig,
+    Tenant,
+    new_account,
+    new_nkey,
 )
 
 logger = logging.getLogger("pensieve")
@@ -37,73 +45,17 @@ logger = logging.getLogger("pensieve")
 CONFIG = "nats-server.conf"
 PID_FILE = "nats-server.pid"  # written by nats-server itself
 SERVICE_PASSWORD = "service.password"
-TENANTS = "tenants"
-TENANT_ACCOUNT = "tenant-"  # + the tenant's name: its account, and its user's name
-# the longest silence within one streamed answer (a turn queued for admission, say): past it
-# the server forgets where the rest of the answer goes
-RESPONSE_THRESHOLD = "10m"
+EVENTS_PASSWORD = "events.password"
+SPARE = "spare.account"  # the name of the account the next tenant takes (see `_reload`)
+TENANTS = "tenants"  # <name>.password or <name>.nkey (its public key), and <name>.account
 RELOAD_TIMEOUT_S = 10.0
 
 
-@dataclass(frozen=True)
-class Tenant:
-    name: str
-    password: str = field(repr=False)
-    wired: bool = True  # False: its account and user only, not yet its import (see `_reload`)
+class TenantAuth(Enum):
+    """How a tenant logs in."""
 
-    @property
-    def account(self) -> str:
-        return TENANT_ACCOUNT + self.name  # also its user's: user names are server-wide
-
-    @property
-    def inbox_prefix(self) -> str:
-        return f"_INBOX.{self.name}"
-
-    def export(self) -> dict[str, Any]:
-        """The service account's export of the client API to this tenant alone."""
-        return {"service": tenant_subject(self.name, f"{PREFIX}.>"), "response_type": "stream",
-                "response_threshold": RESPONSE_THRESHOLD, "accounts": [self.account]}  # fmt: skip
-
-    def account_config(self) -> dict[str, Any]:
-        """Its account: it publishes the plain API subjects, which its import maps to its own
-        subjects of the service account, and subscribes to its own inbox only."""
-        permissions = {"publish": {"allow": [f"{PREFIX}.>"]},
-                       "subscribe": {"allow": [f"{self.inbox_prefix}.>"]}}  # fmt: skip
-        user = {"user": self.account, "password": self.password, "permissions": permissions}
-        api = {"account": SERVICE_ACCOUNT, "subject": tenant_subject(self.name, f"{PREFIX}.>")}
-        imports = [{"service": api, "to": f"{PREFIX}.>"}] if self.wired else []
-        return {"users": [user], "imports": imports}
-
-    def connect_kwargs(self, servers: list[str]) -> dict[str, Any]:
-        """The keyword arguments of nats-py's `nats.connect()` for this tenant."""
-        return {"servers": servers, "user": self.account, "password": self.password,
-                "inbox_prefix": self.inbox_prefix}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """A nats-server configuration with accounts: the service, and one per tenant."""
-
-    listen: str  # host:port
-    service_password: str = field(repr=False)
-    tenants: tuple[Tenant, ...] = ()
-    pid_file: Path | None = None
-
-    def text(self) -> str:
-        service = {"users": [{"user": SERVICE_USER, "password": self.service_password}],
-                   "exports": [t.export() for t in self.tenants if t.wired]}  # fmt: skip
-        accounts = {SERVICE_ACCOUNT: service}
-        accounts.update((t.account, t.account_config()) for t in self.tenants)
-        config: dict[str, Any] = {"listen": self.listen, "accounts": accounts}
-        if self.pid_file is not None:
-            config["pid_file"] = str(self.pid_file)
-        return json.dumps(config, indent=2) + "\n"  # nats-server reads JSON as its own format
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """Where a client on this host reaches the server."""
-        host, _, port = self.listen.rpartition(":")
-        return ("127.0.0.1" if host in ("", "0.0.0.0") else host, int(port))
+    PASSWORD = "password"
+    NKEY = "nkey"  # the server keeps only its public key; the seed is printed once
 
 
 def nats_dir(data_dir: Path) -> Path:
@@ -111,9 +63,9 @@ def nats_dir(data_dir: Path) -> Path:
 
 
 def write_server_config(data_dir: Path, listen: str, pid_file: bool) -> Path:
-    """Write the configuration of a server on `listen` (host:port) from the passwords on file,
-    making the service's if there is none yet; returns its path. With `pid_file` the server
-    records its pid, so that `add_tenant` can reload it."""
+    """Write the configuration of a server on `listen` (host:port) from the files on file,
+    making the service's password if there is none yet; returns its path. With `pid_file` the
+    server records its pid, so that `add_tenant` can reload it."""
     with _locked(data_dir) as directory:
         config = replace(_on_file(directory), listen=listen,
                          pid_file=directory / PID_FILE if pid_file else None)  # fmt: skip
@@ -126,30 +78,61 @@ def service_connect_options(data_dir: Path) -> NatsAuth:
     return NatsAuth(user=SERVICE_USER, password=read_secret(nats_dir(data_dir) / SERVICE_PASSWORD))
 
 
-def add_tenant(data_dir: Path, name: str, servers: str | None = None) -> dict[str, Any]:
-    """Create tenant `name`: its password, and its account in the server's configuration, which
-    a server running from `data_dir` takes before this returns. Returns the keyword arguments of
-    `nats.connect()` for the tenant, at `servers` (comma-separated URLs; default: the server's
-    own address)."""
+def events_connect_options(data_dir: Path) -> NatsAuth:
+    """Who the scheduler is to the same server's system account, to hear of closed
+    connections (`Bus.on_disconnects`)."""
+    return NatsAuth(user=EVENTS_USER, password=read_secret(nats_dir(data_dir) / EVENTS_PASSWORD))
+
+
+def add_tenant(
+    data_dir: Path,
+    name: str,
+    servers: str | None = None,
+    auth: TenantAuth = TenantAuth.PASSWORD,
+) -> dict[str, Any]:
+    """Create tenant `name`: its password or nkey, and its account in the server's
+    configuration, which a server running from `data_dir` takes before this returns. Returns the
+    keyword arguments of `nats.connect()` for the tenant, at `servers` (comma-separated URLs;
+    default: the server's own address)."""
     check_tenant_name(name)
     with _locked(data_dir) as directory:
-        path = directory / TENANTS / f"{name}.password"
-        if path.exists():
-            raise ValueError(f"tenant {name} exists (its password is in {path})")
-        _private_dir(path.parent)
-        _write_private(path, new_secret())
-        config = _on_file(directory)
-        pid = running_pid(data_dir)
-        if pid is None:
-            _write_private(directory / CONFIG, config.text())
-            logger.info("tenant %s added; no nats-server runs from %s: it takes the tenant when "
-                        "it starts (or reload it twice, SIGHUP)", name, directory)  # fmt: skip
-        else:
-            _reload(directory, pid, config)
-            logger.info("tenant %s added; nats-server (pid %d) reloaded", name, pid)
-    (tenant,) = [t for t in config.tenants if t.name == name]
-    host, port = config.address
-    return tenant.connect_kwargs(servers.split(",") if servers else [f"nats://{host}:{port}"])
+        if (found := _login_file(directory, name)) is not None:
+            raise ValueError(f"tenant {name} exists ({found})")
+        _private_dir(directory / TENANTS)
+        _write_private(directory / TENANTS / f"{name}.account", _on_file(directory).spare)
+        _write_private(directory / SPARE, new_account())
+        seed = _new_login(directory, name, auth)
+        config = _take(data_dir, directory, f"tenant {name} added")
+    return _connect_kwargs(config, name, servers, seed)
+
+
+def rotate_tenant(data_dir: Path, name: str, servers: str | None = None) -> dict[str, Any]:
+    """Give tenant `name` a new password or nkey, as `add_tenant` gives one: from when this
+    returns its old one is refused, and the server has closed the connections made with it."""
+    check_tenant_name(name)
+    with _locked(data_dir) as directory:
+        auth = TenantAuth(_existing(directory, name).suffix[1:])
+        seed = _new_login(directory, name, auth)
+        config = _take(data_dir, directory, f"tenant {name} has a new {auth.value}")
+    return _connect_kwargs(config, name, servers, seed)
+
+
+def remove_tenant(data_dir: Path, name: str) -> None:
+    """Remove tenant `name`: from when this returns the server refuses it, and has closed its
+    connections (their turns in flight are cancelled). Its conversations stay in the store,
+    out of everyone's reach, until they expire; a tenant added later under the same name
+    reaches them again."""
+    check_tenant_name(name)
+    with _locked(data_dir) as directory:
+        _existing(directory, name).unlink()
+        (directory / TENANTS / f"{name}.account").unlink(missing_ok=True)
+        _take(data_dir, directory, f"tenant {name} removed")
+
+
+def list_tenants(data_dir: Path) -> list[str]:
+    """The names of the tenants on file."""
+    with _locked(data_dir) as directory:
+        return [tenant.name for tenant in _on_file(directory).tenants]
 
 
 def reload_server(data_dir: Path, pid: int) -> None:
@@ -172,38 +155,95 @@ def running_pid(data_dir: Path) -> int | None:
     return pid if ours and os.fsencode(directory / CONFIG) in argv else None
 
 
+def _new_login(directory: Path, name: str, auth: TenantAuth) -> str | None:
+    """Write tenant `name`'s new password, or its new nkey's public key; returns the nkey's
+    seed, which is kept nowhere (None for a password)."""
+    path = directory / TENANTS / f"{name}.{auth.value}"
+    if auth is TenantAuth.PASSWORD:
+        _write_private(path, new_secret())
+        return None
+    seed, public = new_nkey()
+    _write_private(path, public)
+    return seed
+
+
+def _take(data_dir: Path, directory: Path, done: str) -> ServerConfig:
+    """Write the configuration the files make, and have the server running from it (if any)
+    take it."""
+    config = _on_file(directory)
+    pid = running_pid(data_dir)
+    if pid is None:
+        _write_private(directory / CONFIG, config.text())
+        logger.info("%s; no nats-server runs from %s: it takes this when it starts (one "
+                    "started otherwise: SIGHUP it)", done, directory)  # fmt: skip
+    else:
+        _reload(directory, pid, config)
+        logger.info("%s; nats-server (pid %d) reloaded", done, pid)
+    return config
+
+
+def _login_file(directory: Path, name: str) -> Path | None:
+    """Where tenant `name`'s password or public key is (None: there is no such tenant)."""
+    found = [directory / TENANTS / f"{name}.{auth.value}" for auth in TenantAuth]
+    return next((path for path in found if path.exists()), None)
+
+
+def _existing(directory: Path, name: str) -> Path:
+    path = _login_file(directory, name)
+    if path is None:
+        raise ValueError(f"no tenant {name} (tenants: pensieve tenant list)")
+    return path
+
+
+def _connect_kwargs(
+    config: ServerConfig, name: str, servers: str | None, seed: str | None
+) -> dict[str, Any]:
+    (tenant,) = [t for t in config.tenants if t.name == name]
+    host, port = config.address
+    urls = servers.split(",") if servers else [f"nats://{host}:{port}"]
+    return tenant.connect_kwargs(urls, seed)
+
+
 def _reload(directory: Path, pid: int, config: ServerConfig) -> None:
-    """Make the nats-server `pid` run `config`. nats-server (2.15) leaves the service import
-    of an account created by a reload unwired until the next reload (the tenant's requests find
-    no responders), so a tenant new to the server comes in two: its account, with a throwaway
-    password and no import, then its import and its own password. Each reload is awaited by
-    logging in as the new tenants with that reload's password."""
-    loaded = _wired_tenants(directory / CONFIG)
-    new = [t for t in config.tenants if t.name not in loaded]
-    if new:
-        staged = tuple(Tenant(t.name, new_secret(), wired=False) if t in new else t
-                       for t in config.tenants)  # fmt: skip
-        first = [t for t in staged if not t.wired]
-        _apply(directory, pid, replace(config, tenants=staged), first)
-    _apply(directory, pid, config, new)
+    """Make the nats-server `pid` run `config`, and wait until it does.
+
+    nats-server (2.15) subscribes to the service imports of an account that a reload creates
+    only at the next reload (its `configureAccounts` wires a new account's imports only when
+    the server starts; a reload rewires those of the accounts it had already), and until then
+    the tenant's requests find no responders. So the configuration always holds a spare
+    account, empty, which the next tenant added takes (`add_tenant`): one reload gives it
+    its user and its import. A tenant whose account the server does not have (added before
+    there were spares) comes in two reloads: its account, with a throwaway password and no
+    import, then its import and its own login."""
+    try:
+        loaded = set(json.loads((directory / CONFIG).read_text())["accounts"])
+    except FileNotFoundError:
+        loaded = set()
+    unknown = [t for t in config.tenants if t.account not in loaded]
+    if unknown:
+        staged = tuple(replace(t, password=new_secret(), nkey="", wired=False)
+                       if t in unknown else t for t in config.tenants)  # fmt: skip
+        _apply(directory, pid, replace(config, tenants=staged, marker=new_secret()))
+    _apply(directory, pid, config)
 
 
-def _apply(directory: Path, pid: int, config: ServerConfig, logins: list[Tenant]) -> None:
+def _apply(directory: Path, pid: int, config: ServerConfig) -> None:
+    """Reload with `config`; returns once the server takes its marker's password (a reload
+    takes a whole configuration, or none of it)."""
     _write_private(directory / CONFIG, config.text())
     os.kill(pid, signal.SIGHUP)
     deadline = time.monotonic() + RELOAD_TIMEOUT_S
-    for tenant in logins:
-        while not _logs_in(config.address, tenant):
-            if time.monotonic() > deadline:
-                raise OSError(f"nats-server (pid {pid}) did not take {directory / CONFIG} "
-                              f"within {RELOAD_TIMEOUT_S:.0f} s: see its log")  # fmt: skip
-            time.sleep(0.02)
+    while not _logs_in(config.address, RELOAD_USER, config.marker):
+        if time.monotonic() > deadline:
+            raise OSError(f"nats-server (pid {pid}) did not take {directory / CONFIG} "
+                          f"within {RELOAD_TIMEOUT_S:.0f} s: see its log")  # fmt: skip
+        time.sleep(0.02)
 
 
-def _logs_in(address: tuple[str, int], tenant: Tenant) -> bool:
-    """Whether the server takes `tenant`'s password: the client handshake (server INFO, client
+def _logs_in(address: tuple[str, int], user: str, password: str) -> bool:
+    """Whether the server takes `user`'s `password`: the client handshake (server INFO, client
     CONNECT, PING), to which it answers PONG, or -ERR and closes."""
-    hello = json.dumps({"user": tenant.account, "pass": tenant.password, "verbose": False})
+    hello = json.dumps({"user": user, "pass": password, "verbose": False})
     with socket.create_connection(address, timeout=2.0) as sock, sock.makefile("rb") as lines:
         lines.readline()  # INFO {...}
         sock.sendall(f"CONNECT {hello}\r\nPING\r\n".encode())
@@ -212,30 +252,35 @@ def _logs_in(address: tuple[str, int], tenant: Tenant) -> bool:
 
 def _on_file(directory: Path) -> ServerConfig:
     """The configuration the files under `directory` make: the listen address and pid file of
-    the last one written, the service's password (made now if missing), every tenant's."""
+    the last one written, the service's passwords and the spare's name (made now if missing),
+    every tenant's login and account."""
     try:
         last = json.loads((directory / CONFIG).read_text())
     except FileNotFoundError:
         last = {}
-    service = directory / SERVICE_PASSWORD
-    if not service.exists():
-        _write_private(service, new_secret())
-    tenants = tuple(Tenant(path.stem, read_secret(path))
-                    for path in sorted((directory / TENANTS).glob("*.password")))  # fmt: skip
+    service, events, spare = (directory / SERVICE_PASSWORD, directory / EVENTS_PASSWORD,
+                              directory / SPARE)  # fmt: skip
+    for path, make in ((service, new_secret), (events, new_secret), (spare, new_account)):
+        if not path.exists():
+            _write_private(path, make())
+    logins = sorted(path for auth in TenantAuth
+                    for path in (directory / TENANTS).glob(f"*.{auth.value}"))  # fmt: skip
+    tenants = tuple(_tenant_on_file(path) for path in logins)
     pid_file = last.get("pid_file")
     return ServerConfig(last.get("listen", f"127.0.0.1:{DEFAULTS.nats_port}"),
-                        read_secret(service), tenants,
+                        read_secret(service), read_secret(events), read_secret(spare), tenants,
                         None if pid_file is None else Path(pid_file))  # fmt: skip
 
 
-def _wired_tenants(config: Path) -> set[str]:
-    """The tenants whose import the configuration at `config` holds."""
-    try:
-        accounts = json.loads(config.read_text())["accounts"]
-    except FileNotFoundError:
-        return set()
-    return {name.removeprefix(TENANT_ACCOUNT) for name, account in accounts.items()
-            if name.startswith(TENANT_ACCOUNT) and account["imports"]}  # fmt: skip
+def _tenant_on_file(login: Path) -> Tenant:
+    """The tenant whose password or public key is at `login`, in the account it took when it
+    was added (one added before the spare accounts has none on file: its account is named as
+    its user)."""
+    account = login.with_suffix(".account")
+    kept = read_secret(account) if account.exists() else ""
+    if login.suffix == ".nkey":
+        return Tenant(login.stem, nkey=read_secret(login), account=kept)
+    return Tenant(login.stem, read_secret(login), account=kept)
 
 
 @contextlib.contextmanager

@@ -8,10 +8,14 @@ The nats-server that `pensieve serve` starts (unless --insecure) runs with accou
 <data-dir>/nats/ (a folder of mode 0700, every file in it 0600):
 
     service.password           the engine's actors: user `pensieve` of account `service`
-    tenants/<name>.password    tenant <name>: user `tenant-<name>` of account `tenant-<name>`
-    nats-server.conf           generated from the two above (JSON, which nats-server reads)
+    events.password            the scheduler's watch on closed connections (system account)
+    tenants/<name>.password    tenant <name>: user `tenant-<name>` (or <name>.nkey: its nkey's
+                               public key), in the account named in tenants/<name>.account
+    spare.account              the empty account the next tenant takes
+    nats-server.conf           generated from the files above (JSON, which nats-server reads;
+                               its shape: ops/nats_config.py)
 
-    account tenant-alice                                  account service
+    alice's account                                       account service
     publishes pensieve.v1.chat  ---(service import)--->  pensieve.tenant.alice.v1.chat
     subscribes _INBOX.alice.>   <--(streamed replies)--  the engine answers the reply subject
 
@@ -39,6 +43,7 @@ __all__ = ["check_tenant_name", "tenant_of", "tenant_subject"]  # named here for
 
 SERVICE_USER = "pensieve"
 SERVICE_ACCOUNT = "service"
+EVENTS_USER = "pensieve-events"  # of the system account: hears of closed connections
 _USERINFO = re.compile(r"(\w+://)([^@/,\s]+)@")
 
 # the environment variables, one per option; flags win over them
@@ -52,6 +57,7 @@ ENV_CREDS = "PENSIEVE_NATS_CREDS"
 ENV_TLS_CA = "PENSIEVE_NATS_TLS_CA"
 ENV_TLS_CERT = "PENSIEVE_NATS_TLS_CERT"
 ENV_TLS_KEY = "PENSIEVE_NATS_TLS_KEY"
+ENV_EVENTS_PASSWORD_FILE = "PENSIEVE_NATS_EVENTS_PASSWORD_FILE"
 
 
 def redact_url(url: str) -> str:
@@ -185,6 +191,29 @@ def nats_auth_from_args(
         tls=None if tls == TlsFiles() else tls,
     )
     return None if auth == NatsAuth() else auth
+
+
+def add_events_args(parser: argparse.ArgumentParser) -> None:
+    """The scheduler's watch on closed connections, on a NATS server you run
+    (`events_auth_from_args`)."""
+    parser.add_argument(
+        "--nats-events-password-file", metavar="FILE",
+        help=f"the password of user {EVENTS_USER} of the NATS server's system account "
+        f"(`pensieve nats-config` writes it to DIR/nats/events.password; "
+        f"${ENV_EVENTS_PASSWORD_FILE}): with it, a tenant's turns end when its connection "
+        "closes. Default: none, they run to their end",
+    )  # fmt: skip
+
+
+def events_auth_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> NatsAuth | None:
+    """Who the scheduler is to the system account, as flags or the environment say (None: it
+    does not watch)."""
+    path = getattr(args, "nats_events_password_file", None) or environ.get(ENV_EVENTS_PASSWORD_FILE)
+    if not path:
+        return None
+    return NatsAuth(user=EVENTS_USER, password=read_secret(Path(path)))
 
 
 def read_secret(path: Path) -> str:

@@ -25,7 +25,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pensieve.ops.nats_accounts import reload_server, service_connect_options, write_server_config
+from pensieve.ops.nats_accounts import (
+    events_connect_options,
+    reload_server,
+    service_connect_options,
+    write_server_config,
+)
 from pensieve.ops.nats_auth import NatsAuth
 
 logger = logging.getLogger("pensieve")
@@ -113,6 +118,8 @@ class EmbeddedNats:
         self.url = f"nats://127.0.0.1:{self.port}"
         self.auth_data_dir = auth_data_dir
         self.service_auth: NatsAuth | None = None  # who the engine is to it, once it started
+        # who the scheduler is to its system account, to hear of tenants' connections closing
+        self.events_auth: NatsAuth | None = None
         self._process: subprocess.Popen[bytes] | None = None
         # its log goes to a file: a pipe that nobody reads could fill up and block the server
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed by __exit__)
@@ -124,6 +131,7 @@ class EmbeddedNats:
             config = write_server_config(self.auth_data_dir, listen, pid_file=True)
             command += ["-c", str(config)]
             self.service_auth = service_connect_options(self.auth_data_dir)
+            self.events_auth = events_connect_options(self.auth_data_dir)
             logger.info("NATS authentication on: accounts and passwords in %s (add a tenant: "
                         "pensieve tenant add NAME --data-dir %s)", config.parent,
                         self.auth_data_dir)  # fmt: skip

@@ -57,6 +57,7 @@ class ServeOptions:
     tokenizers: int = DEFAULTS.tokenizers
     expiry: ExpiryConfig = DEFAULT_EXPIRY
     nats_auth: NatsAuth | None = None  # who the actors are to the server at `nats_url`
+    events_auth: NatsAuth | None = None  # who the scheduler is to its system account there
     # the embedded server asks who connects: accounts and credentials under <this>/nats/
     auth_data_dir: Path | None = None
     http: HttpConfig | None = None  # the OpenAI-compatible HTTP ingress (None: none)
@@ -120,6 +121,7 @@ async def serving(
     connect: ConnectOptions | None = None,
     remote_text: bool | None = None,
     front: Front = NO_FRONT,
+    events: ConnectOptions | None = None,
 ) -> AsyncIterator[ChatService]:
     """Serve the client API on `nats_url` while the context is open (with `ingress` False,
     only the scheduler's side of it: ingress actors run elsewhere; with `planner` False, the
@@ -132,7 +134,8 @@ async def serving(
     would compete with the engine thread for the interpreter lock); `remote_text` True or False
     chooses. `front` adds the HTTP ingress (with `ingress`) and a /metrics port. Conversations idle
     past their TTL (`expiry`) are deleted. On leaving, turns in flight get `shutdown_grace_s` to
-    finish; the rest are answered `unavailable`."""
+    finish; the rest are answered `unavailable`. With `events` (a user of the server's system
+    account), a tenant's turns end when its connection closes (see `ChatServer`)."""
     with StoreWriter() as writer:
         engine_id = store.engine_id()
 
@@ -163,7 +166,7 @@ async def serving(
             text_remote = tokenizers == 0 if remote_text is None else remote_text
             async with _engine_serving(service, nats_url, engine_id, threads, shutdown_grace_s,
                                        expiry, ingress, connect, text_remote,
-                                       front) as run:  # fmt: skip
+                                       front, events) as run:  # fmt: skip
                 yield run
 
 
@@ -207,11 +210,15 @@ async def _engine_serving(
     connect: ConnectOptions | None,
     remote_text: bool,
     front: Front,
+    events: ConnectOptions | None,
 ) -> AsyncIterator[ChatService]:
     engine = EngineThread(service, threads)
+    watcher: Bus | None = None
     try:
         bus = await Bus.connect(nats_url, options=connect)
-        server = ChatServer(bus, engine, engine_id, remote_text)
+        if events is not None:
+            watcher = await Bus.connect(nats_url, "pensieve-events", events)
+        server = ChatServer(bus, engine, engine_id, remote_text, watcher)
         try:
             await server.start()
             async with contextlib.AsyncExitStack() as doors:
@@ -235,6 +242,8 @@ async def _engine_serving(
             await server.drain(grace_s)
         finally:
             await bus.close()
+            if watcher is not None:
+                await watcher.close()
     finally:  # off the event loop: a step in hand may need it to reach the executor
         await asyncio.to_thread(engine.stop)
 
@@ -248,6 +257,7 @@ async def serve_until_signal(
     ingress: bool = True,
     planner: bool = True,
     connect: ConnectOptions | None = None,
+    events: ConnectOptions | None = None,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -259,7 +269,7 @@ async def serve_until_signal(
     async with serving(built, store, url, options.max_waiting, threads,
                        options.shutdown_grace_s, options.step_channel,
                        options.tokenizers, options.expiry, ingress, planner,
-                       connect, front=front):  # fmt: skip
+                       connect, front=front, events=events):  # fmt: skip
         engine_id = store.engine_id()
         logger.info("ready in %.1f s", time.monotonic() - started)
         # the line clients and scripts wait for, whatever the log level
@@ -291,20 +301,21 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
         # the store holds every prompt and reply: readable by this user only
         options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         with ConversationStore(options.data_dir) as store, contextlib.ExitStack() as stack:
-            url, auth = options.nats_url, options.nats_auth
+            url, auth, events = options.nats_url, options.nats_auth, options.events_auth
             if url is None:  # first, so a taken port fails before the model loads
                 begin = time.monotonic()
                 server = stack.enter_context(
                     EmbeddedNats(options.nats_port, auth_data_dir=options.auth_data_dir)
                 )
-                url, auth = server.url, server.service_auth
+                url, auth, events = server.url, server.service_auth, server.events_auth
                 logger.info("nats-server listening on %s (%.1f s)", url,
                             time.monotonic() - begin)  # fmt: skip
             built = build(engine_options)
             connect = auth.connect_options() if auth is not None else None
             with frozen_heap():
+                watch = events.connect_options() if events is not None else None
                 asyncio.run(serve_until_signal(built, store, url, options, started,
-                                               connect=connect))  # fmt: skip
+                                               connect=connect, events=watch))  # fmt: skip
         return 0
     finally:
         if provider is not None:

@@ -9,8 +9,11 @@ the id. The id itself is kept in the conversation's meta value.
     logs          digest(id)                            uint32 little-endian token ids
     turns         digest(id) + turn index (u32 BE)      orjson TurnRecord
     spills        digest(id) + chunk index (u32 BE)     orjson CPU slot number
+    owners        owner prefix + digest(id)             empty: the conversations of one tenant
 
-Big-endian indices keep one conversation's turns and chunks in order under a cursor.
+Big-endian indices keep one conversation's turns and chunks in order under a cursor. An owner
+prefix is "t" + the tenant's name + NUL, or NUL alone for the service's own conversations (a
+tenant's name holds no NUL), so one tenant's conversations lie together, in digest order.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ MAX_U32 = 2**32 - 1
 
 def conversation_key(conv_id: str) -> bytes:
     return hashlib.blake2b(conv_id.encode("utf-8"), digest_size=DIGEST_BYTES).digest()
+
+
+def owner_prefix(tenant: str | None) -> bytes:
+    """The start of the `owners` keys of `tenant`'s conversations (None: the service's own)."""
+    return b"\0" if tenant is None else b"t" + tenant.encode("utf-8") + b"\0"
 
 
 def indexed_key(conv_key: bytes, index: int) -> bytes:

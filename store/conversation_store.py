@@ -42,7 +42,7 @@ class ConversationStore:
         self._path = Path(path)
         self._path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         self._env = lmdb.open(
-            str(self._path), map_size=map_size, max_dbs=5, mode=FILE_MODE, readahead=False
+            str(self._path), map_size=map_size, max_dbs=6, mode=FILE_MODE, readahead=False
         )
         _restrict_file_modes(self._path)
         self._gate = ResizeGate()
@@ -52,6 +52,8 @@ class ConversationStore:
         self._turns = self._open_db(b"turns")
         self._spills = self._open_db(b"spills")
         self._info = self._open_db(b"info")
+        self._owners = self._open_db(b"owners")
+        self._index_owners()
 
     @property
     def path(self) -> Path:
@@ -121,6 +123,8 @@ class ConversationStore:
             txn.put(key, log, db=self._logs)
             txn.put(codec.indexed_key(key, record.turn), codec.encode_turn(record), db=self._turns)
             txn.put(key, codec.encode_meta(meta), db=self._meta)
+            if old is None:
+                txn.put(codec.owner_prefix(tenant) + key, b"", db=self._owners)
             return meta
 
         return self._transact(apply, write=True)
@@ -156,29 +160,30 @@ class ConversationStore:
         return self._transact(read, write=False)
 
     def list_page(
-        self,
-        after: bytes | None,
-        limit: int,
-        keep: Callable[[ConversationMeta], bool] = lambda meta: True,
+        self, after: bytes | None, limit: int, tenant: str | None = None
     ) -> tuple[list[str], bytes | None]:
-        """Up to `limit` ids of the conversations whose meta `keep` accepts, in the store's key
-        order, starting after the key `after` (None: from the first), and the key to continue
-        after (None: no more)."""
+        """Up to `limit` ids of `tenant`'s conversations (None: the service's own), in the
+        store's key order, starting after the key `after` (None: from the first), and the key
+        to continue after (None: no more). Reads `tenant`'s entries of the owner index only,
+        however many conversations others have."""
+        prefix = codec.owner_prefix(tenant)
 
         def read(txn: lmdb.Transaction[bytes]) -> tuple[list[str], bytes | None]:
-            cursor = txn.cursor(db=self._meta)
-            found = cursor.set_range(after) if after is not None else cursor.first()
-            if found and cursor.key() == after:
+            cursor = txn.cursor(db=self._owners)
+            start = prefix + (after or b"")
+            found = cursor.set_range(start)
+            if found and after is not None and cursor.key() == start:
                 found = cursor.next()
             ids: list[str] = []
-            last = b""
-            while found:
+            last = after
+            while found and cursor.key().startswith(prefix):
                 if len(ids) == limit:
                     return ids, last
-                meta = codec.decode_meta(cursor.value())
-                if keep(meta):
-                    last = bytes(cursor.key())
+                key = bytes(cursor.key()[len(prefix) :])
+                meta = self._read_meta(txn, key)
+                if meta is not None:  # written and deleted with it: always there
                     ids.append(meta.conversation_id)
+                    last = key
                 found = cursor.next()
             return ids, None
 
@@ -213,6 +218,9 @@ class ConversationStore:
         key = codec.conversation_key(validate_conversation_id(conv_id))
 
         def apply(txn: lmdb.Transaction[bytes]) -> bool:
+            meta = self._read_meta(txn, key)
+            if meta is not None:
+                txn.delete(codec.owner_prefix(meta.tenant) + key, db=self._owners)
             existed = txn.delete(key, db=self._meta)
             txn.delete(key, db=self._logs)
             for db in (self._turns, self._spills):
@@ -297,6 +305,20 @@ class ConversationStore:
                 self._resize(2 * self.map_size)
             except lmdb.MapResizedError:
                 self._resize(0)  # another process grew the map: adopt its size
+
+    def _index_owners(self) -> None:
+        """Fill the owner index from the metas, once: a store written before the index had
+        none (`commit_turn` and `delete` keep it from then on)."""
+
+        def apply(txn: lmdb.Transaction[bytes]) -> None:
+            if txn.get(b"owners_indexed", db=self._info) is not None:
+                return
+            for key, value in txn.cursor(db=self._meta):
+                meta = codec.decode_meta(value)
+                txn.put(codec.owner_prefix(meta.tenant) + key, b"", db=self._owners)
+            txn.put(b"owners_indexed", b"1", db=self._info)
+
+        self._transact(apply, write=True)
 
     def _open_db(self, name: bytes) -> lmdb._Database:
         # Creating a sub-database writes; reopening with a map_size below the data size leaves no

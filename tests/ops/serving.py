@@ -70,6 +70,7 @@ def serve_on_thread(
     connect: ConnectOptions | None = None,
     remote_text: bool | None = None,
     front: Front = NO_FRONT,
+    events: ConnectOptions | None = None,
 ) -> Iterator[tuple[str, ChatService]]:
     """`serving()` on `url` from a thread with its own event loop; yields the engine id and the
     chat service, and checks on leaving that the server stopped cleanly."""
@@ -81,7 +82,7 @@ def serve_on_thread(
         with ConversationStore(data_dir) as store:
             async with serving(built, store, url, max_waiting, None, shutdown_grace_s,
                                step_channel, connect=connect, remote_text=remote_text,
-                               front=front) as service:  # fmt: skip
+                               front=front, events=events) as service:  # fmt: skip
                 held.append((store.engine_id(), service))
                 ready.set()
                 await stop.wait()

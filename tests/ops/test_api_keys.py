@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pensieve.actors.openai_api import OpenAIError
-from pensieve.ops.api_keys import ApiKeys, keys_dir, new_api_key
+from pensieve.ops.api_keys import ApiKeys, keys_dir, new_api_key, remove_api_key
 
 
 def refused(keys: ApiKeys, key: str | None) -> int:
@@ -44,3 +44,14 @@ def test_without_accounts_any_key_but_a_tenants_is_the_services(tmp_path: Path) 
     alice = new_api_key(tmp_path, "alice")
     assert keys.tenant(None) is None and keys.tenant("EMPTY") is None
     assert keys.tenant(alice) == "alice"
+
+
+def test_a_rotated_or_removed_key_is_refused_at_once(tmp_path: Path) -> None:
+    keys = ApiKeys(tmp_path)
+    first = new_api_key(tmp_path, "alice")
+    bob = new_api_key(tmp_path, "bob")
+    assert keys.tenant(first) == "alice"  # read, and held by the running server
+    second = new_api_key(tmp_path, "alice", replace=True)
+    assert refused(keys, first) == 401 and keys.tenant(second) == "alice"
+    remove_api_key(tmp_path, "alice")
+    assert refused(keys, second) == 401 and keys.tenant(bob) == "bob"

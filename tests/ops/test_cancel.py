@@ -106,3 +106,51 @@ def test_cancelling_an_unknown_conversation_is_not_found(url) -> None:
             await client.close()
 
     asyncio.run(go())
+
+
+async def settled(client: Any, conv: str, timeout_s: float = 20.0) -> dict[str, Any]:
+    """The conversation once it has no turn in flight (a new one is not_found until its
+    first turn is stored)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = await request(client, subjects.CONVERSATIONS_GET, {"conversation_id": conv})
+        if not got.get("busy", True) or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize("leaving", ["unsubscribes", "disconnects"])
+def test_a_streamed_turn_whose_requester_goes_away_is_cancelled(url, leaving) -> None:
+    async def go() -> None:
+        client, other = await nats.connect(url), await nats.connect(url)
+        try:
+            inbox = client.new_inbox()
+            sub = await client.subscribe(inbox)
+            await client.publish(subjects.CHAT, orjson.dumps({**LONG, "stream": True}),
+                                 reply=inbox)  # fmt: skip
+            delta = await sub.next_msg(timeout=120)
+            # the probe rides as the delta's reply subject; a reader needs nothing of it
+            assert "delta" in orjson.loads(delta.data)
+            conv = orjson.loads(delta.data)["conversation_id"]
+            abandoned = (await request(other, subjects.STATS, {}))["turns_abandoned"]
+            begin = time.monotonic()
+            if leaving == "unsubscribes":
+                await sub.unsubscribe()
+                await client.flush()
+            else:
+                await client.close()
+            got = await settled(other, conv)
+            assert not got["busy"] and time.monotonic() - begin < 10
+            (turn,) = got["turns"]
+            assert turn["finish_reason"] == "cancelled"
+            assert 0 < turn["completion_tokens"] < LONG["max_tokens"]
+            stats = await request(other, subjects.STATS, {})
+            assert stats["turns_abandoned"] == abandoned + 1
+            after = {"conversation_id": conv, "message": "Stop.", "max_tokens": 3,
+                     "ignore_eos": True}  # fmt: skip
+            assert (await request(other, subjects.CHAT, after))["turn"] == 1
+        finally:
+            await client.close()
+            await other.close()
+
+    asyncio.run(go())

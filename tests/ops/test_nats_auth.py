@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -22,14 +23,23 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from pensieve.actors.bus import Bus
+from pensieve.actors.bus import REQUEST_INFO_HEADER, Bus, requester
+from pensieve.actors.config import DEFAULTS
 from pensieve.actors.subjects import CHAT, CONVERSATIONS_GET
+from pensieve.ops.chat import tenant_options
 from pensieve.ops.cli import main
-from pensieve.ops.nats_accounts import add_tenant, nats_dir
+from pensieve.ops.nats_accounts import (
+    add_tenant,
+    nats_dir,
+    service_connect_options,
+    write_server_config,
+)
 from pensieve.ops.nats_auth import (
     NatsAuth,
     TlsFiles,
     add_connect_args,
+    add_events_args,
+    events_auth_from_args,
     nats_auth_from_args,
     redact_url,
     tenant_of,
@@ -117,9 +127,18 @@ def test_a_tenant_reaches_the_service_on_its_own_subject_with_the_plain_api(
         async with fake_service(server, received):
             client = await connect_tenant(alice, server.url, [])
             assert await ask(client) == [f"alice {part}".encode() for part in range(NUM_PARTS)]
+            # the connection a request names is nats-server's word, not the client's
+            inbox = client.new_inbox()
+            sub = await client.subscribe(inbox)
+            forged = {REQUEST_INFO_HEADER: '{"server": "elsewhere", "id": 1}'}
+            await client.publish(CHAT, b"{}", reply=inbox, headers=forged)
+            await sub.next_msg(timeout=5)
             await client.close()
-        (msg,) = received
+        msg, again = received
         assert msg.subject == tenant_subject("alice", CHAT) == "pensieve.tenant.alice.v1.chat"
+        sender = requester(dict(msg.headers or {}))
+        assert sender is not None and sender == requester(dict(again.headers or {}))
+        assert sender != "elsewhere/1"
 
     with EmbeddedNats(auth_data_dir=tmp_path) as server:
         asyncio.run(go(server))
@@ -203,6 +222,172 @@ def test_a_tenant_added_while_the_server_runs_is_served_at_once(
         asyncio.run(go(server))
 
 
+def test_a_removed_tenant_is_refused_and_a_rotated_one_takes_only_its_new_password(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tenant remove` and `tenant rotate`, before the server starts and while it runs: the
+    old credentials connect no more, and their connections are closed."""
+    alice, bob = tenant_add(tmp_path, "alice", capsys), tenant_add(tmp_path, "bob", capsys)
+    tenant_add(tmp_path, "carol", capsys)
+    assert main(["tenant", "remove", "carol", "--data-dir", str(tmp_path)]) == 0
+
+    async def refused(kwargs: dict[str, Any], url: str) -> bool:
+        async def quiet(error: Exception) -> None:
+            pass
+
+        try:
+            client = await nats.connect(**{**kwargs, "servers": [url]}, allow_reconnect=False,
+                                        error_cb=quiet)  # fmt: skip
+        except nats.errors.Error as error:
+            return "Authorization Violation" in str(error)
+        await client.close()
+        return False
+
+    async def dropped(client: Client) -> bool:  # by the server; it does not get back in
+        for _ in range(100):
+            if not client.is_connected:
+                await asyncio.sleep(0.5)
+                connected = client.is_connected
+                await client.close()
+                return not connected
+            await asyncio.sleep(0.02)
+        return False
+
+    async def go(server: EmbeddedNats) -> None:
+        received: list[Msg] = []
+        async with fake_service(server, received):
+            assert await refused(carol, server.url)
+            a_client = await connect_tenant(alice, server.url, [])
+            b_client = await connect_tenant(bob, server.url, [])
+            assert await ask(b_client) == [f"bob {part}".encode() for part in range(NUM_PARTS)]
+            rotated = await asyncio.to_thread(rotate, "alice")
+            assert rotated["password"] != alice["password"]
+            assert await refused(alice, server.url) and await dropped(a_client)
+            await asyncio.to_thread(main, ["tenant", "remove", "bob", "--data-dir", str(tmp_path)])
+            assert await refused(bob, server.url) and await dropped(b_client)
+            again = await connect_tenant(rotated, server.url, [])
+            assert await ask(again) == [f"alice {part}".encode() for part in range(NUM_PARTS)]
+            await again.close()
+
+    def rotate(name: str) -> dict[str, Any]:
+        assert main(["tenant", "rotate", name, "--data-dir", str(tmp_path)]) == 0
+        return dict(json.loads(capsys.readouterr().out)["nats"])
+
+    carol = {**alice, "user": "tenant-carol"}  # any password: none is taken
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        asyncio.run(go(server))
+    capsys.readouterr()
+    assert main(["tenant", "list", "--data-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == ['{"tenant": "alice"}']
+    assert main(["tenant", "remove", "bob", "--data-dir", str(tmp_path)]) == 2
+    assert "no tenant bob" in capsys.readouterr().err
+
+
+def test_a_tenant_added_to_a_server_run_elsewhere_is_served_after_one_reload(
+    tmp_path: Path,
+) -> None:
+    """A nats-server started from `pensieve nats-config`'s file takes a tenant added meanwhile
+    with one SIGHUP (the account the tenant takes is in the file it runs from already)."""
+    port = free_port()
+    config = write_server_config(tmp_path, f"127.0.0.1:{port}", pid_file=False)
+    server = subprocess.Popen([find_binary(), "-c", str(config)], stderr=subprocess.DEVNULL)
+    url = f"nats://127.0.0.1:{port}"
+
+    async def go() -> None:
+        service = service_connect_options(tmp_path).connect_options()
+        bus = await Bus.connect(url, options=service)
+
+        async def answer(msg: Msg) -> None:
+            await bus.client.publish(msg.reply, tenant_of(msg.subject).encode())
+
+        await bus.client.subscribe(tenant_subject("*", CHAT), cb=answer)
+        await bus.flush()
+        for name in ("alice", "bob"):
+            kwargs = add_tenant(tmp_path, name)  # no server runs from tmp_path: none reloaded
+            server.send_signal(signal.SIGHUP)
+            client = await logged_in(kwargs, url)
+            reply = await client.request(CHAT, b"{}", timeout=2)
+            assert reply.data == name.encode()
+            await client.close()
+        await bus.close()
+
+    try:
+        wait_for_port(port)
+        asyncio.run(go())
+    finally:
+        server.terminate()
+        server.wait()
+
+
+async def logged_in(kwargs: dict[str, Any], url: str) -> Client:
+    """A client of the tenant, once the server takes its password (after a reload)."""
+
+    async def quiet(error: Exception) -> None:
+        pass
+
+    for _ in range(250):
+        try:
+            return await nats.connect(**{**kwargs, "servers": [url]}, allow_reconnect=False,
+                                      error_cb=quiet)  # fmt: skip
+        except nats.errors.Error:
+            await asyncio.sleep(0.02)
+    raise AssertionError("the tenant never logged in")
+
+
+def wait_for_port(port: int) -> None:
+    for _ in range(250):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return
+        except OSError:
+            time.sleep(0.02)
+    raise AssertionError(f"nothing listens on {port}")
+
+
+def test_a_tenant_with_an_nkey_connects_with_its_line_and_the_server_keeps_no_secret_of_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tenant add --auth nkey`: the line's seed logs in, before and while the server runs; the
+    data dir holds the public key alone; `rotate` gives a new seed and the old one is refused."""
+
+    def add(name: str) -> dict[str, Any]:
+        assert main(["tenant", "add", name, "--auth", "nkey", "--data-dir", str(tmp_path)]) == 0
+        line = json.loads(capsys.readouterr().out)
+        assert set(line["nats"]) == {"servers", "nkeys_seed_str", "inbox_prefix"}
+        return dict(line["nats"])
+
+    alice = add("alice")
+    stored = (nats_dir(tmp_path) / "tenants" / "alice.nkey").read_text()
+    assert stored.startswith("U") and alice["nkeys_seed_str"].startswith("SU")
+    for path in nats_dir(tmp_path).rglob("*"):
+        assert not path.is_file() or alice["nkeys_seed_str"] not in path.read_text()
+    line = tmp_path / "alice.json"
+    line.write_text(json.dumps({"tenant": "alice", "nats": alice}))
+    server_url, options = tenant_options(line)  # what `pensieve chat --tenant` reads
+    assert options.nkeys_seed_str == alice["nkeys_seed_str"] and options.user is None
+
+    async def go(server: EmbeddedNats) -> None:
+        received: list[Msg] = []
+        async with fake_service(server, received):
+            for name, kwargs in (("alice", alice), ("bob", await asyncio.to_thread(add, "bob"))):
+                client = await nats.connect(**{**kwargs, "servers": [server.url]})
+                assert await ask(client) == [f"{name} {part}".encode() for part in range(NUM_PARTS)]
+                await client.close()
+            argv = ["tenant", "rotate", "alice", "--data-dir", str(tmp_path)]
+            assert await asyncio.to_thread(main, argv) == 0
+            rotated = json.loads(capsys.readouterr().out)["nats"]
+            assert rotated["nkeys_seed_str"] != alice["nkeys_seed_str"]
+            with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+                await nats.connect(**{**alice, "servers": [server.url]}, allow_reconnect=False)
+            client = await nats.connect(**{**rotated, "servers": [server.url]})
+            assert await ask(client) == [f"alice {part}".encode() for part in range(NUM_PARTS)]
+            await client.close()
+
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        assert server_url == f"nats://127.0.0.1:{DEFAULTS.nats_port}"
+        asyncio.run(go(server))
+
+
 def test_secrets_stay_in_private_files(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Not in the server's argv, not in any log line; files 0600 in a folder of 0700."""
     caplog.set_level(logging.INFO, logger="pensieve")
@@ -250,6 +435,7 @@ def _parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nats-url")
     add_connect_args(parser)
+    add_events_args(parser)
     return parser.parse_args(argv)
 
 
@@ -274,6 +460,13 @@ def test_credentials_come_from_flags_files_and_the_environment(tmp_path: Path) -
         nats_auth_from_args(_parse(), {**env, "PENSIEVE_NATS_TOKEN": "t"})
     with pytest.raises(ValueError, match="go together"):
         TlsFiles(cert=secret)
+    # the scheduler's watch on closed connections: a user of the system account
+    assert events_auth_from_args(_parse(), {}) is None
+    watch = NatsAuth("pensieve-events", "from-file")
+    assert events_auth_from_args(_parse("--nats-events-password-file", str(secret)), {}) == watch
+    assert events_auth_from_args(_parse(), {"PENSIEVE_NATS_EVENTS_PASSWORD_FILE": str(secret)}) == (
+        watch
+    )
 
 
 def _self_signed(folder: Path, name: str, ip: str | None = None) -> tuple[Path, Path]:

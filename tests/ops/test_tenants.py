@@ -5,6 +5,7 @@ traffic and cannot answer as the service; nobody connects without credentials.""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 
 from pensieve.actors import subjects
 from pensieve.ops.factory import EngineOptions, assemble
-from pensieve.ops.nats_accounts import add_tenant
+from pensieve.ops.nats_accounts import add_tenant, remove_tenant
 from pensieve.ops.nats_server import EmbeddedNats
 from tests.ops.serving import serve_on_thread
 
@@ -30,11 +31,13 @@ def engine(smollm2, smollm2_chat, tmp_path_factory) -> Iterator[dict[str, Any]]:
     built = assemble(EngineOptions(model="smollm2", gpu_cache_tokens=1024,
                                    cpu_cache_tokens=1024), smollm2, smollm2_chat)  # fmt: skip
     with EmbeddedNats(auth_data_dir=data_dir) as server:
-        assert server.service_auth is not None
+        assert server.service_auth is not None and server.events_auth is not None
         connect = server.service_auth.connect_options()
-        with serve_on_thread(built, data_dir, server.url, connect=connect):
+        events = server.events_auth.connect_options()
+        with serve_on_thread(built, data_dir, server.url, connect=connect, events=events):
             yield {"url": server.url, "alice": add_tenant(data_dir, "alice"),
-                   "bob": add_tenant(data_dir, "bob"), "service": connect}  # fmt: skip
+                   "bob": add_tenant(data_dir, "bob"), "service": connect,
+                   "data_dir": data_dir}  # fmt: skip
 
 
 async def request(client: Any, subject: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -138,5 +141,68 @@ def test_nobody_connects_without_credentials(engine) -> None:
         with pytest.raises((nats.errors.Error, OSError)):
             await nats.connect(engine["url"], max_reconnect_attempts=0, allow_reconnect=False,
                                connect_timeout=2)  # fmt: skip
+
+    asyncio.run(go())
+
+
+LONG = {"message": "Count from one to one thousand in words.", "max_tokens": 400,
+        "ignore_eos": True}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_tenants_turn_is_cancelled_when_its_connection_closes(engine, stream) -> None:
+    async def go() -> None:
+        alice, again = await nats.connect(**engine["alice"]), await nats.connect(**engine["alice"])
+        try:
+            made = await request(alice, subjects.CHAT, {"message": "Hi", "max_tokens": 2})
+            conv = {"conversation_id": made["conversation_id"]}
+            inbox = alice.new_inbox()
+            sub = await alice.subscribe(inbox)
+            body = {**LONG, **conv, "stream": stream}
+            await alice.publish(subjects.CHAT, orjson.dumps(body), reply=inbox)
+            if stream:
+                await sub.next_msg(timeout=60)
+            else:  # under way once the conversation is busy; a second to get into its reply
+                while not (await request(again, subjects.CONVERSATIONS_GET, conv))["busy"]:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(1.0)
+            begin = time.monotonic()
+            await alice.close()
+            while (got := await request(again, subjects.CONVERSATIONS_GET, conv))["busy"]:
+                assert time.monotonic() - begin < 10, "the turn went on without its requester"
+                await asyncio.sleep(0.1)
+            # stored as cancelled with what it had, or (cancelled before its first token) not
+            if stream or got["num_turns"] == 2:
+                cancelled = got["turns"][1]
+                assert cancelled["finish_reason"] == "cancelled"
+                assert cancelled["completion_tokens"] < LONG["max_tokens"]
+            after = await request(again, subjects.CHAT, {**conv, "message": "Ok", "max_tokens": 2})
+            assert after["turn"] == got["num_turns"]
+        finally:
+            await alice.close()
+            await again.close()
+
+    asyncio.run(go())
+
+
+def test_a_removed_tenants_conversations_come_back_to_a_tenant_of_its_name(engine) -> None:
+    async def go() -> None:
+        first = await nats.connect(**await asyncio.to_thread(add_tenant, engine["data_dir"],
+                                                              "carol"))  # fmt: skip
+        conv = (await request(first, subjects.CHAT, {"message": "Hi", "max_tokens": 2}))[
+            "conversation_id"
+        ]
+        await first.close()
+        await asyncio.to_thread(remove_tenant, engine["data_dir"], "carol")
+        again = await nats.connect(**await asyncio.to_thread(add_tenant, engine["data_dir"],
+                                                              "carol"))  # fmt: skip
+        try:
+            assert (await request(again, subjects.CONVERSATIONS_LIST, {}))["conversations"] == [
+                conv
+            ]
+            turn = {"conversation_id": conv, "message": "Again", "max_tokens": 2}
+            assert (await request(again, subjects.CHAT, turn))["turn"] == 1
+        finally:
+            await again.close()
 
     asyncio.run(go())

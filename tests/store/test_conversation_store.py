@@ -10,10 +10,11 @@ import sys
 import threading
 from pathlib import Path
 
+import lmdb
 import orjson
 import pytest
 
-from pensieve.store import ConversationStore, TurnRecord
+from pensieve.store import ConversationStore, TurnRecord, codec
 
 
 def make_turn(turn: int, output: tuple[int, ...] = (7, 8, 9), **changes: object) -> TurnRecord:
@@ -262,3 +263,50 @@ def test_list_page_walks_every_conversation_once(tmp_path) -> None:
                 break
         assert sorted(seen) == store.list_conversations() and len(seen) == 11
         assert store.list_page(None, 11)[1] is None  # exactly one page: no cursor to follow
+
+
+def test_list_page_of_a_tenant_reads_its_own_conversations_only(tmp_path, monkeypatch) -> None:
+    """The owner index: a tenant's pages hold its conversations, each once, whatever the
+    others have; a page reads the metas of its own entries, not every conversation's."""
+    with ConversationStore(tmp_path) as store:
+        for i in range(300):
+            store.commit_turn(f"b-{i}", make_turn(0), 0, [1], tenant="bob")
+        for i in range(5):
+            store.commit_turn(f"a-{i}", make_turn(0), 0, [1], tenant="alice")
+            store.commit_turn(f"s-{i}", make_turn(0), 0, [1])  # the service's own
+        store.commit_turn("a-0", make_turn(1), 1, [2], tenant="bob")  # kept from the first turn
+        decoded = []
+        decode = codec.decode_meta
+        monkeypatch.setattr(codec, "decode_meta", lambda v: decoded.append(1) or decode(v))
+
+        def every_page(tenant: str | None) -> list[str]:
+            seen: list[str] = []
+            after = None
+            while True:
+                ids, after = store.list_page(after, 2, tenant)
+                seen += ids
+                if after is None:
+                    return seen
+
+        alices = every_page("alice")
+        assert sorted(alices) == [f"a-{i}" for i in range(5)] and len(decoded) == 5
+        assert sorted(every_page(None)) == [f"s-{i}" for i in range(5)]
+        assert every_page("carol") == []
+        store.delete("a-3")
+        assert sorted(every_page("alice")) == ["a-0", "a-1", "a-2", "a-4"]
+        assert len(every_page("bob")) == 300
+
+
+def test_a_store_written_before_the_owner_index_gets_it_when_opened(tmp_path) -> None:
+    with ConversationStore(tmp_path) as store:
+        for i in range(3):
+            store.commit_turn(f"a-{i}", make_turn(0), 0, [1], tenant="alice")
+        store.commit_turn("b-0", make_turn(0), 0, [1], tenant="bob")
+    env = lmdb.open(str(tmp_path), max_dbs=6)  # as an older build left it: no index
+    with env.begin(write=True) as txn:
+        txn.drop(env.open_db(b"owners", txn=txn), delete=True)
+        txn.delete(b"owners_indexed", db=env.open_db(b"info", txn=txn))
+    env.close()
+    with ConversationStore(tmp_path) as store:
+        assert sorted(store.list_page(None, 10, "alice")[0]) == ["a-0", "a-1", "a-2"]
+        assert store.list_page(None, 10, "bob")[0] == ["b-0"]
