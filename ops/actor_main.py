@@ -42,6 +42,7 @@ from pensieve.ops.factory import (
     assemble_remote,
     build,
     cpu_threads,
+    freeze_start_up,
     frozen_heap,
     load_config_only,
 )
@@ -66,22 +67,29 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
     try:
         options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         with ConversationStore(options.data_dir) as store:
+            # every actor's start-up heap (imports, and the model or tokenizer it loads) stays
+            # out of the garbage collections made while it serves: a full one would stall it
             if name == "executor":
                 built = build(engine)
                 with frozen_heap():
                     asyncio.run(_executor(built.engine.runner, nats, store,
                                           cpu_threads(engine)))  # fmt: skip
             elif name == "recompute-planner":
-                asyncio.run(_planner(nats, store, engine.block_size))
+                with frozen_heap():
+                    asyncio.run(_planner(nats, store, engine.block_size))
             elif name == "ingress":
-                asyncio.run(_ingress(nats, store.engine_id()))
+                with frozen_heap():
+                    asyncio.run(_ingress(nats, store.engine_id()))
             elif name == "http":
-                asyncio.run(_http(nats, store.engine_id(), options))
+                with frozen_heap():
+                    asyncio.run(_http(nats, store.engine_id(), options))
             elif name == "tokenizer":
-                asyncio.run(_tokenizer(engine, nats, store.engine_id(),
-                                       max(1, options.tokenizers)))  # fmt: skip
+                with frozen_heap():
+                    asyncio.run(_tokenizer(engine, nats, store.engine_id(),
+                                           max(1, options.tokenizers)))  # fmt: skip
             else:
-                asyncio.run(_scheduler(engine, options, nats, store, started))
+                with frozen_heap():
+                    asyncio.run(_scheduler(engine, options, nats, store, started))
         return 0
     finally:
         if provider is not None:
@@ -152,6 +160,7 @@ async def _planner(nats: _Nats, store: ConversationStore, block_size: int) -> No
 
 async def _tokenizer(engine: EngineOptions, nats: _Nats, engine_id: str, replicas: int) -> None:
     _, chat = load_config_only(engine)
+    freeze_start_up()
     stop = _on_signals()
     async with tokenizer_replicas(nats.url, engine_id, chat, replicas, nats.connect):
         print(f"pensieve: {replicas} tokenizer replica(s) of engine {engine_id} ready on {nats}",
@@ -175,6 +184,7 @@ async def _scheduler(
         runner = await connect_executor(bus, store.engine_id(), timeout_s=24 * 3600)
         try:
             built = assemble_remote(engine, loaded, chat, runner)
+            freeze_start_up()
             events = options.events_auth and options.events_auth.connect_options()
             await serve_until_signal(built, store, nats.url, options, started, ingress=False,
                                      planner=False, connect=nats.connect,

@@ -224,6 +224,13 @@ def _cost_model(options: EngineOptions, config: ModelConfig) -> CostModel:
     )
 
 
+def freeze_start_up() -> None:
+    """Inside `frozen_heap`: leave every object alive now (what an actor loaded after entering
+    it: a tokenizer, a model config) out of later collections too."""
+    gc.collect()
+    gc.freeze()
+
+
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[float]:
     """While serving: every object alive on entry (the model, compiled kernels, imported modules)
