@@ -68,14 +68,35 @@ class _Lines:
         return "".join(self.lines)
 
 
+def _client(language: str, folder: Path) -> list[str]:
+    """The README's client example of `language`, written into `folder`: the command that runs it
+    (skips where Node.js or its NATS client cannot be had)."""
+    if language == "python":
+        example = folder / "example.py"
+        example.write_text(readme_block("client example"))
+        return [sys.executable, str(example)]
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if node is None or npm is None:
+        pytest.skip("no Node.js here")
+    installed = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(folder),
+                                "@nats-io/transport-node@3"], capture_output=True, text=True,
+                               timeout=300)  # fmt: skip
+    if installed.returncode != 0:
+        pytest.skip(f"the Node NATS client could not be installed: {installed.stderr[-300:]}")
+    (folder / "client.mjs").write_text(readme_block("node client example"))
+    return [node, "client.mjs"]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("language", ["python", "node"])
 def test_the_client_example_runs_verbatim_against_serve_started_as_the_readme_says(
-    tmp_path: Path,
+    tmp_path: Path, language: str
 ) -> None:
     try:
         check_port_free(DEFAULTS.nats_port)
     except OSError as busy:  # the README's server needs the default port
         pytest.skip(str(busy))
+    client = _client(language, tmp_path)
     (serve_line,) = readme_block("serve command").splitlines()
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data"), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -89,10 +110,8 @@ def test_the_client_example_runs_verbatim_against_serve_started_as_the_readme_sa
         with (tmp_path / out).open("w") as written:  # the README's redirection
             subprocess.run(words, stdout=written, text=True, env=env, cwd=tmp_path, timeout=120,
                            check=True)  # fmt: skip
-        example = tmp_path / "example.py"
-        example.write_text(readme_block("client example"))
-        done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True,
-                              timeout=600, cwd=tmp_path)  # fmt: skip
+        done = subprocess.run(client, capture_output=True, text=True, timeout=600,
+                              cwd=tmp_path)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         *texts, cached_line = done.stdout.strip().splitlines()
         assert len(texts) >= 2 and all(line.strip() for line in (texts[0], texts[-1]))
@@ -118,7 +137,7 @@ def test_the_readme_is_short_and_links_only_to_what_exists() -> None:
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
         assert (ROOT / target).exists(), target
     for name in ("run command", "test command", "serve command", "tenant command",
-                 "client example"):  # fmt: skip
+                 "client example", "node client example"):  # fmt: skip
         assert readme_block(name).strip()
 
 
