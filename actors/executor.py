@@ -28,6 +28,7 @@ from pensieve.kernels import AttentionImpl, AttentionMetadata, build_metadata
 from pensieve.kernels.metadata import upload
 from pensieve.models.attention import PagedAttention, allocate_kv_caches
 from pensieve.models.loader import CausalLM
+from pensieve.models.tensor_parallel import TensorShard, broadcast_from_first
 
 
 @dataclass
@@ -136,8 +137,10 @@ class ModelRunner:
         cuda_graphs: bool = True,
         swap_out_dma: bool = True,
         swap_batched: bool = True,
+        shard: TensorShard | None = None,
     ) -> None:
         self.model = model
+        self.shard = shard  # this rank's part of a model split over ranks (None: all of it)
         self.config = model.config
         self.cache = cache
         self.device = device
@@ -163,8 +166,8 @@ class ModelRunner:
             from pensieve.kernels.triton_attention import compile_variants
 
             c = self.config
-            compile_variants(c.num_heads, c.num_kv_heads, c.head_dim, cache.block_size,
-                             c.max_context_len, dtype, device)  # fmt: skip
+            compile_variants(c.num_heads_per_rank, c.num_kv_heads_per_rank, c.head_dim,
+                             cache.block_size, c.max_context_len, dtype, device)  # fmt: skip
         self.graphs = (
             DecodeGraphs(
                 model,
@@ -248,6 +251,10 @@ class ModelRunner:
         sampling = [p for p in ordered.pieces if p.sampling is not None]
         params = [p.sampling for p in sampling]
         tokens = sample_async(logits, params, [p.sample_index for p in sampling])  # type: ignore[arg-type]
+        if self.shard is not None and not all(p.greedy for p in params):  # type: ignore[union-attr]
+            # every rank holds the same logits, but an unseeded draw differs by rank: all take
+            # rank 0's, so the KV each writes next step is of the same tokens
+            broadcast_from_first(tokens, self.shard)
         self.swap.issue_out()  # while the device runs the forward
         if tokens.device.type != "cuda":
             return Launched(plan, tokens, tokens, None, executed)
