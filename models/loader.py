@@ -87,7 +87,16 @@ def init_random_(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
     """Random weights in place, on the model's device: N(0, std) matrices, unit norms, zero bias."""
     first = next(model.parameters())
     generator = torch.Generator(device=first.device).manual_seed(seed)
-    for name, param in model.named_parameters():
+    fill_random_(model.named_parameters(), generator, std)
+
+
+@torch.no_grad()
+def fill_random_(
+    params: Iterable[tuple[str, torch.Tensor]], generator: torch.Generator, std: float = 0.02
+) -> None:
+    """`init_random_` of some parameters, in order, drawing from `generator`: a model filled
+    part by part in its parameters' order gets the weights of `init_random_` with that seed."""
+    for name, param in params:
         if param.ndim >= 2:
             param.normal_(0.0, std, generator=generator)
         elif name.endswith("bias"):

@@ -118,25 +118,41 @@ def shard_model(model: CausalLM, shard: TensorShard) -> CausalLM:
     """Keep rank `shard.rank`'s share of `model` (in place; also on the meta device, before any
     weight exists) and return it. Raises ValueError, naming the counts, when the model's heads
     or MLP columns do not divide over the ranks."""
-    if model.config.tensor_parallel_size != 1:
-        raise ValueError("the model is split over ranks already")
-    config = dataclasses.replace(model.config, tensor_parallel_size=shard.world_size)
+    config = split_config(model.config, shard)
     if shard.world_size == 1:
         return model
     for layer in model.layers:
-        if isinstance(layer, LlamaLayer):
-            _shard_llama_layer(layer, config, shard)
-        elif isinstance(layer, OPTLayer):
-            _shard_opt_layer(layer, config, shard)
-        else:
-            raise TypeError(f"no tensor-parallel split for {type(layer).__name__}")
+        shard_layer(layer, config, shard)
+    shard_vocabulary(model, config, shard)
+    return model
+
+
+def split_config(config: ModelConfig, shard: TensorShard) -> ModelConfig:
+    """The config of one rank's share of a model (ValueError if its heads do not divide)."""
+    if config.tensor_parallel_size != 1:
+        raise ValueError("the model is split over ranks already")
+    return dataclasses.replace(config, tensor_parallel_size=shard.world_size)
+
+
+def shard_layer(layer: nn.Module, config: ModelConfig, shard: TensorShard) -> None:
+    """Keep this rank's share of one decoder layer; `config` is the rank's (`split_config`)."""
+    if isinstance(layer, LlamaLayer):
+        _shard_llama_layer(layer, config, shard)
+    elif isinstance(layer, OPTLayer):
+        _shard_opt_layer(layer, config, shard)
+    else:
+        raise TypeError(f"no tensor-parallel split for {type(layer).__name__}")
+
+
+def shard_vocabulary(model: CausalLM, config: ModelConfig, shard: TensorShard) -> None:
+    """Split the embedding, the LM head and the logits by vocabulary rows; the model's config
+    becomes the rank's (its layers are split already)."""
     vocab = _vocab_rows(model.embed_tokens.weight, config, shard)
     model.embed_tokens = VocabParallelEmbedding(vocab, shard.rank * vocab.shape[0], shard.group)
     if model.lm_head is not None:
         _keep_rows(model.lm_head, _vocab_rows(model.lm_head.weight, config, shard))
     model.logits = GatheredLogits(config.vocab_size, shard.world_size, shard.group)
     model.config = config
-    return model
 
 
 def _shard_llama_layer(layer: LlamaLayer, config: ModelConfig, shard: TensorShard) -> None:

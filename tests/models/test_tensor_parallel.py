@@ -14,7 +14,8 @@ import pytest
 import torch
 from tensor_parallel_ranks import CASES, one_rank, run_ranks
 
-from pensieve.models import PRESETS, build_model
+from pensieve.models import PRESETS, build_model, load_model
+from pensieve.models.shard_loader import load_shard
 from pensieve.models.tensor_parallel import (
     RowParallelLinear,
     TensorShard,
@@ -96,3 +97,16 @@ def test_a_split_model_is_not_split_again() -> None:
                         TensorShard(0, 2))  # fmt: skip
     with pytest.raises(ValueError, match="split over ranks already"):
         shard_model(model, TensorShard(0, 2))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-opt"])
+def test_a_preset_loaded_by_rank_has_the_weights_of_the_whole_one_split(name: str) -> None:
+    for rank in range(2):
+        shard = TensorShard(rank, 2)
+        direct = load_shard(f"preset:{name}", "cpu", torch.float32, shard, seed=5).model
+        whole = load_model(f"preset:{name}", "cpu", torch.float32, seed=5).model
+        split = dict(shard_model(whole, shard).named_parameters())
+        params = dict(direct.named_parameters())
+        assert params.keys() == split.keys()
+        for key, param in params.items():
+            assert torch.equal(param, split[key]), key
