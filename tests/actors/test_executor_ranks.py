@@ -1,0 +1,122 @@
+"""The executor as two tensor-parallel ranks, each a process of its own (gloo on the CPU, NCCL on
+two GPUs), meeting the scheduler on a real nats-server: on every cache path (GPU hits, swap-ins,
+recomputation of dropped chunks) the tokens are those of one rank re-prefilling every turn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pensieve.actors.bus import Bus
+from pensieve.actors.config import Policy
+from pensieve.actors.engine import Engine
+from pensieve.actors.request import SamplingParams
+from pensieve.actors.step_channel import ExecutorLost, connect_executor
+from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
+from pensieve.ops.factory import EngineOptions, build
+from pensieve.ops.nats_server import EmbeddedNats
+from pensieve.store import ConversationStore
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+OPTIONS = EngineOptions(model="preset:tiny-llama", gpu_cache_tokens=320, cpu_cache_tokens=320,
+                        max_batch_tokens=256, cpu_threads=1, tensor_parallel=2)  # fmt: skip
+NUM_CONVS, NUM_TURNS = 5, 3
+
+
+def converse(engine: Engine) -> tuple[list[list[int]], dict[str, int]]:
+    """Five conversations of three turns, all turns of a round at once, on tiers so small that
+    histories swap out, come back and are dropped and recomputed."""
+    histories: dict[str, list[int]] = {f"c{i}": [] for i in range(NUM_CONVS)}
+    outputs = []
+    for turn in range(NUM_TURNS):
+        for i, (conv, history) in enumerate(histories.items()):
+            message = [(13 * i + 7 * turn + k) % 400 + 5 for k in range(40 + 9 * i)]
+            engine.add_request(conv, history + message, GREEDY)
+        done = 0
+        while done < NUM_CONVS:
+            for request in engine.step().finished:
+                histories[request.conv_id] = request.all_ids
+                outputs.append(request.output_ids)
+                done += 1
+    return sorted(outputs), dataclasses.asdict(engine.totals.sources)
+
+
+@contextlib.asynccontextmanager
+async def ranks_engine(options: EngineOptions, data_dir: Path) -> AsyncIterator[
+    tuple[Engine, ExecutorRanks]
+]:  # fmt: skip
+    """An engine (on the CPU, no model of its own) whose executor is `options.tensor_parallel`
+    rank processes, met over a real nats-server."""
+    scheduler = build(dataclasses.replace(options, device="cpu", tensor_parallel=1))
+    with EmbeddedNats() as nats, ExecutorRanks(RankSpec(options, nats.url, data_dir)) as ranks:
+        assert await asyncio.to_thread(ranks.wait_ready, 300), ranks.failed
+        with ConversationStore(data_dir) as store:
+            engine_id = store.engine_id()
+        bus = await Bus.connect(nats.url)
+        runner = await connect_executor(bus, engine_id, timeout_s=30)
+        scheduler.engine.runner = runner
+        try:
+            yield scheduler.engine, ranks
+        finally:
+            await runner.close()
+            await bus.close()
+
+
+def reference(options: EngineOptions) -> list[list[int]]:
+    """The tokens of one rank that re-prefills every turn."""
+    one = dataclasses.replace(options, tensor_parallel=1, policy=Policy.STATELESS)
+    return converse(build(one).engine)[0]
+
+
+def test_two_executor_ranks_give_the_stateless_tokens_on_every_cache_path(tmp_path: Path) -> None:
+    async def run() -> tuple[list[list[int]], dict[str, int]]:
+        async with ranks_engine(OPTIONS, tmp_path) as (engine, _):
+            return await asyncio.to_thread(converse, engine)
+
+    outputs, sources = asyncio.run(run())
+    assert sources["gpu"] and sources["cpu"] and sources["recomputed"], sources
+    assert outputs == reference(OPTIONS)
+
+
+def test_a_dead_rank_is_a_dead_executor(tmp_path: Path) -> None:
+    """Killing one rank fails the step in flight (no wait for ever); all ranks start again
+    holding no KV, and once the engine has forgotten its KV the turns give the same tokens."""
+
+    async def run() -> tuple[str, list[list[int]]]:
+        async with ranks_engine(OPTIONS, tmp_path) as (engine, ranks):
+            os.kill(ranks.pids()[1], signal.SIGKILL)
+            with pytest.raises((ExecutorLost, RuntimeError)) as lost:
+                await asyncio.to_thread(converse, engine)
+            while ranks.generation < 2:
+                await asyncio.sleep(0.1)
+            assert await asyncio.to_thread(ranks.wait_ready, 300), ranks.failed
+            await asyncio.to_thread(engine.abort_all, str(lost.value))  # as the engine thread does
+            return str(lost.value), (await asyncio.to_thread(converse, engine))[0]
+
+    error, outputs = asyncio.run(run())
+    assert error
+    assert outputs == reference(OPTIONS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpu_two_executor_ranks_give_the_stateless_tokens_on_every_cache_path(
+    tmp_path: Path,
+) -> None:
+    options = dataclasses.replace(OPTIONS, device="cuda", cpu_threads=None)
+
+    async def run() -> tuple[list[list[int]], dict[str, int]]:
+        async with ranks_engine(options, tmp_path) as (engine, _):
+            return await asyncio.to_thread(converse, engine)
+
+    outputs, sources = asyncio.run(run())
+    assert sources["gpu"] and sources["cpu"] and sources["recomputed"], sources
+    assert outputs == reference(options)
