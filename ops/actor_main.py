@@ -22,6 +22,7 @@ import asyncio
 import logging
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from pensieve.actors.ingress import IngressActor
 from pensieve.actors.recompute_planner import RecomputePlannerActor
 from pensieve.actors.step_channel import connect_executor
 from pensieve.actors.tokenizer_actor import tokenizer_replicas
+from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import (
     EngineOptions,
     assemble_remote,
@@ -61,6 +63,8 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
     try:
         options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         with ConversationStore(options.data_dir) as store:
+            if name == "executor" and engine.tensor_parallel > 1:
+                return _executor_ranks(engine, options)
             if name == "executor":
                 built = build(engine)
                 with frozen_heap():
@@ -113,6 +117,23 @@ async def _executor(
         print(f"pensieve: executor of engine {engine_id} ready on {nats}", file=sys.stderr,
               flush=True)  # fmt: skip
         await stop.wait()
+
+
+def _executor_ranks(engine: EngineOptions, options: ServeOptions) -> int:
+    """The executor as `engine.tensor_parallel` rank processes until SIGINT or SIGTERM; 1 if
+    they could not start."""
+    assert options.nats_url is not None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with ExecutorRanks(RankSpec(engine, options.nats_url, options.data_dir,
+                                options.nats_auth)) as ranks:  # fmt: skip
+        while ranks.running and not stop.wait(0.5):
+            pass
+        if ranks.failed is not None:
+            print(f"pensieve: error: {ranks.failed}", file=sys.stderr, flush=True)
+            return 1
+    return 0
 
 
 async def _ingress(nats: _Nats, engine_id: str) -> None:

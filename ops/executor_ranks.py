@@ -37,8 +37,9 @@ import torch.multiprocessing as mp
 from pensieve.actors.bus import Bus
 from pensieve.actors.config import CacheConfig
 from pensieve.actors.executor_actor import ExecutorActor
-from pensieve.models.tensor_parallel import TensorShard
-from pensieve.ops.factory import EngineOptions, cpu_threads, frozen_heap, rank_runner
+from pensieve.models.loader import load_model
+from pensieve.models.tensor_parallel import TensorShard, split_config
+from pensieve.ops.factory import DTYPES, EngineOptions, cpu_threads, frozen_heap, rank_runner
 from pensieve.ops.nats_auth import NatsAuth
 from pensieve.store import ConversationStore
 
@@ -65,15 +66,26 @@ class RankSpec:
         return self.engine.tensor_parallel
 
 
+def check_split(options: EngineOptions) -> None:
+    """ValueError, before any rank starts, if the model does not split over the ranks asked
+    for or this host has fewer GPUs."""
+    n = options.tensor_parallel
+    config = load_model(options.model, "meta", DTYPES[options.dtype]).config
+    split_config(config, TensorShard(0, n))
+    if options.device == "cuda" and torch.cuda.device_count() < n:
+        raise ValueError(f"--tensor-parallel {n} needs {n} GPUs; this host has "
+                         f"{torch.cuda.device_count()}")  # fmt: skip
+
+
 def rank_main(rank: int, spec: RankSpec, rendezvous: str, ready: Any) -> None:
-    """One rank's process: join the group, load the share, serve until SIGINT or SIGTERM."""
+    """One rank's process: join the group, load the share, serve until SIGTERM (the one who
+    started the ranks stops them; a Ctrl-C meant for it must not end a rank first, which would
+    look like a rank that died)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(NCCL_ENV)
     cuda = spec.engine.device == "cuda"
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
-        if torch.cuda.device_count() < spec.world_size:
-            raise ValueError(f"--tensor-parallel {spec.world_size} needs as many GPUs, "
-                             f"found {torch.cuda.device_count()}")  # fmt: skip
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
                             rank=rank, world_size=spec.world_size)  # fmt: skip
@@ -106,8 +118,7 @@ async def _serve_rank(
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
     first = shard.rank == 0
     store = ConversationStore(spec.data_dir) if first else None
     try:
@@ -141,6 +152,7 @@ class ExecutorRanks:
     not load or split, too few GPUs) are not started again: `failed` says why."""
 
     def __init__(self, spec: RankSpec) -> None:
+        check_split(spec.engine)
         self.spec = spec
         self.generation = 0  # how many times the ranks were started
         self.failed: str | None = None
