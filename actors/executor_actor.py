@@ -143,6 +143,7 @@ class ExecutorActor(Actor):
         """Launch each plan as it comes; the launches of the last two steps feed the next."""
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)
+        self._on_device()
         recent: dict[int, Launched] = {}
         while True:
             item = self._plans.get()
@@ -177,6 +178,7 @@ class ExecutorActor(Actor):
 
     def _report(self) -> None:
         """Send each step's tokens once the device has them."""
+        self._on_device()
         while True:
             item = self._launched.get()
             if item is _STOP:
@@ -192,6 +194,12 @@ class ExecutorActor(Actor):
             device = self.runner.device_time()  # the events it reads are on this step's stream
             busy_idle = [device.busy_s, device.idle_s]
             self._send(StepResult(step, tokens, error, swaps, device=busy_idle).encode(), step)
+
+    def _on_device(self) -> None:
+        # a thread starts on GPU 0: a rank of another GPU would put its streams, events and
+        # graphs there
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)
 
     def _send(self, body: bytes, step: int = 0) -> None:
         assert self._loop is not None

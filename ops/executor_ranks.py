@@ -90,6 +90,8 @@ def rank_main(rank: int, spec: RankSpec, rendezvous: str, ready: Any) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
                             rank=rank, world_size=spec.world_size)  # fmt: skip
     try:
+        # the communicators now, not inside the first CUDA graph capture
+        dist.all_reduce(torch.zeros(1, device=device))
         control = dist.new_group(backend="gloo") if cuda else None
         shard = TensorShard(rank, spec.world_size)
         runner = rank_runner(spec.engine, shard, device, lambda c: _agree(c, control))
