@@ -38,12 +38,10 @@ from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.models import load_model
 from pensieve.models.shard_loader import load_shard
 from pensieve.models.tensor_parallel import TensorShard
+from pensieve.ops.executor_ranks import NCCL_ENV  # NVLink multicast stays off
+from pensieve.ops.factory import DTYPES
 
 GB = 1e9
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# the GPU machines keep NVLink multicast off: a program using it can take the host's GPUs down
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from pensieve.actors.request import PLACEHOLDER, SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.models import PRESETS, CausalLM, ModelConfig, build_model, init_random_
 from pensieve.models.tensor_parallel import TensorShard, shard_model
+from pensieve.ops.executor_ranks import NCCL_ENV
 
 # every layer kind: GQA, biases on every linear layer with an odd vocabulary (padded shards),
 # per-head QK-norm with a tied head, and OPT
@@ -107,7 +108,7 @@ def rank_main(rank: int, world_size: int, backend: str, store: str, out: str) ->
 
 def run_ranks(world_size: int, backend: str, tmp: Path) -> dict[str, list[dict[str, Any]]]:
     """Every case's results on each of `world_size` ranks: {case: [rank 0's, rank 1's, ...]}."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # the GPU machines keep NVLink multicast off
+    os.environ.update(NCCL_ENV)  # the GPU machines keep NVLink multicast off
     mp.spawn(rank_main, (world_size, backend, str(tmp / "store"), str(tmp)), nprocs=world_size)
     return {
         case: [torch.load(tmp / f"{case}.rank{r}.pt") for r in range(world_size)] for case in CASES
