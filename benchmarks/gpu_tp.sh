@@ -9,16 +9,17 @@
 #   replay  the 48-conversation closed loop on 1 rank and on 2 (benchmarks/bench_tp_replay.py;
 #           needs .bench from prepare_bench_assets.py)
 #
-#   SECTIONS="tests decode replay" bash benchmarks/gpu_tp.sh [OUT_DIR]
+#   bash benchmarks/gpu_tp.sh [OUT_DIR]                      (tests and decode: ~6 minutes)
+#   SECTIONS=replay bash benchmarks/gpu_tp.sh [OUT_DIR]       (~4 minutes)
 #
 # carry: .whl and .bench (benchmarks/prepare_bench_assets.py; without .whl, what the image has
-# is used). Each section is bounded in time (about 9 minutes in all); the tables come last.
+# is used). Each section is bounded in time; the tables come last.
 # NVLink multicast stays off, as the GPU machines require.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-/tmp/gpu_tp}}
 mkdir -p "$out"
-read -ra sections <<< "${SECTIONS:-tests decode replay}"
+read -ra sections <<< "${SECTIONS:-tests decode}"
 [ -d .whl ] || export WHEELS_DIR=none
 # shellcheck source=benchmarks/gpu_env.sh
 source benchmarks/gpu_env.sh
@@ -29,14 +30,14 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 for section in "${sections[@]}"; do
     case $section in
         tests)
-            timeout 170 python3 -m pytest -q -p no:cacheprovider -rs -x \
+            timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -x \
                 tests/models/test_tensor_parallel.py tests/actors/test_executor_ranks.py \
                 2>&1 | tee "$out/tests.txt" | tail -30 ;;
         decode)
-            timeout 180 python3 -m benchmarks.bench_tp --json "$out/bench_tp.json" \
+            timeout 200 python3 -m benchmarks.bench_tp --json "$out/bench_tp.json" \
                 > "$out/decode.txt" 2>&1 || tail -30 "$out/decode.txt" ;;
         replay)
-            timeout 220 python3 -m benchmarks.bench_tp_replay --json "$out/bench_tp_replay.json" \
+            timeout 240 python3 -m benchmarks.bench_tp_replay --json "$out/bench_tp_replay.json" \
                 > "$out/replay.txt" 2>&1 || tail -30 "$out/replay.txt" ;;
     esac
 done

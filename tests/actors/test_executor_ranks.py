@@ -86,6 +86,32 @@ def test_two_executor_ranks_give_the_stateless_tokens_on_every_cache_path(tmp_pa
     assert outputs == reference(OPTIONS)
 
 
+def suspend(engine: Engine) -> tuple[list[list[int]], int]:
+    """Two requests that fit when admitted but not once grown: the later one is suspended
+    (swapped out to the CPU tier and requeued), then runs to its end."""
+    sampling = SamplingParams(max_tokens=96, ignore_eos=True)
+    prompts = [[(11 * i + k) % 400 + 5 for k in range(60)] for i in range(2)]
+    requests = [engine.add_request(f"s{i}", p, sampling) for i, p in enumerate(prompts)]
+    while engine.has_work():
+        engine.step()
+    return [list(r.output_ids) for r in requests], engine.scheduler.num_suspensions
+
+
+TIGHT = dataclasses.replace(OPTIONS, gpu_cache_tokens=224, cpu_cache_tokens=1024,
+                            admission_reserve=0.0)  # fmt: skip
+
+
+def test_a_request_suspended_on_two_ranks_keeps_its_tokens(tmp_path: Path) -> None:
+    async def run() -> tuple[list[list[int]], int]:
+        async with ranks_engine(TIGHT, tmp_path) as (engine, _):
+            return await asyncio.to_thread(suspend, engine)
+
+    outputs, suspensions = asyncio.run(run())
+    assert suspensions > 0
+    roomy = dataclasses.replace(TIGHT, tensor_parallel=1, gpu_cache_tokens=4096)
+    assert outputs == suspend(build(roomy).engine)[0]
+
+
 def test_a_dead_rank_is_a_dead_executor(tmp_path: Path) -> None:
     """Killing one rank fails the step in flight (no wait for ever); all ranks start again
     holding no KV, and once the engine has forgotten its KV the turns give the same tokens."""
@@ -108,15 +134,23 @@ def test_a_dead_rank_is_a_dead_executor(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_gpu_two_executor_ranks_give_the_stateless_tokens_on_every_cache_path(
+def test_gpu_two_executor_ranks_give_the_one_rank_tokens_on_every_cache_path(
     tmp_path: Path,
 ) -> None:
     options = dataclasses.replace(OPTIONS, device="cuda", cpu_threads=None)
+    tight = dataclasses.replace(TIGHT, device="cuda", cpu_threads=None)
+    for folder in ("paths", "suspension"):
+        (tmp_path / folder).mkdir()
 
-    async def run() -> tuple[list[list[int]], dict[str, int]]:
-        async with ranks_engine(options, tmp_path) as (engine, _):
-            return await asyncio.to_thread(converse, engine)
+    async def run() -> tuple[list[list[int]], dict[str, int], tuple[list[list[int]], int]]:
+        async with ranks_engine(options, tmp_path / "paths") as (engine, _):
+            outputs, sources = await asyncio.to_thread(converse, engine)
+        async with ranks_engine(tight, tmp_path / "suspension") as (engine, _):
+            return outputs, sources, await asyncio.to_thread(suspend, engine)
 
-    outputs, sources = asyncio.run(run())
+    outputs, sources, (suspended, suspensions) = asyncio.run(run())
     assert sources["gpu"] and sources["cpu"] and sources["recomputed"], sources
     assert outputs == reference(options)
+    assert suspensions > 0
+    roomy = dataclasses.replace(tight, tensor_parallel=1, gpu_cache_tokens=4096)
+    assert suspended == suspend(build(roomy).engine)[0]
