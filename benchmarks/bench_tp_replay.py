@@ -1,12 +1,15 @@
 """Tensor parallelism, end to end: the steady 48-conversation closed loop of bench_gpu's replay48
-on 1 rank and on N, side by side, output tokens per second in a window after a warm-up.
+on 1 rank and on N (and under several cache policies), side by side, output tokens per second
+in a window after a warm-up.
 
-Each configuration is an engine stepping `pensieve`'s executor ranks over the per-step channel
+Each configuration is an engine stepping its executor ranks over the per-step channel
 (ops/ranks_engine.py: a nats-server on loopback, one process per rank), so 1 and N ranks differ
 in the split alone; the same ShareGPT pool, the same GPU and CPU tiers in tokens, EOS ignored,
 output lengths from the recorded replies.
 
     python3 -m benchmarks.bench_tp_replay [--ranks 1 2] [--json OUT]     (GPUs; .bench assets)
+    python3 -m benchmarks.bench_tp_replay --model preset:llama2-70b --ranks 2 \
+        --policies pensieve stateless --gpu-tokens 0                     (the paper's model)
     python3 -m benchmarks.bench_tp_replay --smoke                         (CPU, gloo, tiny-llama)
 """
 
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_workload import ConvSpec, build_workload, steady_closed_loop
+from pensieve.actors.config import Policy
 from pensieve.models.loader import load_model
 from pensieve.ops.factory import DTYPES, EngineOptions
 from pensieve.ops.ranks_engine import ranks_engine
@@ -36,7 +40,7 @@ class Settings:
     device: str = "cuda"
     dtype: str = "bfloat16"
     assets: Path = REPO / ".bench"
-    gpu_tokens: int = 196608  # the KV budget of bench_gpu's runs: 40 GB on one 80 GB GPU
+    gpu_tokens: int | None = 196608  # bench_gpu's: 40 GB on one 80 GB GPU; None: most free
     cpu_tokens: int = 65536
     pool: int = 300
     concurrency: int = 48
@@ -70,11 +74,11 @@ def workload(s: Settings) -> list[ConvSpec]:
     return specs[: s.pool]
 
 
-def closed_loop(s: Settings, ranks: int, specs: list[ConvSpec]) -> dict[str, Any]:
+def closed_loop(s: Settings, ranks: int, policy: Policy, specs: list[ConvSpec]) -> dict[str, Any]:
     tokenizer = s.assets / "tokenizer"
     options = EngineOptions(
         s.model, s.device, s.dtype, tokenizer=str(tokenizer) if tokenizer.is_dir() else None,
-        gpu_cache_tokens=s.gpu_tokens, cpu_cache_tokens=s.cpu_tokens,
+        policy=policy, gpu_cache_tokens=s.gpu_tokens, cpu_cache_tokens=s.cpu_tokens,
         cpu_threads=1 if s.device == "cpu" else None, tensor_parallel=ranks,
     )  # fmt: skip
     begin = time.perf_counter()
@@ -82,32 +86,42 @@ def closed_loop(s: Settings, ranks: int, specs: list[ConvSpec]) -> dict[str, Any
         started = time.perf_counter() - begin
         result = steady_closed_loop(built.engine, specs, s.concurrency, s.warmup_s, s.window_s)
     window = result.window.summary()
-    print(f"[bench_tp_replay] {ranks} rank(s): {window['tok_per_s']:.0f} tok/s "
+    print(f"[bench_tp_replay] {ranks} rank(s), {policy.value}: {window['tok_per_s']:.0f} tok/s "
           f"(ranks started in {started:.0f} s)", flush=True)  # fmt: skip
-    return {"ranks": ranks, "start_s": started, "window": window,
+    return {"ranks": ranks, "policy": policy.value, "start_s": started, "window": window,
             "turns_finished": len(result.records)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--policies", nargs="+", default=["pensieve"],
+                        choices=[p.value for p in Policy])  # fmt: skip
+    parser.add_argument("--model", default=Settings.model)
+    parser.add_argument("--gpu-tokens", type=int, default=Settings.gpu_tokens,
+                        help="GPU tier per engine; 0: most of the free memory")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny-llama, toy sizes")
     args = parser.parse_args(argv)
-    s = SMOKE if args.smoke else Settings()
+    s = SMOKE if args.smoke else Settings(model=args.model, gpu_tokens=args.gpu_tokens or None)
     specs = workload(s)
     print(f"[bench_tp_replay] {s.model}: {len(specs)} conversations, {s.concurrency} at once",
           flush=True)  # fmt: skip
-    results = [closed_loop(s, ranks, specs) for ranks in args.ranks]
+    results = [
+        closed_loop(s, ranks, Policy(policy), specs)
+        for ranks in args.ranks
+        for policy in args.policies
+    ]
     if args.json is not None:
         args.json.write_text(json.dumps({"settings": asdict(s), "results": results}, indent=1,
                                         default=str))  # fmt: skip
     base = results[0]["window"]["tok_per_s"]
     print(f"\nclosed loop, {s.concurrency} conversations, {s.model} {s.dtype}")
-    print(f"{'ranks':>5} {'tok/s':>9} {'x first':>8} {'turns':>6}")
+    print(f"{'ranks':>5} {'policy':>9} {'tok/s':>9} {'x first':>8} {'turns':>6}")
     for r in results:
         rate = r["window"]["tok_per_s"]
-        print(f"{r['ranks']:>5} {rate:9.1f} {rate / base:8.3f} {r['turns_finished']:>6}")
+        print(f"{r['ranks']:>5} {r['policy']:>9} {rate:9.1f} {rate / base:8.3f} "
+              f"{r['turns_finished']:>6}")  # fmt: skip
     return 0
 
 
