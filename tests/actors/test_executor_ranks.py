@@ -16,12 +16,14 @@ import pytest
 import torch
 
 from pensieve.actors.bus import Bus
-from pensieve.actors.config import Policy
+from pensieve.actors.config import Policy, SchedulerConfig
 from pensieve.actors.engine import Engine
+from pensieve.actors.executor import ModelRunner, StepRunner
 from pensieve.actors.request import SamplingParams
 from pensieve.actors.step_channel import ExecutorLost, connect_executor
+from pensieve.models.loader import load_model
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
-from pensieve.ops.factory import EngineOptions, build
+from pensieve.ops.factory import DTYPES, EngineOptions, cache_config
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.store import ConversationStore
 
@@ -49,22 +51,39 @@ def converse(engine: Engine) -> tuple[list[list[int]], dict[str, int]]:
     return sorted(outputs), dataclasses.asdict(engine.totals.sources)
 
 
+def engine(options: EngineOptions, runner: StepRunner) -> Engine:
+    """An engine with `options`' tiers around `runner` (no tokenizer: the tests speak tokens,
+    and a GPU machine has no SmolLM2 to borrow one from)."""
+    dtype = DTYPES[options.dtype]
+    config = load_model(options.model, "meta", dtype).config
+    cache = cache_config(options, config, torch.device("cpu"), dtype)
+    scheduling = SchedulerConfig(options.max_batch_tokens, options.max_num_seqs,
+                                 config.max_context_len)  # fmt: skip
+    cost = lambda context: 1.0 + context / 512  # noqa: E731
+    return Engine(runner, cache, scheduling, cost, frozenset(), overlap=options.overlap)
+
+
+def one_rank(options: EngineOptions) -> Engine:
+    device = torch.device(options.device)
+    loaded = load_model(options.model, device, DTYPES[options.dtype], seed=options.seed)
+    cache = cache_config(options, loaded.config, device, DTYPES[options.dtype])
+    return engine(options, ModelRunner(loaded.model, cache, device, DTYPES[options.dtype]))
+
+
 @contextlib.asynccontextmanager
 async def ranks_engine(options: EngineOptions, data_dir: Path) -> AsyncIterator[
     tuple[Engine, ExecutorRanks]
 ]:  # fmt: skip
-    """An engine (on the CPU, no model of its own) whose executor is `options.tensor_parallel`
-    rank processes, met over a real nats-server."""
-    scheduler = build(dataclasses.replace(options, device="cpu", tensor_parallel=1))
+    """An engine whose executor is `options.tensor_parallel` rank processes, met over a real
+    nats-server."""
     with EmbeddedNats() as nats, ExecutorRanks(RankSpec(options, nats.url, data_dir)) as ranks:
         assert await asyncio.to_thread(ranks.wait_ready, 300), ranks.failed
         with ConversationStore(data_dir) as store:
             engine_id = store.engine_id()
         bus = await Bus.connect(nats.url)
         runner = await connect_executor(bus, engine_id, timeout_s=30)
-        scheduler.engine.runner = runner
         try:
-            yield scheduler.engine, ranks
+            yield engine(options, runner), ranks
         finally:
             await runner.close()
             await bus.close()
@@ -73,7 +92,7 @@ async def ranks_engine(options: EngineOptions, data_dir: Path) -> AsyncIterator[
 def reference(options: EngineOptions) -> list[list[int]]:
     """The tokens of one rank that re-prefills every turn."""
     one = dataclasses.replace(options, tensor_parallel=1, policy=Policy.STATELESS)
-    return converse(build(one).engine)[0]
+    return converse(one_rank(one))[0]
 
 
 def test_two_executor_ranks_give_the_stateless_tokens_on_every_cache_path(tmp_path: Path) -> None:
@@ -109,7 +128,7 @@ def test_a_request_suspended_on_two_ranks_keeps_its_tokens(tmp_path: Path) -> No
     outputs, suspensions = asyncio.run(run())
     assert suspensions > 0
     roomy = dataclasses.replace(TIGHT, tensor_parallel=1, gpu_cache_tokens=4096)
-    assert outputs == suspend(build(roomy).engine)[0]
+    assert outputs == suspend(one_rank(roomy))[0]
 
 
 def test_a_dead_rank_is_a_dead_executor(tmp_path: Path) -> None:
@@ -153,4 +172,4 @@ def test_gpu_two_executor_ranks_give_the_one_rank_tokens_on_every_cache_path(
     assert outputs == reference(options)
     assert suspensions > 0
     roomy = dataclasses.replace(tight, tensor_parallel=1, gpu_cache_tokens=4096)
-    assert suspended == suspend(build(roomy).engine)[0]
+    assert suspended == suspend(one_rank(roomy))[0]
