@@ -264,8 +264,9 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
                 ranks = stack.enter_context(ExecutorRanks(spec))
                 wait_ranks(ranks)
                 loaded, chat = load_config_only(engine_options)
-                asyncio.run(_serve_ranks(engine_options, loaded, chat, store, url, options,
-                                         started, connect))  # fmt: skip
+                with frozen_heap():
+                    asyncio.run(_serve_ranks(engine_options, loaded, chat, store, url, options,
+                                             started, connect))  # fmt: skip
                 return 0
             built = build(engine_options)
             with frozen_heap():
