@@ -10,6 +10,7 @@ one runs, its decodes fed the tokens this one samples straight from the device (
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -160,7 +161,7 @@ class ModelRunner:
             self.gpu_caches, self.cpu_caches, out_dma=swap_out_dma, batched=swap_batched
         )
         self.scale = self.config.attn_scale
-        self.tracer = StepTracer(self.swap.block_bytes)  # fed only while tracing is on
+        self.tracer = StepTracer(self.block_bytes)  # fed only while tracing is on
         if device.type == "cuda" and impl is not AttentionImpl.TORCH:
             # every attention variant a step can launch, compiled now rather than mid-serving
             from pensieve.kernels.triton_attention import compile_variants
@@ -184,14 +185,31 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        return self.swap.block_bytes
+        """Bytes of one block: of every rank's share, under tensor parallelism."""
+        return self.swap.block_bytes * self._num_ranks
 
     def settle(self) -> None:
         self.swap.settle()
         self.tracer.reset()
 
     def swap_stats(self, wait: bool = True) -> SwapStats:
-        return self.swap.collect_stats(wait=wait)
+        return self._every_rank(self.swap.collect_stats(wait=wait))
+
+    def swap_totals(self) -> SwapStats:
+        """The swap totals as last collected (`swap_stats`), without collecting."""
+        return self._every_rank(self.swap.stats)
+
+    @property
+    def _num_ranks(self) -> int:
+        return 1 if self.shard is None else self.shard.world_size
+
+    def _every_rank(self, stats: SwapStats) -> SwapStats:
+        # every rank moves its share of the same blocks at the same time: bytes add up, the
+        # seconds do not
+        n = self._num_ranks
+        return dataclasses.replace(
+            stats, bytes_in=stats.bytes_in * n, bytes_out=stats.bytes_out * n
+        )
 
     def device_time(self) -> DeviceTime:
         return self.clock.read() if self.clock is not None else DeviceTime()

@@ -190,7 +190,7 @@ class ExecutorActor(Actor):
                     tokens = launched.result()
                 except Exception as failure:
                     error = f"{type(failure).__name__}: {failure}"
-            swaps = swap_fields(self.runner.swap.stats)
+            swaps = swap_fields(self.runner.swap_totals())
             device = self.runner.device_time()  # the events it reads are on this step's stream
             busy_idle = [device.busy_s, device.idle_s]
             self._send(StepResult(step, tokens, error, swaps, device=busy_idle).encode(), step)

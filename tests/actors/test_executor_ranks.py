@@ -21,6 +21,7 @@ from pensieve.actors.engine import Engine
 from pensieve.actors.executor import ModelRunner, StepRunner
 from pensieve.actors.request import SamplingParams
 from pensieve.actors.step_channel import ExecutorLost, connect_executor
+from pensieve.actors.swap import SwapStats
 from pensieve.models.loader import load_model
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import DTYPES, EngineOptions, cache_config
@@ -96,13 +97,18 @@ def reference(options: EngineOptions) -> list[list[int]]:
 
 
 def test_two_executor_ranks_give_the_stateless_tokens_on_every_cache_path(tmp_path: Path) -> None:
-    async def run() -> tuple[list[list[int]], dict[str, int]]:
+    async def run() -> tuple[list[list[int]], dict[str, int], SwapStats]:
         async with ranks_engine(OPTIONS, tmp_path) as (engine, _):
-            return await asyncio.to_thread(converse, engine)
+            outputs, sources = await asyncio.to_thread(converse, engine)
+            return outputs, sources, engine.swap_stats()
 
-    outputs, sources = asyncio.run(run())
+    outputs, sources, swaps = asyncio.run(run())
     assert sources["gpu"] and sources["cpu"] and sources["recomputed"], sources
     assert outputs == reference(OPTIONS)
+    # the bytes of both ranks' shares: whole blocks of K and V, every layer
+    config = load_model(OPTIONS.model, "meta", torch.float32).config
+    block = OPTIONS.block_size * config.kv_bytes_per_token(torch.float32)
+    assert swaps.blocks_in and swaps.bytes_in == swaps.blocks_in * block
 
 
 def suspend(engine: Engine) -> tuple[list[list[int]], int]:
