@@ -18,6 +18,8 @@ forgets the KV and recomputes from the stored tokens, as for any restarted execu
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import dataclasses
 import logging
 import os
@@ -49,6 +51,7 @@ logger = logging.getLogger("pensieve")
 # service); set in every rank before its first communicator
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+_PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 10.0  # a rank stopped while its peers are gone may wait in a collective forever
 
 
@@ -82,6 +85,7 @@ def rank_main(rank: int, spec: RankSpec, rendezvous: str, ready: Any) -> None:
     started the ranks stops them; a Ctrl-C meant for it must not end a rank first, which would
     look like a rank that died)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
     os.environ.update(NCCL_ENV)
     cuda = spec.engine.device == "cuda"
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
@@ -99,6 +103,19 @@ def rank_main(rank: int, spec: RankSpec, rendezvous: str, ready: Any) -> None:
             asyncio.run(_serve_rank(spec, shard, runner, control, ready))
     finally:
         dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """On Linux, the kernel kills this rank when the process that started it dies (a supervisor
+    killed by a timeout or the OOM killer), rather than leave it holding its GPU, waiting in a
+    collective for peers that are gone."""
+    parent = mp.parent_process()
+    if not sys.platform.startswith("linux") or parent is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent.pid:  # it died before the call took effect
+        os._exit(1)
 
 
 def _agree(cache: CacheConfig, group: Any) -> CacheConfig:
