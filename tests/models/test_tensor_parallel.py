@@ -110,3 +110,36 @@ def test_a_preset_loaded_by_rank_has_the_weights_of_the_whole_one_split(name: st
         assert params.keys() == split.keys()
         for key, param in params.items():
             assert torch.equal(param, split[key]), key
+
+
+def _checkpoint(kind: str, folder: Path) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
+
+    common = dict(vocab_size=301, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=128)  # fmt: skip
+    if kind == "llama":  # GQA, a bias on every linear layer, an odd vocabulary, its own head
+        config: Any = LlamaConfig(**common, intermediate_size=112, num_key_value_heads=2,
+                                  attention_bias=True, mlp_bias=True)  # fmt: skip
+    else:
+        config = OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for param in model.parameters():  # biases too (transformers zeroes them)
+            param.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(param.numel()))
+    model.save_pretrained(folder / kind)
+    return folder / kind
+
+
+@pytest.mark.parametrize("kind", ["llama", "opt"])
+def test_a_checkpoint_read_by_rank_gives_the_whole_one_split(kind: str, tmp_path: Path) -> None:
+    """Each rank reads its rows or columns of each checkpoint tensor: the weights of the whole
+    model loaded, then split."""
+    folder = _checkpoint(kind, tmp_path)
+    for rank in range(2):
+        shard = TensorShard(rank, 2)
+        direct = dict(load_shard(str(folder), "cpu", torch.float32, shard).model.named_parameters())
+        whole = load_model(str(folder), "cpu", torch.float32).model
+        split = dict(shard_model(whole, shard).named_parameters())
+        assert direct.keys() == split.keys()
+        for key, param in direct.items():
+            assert torch.equal(param, split[key]), key
