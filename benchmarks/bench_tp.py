@@ -62,6 +62,8 @@ class Timing:
     graph_s: float | None  # None: no CUDA graph here (CPU), or its capture failed
     read_bound_s: float  # the rank's weights and KV read once at the copy rate
     copy_gb_s: float
+    # one all-reduce of a decode batch's hidden states [batch, hidden]; a step makes two a layer
+    allreduce_us: float | None = None
     error: str | None = None
 
 
@@ -124,7 +126,12 @@ def time_rank(s: Settings, shard: TensorShard | None, device: torch.device) -> T
             graph_s = median_time(step, s.repeats, cuda)
         except Exception as failure:  # every rank fails alike: the capture is the same
             error = f"CUDA graph: {type(failure).__name__}: {failure}"
-    return Timing(ranks, eager, graph_s, (weights + kv) / rate, rate / GB, error)
+    reduce_s = None
+    if shard is not None:
+        hidden = torch.zeros((s.batch, model.config.hidden_size), dtype=dtype, device=device)
+        reduce_s = median_time(lambda: dist.all_reduce(hidden), s.repeats, cuda)
+    return Timing(ranks, eager, graph_s, (weights + kv) / rate, rate / GB,
+                  None if reduce_s is None else reduce_s * 1e6, error)  # fmt: skip
 
 
 def rank_main(rank: int, world_size: int, s: Settings, store: str, out: str) -> None:
@@ -201,13 +208,14 @@ def print_table(s: Settings, timings: list[Timing]) -> None:
     graphed = all(t.graph_s is not None for t in timings)  # compare like with like
     print(f"\ndecode step, {s.model} {s.dtype}, batch {s.batch} at context {s.context}")
     print(f"{'ranks':>5} {'eager ms':>9} {'graph ms':>9} {'x first':>8} {'read-bound ms':>14}"
-          f" {'copy GB/s':>10}")  # fmt: skip
+          f" {'copy GB/s':>10} {'allreduce us':>13}")  # fmt: skip
     for t in timings:
         step, first = (t.graph_s, base.graph_s) if graphed else (t.eager_s, base.eager_s)
         assert step is not None and first is not None
         graph = f"{t.graph_s * 1e3:9.2f}" if t.graph_s is not None else f"{'-':>9}"
+        reduce = f"{t.allreduce_us:13.1f}" if t.allreduce_us is not None else f"{'-':>13}"
         print(f"{t.ranks:>5} {t.eager_s * 1e3:9.2f} {graph} {step / first:8.3f} "
-              f"{t.read_bound_s * 1e3:14.2f} {t.copy_gb_s:10.0f}"
+              f"{t.read_bound_s * 1e3:14.2f} {t.copy_gb_s:10.0f} {reduce}"
               + (f"  ({t.error})" if t.error else ""))  # fmt: skip
 
 
