@@ -37,8 +37,7 @@ from pensieve.actors.request import SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.models import load_model
 from pensieve.models.shard_loader import load_shard
-from pensieve.models.tensor_parallel import TensorShard
-from pensieve.ops.executor_ranks import NCCL_ENV  # NVLink multicast stays off
+from pensieve.models.tensor_parallel import NCCL_ENV, TensorShard  # NVLink multicast stays off
 from pensieve.ops.factory import DTYPES
 
 GB = 1e9

@@ -33,6 +33,11 @@ from pensieve.models.llama import LlamaLayer
 from pensieve.models.loader import CausalLM
 from pensieve.models.opt import OPTLayer
 
+# set in every process of a group before its first communicator: NVLink multicast stays off (on
+# shared GPU hosts a program using it can take the host's GPUs out of service)
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class TensorShard:

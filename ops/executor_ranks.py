@@ -40,17 +40,13 @@ from pensieve.actors.bus import Bus
 from pensieve.actors.config import CacheConfig
 from pensieve.actors.executor_actor import ExecutorActor
 from pensieve.models.loader import load_model
-from pensieve.models.tensor_parallel import TensorShard, split_config
+from pensieve.models.tensor_parallel import NCCL_ENV, TensorShard, split_config
 from pensieve.ops.factory import DTYPES, EngineOptions, cpu_threads, frozen_heap, rank_runner
 from pensieve.ops.nats_auth import NatsAuth
 from pensieve.store import ConversationStore
 
 logger = logging.getLogger("pensieve")
 
-# the GPU machines keep NVLink multicast off (a program using it can take a host's GPUs out of
-# service); set in every rank before its first communicator
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
 _PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 10.0  # a rank stopped while its peers are gone may wait in a collective forever
 

@@ -22,8 +22,7 @@ from pensieve.actors.executor import Launched, ModelRunner
 from pensieve.actors.request import PLACEHOLDER, SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.models import PRESETS, CausalLM, ModelConfig, build_model, init_random_
-from pensieve.models.tensor_parallel import TensorShard, shard_model
-from pensieve.ops.executor_ranks import NCCL_ENV
+from pensieve.models.tensor_parallel import NCCL_ENV, TensorShard, shard_model
 
 # every layer kind: GQA, biases on every linear layer with an odd vocabulary (padded shards),
 # per-head QK-norm with a tied head, and OPT
