@@ -126,8 +126,8 @@ def _executor_ranks(engine: EngineOptions, options: ServeOptions) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    with ExecutorRanks(RankSpec(engine, options.nats_url, options.data_dir,
-                                options.nats_auth)) as ranks:  # fmt: skip
+    spec = RankSpec(engine, options.nats_url, options.data_dir, options.nats_auth, options.trace)
+    with ExecutorRanks(spec) as ranks:
         while ranks.running and not stop.wait(0.5):
             pass
         if ranks.failed is not None:

@@ -43,6 +43,7 @@ from pensieve.models.loader import load_model
 from pensieve.models.tensor_parallel import NCCL_ENV, TensorShard, split_config
 from pensieve.ops.factory import DTYPES, EngineOptions, cpu_threads, frozen_heap, rank_runner
 from pensieve.ops.nats_auth import NatsAuth
+from pensieve.ops.telemetry import setup_tracing
 from pensieve.store import ConversationStore
 
 logger = logging.getLogger("pensieve")
@@ -59,6 +60,7 @@ class RankSpec:
     nats_url: str
     data_dir: Path  # the store that names the engine; rank 0 keeps the spill index in it
     nats_auth: NatsAuth | None = None
+    trace: str = "none"  # where rank 0's spans go (ops/telemetry.py); it traces for all
 
     @property
     def world_size(self) -> int:
@@ -89,6 +91,7 @@ def rank_main(rank: int, spec: RankSpec, rendezvous: str, ready: Any) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
                             rank=rank, world_size=spec.world_size)  # fmt: skip
+    tracing = setup_tracing(spec.trace) if rank == 0 else None
     try:
         # the communicators now, not inside the first CUDA graph capture
         dist.all_reduce(torch.zeros(1, device=device))
@@ -98,6 +101,8 @@ def rank_main(rank: int, spec: RankSpec, rendezvous: str, ready: Any) -> None:
         with frozen_heap():
             asyncio.run(_serve_rank(spec, shard, runner, control, ready))
     finally:
+        if tracing is not None:
+            tracing.shutdown()  # flush the spans still batched
         dist.destroy_process_group()
 
 

@@ -260,7 +260,7 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
                             time.monotonic() - begin)  # fmt: skip
             connect = auth.connect_options() if auth is not None else None
             if engine_options.tensor_parallel > 1:  # the model runs in the ranks' processes
-                spec = RankSpec(engine_options, url, options.data_dir, auth)
+                spec = RankSpec(engine_options, url, options.data_dir, auth, options.trace)
                 ranks = stack.enter_context(ExecutorRanks(spec))
                 wait_ranks(ranks)
                 loaded, chat = load_config_only(engine_options)
