@@ -8,9 +8,12 @@
 #           rank and on 2, side by side (benchmarks/bench_tp.py)
 #   replay  the 48-conversation closed loop on 1 rank and on 2 (benchmarks/bench_tp_replay.py;
 #           needs .bench from prepare_bench_assets.py)
+#   paper   preset:llama2-70b (bf16) on 2 ranks, the same closed loop under the pensieve and
+#           stateless policies (two H200s hold it with room for KV; two H100s leave ~9 GB each)
 #
 #   bash benchmarks/gpu_tp.sh [OUT_DIR]                      (tests and decode: ~6 minutes)
 #   SECTIONS=replay bash benchmarks/gpu_tp.sh [OUT_DIR]       (~4 minutes)
+#   SECTIONS=paper bash benchmarks/gpu_tp.sh [OUT_DIR]        (~6 minutes)
 #
 # carry: .whl and .bench (benchmarks/prepare_bench_assets.py; without .whl, what the image has
 # is used). Each section is bounded in time; the tables come last.
@@ -30,7 +33,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 for section in "${sections[@]}"; do
     case $section in
         tests)
-            timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -x \
+            timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -m gpu \
                 tests/models/test_tensor_parallel.py tests/actors/test_executor_ranks.py \
                 2>&1 | tee "$out/tests.txt" | tail -30 ;;
         decode)
@@ -39,8 +42,12 @@ for section in "${sections[@]}"; do
         replay)
             timeout 240 python3 -m benchmarks.bench_tp_replay --json "$out/bench_tp_replay.json" \
                 > "$out/replay.txt" 2>&1 || tail -30 "$out/replay.txt" ;;
+        paper)
+            timeout 540 python3 -m benchmarks.bench_tp_replay --model preset:llama2-70b --ranks 2 \
+                --policies pensieve stateless --gpu-tokens 0 --json "$out/bench_tp70b.json" \
+                > "$out/paper.txt" 2>&1 || tail -30 "$out/paper.txt" ;;
     esac
 done
 echo
 grep -h "passed\|failed\|error" "$out/tests.txt" 2>/dev/null | tail -1
-for f in decode replay; do [ -f "$out/$f.txt" ] && tail -5 "$out/$f.txt"; done
+for f in decode replay paper; do [ -f "$out/$f.txt" ] && tail -5 "$out/$f.txt"; done
