@@ -10,6 +10,7 @@ one runs, its decodes fed the tokens this one samples straight from the device (
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -29,6 +30,7 @@ from pensieve.kernels import AttentionImpl, AttentionMetadata, build_metadata
 from pensieve.kernels.metadata import upload
 from pensieve.models.attention import PagedAttention, allocate_kv_caches
 from pensieve.models.loader import CausalLM
+from pensieve.models.tensor_parallel import TensorShard, broadcast_from_first
 
 
 @dataclass
@@ -145,8 +147,10 @@ class ModelRunner:
         cuda_graphs: bool = True,
         swap_out_dma: bool = True,
         swap_batched: bool = True,
+        shard: TensorShard | None = None,
     ) -> None:
         self.model = model
+        self.shard = shard  # this rank's part of a model split over ranks (None: all of it)
         self.config = model.config
         self.cache = cache
         self.device = device
@@ -166,14 +170,14 @@ class ModelRunner:
             self.gpu_caches, self.cpu_caches, out_dma=swap_out_dma, batched=swap_batched
         )
         self.scale = self.config.attn_scale
-        self.tracer = StepTracer(self.swap.block_bytes)  # fed only while tracing is on
+        self.tracer = StepTracer(self.block_bytes)  # fed only while tracing is on
         if device.type == "cuda" and impl is not AttentionImpl.TORCH:
             # every attention variant a step can launch, compiled now rather than mid-serving
             from pensieve.kernels.triton_attention import compile_variants
 
             c = self.config
-            compile_variants(c.num_heads, c.num_kv_heads, c.head_dim, cache.block_size,
-                             c.max_context_len, dtype, device)  # fmt: skip
+            compile_variants(c.num_heads_per_rank, c.num_kv_heads_per_rank, c.head_dim,
+                             cache.block_size, c.max_context_len, dtype, device)  # fmt: skip
         self.graphs = (
             DecodeGraphs(
                 model,
@@ -190,14 +194,31 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        return self.swap.block_bytes
+        """Bytes of one block: of every rank's share, under tensor parallelism."""
+        return self.swap.block_bytes * self._num_ranks
 
     def settle(self) -> None:
         self.swap.settle()
         self.tracer.reset()
 
     def swap_stats(self, wait: bool = True) -> SwapStats:
-        return self.swap.collect_stats(wait=wait)
+        return self._every_rank(self.swap.collect_stats(wait=wait))
+
+    def swap_totals(self) -> SwapStats:
+        """The swap totals as last collected (`swap_stats`), without collecting."""
+        return self._every_rank(self.swap.stats)
+
+    @property
+    def _num_ranks(self) -> int:
+        return 1 if self.shard is None else self.shard.world_size
+
+    def _every_rank(self, stats: SwapStats) -> SwapStats:
+        # every rank moves its share of the same blocks at the same time: bytes add up, the
+        # seconds do not
+        n = self._num_ranks
+        return dataclasses.replace(
+            stats, bytes_in=stats.bytes_in * n, bytes_out=stats.bytes_out * n
+        )
 
     def device_time(self) -> DeviceTime:
         return self.clock.read() if self.clock is not None else DeviceTime()
@@ -257,6 +278,10 @@ class ModelRunner:
         sampling = [p for p in ordered.pieces if p.sampling is not None]
         params = [p.sampling for p in sampling]
         tokens = sample_async(logits, params, [p.sample_index for p in sampling])  # type: ignore[arg-type]
+        if self.shard is not None and not all(p.greedy for p in params):  # type: ignore[union-attr]
+            # every rank holds the same logits, but an unseeded draw differs by rank: all take
+            # rank 0's, so the KV each writes next step is of the same tokens
+            broadcast_from_first(tokens, self.shard)
         self.swap.issue_out()  # while the device runs the forward
         if tokens.device.type != "cuda":
             return Launched(plan, tokens, tokens, None, executed)

@@ -10,6 +10,12 @@ While tracing is on, the runner traces each request's phases here (`actors/step_
 under the trace context its plan brings. Given the store, the swap manager keeps the CPU tier's
 spill index in it (`SpillKeeper`), following the engine's KV events on a writer thread of its own.
 
+Under tensor parallelism each GPU's rank is an executor actor of its own process, all of one
+incarnation: every rank takes every plan from the `step` mailbox (the plans are the same for
+all: the block tables and swap orders index each rank's share of every block) and runs it, its
+collectives meeting the other ranks'; the first rank alone answers, describes the executor and
+keeps the spill index, for all of them.
+
 Subjects (`pensieve.internal.<engine>.executor.*`): `step` (plans and resets, a mailbox),
 `describe` (what cache this executor holds, asked by the scheduler when it starts); and the
 engine's KV events, `pensieve.v1.engine.<id>.kv` (a mailbox), with the store.
@@ -53,15 +59,20 @@ class ExecutorActor(Actor):
 
     def __init__(self, bus: Any, engine_id: str, runner: ModelRunner,
                  cpu_threads: int | None = None,
-                 store: ConversationStore | None = None) -> None:  # fmt: skip
+                 store: ConversationStore | None = None,
+                 incarnation: str | None = None) -> None:  # fmt: skip
         super().__init__(bus, engine_id)
         self.runner = runner
         self.cpu_threads = cpu_threads
-        self.store = store  # where the spill index goes (None: kept by no one here)
+        # the first rank (or the only one) speaks for the executor; the others only run plans
+        self.answers = runner.shard is None or runner.shard.rank == 0
+        # where the spill index goes (None: kept by no one here)
+        self.store = store if self.answers else None
         self.spills: SpillKeeper | None = None
         self._spill_writer: StoreWriter | None = None
         self.decoder = PlanDecoder()
-        self.incarnation = secrets.token_hex(6)  # this start of the executor: its KV
+        # this start of the executor (of all its ranks, which share it): its KV
+        self.incarnation = incarnation or secrets.token_hex(6)
         self.last_step = 0  # the last step plan taken, since the last reset
         self.last_answered = 0  # the last step whose answer went out
         self._plans: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -88,7 +99,8 @@ class ExecutorActor(Actor):
             self.spills = SpillKeeper(self.store, self._spill_writer)
             await self.bus.mailbox(subjects.kv_events(self.engine_id), self._on_kv_events)
         await self.mailbox("step", self._on_step)
-        await self.serve("describe", self._describe)
+        if self.answers:
+            await self.serve("describe", self._describe)
 
     async def teardown(self) -> None:
         self._plans.put(_STOP)
@@ -131,6 +143,7 @@ class ExecutorActor(Actor):
         """Launch each plan as it comes; the launches of the last two steps feed the next."""
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)
+        self._on_device()
         recent: dict[int, Launched] = {}
         while True:
             item = self._plans.get()
@@ -165,6 +178,7 @@ class ExecutorActor(Actor):
 
     def _report(self) -> None:
         """Send each step's tokens once the device has them."""
+        self._on_device()
         while True:
             item = self._launched.get()
             if item is _STOP:
@@ -176,14 +190,22 @@ class ExecutorActor(Actor):
                     tokens = launched.result()
                 except Exception as failure:
                     error = f"{type(failure).__name__}: {failure}"
-            swaps = swap_fields(self.runner.swap.stats)
+            swaps = swap_fields(self.runner.swap_totals())
             device = self.runner.device_time()  # the events it reads are on this step's stream
             busy_idle = [device.busy_s, device.idle_s]
             self._send(StepResult(step, tokens, error, swaps, device=busy_idle).encode(), step)
 
+    def _on_device(self) -> None:
+        # a thread starts on GPU 0: a rank of another GPU would put its streams, events and
+        # graphs there
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)
+
     def _send(self, body: bytes, step: int = 0) -> None:
         assert self._loop is not None
         self.last_answered = max(self.last_answered, step)
+        if not self.answers:
+            return
         subject = self.subject("result", "scheduler")
         asyncio.run_coroutine_threadsafe(self.bus.publish(subject, body), self._loop)
 

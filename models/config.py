@@ -78,6 +78,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None  # not applied; caps max_context_len (see module doc)
     do_layer_norm_before: bool = True  # OPT only: False = post-norm blocks, no final norm
+    # ranks the model is split over (models/tensor_parallel.py); the shapes above stay the whole
+    # model's, the `*_per_rank` properties and the KV cache shape are one rank's
+    tensor_parallel_size: int = 1
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +102,7 @@ class ModelConfig:
             self._check_llama()
         else:
             self._check_opt()
+        self._check_tensor_parallel()
 
     def _check_llama(self) -> None:
         if self.head_dim % 2:
@@ -118,7 +122,42 @@ class ModelConfig:
         if self.qk_norm or self.rope_scaling is not None:
             raise ValueError("qk_norm and rope_scaling are Llama-family options, not OPT")
 
+    def _check_tensor_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        if n < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
+        # each rank holds whole KV heads (its share of every KV block) and the query heads that
+        # read them; MLP columns split evenly (the vocabulary is padded instead)
+        for what, count in (
+            ("KV heads", self.num_kv_heads),
+            ("query heads", self.num_heads),
+            ("MLP columns (intermediate_size)", self.intermediate_size),
+        ):
+            if count % n:
+                raise ValueError(
+                    f"{self.name}: its {count} {what} do not divide over {n} tensor-parallel "
+                    f"ranks; choose a tensor-parallel size that divides {count}"
+                )
+
     # ---- derived quantities the engine needs -------------------------------------------------
+
+    @property
+    def num_heads_per_rank(self) -> int:
+        return self.num_heads // self.tensor_parallel_size
+
+    @property
+    def num_kv_heads_per_rank(self) -> int:
+        return self.num_kv_heads // self.tensor_parallel_size
+
+    @property
+    def intermediate_size_per_rank(self) -> int:
+        return self.intermediate_size // self.tensor_parallel_size
+
+    @property
+    def vocab_size_per_rank(self) -> int:
+        """Rows of the embedding and LM head on each rank: the vocabulary padded to a multiple
+        of the ranks (padded logits are dropped when the shards are gathered)."""
+        return -(-self.vocab_size // self.tensor_parallel_size)
 
     @property
     def attn_scale(self) -> float:
@@ -133,13 +172,13 @@ class ModelConfig:
         return min(self.max_position_embeddings, self.sliding_window)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's paged KV cache (see kernels/metadata.py)."""
-        return (num_blocks, 2, block_size, self.num_kv_heads, self.head_dim)
+        """Shape of one layer's paged KV cache on one rank (see kernels/metadata.py)."""
+        return (num_blocks, 2, block_size, self.num_kv_heads_per_rank, self.head_dim)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V one token occupies across all layers."""
+        """Bytes of K and V one token occupies across all layers, on one rank."""
         itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * self.num_kv_heads_per_rank * self.head_dim * itemsize
 
     # ---- construction from a Hugging Face config ---------------------------------------------
 

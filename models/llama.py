@@ -20,6 +20,7 @@ from pensieve.kernels import AttentionImpl
 from pensieve.kernels.fused import add_rms_norm, apply_rope_ref, silu_mul
 from pensieve.models.attention import AttentionBackend
 from pensieve.models.config import Arch, ModelConfig, RopeScaling, RopeType, WeightSlot
+from pensieve.models.logits import Logits
 
 
 class RMSNorm(nn.Module):
@@ -183,6 +184,7 @@ class LlamaModel(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.logits = Logits()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -205,7 +207,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] float32
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight).float()
+        return self.logits(hidden, head.weight)
 
     def hf_weight_map(self) -> dict[str, WeightSlot]:
         """Hugging Face checkpoint tensor name -> where it goes in this model."""

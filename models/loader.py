@@ -24,7 +24,7 @@ from typing import Any, TypeAlias
 import torch
 
 from pensieve.models.assets import smollm2_gguf_path
-from pensieve.models.config import SUPPORTED_MODEL_TYPES, Arch, ModelConfig
+from pensieve.models.config import SUPPORTED_MODEL_TYPES, Arch, ModelConfig, WeightSlot
 from pensieve.models.llama import LlamaModel
 from pensieve.models.opt import OPTModel
 from pensieve.models.presets import PRESETS
@@ -87,7 +87,16 @@ def init_random_(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
     """Random weights in place, on the model's device: N(0, std) matrices, unit norms, zero bias."""
     first = next(model.parameters())
     generator = torch.Generator(device=first.device).manual_seed(seed)
-    for name, param in model.named_parameters():
+    fill_random_(model.named_parameters(), generator, std)
+
+
+@torch.no_grad()
+def fill_random_(
+    params: Iterable[tuple[str, torch.Tensor]], generator: torch.Generator, std: float = 0.02
+) -> None:
+    """`init_random_` of some parameters, in order, drawing from `generator`: a model filled
+    part by part in its parameters' order gets the weights of `init_random_` with that seed."""
+    for name, param in params:
         if param.ndim >= 2:
             param.normal_(0.0, std, generator=generator)
         elif name.endswith("bias"):
@@ -97,15 +106,21 @@ def init_random_(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
 
 
 @torch.no_grad()
-def load_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-    """Copy Hugging Face-named tensors into `model`; every slot filled, no tensor left over."""
+def load_weights(
+    model: CausalLM,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    source: str,
+    slots: dict[str, WeightSlot] | None = None,
+) -> None:
+    """Copy Hugging Face-named tensors into `model`; every slot filled, no tensor left over.
+    `slots`: where each tensor goes (default: the model's own `hf_weight_map()`)."""
     config = model.config
-    slots = model.hf_weight_map()
+    slots = model.hf_weight_map() if slots is None else slots
     params = dict(model.named_parameters())
     filled: set[str] = set()
     unexpected: list[str] = []
     for raw_name, tensor in tensors:
-        name = _canonical_name(raw_name, config)
+        name = canonical_name(raw_name, config)
         slot = slots.get(name)
         if slot is None:
             if not _ignorable(name, config):
@@ -141,6 +156,14 @@ def _load_preset(name: str, device: torch.device, dtype: torch.dtype, seed: int)
 
 
 def _load_hf_folder(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    config = hf_folder_config(path)
+    model = build_model(config, device, dtype)
+    load_weights(model, safetensors_tensors(path), str(path))
+    return LoadedModel(model, config, folder_tokenizer(path))
+
+
+def hf_folder_config(path: Path) -> ModelConfig:
+    """The config of a Hugging Face model folder (ModelLoadError if it is none we support)."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{path}: not a Hugging Face model folder (no config.json)")
@@ -156,10 +179,7 @@ def _load_hf_folder(path: Path, device: torch.device, dtype: torch.dtype) -> Loa
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, OSError, KeyError) as e:
         raise ModelLoadError(f"{config_file}: cannot read the config: {_first_line(e)}") from e
-    config = _config_from_hf(hf_config, path)
-    model = build_model(config, device, dtype)
-    load_weights(model, _safetensors_tensors(path), str(path))
-    return LoadedModel(model, config, _folder_tokenizer(path))
+    return _config_from_hf(hf_config, path)
 
 
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -204,7 +224,7 @@ def _config_from_hf(hf_config: Any, source: Path) -> ModelConfig:
         raise ModelLoadError(f"{source}: {_first_line(e)}") from e
 
 
-def _safetensors_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -238,7 +258,7 @@ def _gguf_tensors(path: Path, hf_config: Any) -> dict[str, torch.Tensor]:
     return dict(parsed["tensors"])
 
 
-def _folder_tokenizer(path: Path) -> Any | None:
+def folder_tokenizer(path: Path) -> Any | None:
     if not any((path / f).is_file() for f in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
@@ -246,7 +266,7 @@ def _folder_tokenizer(path: Path) -> Any | None:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def _canonical_name(name: str, config: ModelConfig) -> str:
+def canonical_name(name: str, config: ModelConfig) -> str:
     # Older OPT checkpoints name the decoder without the "model." prefix.
     if config.arch is Arch.OPT and name.startswith("decoder."):
         return "model." + name

@@ -12,6 +12,7 @@ from torch import nn
 
 from pensieve.models.attention import AttentionBackend
 from pensieve.models.config import OPT_POSITION_OFFSET, Arch, ModelConfig, WeightSlot
+from pensieve.models.logits import Logits
 
 
 class OPTAttention(nn.Module):
@@ -26,16 +27,16 @@ class OPTAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         # x: [T, hidden]
-        num_tokens, hidden = x.shape
-        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # [T, hidden] each
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # [T, H D] each
         heads = (num_tokens, self.num_heads, self.head_dim)
         out = attn(
             self.layer_idx,
             q.contiguous().view(heads),
             k.contiguous().view(heads),
             v.contiguous().view(heads),
-        )
-        return self.out_proj(out.reshape(num_tokens, hidden))  # out: [T, H, D]
+        )  # [T, H, D]
+        return self.out_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class OPTLayer(nn.Module):
@@ -78,6 +79,7 @@ class OPTModel(nn.Module):
             if config.tie_word_embeddings
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
+        self.logits = Logits()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -91,7 +93,7 @@ class OPTModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden] -> logits: [N, vocab] float32
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight).float()
+        return self.logits(hidden, head.weight)
 
     def hf_weight_map(self) -> dict[str, WeightSlot]:
         """Hugging Face checkpoint tensor name -> where it goes in this model."""

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ from pensieve.actors.recompute_planner import RecomputePlannerActor
 from pensieve.actors.step_channel import connect_executor
 from pensieve.actors.tokenizer_actor import tokenizer_replicas
 from pensieve.ops.api_keys import ApiKeys
+from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import (
     EngineOptions,
     assemble_remote,
@@ -67,6 +69,8 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
     try:
         options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         with ConversationStore(options.data_dir) as store:
+            if name == "executor" and engine.tensor_parallel > 1:
+                return _executor_ranks(engine, options)
             # every actor's start-up heap (imports, and the model or tokenizer it loads) stays
             # out of the garbage collections made while it serves: a full one would stall it
             if name == "executor":
@@ -128,6 +132,23 @@ async def _executor(
         print(f"pensieve: executor of engine {engine_id} ready on {nats}", file=sys.stderr,
               flush=True)  # fmt: skip
         await stop.wait()
+
+
+def _executor_ranks(engine: EngineOptions, options: ServeOptions) -> int:
+    """The executor as `engine.tensor_parallel` rank processes until SIGINT or SIGTERM; 1 if
+    they could not start."""
+    assert options.nats_url is not None
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    spec = RankSpec(engine, options.nats_url, options.data_dir, options.nats_auth, options.trace)
+    with ExecutorRanks(spec) as ranks:
+        while ranks.running and not stop.wait(0.5):
+            pass
+        if ranks.failed is not None:
+            print(f"pensieve: error: {ranks.failed}", file=sys.stderr, flush=True)
+            return 1
+    return 0
 
 
 async def _ingress(nats: _Nats, engine_id: str) -> None:

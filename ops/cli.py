@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -422,6 +424,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="of the weights and the KV cache; bfloat16 suits a GPU",
     )  # fmt: skip
     model.add_argument(
+        "--tensor-parallel", "--tensor-parallel-size", "-tp", type=int, metavar="N", default=1,
+        dest="tensor_parallel",
+        help="split the model over N GPUs of this host (tensor parallelism): one executor "
+        "process per GPU; the KV heads must divide by N",
+    )  # fmt: skip
+    model.add_argument(
         "--cpu-threads", type=int, metavar="N",
         help="PyTorch threads of a CPU engine (default: one fewer than the cores, at least 1)",
     )  # fmt: skip
@@ -523,6 +531,7 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         profile=args.profile,
         seed=args.seed,
         cpu_threads=_positive(args.cpu_threads, "--cpu-threads"),
+        tensor_parallel=args.tensor_parallel,
     )
 
 
@@ -640,8 +649,8 @@ def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def _replay(args: argparse.Namespace, started: float) -> int:
     import torch
 
-    from pensieve.ops.factory import build, cpu_threads, frozen_heap
-    from pensieve.ops.replay import ReplayOptions, replay
+    from pensieve.ops.factory import build, cpu_threads
+    from pensieve.ops.ranks_engine import ranks_engine
     from pensieve.ops.sharegpt import load_conversations
 
     if args.max_new_tokens == "dataset":
@@ -655,13 +664,26 @@ def _replay(args: argparse.Namespace, started: float) -> int:
     _positive(args.concurrency, "--concurrency")
     conversations = load_conversations(args.conversations, args.num_conversations)
     options = engine_options(args)
-    built = build(options)
     threads = cpu_threads(options)
     if threads is not None:
         torch.set_num_threads(threads)  # as `serve` does on its engine thread
-    logging.getLogger("pensieve").info(
-        "ready in %.1f s: %d conversations", time.monotonic() - started, len(conversations)
-    )
+    with contextlib.ExitStack() as stack:
+        if options.tensor_parallel > 1:  # the ranks keep the CPU tier's index in its store
+            data_dir = args.data_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            built = stack.enter_context(ranks_engine(options, data_dir))
+        else:
+            data_dir, built = args.data_dir, build(options)
+        logging.getLogger("pensieve").info(
+            "ready in %.1f s: %d conversations", time.monotonic() - started, len(conversations)
+        )
+        _replay_built(args, built, conversations, data_dir, max_new)
+    return 0
+
+
+def _replay_built(args, built, conversations, data_dir, max_new) -> None:  # type: ignore[no-untyped-def]
+    from pensieve.ops.factory import frozen_heap
+    from pensieve.ops.replay import ReplayOptions, replay
+
     workload = ReplayOptions(
         max_new_tokens=max_new,
         ignore_eos=args.ignore_eos,
@@ -674,12 +696,11 @@ def _replay(args: argparse.Namespace, started: float) -> int:
     )
     with frozen_heap():
         if args.out == "-":
-            summary = replay(built, conversations, workload, sys.stdout.buffer, args.data_dir)
+            summary = replay(built, conversations, workload, sys.stdout.buffer, data_dir)
         else:
             with open(args.out, "wb") as out:
-                summary = replay(built, conversations, workload, out, args.data_dir)
+                summary = replay(built, conversations, workload, out, data_dir)
     _print_summary(summary, built)
-    return 0
 
 
 def _print_summary(summary, built) -> None:  # type: ignore[no-untyped-def]

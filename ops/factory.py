@@ -8,7 +8,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,8 @@ from pensieve.actors.step_channel import RemoteRunner
 from pensieve.actors.tokenizer import ChatTokenizer
 from pensieve.models.config import ModelConfig
 from pensieve.models.loader import LoadedModel, ModelLoadError, load_model
+from pensieve.models.shard_loader import load_shard
+from pensieve.models.tensor_parallel import TensorShard
 
 logger = logging.getLogger("pensieve")
 
@@ -50,6 +52,12 @@ class EngineOptions:
     profile: str | None = None  # a `pensieve profile` table; default: the analytic cost model
     seed: int = 0
     cpu_threads: int | None = None  # PyTorch threads of a CPU engine; None: see `cpu_threads`
+    # GPUs the model is split over (ops/executor_ranks.py): one executor process for each
+    tensor_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1:
+            raise ValueError(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
 
 
 @dataclass
@@ -109,6 +117,24 @@ def assemble(options: EngineOptions, loaded: LoadedModel, chat: ChatTokenizer) -
     cache = cache_config(options, loaded.config, device, dtype)
     runner = ModelRunner(loaded.model, cache, device, dtype)
     return _around(runner, cache, options, loaded, chat)
+
+
+def rank_runner(
+    options: EngineOptions,
+    shard: TensorShard,
+    device: torch.device,
+    agree: Callable[[CacheConfig], CacheConfig],
+) -> ModelRunner:
+    """One tensor-parallel rank's model runner: its share of the model on `device`, and KV
+    tiers of its share of every block, as many blocks as `agree` (the smallest over the ranks,
+    so one block table fits them all)."""
+    dtype = DTYPES[options.dtype]
+    begin = time.perf_counter()
+    loaded = load_shard(options.model, device, dtype, shard, seed=options.seed)
+    logger.info("rank %d of %d: its share of %s loaded in %.1f s on %s", shard.rank,
+                shard.world_size, options.model, time.perf_counter() - begin, device)  # fmt: skip
+    cache = agree(cache_config(options, loaded.config, device, dtype))
+    return ModelRunner(loaded.model, cache, device, dtype, shard=shard)
 
 
 def load_config_only(options: EngineOptions) -> tuple[LoadedModel, ChatTokenizer]:

@@ -34,11 +34,24 @@ from pensieve.actors.server import ChatServer, EngineThread
 from pensieve.actors.spill_keeper import SpillKeeper
 from pensieve.actors.step_channel import connect_executor
 from pensieve.actors.sweeper import sweeping
+from pensieve.actors.tokenizer import ChatTokenizer
 from pensieve.actors.tokenizer_actor import tokenizer_replicas
+from pensieve.models.loader import LoadedModel
 from pensieve.ops.api_keys import ApiKeys
-from pensieve.ops.factory import Built, EngineOptions, build, cpu_threads, frozen_heap
+from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
+from pensieve.ops.factory import (
+    Built,
+    EngineOptions,
+    assemble_remote,
+    build,
+    cpu_threads,
+    freeze_start_up,
+    frozen_heap,
+    load_config_only,
+)
 from pensieve.ops.nats_auth import NatsAuth, redact_url
 from pensieve.ops.nats_server import EmbeddedNats
+from pensieve.ops.ranks_engine import wait_ranks
 from pensieve.ops.telemetry import setup_tracing
 from pensieve.store import ConversationStore, StoreWriter
 
@@ -310,8 +323,18 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
                 url, auth, events = server.url, server.service_auth, server.events_auth
                 logger.info("nats-server listening on %s (%.1f s)", url,
                             time.monotonic() - begin)  # fmt: skip
-            built = build(engine_options)
             connect = auth.connect_options() if auth is not None else None
+            if engine_options.tensor_parallel > 1:  # the model runs in the ranks' processes
+                spec = RankSpec(engine_options, url, options.data_dir, auth, options.trace)
+                ranks = stack.enter_context(ExecutorRanks(spec))
+                wait_ranks(ranks)
+                loaded, chat = load_config_only(engine_options)
+                watch = events.connect_options() if events is not None else None
+                with frozen_heap():
+                    asyncio.run(_serve_ranks(engine_options, loaded, chat, store, url, options,
+                                             started, connect, watch))  # fmt: skip
+                return 0
+            built = build(engine_options)
             with frozen_heap():
                 watch = events.connect_options() if events is not None else None
                 asyncio.run(serve_until_signal(built, store, url, options, started,
@@ -320,3 +343,30 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
     finally:
         if provider is not None:
             provider.shutdown()  # flush the spans still batched
+
+
+async def _serve_ranks(
+    engine_options: EngineOptions,
+    loaded: LoadedModel,
+    chat: ChatTokenizer,
+    store: ConversationStore,
+    url: str,
+    options: ServeOptions,
+    started: float,
+    connect: ConnectOptions | None,
+    events: ConnectOptions | None,
+) -> None:
+    """Serve with the model in tensor-parallel executor ranks: the engine steps them over the
+    per-step channel, as a scheduler steps an executor actor of its own process."""
+    bus = await Bus.connect(url, "pensieve-scheduler", connect)
+    try:
+        runner = await connect_executor(bus, store.engine_id(), timeout_s=60)
+        try:
+            built = assemble_remote(engine_options, loaded, chat, runner)
+            freeze_start_up()
+            await serve_until_signal(built, store, url, options, started, connect=connect,
+                                     events=events)  # fmt: skip
+        finally:
+            await runner.close()
+    finally:
+        await bus.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from paged_generate import greedy_generate, prompt_logits
@@ -80,3 +82,36 @@ def test_opt_13b_shapes() -> None:
 def test_unknown_preset() -> None:
     with pytest.raises(ModelLoadError, match="unknown preset 'nope'.*tiny-llama"):
         load_model("preset:nope", "cpu", torch.float32)
+
+
+def test_llama2_70b_shapes() -> None:
+    shapes, total = _num_params("llama2-70b")
+    assert shapes["layers.79.attention.qkv_proj.weight"] == ((64 + 2 * 8) * 128, 8192)
+    assert shapes["layers.0.mlp.gate_up_proj.weight"] == (2 * 28672, 8192)
+    assert shapes["lm_head.weight"] == shapes["embed_tokens.weight"] == (32000, 8192)
+    assert total == 68_976_648_192  # Llama-2-70b-hf
+    config = PRESETS["llama2-70b"]
+    assert config.kv_bytes_per_token(torch.bfloat16) == 2 * 80 * 8 * 128 * 2
+
+
+def test_opt_66b_shapes() -> None:
+    shapes, total = _num_params("opt-66b")
+    config = PRESETS["opt-66b"]
+    assert config.arch is Arch.OPT and config.tie_word_embeddings
+    assert shapes["layers.63.attention.qkv_proj.weight"] == (3 * 9216, 9216)
+    assert shapes["layers.0.fc1.weight"] == (36864, 9216)
+    assert "lm_head.weight" not in shapes
+    h, f = 9216, 36864
+    per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+    assert total == 64 * per_layer + 50272 * h + (2048 + 2) * h + 2 * h
+
+
+@pytest.mark.parametrize(("name", "ranks"), [("llama2-70b", 8), ("opt-66b", 8), ("opt-66b", 4)])
+def test_paper_models_split_over_their_gpus(name: str, ranks: int) -> None:
+    config = dataclasses.replace(PRESETS[name], tensor_parallel_size=ranks)
+    assert config.num_kv_heads_per_rank * ranks == config.num_kv_heads
+
+
+def test_kv_heads_that_do_not_divide_are_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="llama2-70b: its 8 KV heads do not divide over 3"):
+        dataclasses.replace(PRESETS["llama2-70b"], tensor_parallel_size=3)

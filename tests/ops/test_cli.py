@@ -147,3 +147,20 @@ def test_a_cpu_engine_gets_the_same_threads_in_replay_and_serve() -> None:
     assert cpu_threads(EngineOptions(model="smollm2")) == max(1, cores - 1)
     assert cpu_threads(EngineOptions(model="smollm2", cpu_threads=3)) == 3
     assert cpu_threads(EngineOptions(model="smollm2", device="cuda")) is None
+
+
+def test_tensor_parallel_is_spelled_as_vllm_users_expect() -> None:
+    from pensieve.ops.cli import build_parser
+
+    parser = build_parser()
+    base = ["replay", "x.jsonl", "--out", "-", "--model", "preset:tiny-llama"]
+    for flag in ("--tensor-parallel", "--tensor-parallel-size", "-tp"):
+        assert parser.parse_args([*base, flag, "2"]).tensor_parallel == 2
+    assert parser.parse_args(base).tensor_parallel == 1
+
+
+def test_kv_heads_that_do_not_split_over_the_ranks_are_a_clear_error(tmp_path) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(orjson.dumps({"id": "a", "conversations": [{"from": "human", "value": "hi"}]}))
+    done = replay(str(good), "--model", "preset:tiny-llama", "--out", "-", "--tensor-parallel", "3")
+    assert_clean_error(done, "2 KV heads do not divide over 3 tensor-parallel ranks")

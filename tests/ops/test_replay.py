@@ -235,3 +235,26 @@ def test_a_turn_too_big_for_the_gpu_tier_is_reported_at_once(smollm2, smollm2_ch
     assert outcome.finished == [request] and request.finish_reason is FinishReason.ABORT
     assert request.error is not None and request.error.startswith("too_long")
     assert not built.engine.has_work()
+
+
+def test_replay_over_two_tensor_parallel_ranks_gives_the_tokens_of_one(sharegpt20, tmp_path):
+    """`pensieve replay --tensor-parallel 2` (two gloo ranks on the CPU, each a process) on
+    tiers small enough that histories are swapped out, swapped in and dropped."""
+    tokens, cached = {}, {}
+    for ranks in (1, 2):
+        out = tmp_path / f"ranks{ranks}.jsonl"
+        argv = ["replay", str(sharegpt20), "--model", "preset:tiny-llama", "--out", str(out),
+                "--num-conversations", "6", "--max-new-tokens", "24", "--concurrency", "6",
+                "--gpu-cache-tokens", "384", "--cpu-cache-tokens", "192",
+                "--admission-reserve", "0", "--cpu-threads", "1",
+                "--tensor-parallel", str(ranks)]  # fmt: skip
+        done = subprocess.run([sys.executable, "-m", "pensieve.ops.cli", *argv],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+        tokens[ranks] = tokens_by_turn(lines)
+        cached[ranks] = {
+            k: sum(d["cached_tokens"][k] for d in lines) for k in ("cpu", "recomputed")
+        }
+    assert tokens[2] == tokens[1]
+    assert cached[2]["cpu"] and cached[2]["recomputed"], cached

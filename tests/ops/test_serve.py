@@ -859,3 +859,35 @@ def test_steps_that_move_kv_are_traced(server, spans) -> None:
             if s.name == "step"} == {"pensieve-executor"}  # fmt: skip
     assert any(a["pensieve.swap_out_blocks"] + a["pensieve.evict_first_blocks"] > 0 for a in steps)
     assert any(a["pensieve.swap_in_blocks"] > 0 for a in steps)
+
+
+def test_the_command_serves_a_model_split_over_two_ranks(tmp_path) -> None:
+    """`--tensor-parallel 2`: two executor rank processes (gloo on the CPU) behind the server;
+    a second turn hits the cache they keep, and SIGTERM stops them with the server."""
+    command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", "preset:tiny-llama",
+               "--data-dir", str(tmp_path), "--insecure", "--nats-port", str(free_port()),
+               "--cpu-threads", "1", "--tensor-parallel", "2"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url, lines, deadline = None, [], time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            lines.append(line)
+            if "serving on " in line:
+                url = line.split("serving on ")[1].split()[0]
+        assert url is not None, "".join(lines)
+        assert any("2 tensor-parallel ranks" in line for line in lines), "".join(lines)
+        first = chat(url, message=CHAT[0], max_tokens=6)
+        second = chat(url, conversation_id=first["conversation_id"], message=CHAT[1],
+                      max_tokens=6)  # fmt: skip
+        assert len(second["token_ids"]) == 6
+        assert second["usage"]["cached_tokens"]["gpu"] >= first["usage"]["prompt_tokens"] - 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,222 @@
+"""Tensor parallelism on one host: the decode step of one model on 1 rank and on N, side by side.
+
+Each configuration runs in processes of its own (one per rank, NCCL between them), one after
+the other, on the same plan: `batch` one-token decodes at position `context`, each over its own
+blocks, through the ModelRunner (eager, and replayed from its CUDA graph). The context is the
+largest up to `--context` whose KV fits on one GPU beside the whole model, so every
+configuration decodes the same step. Next to each time: the time to read the rank's weights and
+KV once at the device copy rate measured in the same process.
+
+    python3 -m benchmarks.bench_tp [--model preset:llama2-13b-gqa10] [--ranks 1 2]
+    python3 -m benchmarks.bench_tp --smoke      (CPU, gloo, tiny-llama, toy sizes)
+
+Run from the repository root (`benchmarks` is not installed). The table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pensieve.actors.config import CacheConfig, Policy
+from pensieve.actors.executor import ModelRunner
+from pensieve.actors.request import SamplingParams
+from pensieve.actors.step import SeqPiece, StepPlan
+from pensieve.models import load_model
+from pensieve.models.shard_loader import load_shard
+from pensieve.models.tensor_parallel import NCCL_ENV, TensorShard  # NVLink multicast stays off
+from pensieve.ops.factory import DTYPES
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str
+    dtype: str
+    batch: int
+    context: int
+    block_size: int
+    repeats: int
+    device: str  # cuda or cpu
+
+
+@dataclass(frozen=True)
+class Timing:
+    ranks: int
+    eager_s: float
+    graph_s: float | None  # None: no CUDA graph here (CPU), or its capture failed
+    read_bound_s: float  # the rank's weights and KV read once at the copy rate
+    copy_gb_s: float
+    # one all-reduce of a decode batch's hidden states [batch, hidden]; a step makes two a layer
+    allreduce_us: float | None = None
+    error: str | None = None
+
+
+def decode_plan(batch: int, context: int, blocks_per_seq: int) -> StepPlan:
+    """`batch` one-token decodes at position `context`, each over its own blocks."""
+    sampling = SamplingParams(max_tokens=1, ignore_eos=True)
+    tables = [tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+    return StepPlan(
+        tuple(
+            SeqPiece(f"d{i}", (7,), context, context + 1, t, sampling) for i, t in enumerate(tables)
+        )
+    )
+
+
+def median_time(fn: Callable[[], object], repeats: int, cuda: bool, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def copy_rate(device: torch.device, repeats: int) -> float:
+    """Bytes read + written per second by one large copy."""
+    cuda = device.type == "cuda"
+    src = torch.ones((1 << 30) if cuda else (1 << 22), dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / median_time(lambda: dst.copy_(src), repeats, cuda)
+
+
+def time_rank(s: Settings, shard: TensorShard | None, device: torch.device) -> Timing:
+    dtype, cuda = DTYPES[s.dtype], device.type == "cuda"
+    ranks = 1 if shard is None else shard.world_size
+    if shard is None:
+        model = load_model(s.model, device, dtype).model
+    else:
+        model = load_shard(s.model, device, dtype, shard).model
+    blocks_per_seq = -(-(s.context + 1) // s.block_size)
+    cache = CacheConfig(s.block_size, s.batch * blocks_per_seq + 1, 0, Policy.GPU_ONLY)
+    runner = ModelRunner(model, cache, device, dtype, shard=shard)
+    plan = decode_plan(s.batch, s.context, blocks_per_seq)
+    rate = copy_rate(device, s.repeats)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    kv = s.batch * (s.context + 1) * model.config.kv_bytes_per_token(dtype)
+    step = functools.partial(runner.execute, plan)
+    graphs, runner.graphs = runner.graphs, None
+    eager = median_time(step, s.repeats, cuda)
+    graph_s, error = None, None
+    if graphs is not None:
+        runner.graphs = graphs
+        try:
+            graph_s = median_time(step, s.repeats, cuda)
+        except Exception as failure:  # every rank fails alike: the capture is the same
+            error = f"CUDA graph: {type(failure).__name__}: {failure}"
+    reduce_s = None
+    if shard is not None:
+        hidden = torch.zeros((s.batch, model.config.hidden_size), dtype=dtype, device=device)
+        reduce_s = median_time(lambda: dist.all_reduce(hidden), s.repeats, cuda)
+    return Timing(ranks, eager, graph_s, (weights + kv) / rate, rate / GB,
+                  None if reduce_s is None else reduce_s * 1e6, error)  # fmt: skip
+
+
+def rank_main(rank: int, world_size: int, s: Settings, store: str, out: str) -> None:
+    os.environ.update(NCCL_ENV)
+    device = torch.device(f"cuda:{rank}" if s.device == "cuda" else "cpu")
+    shard = None
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
+                                world_size=world_size)  # fmt: skip
+        dist.barrier()  # the communicators exist before a graph is captured
+        shard = TensorShard(rank, world_size)
+    try:
+        timing = time_rank(s, shard, device)
+        if rank == 0:
+            Path(out).write_text(json.dumps(asdict(timing)))
+    finally:
+        if world_size > 1:
+            dist.barrier()  # no rank leaves while another still talks to it
+            dist.destroy_process_group()
+
+
+def fitting_context(s: Settings) -> int:
+    """The longest context up to `s.context` whose KV for the batch fits on one GPU beside the
+    whole model, with room for activations and graphs."""
+    if s.device != "cuda":
+        return s.context
+    meta = load_model(s.model, "meta", DTYPES[s.dtype])
+    weights = sum(p.numel() for p in meta.model.parameters()) * DTYPES[s.dtype].itemsize
+    free, _ = torch.cuda.mem_get_info(0)
+    per_seq_token = meta.config.kv_bytes_per_token(DTYPES[s.dtype]) * s.batch
+    fits = int(free * 0.9 - weights - 6e9) // per_seq_token
+    return min(s.context, fits // s.block_size * s.block_size - 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="preset:llama2-13b-gqa10")
+    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=4032)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny-llama, toy sizes")
+    args = parser.parse_args(argv)
+    os.environ.update(NCCL_ENV)
+    s = Settings(args.model, args.dtype, args.batch, args.context, 32, args.repeats, "cuda")
+    if args.smoke:
+        s = Settings("preset:tiny-llama", "float32", 4, 100, 16, 3, "cpu")
+    s = Settings(**{**asdict(s), "context": fitting_context(s)})
+    print(f"[bench_tp] {s}", flush=True)
+    timings: list[Timing] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in args.ranks:
+            begin = time.perf_counter()
+            out = Path(tmp) / f"ranks{ranks}.json"
+            mp.spawn(rank_main, (ranks, s, str(Path(tmp) / f"store{ranks}"), str(out)),
+                     nprocs=ranks)  # fmt: skip
+            timings.append(Timing(**json.loads(out.read_text())))
+            print(f"[bench_tp] {ranks} rank(s): {timings[-1]} "
+                  f"({time.perf_counter() - begin:.0f} s)", flush=True)  # fmt: skip
+    if args.json is not None:
+        results = {"settings": asdict(s), "timings": [asdict(t) for t in timings]}
+        args.json.write_text(json.dumps(results, indent=1))
+    print_table(s, timings)
+    return 0
+
+
+def print_table(s: Settings, timings: list[Timing]) -> None:
+    base = timings[0]
+    graphed = all(t.graph_s is not None for t in timings)  # compare like with like
+    print(f"\ndecode step, {s.model} {s.dtype}, batch {s.batch} at context {s.context}")
+    print(f"{'ranks':>5} {'eager ms':>9} {'graph ms':>9} {'x first':>8} {'read-bound ms':>14}"
+          f" {'copy GB/s':>10} {'allreduce us':>13}")  # fmt: skip
+    for t in timings:
+        step, first = (t.graph_s, base.graph_s) if graphed else (t.eager_s, base.eager_s)
+        assert step is not None and first is not None
+        graph = f"{t.graph_s * 1e3:9.2f}" if t.graph_s is not None else f"{'-':>9}"
+        reduce = f"{t.allreduce_us:13.1f}" if t.allreduce_us is not None else f"{'-':>13}"
+        print(f"{t.ranks:>5} {t.eager_s * 1e3:9.2f} {graph} {step / first:8.3f} "
+              f"{t.read_bound_s * 1e3:14.2f} {t.copy_gb_s:10.0f} {reduce}"
+              + (f"  ({t.error})" if t.error else ""))  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

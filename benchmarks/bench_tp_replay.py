@@ -1,0 +1,129 @@
+"""Tensor parallelism, end to end: the steady 48-conversation closed loop of bench_gpu's replay48
+on 1 rank and on N (and under several cache policies), side by side, output tokens per second
+in a window after a warm-up.
+
+Each configuration is an engine stepping its executor ranks over the per-step channel
+(ops/ranks_engine.py: a nats-server on loopback, one process per rank), so 1 and N ranks differ
+in the split alone; the same ShareGPT pool, the same GPU and CPU tiers in tokens, EOS ignored,
+output lengths from the recorded replies.
+
+    python3 -m benchmarks.bench_tp_replay [--ranks 1 2] [--json OUT]     (GPUs; .bench assets)
+    python3 -m benchmarks.bench_tp_replay --model preset:llama2-70b --ranks 2 \
+        --policies pensieve stateless --gpu-tokens 0                     (the paper's model)
+    python3 -m benchmarks.bench_tp_replay --smoke                         (CPU, gloo, tiny-llama)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_workload import ConvSpec, build_workload, steady_closed_loop
+from pensieve.actors.config import Policy
+from pensieve.models.loader import load_model
+from pensieve.ops.factory import DTYPES, EngineOptions
+from pensieve.ops.ranks_engine import ranks_engine
+from pensieve.ops.sharegpt import load_conversations
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = "preset:llama2-13b-gqa10"
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    assets: Path = REPO / ".bench"
+    gpu_tokens: int | None = 196608  # bench_gpu's: 40 GB on one 80 GB GPU; None: most free
+    cpu_tokens: int = 65536
+    pool: int = 300
+    concurrency: int = 48
+    turns: int = 3
+    max_output: int = 512
+    max_context: int | None = None
+    warmup_s: float = 8.0  # CUDA graphs are captured as new batch sizes come
+    window_s: float = 15.0
+
+
+SMOKE = Settings(model="preset:tiny-llama", device="cpu", dtype="float32", gpu_tokens=4096,
+                 cpu_tokens=4096, pool=24, concurrency=6, turns=2, max_output=8,
+                 max_context=384, warmup_s=0.5, window_s=2.0)  # fmt: skip
+
+
+def workload(s: Settings) -> list[ConvSpec]:
+    from transformers import AutoTokenizer
+
+    from pensieve.models.assets import smollm2_tokenizer
+
+    folder, path = s.assets / "tokenizer", s.assets / "sharegpt.jsonl"
+    tokenizer = (
+        AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        if folder.is_dir()
+        else smollm2_tokenizer()
+    )
+    config = load_model(s.model, "meta", DTYPES[s.dtype]).config
+    context = min(config.max_context_len, s.max_context or config.max_context_len)
+    convs = load_conversations(path if path.is_file() else "sharegpt", 400)
+    specs = build_workload(convs, tokenizer, config.vocab_size, s.max_output, context, s.turns)
+    return specs[: s.pool]
+
+
+def closed_loop(s: Settings, ranks: int, policy: Policy, specs: list[ConvSpec]) -> dict[str, Any]:
+    tokenizer = s.assets / "tokenizer"
+    options = EngineOptions(
+        s.model, s.device, s.dtype, tokenizer=str(tokenizer) if tokenizer.is_dir() else None,
+        policy=policy, gpu_cache_tokens=s.gpu_tokens, cpu_cache_tokens=s.cpu_tokens,
+        cpu_threads=1 if s.device == "cpu" else None, tensor_parallel=ranks,
+    )  # fmt: skip
+    begin = time.perf_counter()
+    with tempfile.TemporaryDirectory() as data, ranks_engine(options, Path(data)) as built:
+        started = time.perf_counter() - begin
+        result = steady_closed_loop(built.engine, specs, s.concurrency, s.warmup_s, s.window_s)
+    window = result.window.summary()
+    print(f"[bench_tp_replay] {ranks} rank(s), {policy.value}: {window['tok_per_s']:.0f} tok/s "
+          f"(ranks started in {started:.0f} s)", flush=True)  # fmt: skip
+    return {"ranks": ranks, "policy": policy.value, "start_s": started, "window": window,
+            "turns_finished": len(result.records)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--policies", nargs="+", default=["pensieve"],
+                        choices=[p.value for p in Policy])  # fmt: skip
+    parser.add_argument("--model", default=Settings.model)
+    parser.add_argument("--gpu-tokens", type=int, default=Settings.gpu_tokens,
+                        help="GPU tier per engine; 0: most of the free memory")  # fmt: skip
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny-llama, toy sizes")
+    args = parser.parse_args(argv)
+    s = SMOKE if args.smoke else Settings(model=args.model, gpu_tokens=args.gpu_tokens or None)
+    specs = workload(s)
+    print(f"[bench_tp_replay] {s.model}: {len(specs)} conversations, {s.concurrency} at once",
+          flush=True)  # fmt: skip
+    results = [
+        closed_loop(s, ranks, Policy(policy), specs)
+        for ranks in args.ranks
+        for policy in args.policies
+    ]
+    if args.json is not None:
+        args.json.write_text(json.dumps({"settings": asdict(s), "results": results}, indent=1,
+                                        default=str))  # fmt: skip
+    base = results[0]["window"]["tok_per_s"]
+    print(f"\nclosed loop, {s.concurrency} conversations, {s.model} {s.dtype}")
+    print(f"{'ranks':>5} {'policy':>9} {'tok/s':>9} {'x first':>8} {'turns':>6}")
+    for r in results:
+        rate = r["window"]["tok_per_s"]
+        print(f"{r['ranks']:>5} {r['policy']:>9} {rate:9.1f} {rate / base:8.3f} "
+              f"{r['turns_finished']:>6}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

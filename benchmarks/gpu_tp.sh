@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Tensor parallelism on a machine of two GPUs (nvidia-h100-x2 or nvidia-h200-x2), in one go:
+#   tests   the parity tests over NCCL: tiny Llama-family and OPT models in fp32, logits within
+#           1e-5 and the same greedy tokens on 2 ranks as on 1 (Triton kernels, CUDA graphs of
+#           decodes); two executor rank processes against a scheduler over NATS on every cache
+#           path, against one stateless rank
+#   decode  the decode step of preset:llama2-13b-gqa10 (bf16) at batch 64 and ~4k context on 1
+#           rank and on 2, side by side (benchmarks/bench_tp.py)
+#   replay  the 48-conversation closed loop on 1 rank and on 2 (benchmarks/bench_tp_replay.py;
+#           needs .bench from prepare_bench_assets.py)
+#   paper   preset:llama2-70b (bf16) on 2 ranks, the same closed loop under the pensieve and
+#           stateless policies (two H200s hold it with room for KV; two H100s leave ~9 GB each)
+#
+#   bash benchmarks/gpu_tp.sh [OUT_DIR]                      (tests and decode: ~6 minutes)
+#   SECTIONS=replay bash benchmarks/gpu_tp.sh [OUT_DIR]       (~4 minutes)
+#   SECTIONS=paper bash benchmarks/gpu_tp.sh [OUT_DIR]        (~6 minutes)
+#
+# carry: .whl and .bench (benchmarks/prepare_bench_assets.py; without .whl, what the image has
+# is used). Each section is bounded in time; the tables come last.
+# NVLink multicast stays off, as the GPU machines require.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-/tmp/gpu_tp}}
+mkdir -p "$out"
+read -ra sections <<< "${SECTIONS:-tests decode}"
+[ -d .whl ] || export WHEELS_DIR=none
+# shellcheck source=benchmarks/gpu_env.sh
+source benchmarks/gpu_env.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
+      "GPUs", torch.cuda.device_count())'
+for section in "${sections[@]}"; do
+    case $section in
+        tests)
+            timeout 240 python3 -m pytest -q -p no:cacheprovider -rs -m gpu \
+                tests/models/test_tensor_parallel.py tests/actors/test_executor_ranks.py \
+                2>&1 | tee "$out/tests.txt" | tail -30 ;;
+        decode)
+            timeout 200 python3 -m benchmarks.bench_tp --json "$out/bench_tp.json" \
+                > "$out/decode.txt" 2>&1 || tail -30 "$out/decode.txt" ;;
+        replay)
+            timeout 240 python3 -m benchmarks.bench_tp_replay --json "$out/bench_tp_replay.json" \
+                > "$out/replay.txt" 2>&1 || tail -30 "$out/replay.txt" ;;
+        paper)
+            timeout 540 python3 -m benchmarks.bench_tp_replay --model preset:llama2-70b --ranks 2 \
+                --policies pensieve stateless --gpu-tokens 0 --json "$out/bench_tp70b.json" \
+                > "$out/paper.txt" 2>&1 || tail -30 "$out/paper.txt" ;;
+    esac
+done
+echo
+grep -h "passed\|failed\|error" "$out/tests.txt" 2>/dev/null | tail -1
+for f in decode replay paper; do [ -f "$out/$f.txt" ] && tail -5 "$out/$f.txt"; done

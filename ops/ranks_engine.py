@@ -1,0 +1,73 @@
+"""An engine whose model runs as `--tensor-parallel N` executor ranks, for callers that step it
+from their own thread (`pensieve replay`, the benchmarks): the ranks' processes, a nats-server
+of its own on loopback unless one is given, and an event loop on a thread for the per-step
+channel. `pensieve serve` and `pensieve actor` meet the ranks on their own event loops instead.
+
+    with ranks_engine(options, data_dir) as built:
+        built.engine.step()      # the plan goes to every rank; rank 0 answers
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pensieve.actors.bus import Bus
+from pensieve.actors.step_channel import connect_executor
+from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
+from pensieve.ops.factory import Built, EngineOptions, assemble_remote, load_config_only
+from pensieve.ops.nats_auth import NatsAuth
+from pensieve.ops.nats_server import EmbeddedNats
+from pensieve.store import ConversationStore
+
+T = TypeVar("T")
+START_TIMEOUT_S = 1800.0  # loading a share of a 70B checkpoint takes minutes
+
+
+def wait_ranks(ranks: ExecutorRanks, timeout_s: float = START_TIMEOUT_S) -> None:
+    """Block until rank 0 serves; ValueError if the ranks could not start."""
+    waited = 0.0
+    while not ranks.wait_ready(1.0):
+        waited += 1.0
+        if ranks.failed is not None or waited > timeout_s:
+            raise ValueError(ranks.failed or f"the executor ranks did not start in {timeout_s} s")
+
+
+@contextlib.contextmanager
+def ranks_engine(
+    options: EngineOptions,
+    data_dir: Path,
+    nats_url: str | None = None,
+    nats_auth: NatsAuth | None = None,
+) -> Iterator[Built]:
+    """A fresh engine (empty caches) whose model runs in `options.tensor_parallel` rank
+    processes; `data_dir` holds the store that names the engine (and the CPU tier's index)."""
+    loaded, chat = load_config_only(options)
+    with contextlib.ExitStack() as stack:
+        if nats_url is None:
+            nats_url = stack.enter_context(EmbeddedNats()).url
+        ranks = stack.enter_context(ExecutorRanks(RankSpec(options, nats_url, data_dir,
+                                                           nats_auth)))  # fmt: skip
+        wait_ranks(ranks)
+        with ConversationStore(data_dir) as store:
+            engine_id = store.engine_id()
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="pensieve-step-channel",
+                                  daemon=True)  # fmt: skip
+        thread.start()
+        stack.callback(thread.join)
+        stack.callback(loop.call_soon_threadsafe, loop.stop)
+
+        def run(coroutine: Coroutine[Any, Any, T]) -> T:
+            return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+
+        connect = nats_auth.connect_options() if nats_auth is not None else None
+        bus = run(Bus.connect(nats_url, "pensieve-scheduler", connect))
+        stack.callback(lambda: run(bus.close()))
+        runner = run(connect_executor(bus, engine_id, timeout_s=60))
+        stack.callback(lambda: run(runner.close()))
+        yield assemble_remote(options, loaded, chat, runner)

@@ -1,0 +1,34 @@
+"""The tensor-parallel benchmarks end to end at toy sizes on the CPU (`--smoke`: gloo ranks,
+tiny-llama): each configuration runs and lands in the table and the JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(module: str, out: Path, *args: str) -> str:
+    command = [sys.executable, "-m", module, "--smoke", "--json", str(out), *args]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_the_decode_step_is_timed_on_one_rank_and_on_two(tmp_path: Path) -> None:
+    stdout = _run("benchmarks.bench_tp", tmp_path / "tp.json")
+    timings = json.loads((tmp_path / "tp.json").read_text())["timings"]
+    assert [t["ranks"] for t in timings] == [1, 2]
+    assert all(t["eager_s"] > 0 and t["error"] is None for t in timings)
+    assert "x first" in stdout.splitlines()[-3]
+
+
+def test_the_closed_loop_runs_per_rank_count_and_policy(tmp_path: Path) -> None:
+    _run("benchmarks.bench_tp_replay", tmp_path / "loop.json", "--ranks", "2",
+         "--policies", "pensieve", "stateless")  # fmt: skip
+    results = json.loads((tmp_path / "loop.json").read_text())["results"]
+    assert [(r["ranks"], r["policy"]) for r in results] == [(2, "pensieve"), (2, "stateless")]
+    assert all(r["window"]["tok_per_s"] > 0 for r in results)
