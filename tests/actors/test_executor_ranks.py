@@ -27,29 +27,10 @@ from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import DTYPES, EngineOptions, cache_config
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.store import ConversationStore
+from tests.actors.test_step_channel import converse
 
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 OPTIONS = EngineOptions(model="preset:tiny-llama", gpu_cache_tokens=320, cpu_cache_tokens=320,
                         max_batch_tokens=256, cpu_threads=1, tensor_parallel=2)  # fmt: skip
-NUM_CONVS, NUM_TURNS = 5, 3
-
-
-def converse(engine: Engine) -> tuple[list[list[int]], dict[str, int]]:
-    """Five conversations of three turns, all turns of a round at once, on tiers so small that
-    histories swap out, come back and are dropped and recomputed."""
-    histories: dict[str, list[int]] = {f"c{i}": [] for i in range(NUM_CONVS)}
-    outputs = []
-    for turn in range(NUM_TURNS):
-        for i, (conv, history) in enumerate(histories.items()):
-            message = [(13 * i + 7 * turn + k) % 400 + 5 for k in range(40 + 9 * i)]
-            engine.add_request(conv, history + message, GREEDY)
-        done = 0
-        while done < NUM_CONVS:
-            for request in engine.step().finished:
-                histories[request.conv_id] = request.all_ids
-                outputs.append(request.output_ids)
-                done += 1
-    return sorted(outputs), dataclasses.asdict(engine.totals.sources)
 
 
 def engine(options: EngineOptions, runner: StepRunner) -> Engine:

@@ -97,9 +97,10 @@ OPTIONS = EngineOptions(model="preset:tiny-llama", gpu_cache_tokens=320, cpu_cac
 NUM_CONVS, NUM_TURNS = 5, 3
 
 
-def _converse(engine: Engine) -> tuple[list[list[int]], dict[str, int]]:
+def converse(engine: Engine) -> tuple[list[list[int]], dict[str, int]]:
     """Five conversations of three turns, all turns of a round at once, on tiers so small that
-    histories swap out, come back and are dropped and recomputed."""
+    histories swap out, come back and are dropped and recomputed (also run on executor ranks,
+    tests/actors/test_executor_ranks.py)."""
     histories: dict[str, list[int]] = {f"c{i}": [] for i in range(NUM_CONVS)}
     outputs = []
     for turn in range(NUM_TURNS):
@@ -117,7 +118,7 @@ def _converse(engine: Engine) -> tuple[list[list[int]], dict[str, int]]:
 
 
 def test_an_engine_with_its_executor_over_nats_gives_the_in_process_tokens() -> None:
-    expected, sources = _converse(build(OPTIONS).engine)
+    expected, sources = converse(build(OPTIONS).engine)
     assert sources["cpu"] and sources["recomputed"], sources  # every cache path was taken
 
     async def remote() -> tuple[list[list[int]], dict[str, int]]:
@@ -129,7 +130,7 @@ def test_an_engine_with_its_executor_over_nats_gives_the_in_process_tokens() -> 
                 runner = await connect_executor(bus, "e1", timeout_s=10)
                 built.engine.runner = runner
                 try:
-                    return await asyncio.to_thread(_converse, built.engine)
+                    return await asyncio.to_thread(converse, built.engine)
                 finally:
                     await runner.close()
                     await bus.close()
