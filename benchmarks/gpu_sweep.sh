@@ -8,7 +8,8 @@
 #
 # carry: .whl and .bench (see gpu_serve.sh). MODEL_ARGS, TIERS (the same for every policy),
 # RATES (default 1,2,3,4), THINK (mean seconds, default 3), CONVS (default 160), TURNS (4),
-# TOKENS (128, end-of-sequence ignored). A POLICY of the form P+http serves policy P with
+# TOKENS (128, end-of-sequence ignored); DURATION and WARMUP (seconds) time each rate's run and
+# count only its turns sent after the warm-up (default: every conversation once, all counted). A POLICY of the form P+http serves policy P with
 # `--http-port` and drives it through the OpenAI API (`pensieve bench --http`), to show what HTTP
 # costs against the NATS path. Prints each sweep's table as it ends.
 set -uo pipefail
@@ -24,6 +25,7 @@ model=${MODEL_ARGS:---model preset:llama2-13b-gqa10 --device cuda --dtype bfloat
 tiers=${TIERS:---gpu-cache-tokens 32768 --cpu-cache-tokens 65536}
 work=(--num-conversations "${CONVS:-160}" --max-turns "${TURNS:-4}" --max-tokens "${TOKENS:-128}"
       --ignore-eos --rates "${RATES:-1,2,3,4}" --think-time "${THINK:-3}")
+[ -n "${DURATION:-}" ] && work+=(--duration "$DURATION" --warmup "${WARMUP:-0}")
 
 for label in "$@"; do
     policy=${label%+http}

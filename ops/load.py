@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import math
 import random
 import sys
 import time
@@ -55,6 +56,22 @@ class LoadOptions:
     probe_every_s: float = 0.2
     final: bool = False  # each conversation's last turn says "final": its KV goes at once
     on_turn: Callable[[], None] | None = None  # told after each turn (a progress bar)
+
+
+@dataclass(frozen=True)
+class Window:
+    """A timed rate run, measured in a steady state: new conversations arrive for `duration_s`
+    (the conversations are taken again from the first once all have arrived), no turn is sent
+    after it, and only turns sent from `warmup_s` on count, over the `duration_s - warmup_s`
+    seconds between the two."""
+
+    duration_s: float
+    warmup_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.warmup_s < self.duration_s:
+            raise ValueError(f"the warm-up ({self.warmup_s:g} s) must be shorter than the run "
+                             f"({self.duration_s:g} s)")  # fmt: skip
 
 
 class ChatClient(Protocol):
@@ -142,22 +159,32 @@ async def run_poisson(
     rate: float,
     think_s: float,
     seed: int = 0,
+    window: Window | None = None,
 ) -> dict[str, Any]:
     """New conversations arrive `rate` a second (a Poisson process), each next turn is sent a
-    think time after the reply before it (exponential, mean `think_s`); returns the summary."""
+    think time after the reply before it (exponential, mean `think_s`); returns the summary.
+    Without `window` every conversation arrives once and every turn counts."""
     draw = random.Random(seed)
     turns = _Turns()
     chat = _client(target)
     before = await _stats(chat)
     begin = time.perf_counter()
+    sent = Sent(begin + window.warmup_s, begin + window.duration_s) if window else Sent()
     talking = []
-    for conv in conversations:
+    for conv in itertools.cycle(conversations) if window else conversations:
+        if time.perf_counter() >= sent.until:
+            break
         pause = draw.expovariate(1 / think_s) if think_s > 0 else 0.0
-        talking.append(asyncio.ensure_future(_conversation(chat, conv, options, turns, pause)))
+        talking.append(asyncio.ensure_future(
+            _conversation(chat, conv, options, turns, pause, sent)
+        ))  # fmt: skip
         await asyncio.sleep(draw.expovariate(rate))
     await asyncio.gather(*talking)
-    summary = _summary(turns, time.perf_counter() - begin)
+    seconds = window.duration_s - window.warmup_s if window else time.perf_counter() - begin
+    summary = _summary(turns, seconds)
     summary |= {"request_rate": rate, "think_s": think_s}
+    if window is not None:
+        summary["window_s"] = [window.warmup_s, window.duration_s]
     after = await _stats(chat)
     if before is not None and after is not None and before["engine_id"] == after["engine_id"]:
         summary["server"] = _server_moved(before, after)
@@ -232,12 +259,22 @@ def _server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     return out
 
 
+@dataclass(frozen=True)
+class Sent:
+    """Which turns a run sends, and which of them count: those sent from `counted_from` on
+    (perf_counter seconds); none is sent from `until` on."""
+
+    counted_from: float = -math.inf
+    until: float = math.inf
+
+
 async def _conversation(
     chat: ChatClient,
     conv: Conversation,
     options: LoadOptions,
     turns: _Turns,
     think_s: float = 0.0,
+    sent: Sent = Sent(),
 ) -> None:
     """The conversation's turns one after the other, `think_s` between a reply and the next."""
     conversation_id = None
@@ -259,6 +296,8 @@ async def _conversation(
         if i and think_s:
             await asyncio.sleep(think_s)
         begin = time.perf_counter()
+        if begin >= sent.until:
+            return
         first = None
         reply: dict[str, Any] = {}
         async with aclosing(chat.turn(body, options.timeout_s)) as answer:
@@ -267,10 +306,16 @@ async def _conversation(
                     break
                 first = first or time.perf_counter()
         done = time.perf_counter()
+        counted = begin >= sent.counted_from
         if "error" in reply:
-            turns.errors[reply["error"]["code"]] += 1
+            if counted:
+                turns.errors[reply["error"]["code"]] += 1
             return  # the conversation cannot go on without this turn
         conversation_id = reply["conversation_id"]
+        if options.on_turn is not None:
+            options.on_turn()
+        if not counted:  # sent while the server was still filling up
+            continue
         usage = reply["usage"]
         turns.ttft.append((first or done) - begin)
         turns.latency.append(done - begin)
@@ -278,8 +323,6 @@ async def _conversation(
         turns.output_tokens += usage["completion_tokens"]
         turns.prompt_tokens += usage["prompt_tokens"]
         turns.cached.update(usage["cached_tokens"])
-        if options.on_turn is not None:
-            options.on_turn()
 
 
 def _percentile(values: list[float], q: float) -> float:

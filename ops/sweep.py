@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from pensieve.actors.bus import Bus, ConnectOptions
 from pensieve.ops.chat import add_connection_args
-from pensieve.ops.load import ChatClient, LoadOptions, NatsClient, run_load, run_poisson
+from pensieve.ops.load import ChatClient, LoadOptions, NatsClient, Window, run_load, run_poisson
 from pensieve.ops.sharegpt import Conversation, human_turns, load_conversations
 
 COLUMNS = ("run", "turns/s", "out tok/s", "ttft p50", "ttft p90", "norm p50", "norm p90",
@@ -54,6 +54,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                       "conversations a second")  # fmt: skip
     load.add_argument("--think-time", type=float, default=0.0, metavar="S",
                       help="with --rates: mean seconds from a reply to the next turn")  # fmt: skip
+    load.add_argument("--duration", type=float, metavar="S",
+                      help="with --rates: conversations arrive for S seconds at each rate "
+                      "(taken again from the first when all have come) and no turn is sent "
+                      "after; by default each conversation comes once")  # fmt: skip
+    load.add_argument("--warmup", type=float, default=0.0, metavar="S",
+                      help="with --duration: count only the turns sent after S seconds, once "
+                      "the server has filled up")  # fmt: skip
     load.add_argument("--seed", type=int, default=0)
     out = parser.add_argument_group("output")
     out.add_argument("--label", default="pensieve", help="this sweep's name in JSON and plots")
@@ -108,10 +115,13 @@ async def sweep(
     rates: Sequence[float],
     think_s: float,
     seed: int,
+    window: Window | None = None,
 ) -> list[dict[str, Any]]:
     """One run per rate (one closed-loop run without rates), each with a progress bar."""
     client, close = await _connect(server)
-    total = sum(len(list(human_turns(c))[: options.max_turns]) for c in conversations)
+    total: int | None = None  # with a window: as many as arrive in it
+    if window is None:
+        total = sum(len(list(human_turns(c))[: options.max_turns]) for c in conversations)
     runs = []
     try:
         chosen: list[float | None] = [*rates] if rates else [None]
@@ -123,7 +133,7 @@ async def sweep(
                     runs.append(await run_load(client, conversations, told))
                 else:
                     runs.append(await run_poisson(client, conversations, told, rate, think_s,
-                                                  seed))  # fmt: skip
+                                                  seed, window))  # fmt: skip
     finally:
         await close()
     return runs
@@ -175,6 +185,13 @@ def plot(path: Path, sweeps: dict[str, list[dict[str, Any]]]) -> None:
 
 def bench(args: argparse.Namespace, url: str, connect: ConnectOptions | None) -> int:
     rates = parse_rates(args.rates)
+    window = None
+    if args.duration is not None:
+        if not rates:
+            raise ValueError("--duration times a rate run: give --rates too")
+        window = Window(args.duration, args.warmup)
+    elif args.warmup:
+        raise ValueError("--warmup needs --duration")
     conversations = load_conversations(args.conversations, args.num_conversations)
     options = LoadOptions(args.concurrency, args.max_turns, args.max_tokens, args.ignore_eos,
                           probe_every_s=0.0)  # fmt: skip
@@ -184,7 +201,7 @@ def bench(args: argparse.Namespace, url: str, connect: ConnectOptions | None) ->
 
         server = Server(url, None, args.http, api_key(args.tenant), args.model)
     runs = asyncio.run(sweep(server, conversations, options, rates, args.think_time,
-                             args.seed))  # fmt: skip
+                             args.seed, window))  # fmt: skip
     print(table(args.label, runs))
     if args.json is not None:
         args.json.write_text(json.dumps({"label": args.label, "runs": runs}, indent=1))

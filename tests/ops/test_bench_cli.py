@@ -46,6 +46,16 @@ def test_a_rate_sweep_is_measured_tabled_and_plotted_beside_another(
                   str(tmp_path / "second.json"), "--plot", str(tmp_path / "rates.png"),
                   "--compare", str(tmp_path / "first.json")]  # fmt: skip
         assert main(second) == 0
+        # a timed run: conversations come again once all have come, warm-up turns don't count
+        few = ["bench", *url, str(sharegpt20), "--num-conversations", "2", "--max-turns", "2",
+               "--max-tokens", "4", "--ignore-eos", "--rates", "4"]  # fmt: skip
+        timed = ["--duration", "4", "--warmup", "1", "--json", str(tmp_path / "timed.json")]
+        assert main([*few, *timed]) == 0
+        assert main([*few, "--warmup", "1"]) == 2  # a warm-up needs a duration
+    (run,) = json.loads((tmp_path / "timed.json").read_text())["runs"]
+    assert run["window_s"] == [1, 4] and not run["errors"]
+    assert run["turns"] > 2 * 2  # more than the two conversations' turns, taken once
+    assert run["server"]["requests_finished"] > run["turns"]  # the warm-up's are left out
     out = capsys.readouterr().out
     for row in ("first 2/s", "first 8/s", "second 1/s", "second 4/s"):
         assert row in out
