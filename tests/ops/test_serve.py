@@ -735,6 +735,21 @@ def test_the_server_rides_out_a_nats_restart_and_stops_while_nats_is_down(
     assert first["token_ids"] == reference[0] and second["token_ids"] == reference[1]
 
 
+def _serving_url(proc: subprocess.Popen[str]) -> tuple[str, list[str]]:
+    """The NATS URL of the "serving on" line a `pensieve serve` process prints, and its log
+    lines up to it."""
+    url, lines, deadline = None, [], time.monotonic() + 180
+    while url is None and time.monotonic() < deadline:
+        line = proc.stderr.readline()  # type: ignore[union-attr]
+        if not line:
+            break
+        lines.append(line)
+        if "serving on " in line:
+            url = line.split("serving on ")[1].split()[0]
+    assert url is not None, "".join(lines)
+    return url, lines
+
+
 def test_the_command_serves_with_its_own_nats_server_and_stops_on_sigterm(tmp_path) -> None:
     """By default its nats-server asks who connects: an anonymous client is refused, and a
     tenant added while it runs (`pensieve tenant add`) chats."""
@@ -744,15 +759,7 @@ def test_the_command_serves_with_its_own_nats_server_and_stops_on_sigterm(tmp_pa
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        url, lines, deadline = None, [], time.monotonic() + 180
-        while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()  # type: ignore[union-attr]
-            if not line:
-                break
-            lines.append(line)
-            if "serving on " in line:
-                url = line.split("serving on ")[1].split()[0]
-        assert url is not None, "".join(lines)
+        url, lines = _serving_url(proc)
         assert any("NATS authentication on" in line for line in lines), "".join(lines)
         with pytest.raises((nats.errors.Error, OSError)):  # nobody without credentials
             asyncio.run(nats.connect(url, allow_reconnect=False, connect_timeout=5))
@@ -870,15 +877,7 @@ def test_the_command_serves_a_model_split_over_two_ranks(tmp_path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        url, lines, deadline = None, [], time.monotonic() + 180
-        while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()  # type: ignore[union-attr]
-            if not line:
-                break
-            lines.append(line)
-            if "serving on " in line:
-                url = line.split("serving on ")[1].split()[0]
-        assert url is not None, "".join(lines)
+        url, lines = _serving_url(proc)
         assert any("2 tensor-parallel ranks" in line for line in lines), "".join(lines)
         first = chat(url, message=CHAT[0], max_tokens=6)
         second = chat(url, conversation_id=first["conversation_id"], message=CHAT[1],
