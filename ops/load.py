@@ -219,16 +219,24 @@ async def _probe(bus: Bus | None, every_s: float, latencies: dict[str, list[floa
         await asyncio.sleep(every_s)
 
 
-async def server_stats(bus: Bus) -> dict[str, Any] | None:
-    """`pensieve.v1.stats` of the engine that answers (None if none does, e.g. an older one)."""
-    try:
-        async with aclosing(bus.ask(subjects.STATS, b"{}", timeout=30.0)) as answer:
-            async for data in answer:
-                body = orjson.loads(data)
-                return None if "error" in body else dict(body)
-    except (TimeoutError, ConnectionError):
-        return None
-    return None
+async def server_stats(bus: Bus, fresh_within_s: float = 2.0) -> dict[str, Any] | None:
+    """`pensieve.v1.stats` of the engine that answers (None if none does, e.g. an older one).
+
+    An engine inside a step answers with a snapshot (`age_s` > 0) that may miss the turns whose
+    replies just went out; it is asked again until its figures are of now (`age_s` 0) or
+    `fresh_within_s` has passed, so totals compared across a load are exact."""
+    deadline = time.monotonic() + fresh_within_s
+    while True:
+        try:
+            async with aclosing(bus.ask(subjects.STATS, b"{}", timeout=30.0)) as answer:
+                body = orjson.loads(await anext(answer))
+        except (TimeoutError, ConnectionError, StopAsyncIteration):
+            return None
+        if "error" in body:
+            return None
+        if not body.get("age_s") or time.monotonic() >= deadline:
+            return dict(body)
+        await asyncio.sleep(0.01)
 
 
 def _server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
