@@ -286,6 +286,7 @@ class RemoteRunner:
         self._steps = itertools.count(1)
         self._pending: dict[int, RemoteLaunch] = {}
         self._swaps = SwapStats()
+        self._swaps_before = SwapStats()  # the executor's totals when counting began
         self._device = DeviceTime()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
@@ -336,9 +337,16 @@ class RemoteRunner:
         self.encoder.target = self.info.incarnation
 
     def swap_stats(self, wait: bool = True) -> SwapStats:
-        """The executor's totals as of its latest answer (`wait` has nothing to wait for here:
-        every answered step's copies are counted once the executor has timed them)."""
-        return self._swaps
+        """The executor's totals as of its latest answer, since `count_from_now` if called
+        (`wait` has nothing to wait for here: every answered step's copies are counted once the
+        executor has timed them)."""
+        now, before = self._swaps, self._swaps_before
+        return SwapStats(*(getattr(now, f.name) - getattr(before, f.name)
+                           for f in dataclasses.fields(SwapStats)))  # fmt: skip
+
+    def count_from_now(self) -> None:
+        """Count swaps from here on (a new engine around the same executor)."""
+        self._swaps_before = self._swaps
 
     def check_step(self, step: int) -> str | None:
         """Why step `step` will never be answered, or None while the executor runs it (called

@@ -29,6 +29,7 @@ Full results go to $OUT/bench.json (or --json PATH), rewritten after every secti
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -42,6 +43,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -67,12 +69,14 @@ from pensieve.actors.executor import ModelRunner
 from pensieve.actors.kv_cache import CopyOp, SwapOrders
 from pensieve.actors.request import SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
+from pensieve.actors.step_channel import RemoteRunner
 from pensieve.actors.swap import SwapStats
 from pensieve.models.assets import smollm2_tokenizer
 from pensieve.models.llama import LlamaModel
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops.cost_profile import ProfileSettings, profile_model
-from pensieve.ops.factory import DTYPES, EngineOptions, cache_config
+from pensieve.ops.factory import DTYPES, EngineOptions, cache_config, remote_cache
+from pensieve.ops.ranks_engine import executor_ranks, fresh_runner
 from pensieve.ops.sharegpt import load_conversations
 
 SECTIONS = ("kernels", "decode", "swap", "policies", "replay48")
@@ -154,6 +158,9 @@ class Settings:
     # policies: the eviction's Cost(l), "profile" (measured in the run, as `pensieve profile`
     # does) or "analytic" (the FLOP/byte estimate)
     cost: str = "profile"
+    # policies: the model split over this many executor ranks, one process per GPU, stepped
+    # over the per-step channel (ops/ranks_engine.py); 1: in this process
+    tensor_parallel: int = 1
 
 
 SMOKE = Settings(
@@ -190,6 +197,10 @@ class Bench:
         self._workloads: dict[tuple[int, int], list[ConvSpec]] = {}
         self._runners: dict[tuple[int | None, int | None], ModelRunner] = {}
         self._costs: dict[int, CostModel] = {}  # by block (chunk) size
+        # with tensor parallelism: the executor ranks of one set of tiers, kept across engines
+        self._ranks: tuple[tuple[int | None, int | None], RemoteRunner] | None = None
+        self._ranks_stack = contextlib.ExitStack()
+        self.ranks = settings.tensor_parallel > 1
 
     def log(self, message: str) -> None:
         print(f"[bench {time.perf_counter() - self.begin:6.1f}s] {message}", flush=True)
@@ -207,9 +218,12 @@ class Bench:
             torch.cuda.empty_cache()
 
     def loaded(self) -> LoadedModel:
+        """The model, on this process's device; with tensor parallelism its shape alone (the
+        ranks hold the weights)."""
         if self._loaded is None:
             begin = time.perf_counter()
-            self._loaded = load_model(self.s.model, self.device, self.dtype, seed=self.s.seed)
+            device = "meta" if self.ranks else self.device
+            self._loaded = load_model(self.s.model, device, self.dtype, seed=self.s.seed)
             self.sync()
             self.log(f"loaded {self.s.model} in {time.perf_counter() - begin:.1f}s")
         return self._loaded
@@ -217,7 +231,12 @@ class Bench:
     def release_model(self) -> None:
         self._runners.clear()
         self._loaded = None
+        self.close_ranks()
         self.free()
+
+    def close_ranks(self) -> None:
+        self._ranks = None
+        self._ranks_stack.close()
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -269,6 +288,15 @@ class Bench:
         )
         tiered = any(Policy(name) in (Policy.PENSIEVE, Policy.LRU) for name in self.s.policies)
         key = (gpu_tokens, cpu_tokens if tiered else 0)
+        scheduling = SchedulerConfig(
+            options.max_batch_tokens, options.max_num_seqs, c.max_context_len, self.s.admit_batch
+        )
+        eos = frozenset(c.eos_token_ids)
+        if self.ranks:
+            remote = self._executor_ranks(key)
+            cache = remote_cache(options, c, remote)
+            cost = self.cost_model(options.block_size)
+            return Engine(remote, cache, scheduling, cost.cost, eos, overlap=self.s.overlap)
         if key not in self._runners:
             self._runners.clear()  # one set of KV tiers at a time
             self.free()
@@ -291,12 +319,30 @@ class Bench:
                 f"{tiers.num_gpu_blocks} GPU blocks, {tiers.num_cpu_blocks} CPU blocks"
             )
         runner.swap.stats = SwapStats()
-        scheduling = SchedulerConfig(
-            options.max_batch_tokens, options.max_num_seqs, c.max_context_len, self.s.admit_batch
-        )
-        eos = frozenset(c.eos_token_ids)
         cost = self.cost_model(options.block_size)
         return Engine(runner, cache, scheduling, cost.cost, eos, overlap=self.s.overlap)
+
+    def _executor_ranks(self, key: tuple[int | None, int | None]) -> RemoteRunner:
+        """The executor ranks holding tiers `key`, started on first use (one set at a time,
+        as `engine` keeps one ModelRunner), readied for a fresh engine."""
+        if self._ranks is None or self._ranks[0] != key:
+            self.close_ranks()
+            begin = time.perf_counter()
+            options = EngineOptions(
+                self.s.model, self.s.device, self.s.dtype, gpu_cache_tokens=key[0],
+                cpu_cache_tokens=key[1], max_num_seqs=self.s.max_num_seqs, seed=self.s.seed,
+                cpu_threads=None if self.cuda else 1, tensor_parallel=self.s.tensor_parallel,
+            )  # fmt: skip
+            data = Path(self._ranks_stack.enter_context(tempfile.TemporaryDirectory()))
+            runner = self._ranks_stack.enter_context(executor_ranks(options, data))
+            self._ranks = key, runner
+            info = runner.info
+            self.log(
+                f"{self.s.tensor_parallel} executor ranks started in "
+                f"{time.perf_counter() - begin:.1f}s: {info.num_gpu_blocks} GPU blocks, "
+                f"{info.num_cpu_blocks} CPU blocks"
+            )
+        return fresh_runner(self._ranks[1])
 
     def cost_model(self, block_size: int = DEFAULTS.block_size) -> CostModel:
         """The eviction's Cost(l), made once: measured on this device (`Settings.cost` =
@@ -305,6 +351,9 @@ class Bench:
         Measure it before the KV tiers are allocated: the profile's caches need room."""
         if block_size not in self._costs:
             loaded, c = self.loaded(), self.loaded().config
+            if self.s.cost == "profile" and self.ranks:
+                raise ValueError("--cost profile measures the model in this process: with "
+                                 "--tensor-parallel use --cost analytic")  # fmt: skip
             if self.s.cost == "profile":
                 begin = time.perf_counter()
                 context = min(c.max_context_len, self.s.max_context or c.max_context_len)
@@ -330,7 +379,9 @@ class Bench:
         if self.warmed:
             return
         begin = time.perf_counter()
-        engine = self.engine(Policy.PENSIEVE, 16384, 0)
+        # ranks keep one set of tiers: warm up on the policies' own
+        tiers = (self.s.gpu_tokens, self.s.cpu_tokens) if self.ranks else (16384, 0)
+        engine = self.engine(Policy.PENSIEVE, *tiers)
         config = self.loaded().config
         rng = random.Random(0)
         lengths = [
@@ -966,6 +1017,11 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument("--assets", type=Path, help="folder from prepare_bench_assets.py")
     p.add_argument("--time-limit", dest="time_limit_s", type=float, help="seconds for the run")
     p.add_argument("--policies", help="policies: comma-separated subset, e.g. pensieve,lru")
+    p.add_argument("--model", help="policies: the model (default preset:llama2-13b-gqa10)")
+    p.add_argument(
+        "--tensor-parallel", type=int,
+        help="policies: executor ranks, one process per GPU (default 1: in this process)",
+    )  # fmt: skip
     p.add_argument(
         "--start-rates", help="policies: first rate per policy, e.g. pensieve=14,stateless=8"
     )
@@ -1042,6 +1098,8 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
             (k.strip(), tuple(float(r) for r in v.split("/"))) for k, v in given.items()
         )
     settings = dataclasses.replace(settings, **{k: v for k, v in args.items() if v is not None})
+    if settings.tensor_parallel > 1 and set(sections) != {"policies"}:
+        p.error("--tensor-parallel runs the policies section alone: --sections policies")
     return settings, sections, out
 
 
@@ -1054,12 +1112,15 @@ def main(argv: list[str] | None = None) -> int:
     b = Bench(settings)
     report = {"meta": meta(b), "settings": jsonable(asdict(settings)), "sections": {}}
     chosen = [name for name in SECTIONS if name in sections]
-    for i, name in enumerate(chosen):
-        b.pending = chosen[i + 1 :]
-        report["sections"][name] = run_section(b, name)
-        if out is not None:  # after every section, so a run cut short keeps what it measured
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(jsonable(report), indent=1))
+    try:
+        for i, name in enumerate(chosen):
+            b.pending = chosen[i + 1 :]
+            report["sections"][name] = run_section(b, name)
+            if out is not None:  # after every section, so a run cut short keeps what it measured
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(jsonable(report), indent=1))
+    finally:
+        b.close_ranks()
     print_table(report)
     if out is not None:
         print(f"results: {out}")

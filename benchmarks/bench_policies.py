@@ -319,8 +319,9 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
     b.warm_up()
     begin = time.perf_counter()
     engine = b.engine(policies[0], s.gpu_tokens, s.cpu_tokens)
-    if engine.runner.graphs is not None:
-        count = engine.runner.graphs.capture_all(s.max_num_seqs)
+    graphs = getattr(engine.runner, "graphs", None)  # executor ranks capture their own
+    if graphs is not None:
+        count = graphs.capture_all(s.max_num_seqs)
         b.log(f"{count} decode graphs captured in {time.perf_counter() - begin:.1f}s")
     del engine
     # Kernel variants of mixed steps compile on first use, and the first run of a process fares

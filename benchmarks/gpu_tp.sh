@@ -8,12 +8,16 @@
 #           rank and on 2, side by side (benchmarks/bench_tp.py)
 #   replay  the 48-conversation closed loop on 1 rank and on 2 (benchmarks/bench_tp_replay.py;
 #           needs .bench from prepare_bench_assets.py)
-#   paper   preset:llama2-70b (bf16) on 2 ranks, the same closed loop under the pensieve and
-#           stateless policies (two H200s hold it with room for KV; two H100s leave ~9 GB each)
+#   paper   the paper's experiment: preset:llama2-70b (bf16) on RANKS ranks (2), bench_gpu's
+#           policies section (multi-turn ShareGPT, Poisson arrivals, think time, the same
+#           tiers for every policy) for POLICIES (pensieve,stateless), each at RATES
+#           (conversations/s, e.g. pensieve=3/4,stateless=2/3) or swept from its start rate;
+#           MODEL, GPU_TOKENS, CPU_TOKENS, DURATION, WARMUP change the setting (two H200s hold
+#           the 70B with room for KV; two H100s leave ~9 GB each: use a 34B-class shape there)
 #
 #   bash benchmarks/gpu_tp.sh [OUT_DIR]                      (tests and decode: ~6 minutes)
 #   SECTIONS=replay bash benchmarks/gpu_tp.sh [OUT_DIR]       (~4 minutes)
-#   SECTIONS=paper bash benchmarks/gpu_tp.sh [OUT_DIR]        (~6 minutes)
+#   SECTIONS=paper bash benchmarks/gpu_tp.sh [OUT_DIR]        (~9 minutes)
 #
 # carry: .whl and .bench (benchmarks/prepare_bench_assets.py; without .whl, what the image has
 # is used). Each section is bounded in time; the tables come last.
@@ -43,11 +47,18 @@ for section in "${sections[@]}"; do
             timeout 240 python3 -m benchmarks.bench_tp_replay --json "$out/bench_tp_replay.json" \
                 > "$out/replay.txt" 2>&1 || tail -30 "$out/replay.txt" ;;
         paper)
-            timeout 540 python3 -m benchmarks.bench_tp_replay --model preset:llama2-70b --ranks 2 \
-                --policies pensieve stateless --gpu-tokens 0 --json "$out/bench_tp70b.json" \
+            rates=()
+            [ -n "${RATES:-}" ] && rates=(--rates "$RATES")
+            timeout 570 python3 -m benchmarks.bench_gpu --sections policies \
+                --model "${MODEL:-preset:llama2-70b}" --tensor-parallel "${RANKS:-2}" \
+                --cost analytic --policies "${POLICIES:-pensieve,stateless}" "${rates[@]}" \
+                --gpu-tokens "${GPU_TOKENS:-65536}" --cpu-tokens "${CPU_TOKENS:-262144}" \
+                --duration "${DURATION:-50}" --warmup "${WARMUP:-25}" --warmup-run 15 \
+                --max-points 2 --time-limit 540 --json "$out/bench_paper.json" \
                 > "$out/paper.txt" 2>&1 || tail -30 "$out/paper.txt" ;;
     esac
 done
 echo
 grep -h "passed\|failed\|error" "$out/tests.txt" 2>/dev/null | tail -1
-for f in decode replay paper; do [ -f "$out/$f.txt" ] && tail -5 "$out/$f.txt"; done
+for f in decode replay; do [ -f "$out/$f.txt" ] && tail -5 "$out/$f.txt"; done
+[ -f "$out/paper.txt" ] && sed -n '/=== Pensieve benchmarks/,$p' "$out/paper.txt"

@@ -149,18 +149,23 @@ def assemble_remote(
 ) -> Built:
     """A fresh engine whose model runs in the executor actor behind `runner`, with the cache
     that executor holds."""
+    cache = remote_cache(options, loaded.config, runner)
+    return _around(runner, cache, options, loaded, chat)
+
+
+def remote_cache(options: EngineOptions, config: ModelConfig, runner: RemoteRunner) -> CacheConfig:
+    """The tiers of a scheduler whose model runs behind `runner`: the executor's blocks, with
+    its CPU tier left unused by a policy that has none (`gpu-only`, `stateless`)."""
     info = runner.info
     if info.block_size != options.block_size:
         raise ValueError(
             f"the executor's blocks hold {info.block_size} tokens, this scheduler's "
             f"{options.block_size}: give both one --block-size"
         )
-    cache = dataclasses.replace(
-        cache_config(options, loaded.config, torch.device("cpu"), DTYPES[options.dtype]),
-        num_gpu_blocks=info.num_gpu_blocks,
-        num_cpu_blocks=info.num_cpu_blocks,
-    )
-    return _around(runner, cache, options, loaded, chat)
+    cache = cache_config(options, config, torch.device("cpu"), DTYPES[options.dtype])
+    tiered = options.policy not in (Policy.GPU_ONLY, Policy.STATELESS)
+    return dataclasses.replace(cache, num_gpu_blocks=info.num_gpu_blocks,
+                               num_cpu_blocks=info.num_cpu_blocks if tiered else 0)  # fmt: skip
 
 
 def _around(

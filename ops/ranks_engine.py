@@ -5,6 +5,8 @@ channel. `pensieve serve` and `pensieve actor` meet the ranks on their own event
 
     with ranks_engine(options, data_dir) as built:
         built.engine.step()      # the plan goes to every rank; rank 0 answers
+
+`executor_ranks` gives the ranks alone, for a caller that builds engines around them itself.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pensieve.actors.bus import Bus
-from pensieve.actors.step_channel import connect_executor
+from pensieve.actors.step_channel import RemoteRunner, connect_executor
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import Built, EngineOptions, assemble_remote, load_config_only
 from pensieve.ops.nats_auth import NatsAuth
@@ -47,6 +49,20 @@ def ranks_engine(
     """A fresh engine (empty caches) whose model runs in `options.tensor_parallel` rank
     processes; `data_dir` holds the store that names the engine (and the CPU tier's index)."""
     loaded, chat = load_config_only(options)
+    with executor_ranks(options, data_dir, nats_url, nats_auth) as runner:
+        yield assemble_remote(options, loaded, chat, runner)
+
+
+@contextlib.contextmanager
+def executor_ranks(
+    options: EngineOptions,
+    data_dir: Path,
+    nats_url: str | None = None,
+    nats_auth: NatsAuth | None = None,
+) -> Iterator[RemoteRunner]:
+    """The `options.tensor_parallel` rank processes, started and serving, and a started
+    `RemoteRunner` to them whose event loop runs on a thread of its own. Several engines may
+    step it one after another (a benchmark's points): `fresh_runner` readies it for the next."""
     with contextlib.ExitStack() as stack:
         if nats_url is None:
             nats_url = stack.enter_context(EmbeddedNats()).url
@@ -70,4 +86,13 @@ def ranks_engine(
         stack.callback(lambda: run(bus.close()))
         runner = run(connect_executor(bus, engine_id, timeout_s=60))
         stack.callback(lambda: run(runner.close()))
-        yield assemble_remote(options, loaded, chat, runner)
+        yield runner
+
+
+def fresh_runner(runner: RemoteRunner) -> RemoteRunner:
+    """`runner` ready for a new engine: the executor forgets the last engine's steps in flight
+    (its KV blocks hold stale data the new engine writes before it reads), and swap totals
+    count from here."""
+    runner.settle()
+    runner.count_from_now()
+    return runner

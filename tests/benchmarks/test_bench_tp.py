@@ -32,3 +32,23 @@ def test_the_closed_loop_runs_per_rank_count_and_policy(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "loop.json").read_text())["results"]
     assert [(r["ranks"], r["policy"]) for r in results] == [(2, "pensieve"), (2, "stateless")]
     assert all(r["window"]["tok_per_s"] > 0 for r in results)
+
+
+def test_the_policy_sweep_steps_executor_ranks(tmp_path: Path) -> None:
+    """`bench_gpu --sections policies --tensor-parallel 2`: every policy's open loop runs on the
+    same two ranks, each point's engine counting its own swaps and keeping its own tiers (the
+    CPU tier for `pensieve` alone)."""
+    out = tmp_path / "policies.json"
+    command = [sys.executable, "-m", "benchmarks.bench_gpu", "--smoke", "--json", str(out),
+               "--sections", "policies", "--tensor-parallel", "2", "--cost", "analytic",
+               "--policies", "pensieve,gpu-only", "--rates", "pensieve=8,gpu-only=8"]  # fmt: skip
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "2 executor ranks started" in proc.stdout
+    runs = json.loads(out.read_text())["sections"]["policies"]["runs"]
+    pensieve, gpu_only = runs["pensieve"][0], runs["gpu-only"][0]
+    assert pensieve["drained"] and gpu_only["drained"]
+    assert pensieve["finished"] > 0 and gpu_only["finished"] > 0
+    assert pensieve["sources"]["cpu"] > 0 and pensieve["swapped_out_gb"] > 0
+    # gpu-only ran after pensieve on the same ranks: none of pensieve's swaps are its own
+    assert gpu_only["sources"]["cpu"] == 0 and gpu_only["swapped_out_gb"] == 0
