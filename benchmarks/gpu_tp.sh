@@ -5,7 +5,8 @@
 #           decodes); two executor rank processes against a scheduler over NATS on every cache
 #           path, against one stateless rank
 #   decode  the decode step of preset:llama2-13b-gqa10 (bf16) at batch 64 and ~4k context on 1
-#           rank and on 2, side by side (benchmarks/bench_tp.py)
+#           rank and on 2, side by side (benchmarks/bench_tp.py; DECODE_MODEL and DECODE_RANKS,
+#           e.g. preset:llama2-70b and "2 4" on four GPUs)
 #   replay  the 48-conversation closed loop on 1 rank and on 2 (benchmarks/bench_tp_replay.py;
 #           needs .bench from prepare_bench_assets.py)
 #   paper   the paper's experiment: preset:llama2-70b (bf16) on RANKS ranks (2), bench_gpu's
@@ -41,7 +42,10 @@ for section in "${sections[@]}"; do
                 tests/models/test_tensor_parallel.py tests/actors/test_executor_ranks.py \
                 2>&1 | tee "$out/tests.txt" | tail -30 ;;
         decode)
-            timeout 200 python3 -m benchmarks.bench_tp --json "$out/bench_tp.json" \
+            read -ra decode_ranks <<< "${DECODE_RANKS:-1 2}"
+            timeout "${DECODE_TIMEOUT:-200}" python3 -m benchmarks.bench_tp \
+                --model "${DECODE_MODEL:-preset:llama2-13b-gqa10}" --ranks "${decode_ranks[@]}" \
+                --json "$out/bench_tp.json" \
                 > "$out/decode.txt" 2>&1 || tail -30 "$out/decode.txt" ;;
         replay)
             timeout 240 python3 -m benchmarks.bench_tp_replay --json "$out/bench_tp_replay.json" \
