@@ -12,7 +12,8 @@
 #   paper   the paper's experiment: preset:llama2-70b (bf16) on RANKS ranks (2), bench_gpu's
 #           policies section (multi-turn ShareGPT, Poisson arrivals, think time, the same
 #           tiers for every policy) for POLICIES (pensieve,stateless), each at RATES
-#           (conversations/s, e.g. pensieve=3/4,stateless=2/3) or swept from its start rate;
+#           (conversations/s, e.g. pensieve=3/4,stateless=2/3) or swept from its start rate
+#           (STARTS, default pensieve=4,lru=4,gpu-only=3,stateless=2.5: the 70B on two H200s);
 #           MODEL, GPU_TOKENS, CPU_TOKENS, DURATION, WARMUP change the setting (two H200s hold
 #           the 70B with room for KV; two H100s leave ~9 GB each: use a 34B-class shape there)
 #
@@ -56,6 +57,7 @@ for section in "${sections[@]}"; do
             timeout 570 python3 -m benchmarks.bench_gpu --sections policies \
                 --model "${MODEL:-preset:llama2-70b}" --tensor-parallel "${RANKS:-2}" \
                 --cost analytic --policies "${POLICIES:-pensieve,stateless}" "${rates[@]}" \
+                --start-rates "${STARTS:-pensieve=4,lru=4,gpu-only=3,stateless=2.5}" \
                 --gpu-tokens "${GPU_TOKENS:-65536}" --cpu-tokens "${CPU_TOKENS:-262144}" \
                 --duration "${DURATION:-50}" --warmup "${WARMUP:-25}" --warmup-run 15 \
                 --max-points 2 --time-limit 540 --json "$out/bench_paper.json" \
