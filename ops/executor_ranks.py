@@ -104,6 +104,11 @@ def rank_main(rank: int, spec: RankSpec, rendezvous: str, ready: Any) -> None:
         if tracing is not None:
             tracing.shutdown()  # flush the spans still batched
         dist.destroy_process_group()
+    # stopped cleanly: leave without the interpreter's finalization, where a gloo group's worker
+    # threads (the group still held, e.g. by the frozen heap) can abort the process
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _die_with_parent() -> None:

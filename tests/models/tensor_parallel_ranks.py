@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,11 @@ def rank_main(rank: int, world_size: int, backend: str, store: str, out: str) ->
             torch.save(result, Path(out) / f"{case}.rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    # the results are saved: leave without the interpreter's finalization, where a gloo group's
+    # worker threads, when something still holds the group, can abort the process (SIGABRT)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(world_size: int, backend: str, tmp: Path) -> dict[str, list[dict[str, Any]]]:
