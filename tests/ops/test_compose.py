@@ -54,6 +54,11 @@ def test_each_actor_service_runs_that_actor_with_options_the_cli_accepts(files: 
     assert services["tokenizer"]["deploy"]["replicas"] == 2
     holding = [a for a in ACTORS if "resources" in services[a].get("deploy", {})]
     assert holding == (["executor"] if gpu else [])
+    if gpu:  # PENSIEVE_TENSOR_PARALLEL splits the model over the executor's ranks
+        executor = services["executor"]["command"]
+        assert build_parser().parse_args(_command(services["executor"])).tensor_parallel == 1
+        split = executor.replace("${PENSIEVE_TENSOR_PARALLEL:-1}", "2")
+        assert build_parser().parse_args(_command({"command": split})).tensor_parallel == 2
 
 
 def test_the_services_point_at_each_other_on_one_store() -> None:
