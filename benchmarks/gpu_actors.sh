@@ -56,7 +56,7 @@ for variant in "${variants[@]}"; do
         cd "$dir" || exit 1
         # shellcheck source=benchmarks/gpu_env.sh
         WHEELS_DIR=${WHEELS_DIR:-$installed} source benchmarks/gpu_env.sh
-        port=$((4300 + RANDOM % 500))
+        port=$((${PORT_BASE:-4300} + RANDOM % 500))
         pids=()
         log=$logs/server_$variant.txt
         # the load client connects anonymously: a build whose nats-server asks who connects

@@ -6,7 +6,10 @@ if [ "${WHEELS_DIR:-.whl}" != none ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site "${WHEELS_DIR:-.whl}"/*.whl || exit 1
 fi
-mkdir -p /tmp/pkg/pensieve
-for folder in actors kernels models store ops; do ln -sfn "$PWD/$folder" "/tmp/pkg/pensieve/$folder"; done
-export PYTHONPATH="/tmp/pkg:/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
+# one package folder per source tree, so that builds run side by side (gpu_pair.sh, or the
+# before@/last@ variants of gpu_actors.sh) never import each other's modules
+pkg=/tmp/pkg/$(printf %s "$PWD" | md5sum | cut -c1-12)
+mkdir -p "$pkg/pensieve"
+for folder in actors kernels models store ops; do ln -sfn "$PWD/$folder" "$pkg/pensieve/$folder"; done
+export PYTHONPATH="$pkg:/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
 export PYTHONUNBUFFERED=1

@@ -29,17 +29,18 @@ work=(--num-conversations "${CONVS:-160}" --max-turns "${TURNS:-4}" --max-tokens
 
 for label in "$@"; do
     policy=${label%+http}
-    port=$((4300 + RANDOM % 500))
+    port=$((${PORT_BASE:-4300} + RANDOM % 500))
     http=()
     client=(--nats-url "nats://127.0.0.1:$port")
     if [ "$policy" != "$label" ]; then
-        http=(--http-port $((8100 + RANDOM % 500)))
+        http=(--http-port $((port + 2000)))
         client=(--http "http://127.0.0.1:${http[1]}/v1")
     fi
-    rm -rf "/tmp/gpu_sweep_$label"
+    data="${TMPDIR:-/tmp}/gpu_sweep_$label"
+    rm -rf "$data"
     # shellcheck disable=SC2086  # $model and $tiers are lists of options
     python3 -m pensieve.ops.cli serve --insecure --policy "$policy" $model $tiers "${http[@]}" \
-        --nats-port "$port" --data-dir "/tmp/gpu_sweep_$label" > "$out/serve_$label.txt" 2>&1 &
+        --nats-port "$port" --data-dir "$data" > "$out/serve_$label.txt" 2>&1 &
     server=$!
     for _ in $(seq 900); do
         grep -q 'serving on' "$out/serve_$label.txt" && break

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Two one-GPU jobs at once on a machine of two GPUs, each on a card of its own: a device
+# minute of such a machine then measures two things. Each job is a command line (run by bash
+# from the repository root) that sees one GPU (CUDA_VISIBLE_DEVICES), writes under $OUT, and
+# keeps its servers, ports and scratch files apart from the other's (LOGS, TMPDIR, PORT_BASE).
+# The wheels are installed once, before both start (the jobs get WHEELS_DIR=none).
+#
+#   bash benchmarks/gpu_pair.sh OUT_DIR 'JOB ON GPU 0' 'JOB ON GPU 1'
+#   bash benchmarks/gpu_pair.sh /tmp/pair \
+#       'VARIANTS="before direct" bash benchmarks/gpu_actors.sh $OUT 64 128' \
+#       'PROBE=0.1 VARIANTS=procs bash benchmarks/gpu_actors.sh $OUT 128'
+#
+# A comparison belongs inside one job (the same card, one after the other): the two jobs share
+# the host's cores and memory bandwidth, which each job's own figures say nothing of. Prints
+# each job's last lines when both have ended.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: gpu_pair.sh OUT_DIR 'JOB ON GPU 0' 'JOB ON GPU 1'}
+jobs=("${2:?the job on GPU 0}" "${3:?the job on GPU 1}")
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+# shellcheck source=benchmarks/gpu_env.sh
+source benchmarks/gpu_env.sh
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+pids=()
+for gpu in 0 1; do
+    dir=$out/gpu$gpu
+    mkdir -p "$dir/logs" "$dir/tmp"
+    CUDA_VISIBLE_DEVICES=$gpu OUT=$dir LOGS=$dir/logs TMPDIR=$dir/tmp \
+        PORT_BASE=$((4300 + 1000 * gpu)) WHEELS_DIR=none \
+        bash -c "${jobs[$gpu]}" > "$dir/job.txt" 2>&1 &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do
+    wait "$pid" || status=1
+done
+for gpu in 0 1; do
+    echo
+    echo "== GPU $gpu: ${jobs[$gpu]}"
+    tail -"${TAIL:-16}" "$out/gpu$gpu/job.txt"
+done
+exit $status
