@@ -216,7 +216,7 @@ class ChatService:
             raise ApiError("overloaded", f"{self.max_waiting} turns are waiting already; retry")
         new = request.conversation_id is None
         if new:
-            stateless = request.messages is not None
+            stateless = request.messages is not None or request.prompt is not None
             conv = _Conversation(self.new_id(), [], [], 0, stateless=stateless, tenant=tenant)
         else:
             conv = self._conversation(request.conversation_id or "", tenant)
@@ -227,6 +227,9 @@ class ChatService:
                 raise _ended(conv.conv_id)
         if request.messages is not None:
             messages = list(request.messages)
+        elif request.prompt is not None:  # stored as the turn's message: the text, if given
+            text = request.prompt if isinstance(request.prompt, str) else ""
+            messages = [{"role": "user", "content": text}]
         else:
             messages = [*conv.messages, {"role": "user", "content": request.message or ""}]
         conv.busy = True
@@ -260,6 +263,11 @@ class ChatService:
         if self._closed is not None:
             self._free(reservation)
             raise self._closed
+        ids = request.prompt if isinstance(request.prompt, tuple) else ()  # given by the client
+        if ids and max(ids) >= self.chat.vocab_size:
+            self._free(reservation)
+            raise ApiError("invalid_request", "'prompt' holds token ids outside the model's "
+                           f"vocabulary (0 to {self.chat.vocab_size - 1})")  # fmt: skip
         room = self.max_context - len(prompt)
         if room < 1:
             self._free(reservation)

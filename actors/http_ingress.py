@@ -1,6 +1,7 @@
 """The HTTP ingress actor: OpenAI's chat-completions API over HTTP, in front of the NATS one.
 
     POST /v1/chat/completions   whole or streamed (server-sent events) replies
+    POST /v1/completions        the same for a raw prompt (no chat template; one turn)
     GET  /v1/models             the model served
     GET  /health                200 while this engine's ingress and scheduler answer, else 503
     GET  /metrics               the scheduler's Prometheus metrics (`actors/metrics.py`)
@@ -87,6 +88,7 @@ class HttpIngressActor(Actor):
     async def setup(self) -> None:
         app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -109,8 +111,18 @@ class HttpIngressActor(Actor):
         tenant = self._tenant(request)
         asked = openai_api.to_chat(await request.read(), self.config.model,
                                    request.headers.get(CONVERSATION_HEADER))  # fmt: skip
+        return await self._answer(request, asked, tenant, "POST /v1/chat/completions")
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        asked = openai_api.to_text_completion(await request.read(), self.config.model)
+        return await self._answer(request, asked, tenant, "POST /v1/completions")
+
+    async def _answer(
+        self, request: web.Request, asked: Completion, tenant: str | None, name: str
+    ) -> web.StreamResponse:
         tracer = tracing.tracer("http-ingress")
-        with tracer.start_as_current_span("POST /v1/chat/completions", kind=SpanKind.SERVER):
+        with tracer.start_as_current_span(name, kind=SpanKind.SERVER):
             first, answer = await self._first(asked, tenant)
             async with aclosing(answer) as messages:
                 if not asked.stream:
@@ -126,7 +138,7 @@ class HttpIngressActor(Actor):
         if that one is busy or gone, the chat starts a new conversation instead."""
         chat = asked.chat
         guess = None
-        if "conversation_id" not in chat:
+        if "messages" in chat and "conversation_id" not in chat:
             guess = self.index.find(tenant, chat["messages"])
         headers: dict[str, str] = {}
         propagate.inject(headers)  # the NATS ingress's span goes under this one
@@ -167,11 +179,11 @@ class HttpIngressActor(Actor):
         message = first
         try:
             await response.prepare(request)
-            await response.write(openai_api.event(
-                openai_api.chunk(asked, {"role": "assistant", "content": ""})))  # fmt: skip
+            for opening in openai_api.first_chunks(asked):
+                await response.write(openai_api.event(opening))
             try:
                 while "delta" in message:
-                    delta = openai_api.chunk(asked, {"content": message["delta"]})
+                    delta = openai_api.chunk(asked, message["delta"])
                     await response.write(openai_api.event(delta))
                     message = await self._next(messages)
                 self._remember(asked, tenant, message)

@@ -59,12 +59,14 @@ def decode(data: bytes, cls: type[_M]) -> _M:
 @dataclasses.dataclass(frozen=True)
 class RenderRequest:
     """To the tokenizer (`render`): the chat template over a whole conversation, ending with the
-    assistant's turn opening."""
+    assistant's turn opening; or, with `prompt` (and no messages), a raw completion's text
+    encoded as it is."""
 
     messages: tuple[dict[str, str], ...]  # each exactly {"role": str, "content": str}
     # the longest prompt the engine takes: a longer one is refused `too_long` by the replica,
     # rather than sent back (its ids may not fit in one NATS message)
     max_tokens: int | None = None
+    prompt: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.messages, list | tuple) or not all(
@@ -73,12 +75,16 @@ class RenderRequest:
             raise MessageError("RenderRequest: messages must be a list of {role, content} strings")
         if not (self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1)):
             raise MessageError("RenderRequest: max_tokens must be null or >= 1")
+        if self.prompt is not None and (not isinstance(self.prompt, str) or self.messages):
+            raise MessageError("RenderRequest: prompt must be a string, given without messages")
         object.__setattr__(self, "messages", tuple(self.messages))  # decoded, it is a list
 
     def encode(self) -> bytes:
         body: dict[str, Any] = {"v": VERSION, "messages": self.messages}
         if self.max_tokens is not None:
             body["max_tokens"] = self.max_tokens
+        if self.prompt is not None:
+            body["prompt"] = self.prompt
         return orjson.dumps(body)
 
 

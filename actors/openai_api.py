@@ -1,11 +1,12 @@
-"""OpenAI's chat-completions API in terms of Pensieve's client API (no I/O).
+"""OpenAI's chat-completions and completions APIs in terms of Pensieve's client API (no I/O).
 
 The HTTP ingress (`actors/http_ingress.py`) turns each `POST /v1/chat/completions` into one
-`pensieve.v1.chat` request (`to_chat`), and the replies and streamed deltas that come back into
-OpenAI's response, chunk and error bodies. Where OpenAI is silent this follows vLLM: `ignore_eos`
-and `return_token_ids` are accepted as extra fields (and Pensieve's `final`: the conversation
-ends after this turn), and an unsupported sampling option is
-refused, never ignored.
+`pensieve.v1.chat` request (`to_chat`), each `POST /v1/completions` into one with a raw `prompt`
+(`to_text_completion`: no chat template, one turn), and the replies and streamed deltas that
+come back into OpenAI's response, chunk and error bodies. Where OpenAI is silent this follows
+vLLM: `ignore_eos` and `return_token_ids` are accepted as extra fields (and Pensieve's `final`:
+the conversation ends after this turn), and an unsupported sampling option is refused, never
+ignored.
 
 Statefulness: a request that names its conversation (the field `conversation_id`, or the header
 `X-Conversation-Id`) with one user message in `messages` appends that message to it; with more
@@ -109,15 +110,13 @@ class Completion:
     return_token_ids: bool  # the reply's token ids in the choice (vLLM's extra field)
     id: str
     created: int
+    text: bool = False  # a completion of a raw prompt (`/v1/completions`), not of a chat
 
 
 def to_chat(data: bytes, model: str, conversation_header: str | None) -> Completion:
     """Parse a `POST /v1/chat/completions` body for the model served as `model`."""
     body = _object(data)
-    asked = body.get("model", model)
-    if asked != model:
-        raise OpenAIError(404, f"The model `{asked}` does not exist.", "invalid_request_error",
-                          "model_not_found", "model")  # fmt: skip
+    _check_model(body, model)
     for name, harmless in _UNSUPPORTED.items():
         if name in body and body[name] not in harmless:
             raise invalid(f"'{name}' is not supported by this server", name)
@@ -142,12 +141,63 @@ def to_chat(data: bytes, model: str, conversation_header: str | None) -> Complet
     for name in ("top_p", "seed", "stop", "ignore_eos", "final"):
         if body.get(name) is not None:
             chat[name] = body[name]
+    return Completion(chat, model, stream, _include_usage(body), _flag(body, "return_token_ids"),
+                      f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))  # fmt: skip
+
+
+def _check_model(body: dict[str, Any], model: str) -> None:
+    asked = body.get("model", model)
+    if asked != model:
+        raise OpenAIError(404, f"The model `{asked}` does not exist.", "invalid_request_error",
+                          "model_not_found", "model")  # fmt: skip
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    """stream_options.include_usage: a last chunk with the usage."""
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise invalid("'stream_options' must be an object", "stream_options")
-    return Completion(chat, model, stream, bool(options.get("include_usage")),
-                      _flag(body, "return_token_ids"), f"chatcmpl-{uuid.uuid4().hex}",
-                      int(time.time()))  # fmt: skip
+    return bool(options.get("include_usage"))
+
+
+# `/v1/completions` options with no engine behind them, and the value that asks for nothing
+_TEXT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "echo": (None, False), "logprobs": (None, 0), "suffix": (None, ""), "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+}  # fmt: skip
+TEXT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for a completion
+
+
+def to_text_completion(data: bytes, model: str) -> Completion:
+    """Parse a `POST /v1/completions` body for the model served as `model`: one prompt (text,
+    or token ids), completed as it is and forgotten after (its KV freed at once)."""
+    body = _object(data)
+    _check_model(body, model)
+    for name, harmless in _TEXT_UNSUPPORTED.items():
+        if name in body and body[name] not in harmless:
+            raise invalid(f"'{name}' is not supported by this server", name)
+    if body.get("n", 1) != 1:
+        raise invalid("only n=1 is supported", "n")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
+                                        all(type(t) is int for t in prompt))):  # fmt: skip
+        raise invalid("'prompt' must be a string or an array of token ids (one prompt; a batch "
+                      "of several is not supported)", "prompt")  # fmt: skip
+    stream = _flag(body, "stream")
+    max_tokens = body.get("max_tokens")
+    chat: dict[str, Any] = {
+        "prompt": prompt, "stream": stream,
+        "max_tokens": TEXT_MAX_TOKENS if max_tokens is None else max_tokens,
+        "temperature": body.get("temperature", 1.0),  # OpenAI's default
+    }  # fmt: skip
+    for name in ("top_p", "seed", "stop", "ignore_eos"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    return Completion(chat, model, stream, _include_usage(body), _flag(body, "return_token_ids"),
+                      f"cmpl-{uuid.uuid4().hex}", int(time.time()), text=True)  # fmt: skip
 
 
 def usage(reply: dict[str, Any]) -> dict[str, Any]:
@@ -167,41 +217,62 @@ def usage(reply: dict[str, Any]) -> dict[str, Any]:
 
 
 def completion(request: Completion, reply: dict[str, Any]) -> dict[str, Any]:
-    """The `chat.completion` object of a whole reply."""
-    choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
-                              "content": reply["text"]}, "logprobs": None,
+    """The `chat.completion` (or `text_completion`) object of a whole reply."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None,
                               "finish_reason": reply["finish_reason"]}  # fmt: skip
+    if request.text:
+        choice["text"] = reply["text"]
+    else:
+        choice["message"] = {"role": "assistant", "content": reply["text"]}
     if request.return_token_ids:
         choice["token_ids"] = reply["token_ids"]
-    return {"id": request.id, "object": "chat.completion", "created": request.created,
-            "model": request.model, "choices": [choice], "usage": usage(reply),
-            "conversation_id": reply["conversation_id"]}  # fmt: skip
+    body = {"id": request.id, "object": "text_completion" if request.text else "chat.completion",
+            "created": request.created, "model": request.model, "choices": [choice],
+            "usage": usage(reply)}  # fmt: skip
+    if not request.text:  # a raw completion's conversation has ended with it
+        body["conversation_id"] = reply["conversation_id"]
+    return body
+
+
+def first_chunks(request: Completion) -> list[dict[str, Any]]:
+    """The chunks that open a stream: the assistant's role (a chat's only)."""
+    return [] if request.text else [chunk(request, "", role=True)]
 
 
 def chunk(
     request: Completion,
-    delta: dict[str, Any],
+    text: str,
     finish_reason: str | None = None,
     token_ids: list[int] | None = None,
+    role: bool = False,
 ) -> dict[str, Any]:
-    """One `chat.completion.chunk` of a streamed reply."""
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
-                              "finish_reason": finish_reason}  # fmt: skip
+    """One `chat.completion.chunk` (or `text_completion` chunk) of a streamed reply: `text`
+    more of it, with the assistant's `role` in a chat's first."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    if request.text:
+        choice["text"] = text
+    else:
+        opening = {"role": "assistant"} if role else {}
+        choice["delta"] = {**opening, "content": text} if text or role else {}
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": request.id, "object": "chat.completion.chunk", "created": request.created,
+    return {"id": request.id, "object": _chunk_object(request), "created": request.created,
             "model": request.model, "choices": [choice]}  # fmt: skip
 
 
 def last_chunks(request: Completion, reply: dict[str, Any]) -> list[dict[str, Any]]:
     """The chunks that end a stream: the finish reason, then the usage if it was asked for."""
     ids = reply["token_ids"] if request.return_token_ids else None
-    chunks = [chunk(request, {}, reply["finish_reason"], ids)]
+    chunks = [chunk(request, "", reply["finish_reason"], ids)]
     if request.include_usage:
-        chunks.append({"id": request.id, "object": "chat.completion.chunk",
+        chunks.append({"id": request.id, "object": _chunk_object(request),
                        "created": request.created, "model": request.model, "choices": [],
                        "usage": usage(reply)})  # fmt: skip
     return chunks
+
+
+def _chunk_object(request: Completion) -> str:
+    return "text_completion" if request.text else "chat.completion.chunk"
 
 
 def event(body: dict[str, Any]) -> bytes:

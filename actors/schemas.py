@@ -52,12 +52,16 @@ class ChatRequest:
     stream: bool = False
     final: bool = False  # the conversation ends after this turn
     timeout_s: float | None = None  # cancelled if not done this long after it arrived
+    # a raw completion instead of a chat: text the tokenizer encodes as it is (no chat template),
+    # or the prompt's token ids; its conversation ends after the turn
+    prompt: str | tuple[int, ...] | None = None
 
 
 _CHAT_FIELDS = frozenset({
     "conversation_id", "message", "messages", "max_tokens", "temperature", "top_p", "seed",
-    "stop", "ignore_eos", "stream", "final", "timeout_s",
+    "stop", "ignore_eos", "stream", "final", "timeout_s", "prompt",
 })  # fmt: skip
+MAX_PROMPT_TOKEN = (1 << 31) - 1  # a token id past the model's vocabulary is refused later
 
 
 def load_object(data: bytes) -> dict[str, Any]:
@@ -136,16 +140,21 @@ def parse_chat(data: bytes) -> ChatRequest:
     conv_id = body.get("conversation_id")
     if conv_id is not None:
         conv_id = conversation_id(body)
-    has_message, has_messages = "message" in body, "messages" in body
-    if has_message == has_messages:
-        raise ApiError("invalid_request", "give exactly one of 'message' or 'messages'")
-    message = messages = None
-    if has_message:
+    given = [name for name in ("message", "messages", "prompt") if name in body]
+    if len(given) != 1:
+        raise ApiError("invalid_request", "give exactly one of 'message', 'messages' or 'prompt'")
+    message = messages = prompt = None
+    if given == ["message"]:
         message = body["message"]
         if not isinstance(message, str) or not message:
             raise ApiError("invalid_request", "'message' must be a non-empty string")
-    else:
+    elif given == ["messages"]:
         messages = _messages(body["messages"])
+    else:
+        prompt = _prompt(body["prompt"])
+        if conv_id is not None:
+            raise ApiError("invalid_request", "a 'prompt' continues no conversation: leave out "
+                           "'conversation_id'")  # fmt: skip
     return ChatRequest(
         conversation_id=conv_id,
         message=message,
@@ -157,11 +166,26 @@ def parse_chat(data: bytes) -> ChatRequest:
         stop=_stop(body.get("stop", [])),
         ignore_eos=_bool(body, "ignore_eos"),
         stream=_bool(body, "stream"),
-        final=_bool(body, "final"),
+        final=_bool(body, "final") or prompt is not None,  # a raw completion is one turn
         timeout_s=None
         if body.get("timeout_s") is None
         else _float(body, "timeout_s", 0.0, low=0.0, high=MAX_TIMEOUT_S, open_low=True),
+        prompt=prompt,
     )
+
+
+def _prompt(value: object) -> str | tuple[int, ...]:
+    """A raw completion's prompt: non-empty text, or a non-empty array of token ids."""
+    if isinstance(value, str) and value:
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(type(t) is int and 0 <= t <= MAX_PROMPT_TOKEN for t in value)
+    ):
+        return tuple(value)
+    raise ApiError("invalid_request", "'prompt' must be a non-empty string or a non-empty array "
+                   "of token ids")  # fmt: skip
 
 
 def conversation_id(body: dict[str, Any]) -> str:

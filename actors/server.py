@@ -40,7 +40,7 @@ from pensieve.actors.bus import (
     Incoming,
     ServiceInfo,
 )
-from pensieve.actors.chat_service import ChatService
+from pensieve.actors.chat_service import ChatService, Reservation
 from pensieve.actors.executor import Launch
 from pensieve.actors.kv_events import KvEventStream
 from pensieve.actors.messages import DetokenizeRequest, KvEvent, encode_kv_events
@@ -368,8 +368,7 @@ class ChatServer:
         # rendered in a tokenizer replica (this engine's), not between two engine steps; the
         # recompute planner is asked meanwhile, for a conversation with history
         longest = service.max_context - 1  # a prompt leaves room for one token at least
-        render = render_remote(self.bus, self.engine_id, reservation.messages, RENDER_TIMEOUT_S,
-                               longest)  # fmt: skip
+        render = _render(self.bus, self.engine_id, reservation, longest)
         try:
             if reservation.new:
                 prompt, plan = await render, None
@@ -483,6 +482,17 @@ class ChatServer:
         # objects frozen out of garbage collection (`pensieve serve` freezes its start-up heap)
         process = {"gc_frozen_objects": gc.get_freeze_count()}
         await msg.send(orjson.dumps({"engine_id": self.engine_id, **stats, "process": process}))
+
+
+async def _render(bus: Bus, engine_id: str, reservation: Reservation, longest: int) -> list[int]:
+    """The turn's prompt ids: its messages through the chat template, or a raw completion's
+    text encoded as it is (both by a tokenizer replica), or the ids the client gave."""
+    prompt = reservation.request.prompt
+    if isinstance(prompt, tuple):
+        return list(prompt)
+    if prompt is not None:
+        return await render_remote(bus, engine_id, [], RENDER_TIMEOUT_S, longest, prompt)
+    return await render_remote(bus, engine_id, reservation.messages, RENDER_TIMEOUT_S, longest)
 
 
 def _tenant(msg: Incoming) -> str | None:

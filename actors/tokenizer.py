@@ -35,6 +35,14 @@ class ChatTokenizer:
             ids = ids["input_ids"]
         return [int(t) % self.vocab_size for t in ids]
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw completion's prompt: the text as it is, with no chat template,
+        and the special tokens the tokenizer adds to any input (a beginning-of-sequence token,
+        for some); control tokens' strings in it are the tokens (the client writes the whole
+        prompt, as for vLLM's completions)."""
+        ids = self.tokenizer.encode(text, add_special_tokens=True)
+        return [int(t) % self.vocab_size for t in ids]
+
     def _render_in_segments(self, messages: Sequence[ChatMessage]) -> list[int]:
         """The template rendered around placeholders, its own text tokenized with control tokens
         and each message's text without. Taken only when some message holds a control token's

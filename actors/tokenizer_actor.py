@@ -121,8 +121,12 @@ class TokenizerActor(Actor):
         except MessageError as error:
             raise ApiError("invalid_request", str(error)) from None
         loop = asyncio.get_running_loop()
+        if request.prompt is not None:  # a raw completion: no template
+            render, given = self.chat.encode_prompt, request.prompt
+        else:
+            render, given = self.chat.render, request.messages
         try:
-            ids = await loop.run_in_executor(self._worker, self.chat.render, request.messages)
+            ids = await loop.run_in_executor(self._worker, render, given)
         except Exception as error:  # the template's own checks (role order, ...)
             raise ApiError("invalid_request", f"the chat template refused the messages: "
                            f"{type(error).__name__}: {error}") from None  # fmt: skip
@@ -164,11 +168,13 @@ async def render_remote(
     messages: Sequence[ChatMessage],
     timeout: float,
     max_tokens: int | None = None,
+    prompt: str | None = None,
 ) -> list[int]:
-    """The prompt token ids of `messages`, rendered by one of engine `engine_id`'s tokenizer
-    replicas, in the caller's trace (resent as `_ask_replica` says). A template that refuses
-    the messages: ApiError("invalid_request"); a prompt over `max_tokens`: ApiError("too_long")."""
-    body = RenderRequest(tuple(messages), max_tokens).encode()
+    """The prompt token ids of `messages` (or of a raw `prompt`, encoded as it is, given with
+    no messages), rendered by one of engine `engine_id`'s tokenizer replicas, in the caller's
+    trace (resent as `_ask_replica` says). A template that refuses the messages:
+    ApiError("invalid_request"); a prompt over `max_tokens`: ApiError("too_long")."""
+    body = RenderRequest(tuple(messages), max_tokens, prompt).encode()
     answer = await _ask_replica(bus, engine_id, RENDER, body, timeout)
     try:
         return decode(answer, RenderReply).token_ids

@@ -208,6 +208,43 @@ def test_greedy_tokens_equal_those_of_the_nats_api(server, alice) -> None:
     assert text == replies[1]["text"]
 
 
+def test_completions_of_a_raw_prompt_equal_those_of_the_nats_api(server, alice) -> None:
+    """`/v1/completions` (what `vllm bench serve` drives by default): the prompt completed as it
+    is, whole and streamed, with the tokens of a `prompt` request over NATS."""
+    api, prompt = client(server, alice), "The three primary colors are"
+    whole = api.completions.create(model=MODEL, prompt=prompt, extra_body=TOKEN_IDS, **GREEDY)
+    assert whole.object == "text_completion" and whole.choices[0].text
+    text, usage, ids = "", None, []
+    for chunk in api.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                        stream_options={"include_usage": True},
+                                        extra_body=TOKEN_IDS, **GREEDY):  # fmt: skip
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text += choice.text
+            ids += (choice.model_extra or {}).get("token_ids") or []
+    assert text == whole.choices[0].text and ids == whole.choices[0].model_extra["token_ids"]
+    assert usage is not None and usage.prompt_tokens == whole.usage.prompt_tokens
+
+    async def over_nats() -> dict[str, Any]:
+        nc = await nats.connect(**alice["nats"])
+        try:
+            body = {"prompt": prompt, "max_tokens": GREEDY["max_tokens"]}
+            return dict(orjson.loads((await nc.request(subjects.CHAT, orjson.dumps(body),
+                                                       timeout=120)).data))  # fmt: skip
+        finally:
+            await nc.close()
+
+    reply = asyncio.run(over_nats())
+    assert ids == reply["token_ids"] and text == reply["text"]
+    # OpenAI's default length of a completion; a batch of prompts or `echo` is refused
+    default = api.completions.create(model=MODEL, prompt=prompt, extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16
+    status, body = error_of(lambda: api.completions.create(model=MODEL, prompt=[prompt, "Hi"]))
+    assert status == 400 and body["param"] == "prompt"
+    status, body = error_of(lambda: api.completions.create(model=MODEL, prompt=prompt, echo=True))
+    assert status == 400 and body["param"] == "echo"
+
+
 def error_of(call: Any) -> tuple[int, dict[str, Any]]:
     with pytest.raises(openai.APIStatusError) as raised:
         call()

@@ -368,6 +368,40 @@ def test_a_stateless_client_resending_its_history_hits_the_cache(server, referen
     assert sum(again["usage"]["cached_tokens"].values()) > 0
 
 
+def test_a_raw_prompt_is_completed_as_transformers_completes_it(server, smollm2_chat) -> None:
+    """`prompt` (a raw completion, no chat template): the text is encoded as it is, the greedy
+    reply is transformers' on those ids, the same ids given as a list give the same reply, and
+    the one-turn conversation it made has ended (its KV freed)."""
+    from transformers import AutoModelForCausalLM
+
+    from pensieve.models.assets import smollm2_gguf_path
+
+    text = "The three primary colors are"
+    ids = smollm2_chat.tokenizer.encode(text, add_special_tokens=True)
+    by_text = chat(server, prompt=text, max_tokens=12)
+    by_ids = chat(server, prompt=ids, max_tokens=12)
+    assert by_text["usage"]["prompt_tokens"] == len(ids) == by_ids["usage"]["prompt_tokens"]
+    assert by_text["token_ids"] == by_ids["token_ids"] and by_text["text"] == by_ids["text"]
+    assert by_text["final"] is True
+    gguf = smollm2_gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    want = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                              eos_token_id=2, pad_token_id=2)[0, len(ids) :].tolist()  # fmt: skip
+    assert by_text["token_ids"] == want
+    replies, headers = ask(server, subjects.CHAT, {"conversation_id": by_text["conversation_id"],
+                                                   "message": "And?"})  # fmt: skip
+    assert headers[ERROR_HEADER] and "ended" in replies[-1]["error"]["message"]
+    for body, why in (({"prompt": ""}, "non-empty"), ({"prompt": [1, "a"]}, "token ids"),
+                      ({"prompt": [10**9]}, "vocabulary"),
+                      ({"prompt": "x", "message": "y"}, "exactly one"),
+                      ({"prompt": "x", "conversation_id": by_ids["conversation_id"]},
+                       "continues no conversation")):  # fmt: skip
+        replies, headers = ask(server, subjects.CHAT, body)
+        assert why in replies[-1]["error"]["message"], (body, replies)
+
+
 def test_a_stop_string_ends_the_reply_before_it(server) -> None:
     full = chat(server, message=CHAT[0], max_tokens=MAX_TOKENS)["text"]
     middle = len(full) // 2
