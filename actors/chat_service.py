@@ -787,7 +787,7 @@ def _is_expired(meta: ConversationMeta, expiry: ExpiryConfig, now: float) -> boo
 def genai_request(conv_id: str, request: ChatRequest, sampling: SamplingParams) -> dict[str, Any]:
     """The OpenTelemetry GenAI semantic-convention attributes of a chat request."""
     attributes = {
-        "gen_ai.operation.name": "chat",
+        "gen_ai.operation.name": "chat" if request.prompt is None else "text_completion",
         "gen_ai.provider.name": "pensieve",
         "gen_ai.system": "pensieve",  # the older name of gen_ai.provider.name
         "gen_ai.conversation.id": conv_id,
