@@ -368,7 +368,9 @@ def test_a_stateless_client_resending_its_history_hits_the_cache(server, referen
     assert sum(again["usage"]["cached_tokens"].values()) > 0
 
 
-def test_a_raw_prompt_is_completed_as_transformers_completes_it(server, smollm2_chat) -> None:
+def test_a_raw_prompt_is_completed_as_transformers_completes_it(
+    server, smollm2_chat, spans
+) -> None:
     """`prompt` (a raw completion, no chat template): the text is encoded as it is, the greedy
     reply is transformers' on those ids, the same ids given as a list give the same reply, and
     the one-turn conversation it made has ended (its KV freed)."""
@@ -383,6 +385,12 @@ def test_a_raw_prompt_is_completed_as_transformers_completes_it(server, smollm2_
     assert by_text["usage"]["prompt_tokens"] == len(ids) == by_ids["usage"]["prompt_tokens"]
     assert by_text["token_ids"] == by_ids["token_ids"] and by_text["text"] == by_ids["text"]
     assert by_text["final"] is True
+    traced = {
+        s.attributes.get("gen_ai.operation.name")
+        for s in spans.get_finished_spans()
+        if s.attributes.get("gen_ai.conversation.id") == by_text["conversation_id"]
+    }
+    assert traced == {"text_completion"}
     gguf = smollm2_gguf_path()
     reference = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
