@@ -39,12 +39,19 @@ _ERRORS = {
     "unavailable": (503, "server_error"),
     "internal": (500, "server_error"),
 }
+# vLLM's extra sampling fields, which clients of vLLM send (`vllm bench serve`: a repetition
+# penalty of 1), and the value that asks for nothing
+_VLLM_SAMPLING: dict[str, tuple[object, ...]] = {
+    "repetition_penalty": (None, 1, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+}  # fmt: skip
 # options of OpenAI's API the engine has no way to honour, and the value that asks for nothing
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}), "audio": (None,), "prediction": (None,),
+    **_VLLM_SAMPLING,
 }  # fmt: skip
 
 
@@ -164,7 +171,7 @@ def _include_usage(body: dict[str, Any]) -> bool:
 _TEXT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "echo": (None, False), "logprobs": (None, 0), "suffix": (None, ""), "best_of": (None, 1),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
+    "logit_bias": (None, {}), **_VLLM_SAMPLING,
 }  # fmt: skip
 TEXT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for a completion
 

@@ -15,6 +15,7 @@ from pensieve.actors.openai_api import (
     from_reply_error,
     last_chunks,
     to_chat,
+    to_text_completion,
     usage,
 )
 from pensieve.actors.schemas import MAX_TOKENS_LIMIT, ApiError, parse_chat
@@ -135,3 +136,37 @@ def test_bearer_tokens() -> None:
         with pytest.raises(OpenAIError) as refused:
             bearer_token(header)
         assert refused.value.status == 401
+
+
+def test_a_completion_is_one_raw_prompt_with_openai_defaults() -> None:
+    """`/v1/completions`: the prompt (text or ids, or a batch of one) as a client API `prompt`
+    request, 16 tokens by default; vLLM's no-op sampling fields pass, a real ask is refused."""
+    asked = to_text_completion(orjson.dumps({"model": "m", "prompt": "Once",
+                                             "repetition_penalty": 1.0}), "m")  # fmt: skip
+    assert asked.text and asked.id.startswith("cmpl-")
+    assert asked.chat == {"prompt": "Once", "stream": False, "max_tokens": 16,
+                          "temperature": 1.0}  # fmt: skip
+    request = parse_chat(orjson.dumps(asked.chat))
+    assert request.prompt == "Once" and request.final and request.conversation_id is None
+    ids = to_text_completion(orjson.dumps({"prompt": [[1, 2, 3]], "max_tokens": 4}), "m")
+    assert parse_chat(orjson.dumps(ids.chat)).prompt == (1, 2, 3)
+    for body, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": []}, "prompt"),
+                        ({"prompt": "a", "echo": True}, "echo"),
+                        ({"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty"),
+                        ({"prompt": "a", "best_of": 2}, "best_of")):  # fmt: skip
+        with pytest.raises(OpenAIError) as refused:
+            to_text_completion(orjson.dumps(body), "m")
+        assert refused.value.status == 400 and refused.value.param == param, body
+
+
+def test_a_completions_chunks_and_reply_carry_text() -> None:
+    body = {"prompt": "Once", "stream": True, "stream_options": {"include_usage": True}}
+    asked = to_text_completion(orjson.dumps(body), "m")
+    whole = completion(asked, REPLY)
+    assert whole["object"] == "text_completion" and whole["choices"][0]["text"] == "Hello"
+    assert "conversation_id" not in whole  # a raw completion's conversation has ended
+    finish, usage_chunk = last_chunks(asked, REPLY)
+    assert finish["object"] == usage_chunk["object"] == "text_completion"
+    assert finish["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop",
+                                    "text": ""}  # fmt: skip
+    assert usage_chunk["usage"]["prompt_tokens"] == 100 and usage_chunk["choices"] == []
