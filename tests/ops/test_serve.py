@@ -738,19 +738,23 @@ def test_a_cpu_engine_thread_runs_torch_on_the_threads_it_is_given(
 
 
 def _wait_until_served(url: str, within_s: float = 60.0) -> None:
-    """Ask until the server answers (after a NATS restart it reconnects on its own schedule)."""
+    """Ask until the server answers (after a NATS restart each actor reconnects on its own
+    schedule: "no responders" until the ingress has subscribed again, `unavailable` from the
+    ingress until the scheduler has)."""
 
     async def wait() -> None:
         client = await nats.connect(url)
         try:
             deadline = time.monotonic() + within_s
             while True:
-                try:  # "no responders" until the server has subscribed again
-                    await client.request(subjects.CONVERSATIONS_LIST, b"{}", timeout=1.0)
-                    return
+                try:
+                    answer = await client.request(subjects.CONVERSATIONS_LIST, b"{}", timeout=1.0)
+                    if ERROR_HEADER not in (answer.headers or {}):
+                        return
                 except nats.errors.Error:
-                    assert time.monotonic() < deadline, f"no answer on {url} in {within_s} s"
-                    await asyncio.sleep(0.2)
+                    pass
+                assert time.monotonic() < deadline, f"no answer on {url} in {within_s} s"
+                await asyncio.sleep(0.2)
         finally:
             await client.close()
 
@@ -778,6 +782,7 @@ def test_the_server_rides_out_a_nats_restart_and_stops_while_nats_is_down(
                 replies, headers = ask(second_nats.url, subjects.CHAT, body)
                 if headers.get(ERROR_HEADER) != "unavailable":
                     break
+                time.sleep(1.0)  # as the answer says: retry
             assert ERROR_HEADER not in headers, replies
             second = replies[-1]
     assert first["token_ids"] == reference[0] and second["token_ids"] == reference[1]
