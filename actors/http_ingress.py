@@ -61,6 +61,7 @@ class HttpConfig:
     model: str = "pensieve"  # the name clients give as `model`
     timeout_s: float = 600.0  # silence within an answer after which the request fails
     shutdown_grace_s: float = 20.0  # requests in flight get this long when it stops
+    max_model_len: int | None = None  # the model's context, told by /v1/models (None: unknown)
 
 
 class HttpIngressActor(Actor):
@@ -217,7 +218,8 @@ class HttpIngressActor(Actor):
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         self._tenant(request)
-        return _json(openai_api.models(self.config.model, self.created))
+        return _json(openai_api.models(self.config.model, self.created,
+                                       self.config.max_model_len))  # fmt: skip
 
     async def _version(self, request: web.Request) -> web.StreamResponse:
         return _json({"version": version()})

@@ -290,10 +290,13 @@ def event(body: dict[str, Any]) -> bytes:
 DONE = b"data: [DONE]\n\n"
 
 
-def models(model: str, created: int) -> dict[str, Any]:
-    """`GET /v1/models`: the one model served."""
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                        "owned_by": "pensieve", "root": model}]}  # fmt: skip
+def models(model: str, created: int, max_model_len: int | None = None) -> dict[str, Any]:
+    """`GET /v1/models`: the one model served (with its context, as vLLM's, where known)."""
+    card: dict[str, Any] = {"id": model, "object": "model", "created": created,
+                            "owned_by": "pensieve", "root": model}  # fmt: skip
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len
+    return {"object": "list", "data": [card]}
 
 
 def _object(data: bytes) -> dict[str, Any]:

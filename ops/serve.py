@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pensieve.actors import subjects
@@ -242,9 +242,10 @@ async def _engine_serving(
                 if ingress and front.http is not None:
                     assert front.authenticate is not None, "the HTTP ingress needs its API keys"
                     http_bus = await Bus.connect(nats_url, "pensieve-http", connect)
+                    # the model's context, which /v1/models tells (this process knows it)
+                    http = replace(front.http, max_model_len=service.max_context)
                     await doors.enter_async_context(HttpIngressActor(
-                        http_bus, engine_id, front.http, front.authenticate,
-                        service.metrics.exposition,
+                        http_bus, engine_id, http, front.authenticate, service.metrics.exposition,
                     ))  # fmt: skip
                 if front.metrics_port is not None:
                     await doors.enter_async_context(serve_metrics(
