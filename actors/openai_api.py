@@ -122,13 +122,7 @@ class Completion:
 
 def to_chat(data: bytes, model: str, conversation_header: str | None) -> Completion:
     """Parse a `POST /v1/chat/completions` body for the model served as `model`."""
-    body = _object(data)
-    _check_model(body, model)
-    for name, harmless in _UNSUPPORTED.items():
-        if name in body and body[name] not in harmless:
-            raise invalid(f"'{name}' is not supported by this server", name)
-    if body.get("n", 1) != 1:
-        raise invalid("only n=1 is supported", "n")
+    body = _checked(data, model, _UNSUPPORTED)
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise invalid("only the text response format is supported", "response_format")
@@ -152,11 +146,20 @@ def to_chat(data: bytes, model: str, conversation_header: str | None) -> Complet
                       f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))  # fmt: skip
 
 
-def _check_model(body: dict[str, Any], model: str) -> None:
+def _checked(data: bytes, model: str, unsupported: dict[str, tuple[object, ...]]) -> dict[str, Any]:
+    """The body of a request for the model served as `model`, with none of the `unsupported`
+    options asking for something, and one choice."""
+    body = _object(data)
     asked = body.get("model", model)
     if asked != model:
         raise OpenAIError(404, f"The model `{asked}` does not exist.", "invalid_request_error",
                           "model_not_found", "model")  # fmt: skip
+    for name, harmless in unsupported.items():
+        if name in body and body[name] not in harmless:
+            raise invalid(f"'{name}' is not supported by this server", name)
+    if body.get("n", 1) != 1:
+        raise invalid("only n=1 is supported", "n")
+    return body
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -179,13 +182,7 @@ TEXT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for a completion
 def to_text_completion(data: bytes, model: str) -> Completion:
     """Parse a `POST /v1/completions` body for the model served as `model`: one prompt (text,
     or token ids), completed as it is and forgotten after (its KV freed at once)."""
-    body = _object(data)
-    _check_model(body, model)
-    for name, harmless in _TEXT_UNSUPPORTED.items():
-        if name in body and body[name] not in harmless:
-            raise invalid(f"'{name}' is not supported by this server", name)
-    if body.get("n", 1) != 1:
-        raise invalid("only n=1 is supported", "n")
+    body = _checked(data, model, _TEXT_UNSUPPORTED)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
