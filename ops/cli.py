@@ -185,10 +185,7 @@ def _tenant_parser(commands: Any) -> None:
         "package)",
     )  # fmt: skip
     _accounts_dir_arg(add)
-    add.add_argument(
-        "--nats-url", metavar="URL",
-        help="where the tenant connects (default: the server's own address)",
-    )  # fmt: skip
+    _tenant_url_arg(add)
     _log_arg(add)
     add.set_defaults(run=_tenant_add)
     rotate = actions.add_parser(
@@ -201,10 +198,7 @@ def _tenant_parser(commands: Any) -> None:
     )  # fmt: skip
     rotate.add_argument("name", metavar="NAME", help="the tenant")
     _accounts_dir_arg(rotate)
-    rotate.add_argument(
-        "--nats-url", metavar="URL",
-        help="where the tenant connects (default: the server's own address)",
-    )  # fmt: skip
+    _tenant_url_arg(rotate)
     _log_arg(rotate)
     rotate.set_defaults(run=_tenant_rotate)
     remove = actions.add_parser(
@@ -255,6 +249,13 @@ def _accounts_dir_arg(p: argparse.ArgumentParser) -> None:
         "--data-dir", type=Path, metavar="DIR",
         help="the data dir of the engine, whose nats/ folder holds the accounts (default: "
         "that of pensieve serve)",
+    )  # fmt: skip
+
+
+def _tenant_url_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nats-url", metavar="URL",
+        help="where the tenant connects (default: the server's own address)",
     )  # fmt: skip
 
 
