@@ -304,8 +304,10 @@ def _bench_parser(commands: Any) -> None:
 
 
 def _bench(args: argparse.Namespace, started: float) -> int:
-    from pensieve.ops.sweep import bench
+    from pensieve.ops.sweep import bench, replot
 
+    if args.replot:
+        return replot(args)
     return bench(args, *_client_connection(args))
 
 

@@ -1,18 +1,25 @@
-"""The load client's turns over the OpenAI API (`pensieve bench --http`), with the official
-`openai` client: each turn one streamed chat completion (the first content chunk is the time to
-first token) whose usage comes in a last chunk, the conversation named by the
-`X-Conversation-Id` header, so the load is the same conversations as over NATS and the summary
-(`ops/load.py`) reads the same.
+"""The load client's turns over the OpenAI API (`pensieve bench --http`): each turn one streamed
+chat completion (the first content chunk is the time to first token) whose usage comes in a
+last chunk, the conversation named by the `X-Conversation-Id` header, so the load is the same
+conversations as over NATS and the summary (`ops/load.py`) reads the same.
+
+The stream is read with aiohttp and orjson, as `vllm bench serve` reads it, not with the `openai`
+client: that client builds a typed object of every chunk, and at a few thousand chunks a second
+one load process spends its core on them and sends its arrivals late, which would be charged to
+the server. The tests talk to the server with the official client.
 """
 
 from __future__ import annotations
 
-import inspect
+import asyncio
 import json
 import os
 from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
+
+import aiohttp
+import orjson
 
 from pensieve.actors.bus import Bus
 
@@ -43,20 +50,32 @@ class OpenAIChatClient:
     bus: Bus | None = None  # no management probes or engine stats over HTTP
 
     def __init__(self, base_url: str, api_key: str, model: str | None = None) -> None:
-        from openai import AsyncOpenAI  # the bench extra
-
-        self.api = AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+        self.base_url = base_url
+        self.headers = {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
         self.model = model
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        """One pool of connections, unbounded: the load decides how many turns run at once."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                  headers=self.headers)  # fmt: skip
+        return self._session
 
     async def close(self) -> None:
-        await self.api.close()
+        if self._session is not None:
+            await self._session.close()
 
     async def served_model(self) -> str:
         """`model`, else the first model the server lists."""
         if self.model is None:
-            async for model in self.api.models.list():
-                self.model = model.id
-                break
+            async with self.session().get(f"{self.base_url}/models") as response:
+                if response.status != 200:
+                    raise OSError(f"GET /models answered {response.status}: "
+                                  f"{(await response.text())[:200]}")  # fmt: skip
+                listed = orjson.loads(await response.read()).get("data") or []
+            if listed:
+                self.model = str(listed[0]["id"])
         if self.model is None:
             raise OSError("the server lists no model")
         return self.model
@@ -64,44 +83,66 @@ class OpenAIChatClient:
     async def turn(
         self, body: dict[str, Any], timeout_s: float
     ) -> AsyncGenerator[dict[str, Any], None]:
-        import openai
-
         messages = body.get("messages") or [{"role": "user", "content": body["message"]}]
-        extra = {k: body[k] for k in ("conversation_id", "ignore_eos", "final") if k in body}
+        request: dict[str, Any] = {
+            "model": await self.served_model(), "messages": messages,
+            "max_tokens": body["max_tokens"], "temperature": body.get("temperature", 0.0),
+            "stream": True, "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        request.update(
+            (k, body[k]) for k in ("conversation_id", "ignore_eos", "final") if k in body
+        )
+        usage = None
         try:
-            raw = await self.api.chat.completions.with_raw_response.create(
-                model=await self.served_model(), messages=messages,
-                max_tokens=body["max_tokens"], temperature=body.get("temperature", 0.0),
-                stream=True, stream_options={"include_usage": True}, extra_body=extra,
-                timeout=timeout_s,
-            )  # fmt: skip
-            stream = raw.parse()
-            if inspect.isawaitable(stream):  # openai 1.x: a coroutine
-                stream = await stream
-            usage = None
-            async for chunk in stream:
-                for choice in chunk.choices:
-                    if choice.delta.content:
-                        yield {"delta": choice.delta.content}
-                if chunk.usage is not None:
-                    usage = chunk.usage
-        except openai.APIStatusError as error:
-            found = error.body if isinstance(error.body, dict) else {}
-            yield {"error": {"code": found.get("code") or str(error.status_code),
-                             "message": found.get("message", str(error))}}  # fmt: skip
-            return
-        except openai.APIConnectionError as error:
-            yield {"error": {"code": "unavailable", "message": str(error)}}
+            async with self.session().post(
+                f"{self.base_url}/chat/completions", data=orjson.dumps(request),
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:  # fmt: skip
+                if response.status != 200:
+                    yield {"error": _error(await response.read(), str(response.status))}
+                    return
+                conversation = response.headers[CONVERSATION_HEADER]
+                async for line in response.content:  # server-sent events, one per line
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = orjson.loads(data)
+                    if "error" in chunk:
+                        yield {"error": _error(data, "internal")}
+                        return
+                    for choice in chunk.get("choices") or ():
+                        content = (choice.get("delta") or {}).get("content")
+                        if content:
+                            yield {"delta": content}
+                    usage = chunk.get("usage") or usage
+        except (aiohttp.ClientError, TimeoutError, asyncio.TimeoutError) as error:
+            yield {"error": {"code": "unavailable", "message": repr(error)}}
             return
         if usage is None:
             yield {"error": {"code": "internal", "message": "no usage in the stream"}}
             return
-        details = usage.prompt_tokens_details
-        sources = (details.model_extra or {}).get("sources") if details is not None else None
+        details = usage.get("prompt_tokens_details") or {}
+        sources = details.get("sources")
         if sources is None:  # another server: its cached tokens, as if from the GPU
-            sources = {"gpu": (details.cached_tokens or 0) if details is not None else 0}
+            sources = {"gpu": details.get("cached_tokens") or 0}
         cached = {k: sources.get(k, 0) for k in ("gpu", "cpu", "recomputed")}
-        yield {"conversation_id": raw.headers[CONVERSATION_HEADER],
-               "usage": {"prompt_tokens": usage.prompt_tokens,
-                         "completion_tokens": usage.completion_tokens,
+        yield {"conversation_id": conversation,
+               "usage": {"prompt_tokens": usage["prompt_tokens"],
+                         "completion_tokens": usage["completion_tokens"],
                          "cached_tokens": cached}}  # fmt: skip
+
+
+def _error(data: bytes, status: str) -> dict[str, Any]:
+    """The code and message of an OpenAI-shaped error body (the status where it has none)."""
+    try:
+        found = orjson.loads(data).get("error") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        found = {}
+    if not isinstance(found, dict):
+        found = {"message": str(found)}
+    return {
+        "code": found.get("code") or status,
+        "message": found.get("message") or data[:200].decode(errors="replace"),
+    }

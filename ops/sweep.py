@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                      help="draw normalized latency and TTFT against the request rate")  # fmt: skip
     out.add_argument("--compare", type=Path, nargs="*", default=[], metavar="JSON",
                      help="other sweeps (their --json) to draw beside this one")  # fmt: skip
+    out.add_argument("--replot", action="store_true",
+                     help="load nothing: draw --plot from the --compare sweeps alone")  # fmt: skip
 
 
 def parse_rates(text: str | None) -> list[float]:
@@ -116,8 +118,10 @@ async def sweep(
     think_s: float,
     seed: int,
     window: Window | None = None,
+    on_run: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One run per rate (one closed-loop run without rates), each with a progress bar."""
+    """One run per rate (one closed-loop run without rates), each with a progress bar;
+    `on_run` gets the runs so far after each one (a sweep cut short keeps what it measured)."""
     client, close = await _connect(server)
     total: int | None = None  # with a window: as many as arrive in it
     if window is None:
@@ -134,6 +138,8 @@ async def sweep(
                 else:
                     runs.append(await run_poisson(client, conversations, told, rate, think_s,
                                                   seed, window))  # fmt: skip
+            if on_run is not None:
+                on_run(runs)
     finally:
         await close()
     return runs
@@ -183,6 +189,23 @@ def plot(path: Path, sweeps: dict[str, list[dict[str, Any]]]) -> None:
     plt.close(figure)
 
 
+def read_sweeps(paths: Sequence[Path]) -> dict[str, list[dict[str, Any]]]:
+    """The sweeps that `--json` wrote, by label."""
+    sweeps = {}
+    for path in paths:
+        found = json.loads(path.read_text())
+        sweeps[found["label"]] = found["runs"]
+    return sweeps
+
+
+def replot(args: argparse.Namespace) -> int:
+    """`--replot`: the picture of sweeps measured before."""
+    if args.plot is None or not args.compare:
+        raise ValueError("--replot draws --plot FILE.png from the sweeps given to --compare")
+    plot(args.plot, read_sweeps(args.compare))
+    return 0
+
+
 def bench(args: argparse.Namespace, url: str, connect: ConnectOptions | None) -> int:
     rates = parse_rates(args.rates)
     window = None
@@ -200,15 +223,14 @@ def bench(args: argparse.Namespace, url: str, connect: ConnectOptions | None) ->
         from pensieve.ops.openai_client import api_key
 
         server = Server(url, None, args.http, api_key(args.tenant), args.model)
+
+    def save(runs: list[dict[str, Any]]) -> None:
+        if args.json is not None:
+            args.json.write_text(json.dumps({"label": args.label, "runs": runs}, indent=1))
+
     runs = asyncio.run(sweep(server, conversations, options, rates, args.think_time,
-                             args.seed, window))  # fmt: skip
+                             args.seed, window, save))  # fmt: skip
     print(table(args.label, runs))
-    if args.json is not None:
-        args.json.write_text(json.dumps({"label": args.label, "runs": runs}, indent=1))
     if args.plot is not None:
-        sweeps = {args.label: runs}
-        for path in args.compare:
-            other = json.loads(path.read_text())
-            sweeps[other["label"]] = other["runs"]
-        plot(args.plot, sweeps)
+        plot(args.plot, {args.label: runs, **read_sweeps(args.compare)})
     return 0 if all(run["turns"] for run in runs) else 1

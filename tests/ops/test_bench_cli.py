@@ -4,7 +4,9 @@ JSON and the plot hold what was measured, and the plot draws one line per labell
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.cli import main
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
+from pensieve.ops.openai_client import OpenAIChatClient
 from pensieve.ops.serve import Front
 from tests.ops.serving import scrape, serve_on_thread, value
 
@@ -76,6 +79,20 @@ def test_a_rate_sweep_is_measured_tabled_and_plotted_beside_another(
         assert coloured(panel, FIRST).sum() > 80 and coloured(panel, SECOND).sum() > 80
     legend = picture[int(height * 0.85) :]
     assert coloured(legend, FIRST).any() and coloured(legend, SECOND).any()
+    # the same picture again from the two sweeps' JSON, with no server to load
+    again = ["bench", "--replot", "--plot", str(tmp_path / "again.png"), "--compare",
+             str(tmp_path / "second.json"), str(tmp_path / "first.json")]  # fmt: skip
+    assert main(again) == 0
+    assert np.array_equal(image.imread(tmp_path / "again.png"), picture)
+    assert main(["bench", "--replot", "--plot", str(tmp_path / "none.png")]) == 2
+
+
+async def bad_turn(url: str) -> dict[str, Any]:
+    client = OpenAIChatClient(url, "EMPTY")
+    try:
+        return [m async for m in client.turn({"message": "Hi", "max_tokens": -1}, 30)][-1]
+    finally:
+        await client.close()
 
 
 def test_bench_drives_the_openai_api_and_reports_what_the_server_counted(
@@ -95,7 +112,10 @@ def test_bench_drives_the_openai_api_and_reports_what_the_server_counted(
                str(tmp_path / "http.json")]  # fmt: skip
         assert main(run) == 0
         after = scrape(metrics)
+        refused = asyncio.run(bad_turn(f"http://127.0.0.1:{port}/v1"))
     assert "http c=2" in capsys.readouterr().out
+    # an error answer reaches the load's summary with its code and message
+    assert refused["error"]["code"] and "max_tokens" in refused["error"]["message"], refused
     (summary,) = json.loads((tmp_path / "http.json").read_text())["runs"]
     assert summary["turns"] == 6 and summary["output_tokens"] == 24 and not summary["errors"]
     assert summary["cached_tokens"]["gpu"] > 0
