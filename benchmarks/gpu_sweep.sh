@@ -9,9 +9,12 @@
 # carry: .whl and .bench (see gpu_serve.sh). MODEL_ARGS, TIERS (the same for every policy),
 # RATES (default 1,2,3,4), THINK (mean seconds, default 3), CONVS (default 160), TURNS (4),
 # TOKENS (128, end-of-sequence ignored); DURATION and WARMUP (seconds) time each rate's run and
-# count only its turns sent after the warm-up (default: every conversation once, all counted). A POLICY of the form P+http serves policy P with
-# `--http-port` and drives it through the OpenAI API (`pensieve bench --http`), to show what HTTP
-# costs against the NATS path. Prints each sweep's table as it ends.
+# count only its turns sent after the warm-up (default: every conversation once, all counted).
+# A POLICY of the form P+http serves policy P with `--http-port` and drives it through the OpenAI
+# API (`pensieve bench --http`), to show what HTTP costs against the NATS path; P+http-actor
+# drives it through a `pensieve actor http` process beside the server instead of the HTTP
+# ingress in the server's own process. Both HTTP forms go as a tenant (`pensieve tenant add`).
+# Prints each sweep's table as it ends.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_sweep.sh OUT_DIR POLICY [POLICY ...]}
@@ -28,29 +31,41 @@ work=(--num-conversations "${CONVS:-160}" --max-turns "${TURNS:-4}" --max-tokens
 [ -n "${DURATION:-}" ] && work+=(--duration "$DURATION" --warmup "${WARMUP:-0}")
 
 for label in "$@"; do
-    policy=${label%+http}
+    policy=${label%+http*}
     port=$((${PORT_BASE:-4300} + RANDOM % 500))
     http=()
-    client=(--nats-url "nats://127.0.0.1:$port")
-    if [ "$policy" != "$label" ]; then
-        http=(--http-port $((port + 2000)))
-        client=(--http "http://127.0.0.1:${http[1]}/v1")
-    fi
+    [ "$label" = "$policy+http" ] && http=(--http-port $((port + 2000)))
     data="${TMPDIR:-/tmp}/gpu_sweep_$label"
     rm -rf "$data"
     # shellcheck disable=SC2086  # $model and $tiers are lists of options
     python3 -m pensieve.ops.cli serve --insecure --policy "$policy" $model $tiers "${http[@]}" \
         --nats-port "$port" --data-dir "$data" > "$out/serve_$label.txt" 2>&1 &
     server=$!
+    pids=("$server")
     for _ in $(seq 900); do
         grep -q 'serving on' "$out/serve_$label.txt" && break
         kill -0 "$server" 2>/dev/null || break
         sleep 0.5
     done
+    client=(--nats-url "nats://127.0.0.1:$port")
+    if [ "$label" != "$policy" ]; then  # over HTTP, as a tenant
+        python3 -m pensieve.ops.cli tenant add bench --data-dir "$data" > "$data.tenant.json"
+        client=(--http "http://127.0.0.1:$((port + 2000))/v1" --tenant "$data.tenant.json")
+    fi
+    if [ "$label" = "$policy+http-actor" ]; then
+        # shellcheck disable=SC2086
+        python3 -m pensieve.ops.cli actor http $model --http-port $((port + 2000)) \
+            --nats-url "nats://127.0.0.1:$port" --data-dir "$data" > "$out/actor_$label.txt" 2>&1 &
+        pids+=($!)
+        for _ in $(seq 120); do
+            grep -q 'HTTP ingress of engine' "$out/actor_$label.txt" && break
+            sleep 0.5
+        done
+    fi
     python3 -m pensieve.ops.cli bench .bench/sharegpt.jsonl "${client[@]}" "${work[@]}" \
         --label "$label" --json "$out/$label.json" > "$out/bench_$label.txt" 2>&1 \
         || tail -5 "$out/bench_$label.txt"
-    kill -INT "$server"
-    wait "$server"
+    kill -INT "${pids[@]}"
+    wait "${pids[@]}"
     grep -v '^\s*$' "$out/bench_$label.txt" | tail -6
 done
