@@ -329,7 +329,7 @@ async def logged_in(kwargs: dict[str, Any], url: str) -> Client:
         try:
             return await nats.connect(**{**kwargs, "servers": [url]}, allow_reconnect=False,
                                       error_cb=quiet)  # fmt: skip
-        except nats.errors.Error:
+        except (nats.errors.Error, OSError):  # refused; a refusal can also reset the socket
             await asyncio.sleep(0.02)
     raise AssertionError("the tenant never logged in")
 
