@@ -97,7 +97,9 @@ OPTIONS = EngineOptions(model="preset:tiny-llama", gpu_cache_tokens=320, cpu_cac
 NUM_CONVS, NUM_TURNS = 5, 3
 
 
-def converse(engine: Engine) -> tuple[list[list[int]], dict[str, int]]:
+def converse(
+    engine: Engine, reasons: list[str] | None = None
+) -> tuple[list[list[int]], dict[str, int]]:
     """Five conversations of three turns, all turns of a round at once, on tiers so small that
     histories swap out, come back and are dropped and recomputed (also run on executor ranks,
     tests/actors/test_executor_ranks.py)."""
@@ -112,14 +114,19 @@ def converse(engine: Engine) -> tuple[list[list[int]], dict[str, int]]:
             for request in engine.step().finished:
                 histories[request.conv_id] = request.all_ids
                 outputs.append(request.output_ids)
+                if reasons is not None:  # what a failure shows: how each turn ended
+                    reasons.append(f"{request.conv_id}/{turn}: {request.finish_reason} "
+                                   f"after {len(request.output_ids)}")  # fmt: skip
                 done += 1
     sources = dataclasses.asdict(engine.totals.sources)
     return sorted(outputs), sources
 
 
 def test_an_engine_with_its_executor_over_nats_gives_the_in_process_tokens() -> None:
-    expected, sources = converse(build(OPTIONS).engine)
+    local_reasons: list[str] = []
+    expected, sources = converse(build(OPTIONS).engine, local_reasons)
     assert sources["cpu"] and sources["recomputed"], sources  # every cache path was taken
+    remote_reasons: list[str] = []
 
     async def remote() -> tuple[list[list[int]], dict[str, int]]:
         built = build(OPTIONS)
@@ -130,13 +137,13 @@ def test_an_engine_with_its_executor_over_nats_gives_the_in_process_tokens() -> 
                 runner = await connect_executor(bus, "e1", timeout_s=10)
                 built.engine.runner = runner
                 try:
-                    return await asyncio.to_thread(converse, built.engine)
+                    return await asyncio.to_thread(converse, built.engine, remote_reasons)
                 finally:
                     await runner.close()
                     await bus.close()
 
     got, remote_sources = asyncio.run(remote())
-    assert got == expected
+    assert got == expected, (local_reasons, remote_reasons, sources, remote_sources)
     # which chunks are evicted depends on idle times, so only the totals must agree
     assert sum(remote_sources.values()) == sum(sources.values())
     assert remote_sources["cpu"] and remote_sources["recomputed"], remote_sources
