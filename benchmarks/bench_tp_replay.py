@@ -20,12 +20,15 @@ import json
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_workload import ConvSpec, build_workload, steady_closed_loop
 from pensieve.actors.config import Policy
+from pensieve.actors.engine import Engine
+from pensieve.actors.step import StepPlan
 from pensieve.models.loader import load_model
 from pensieve.ops.factory import DTYPES, EngineOptions
 from pensieve.ops.ranks_engine import ranks_engine
@@ -74,6 +77,26 @@ def workload(s: Settings) -> list[ConvSpec]:
     return specs[: s.pool]
 
 
+def step_kind(plan: StepPlan) -> str:
+    """`decode` (a CUDA graph replays it), `decode+swap-in` or `mixed` (both run eagerly)."""
+    if any(p.end - p.start != 1 for p in plan.pieces):
+        return "mixed"
+    return "decode+swap-in" if plan.orders.swap_in else "decode"
+
+
+def counted_steps(engine: Engine) -> Counter[str]:
+    """Counts the engine's launched steps by `step_kind` from here on."""
+    kinds: Counter[str] = Counter()
+    launch = engine.runner.launch
+
+    def counting(plan: StepPlan, feed: Any = None) -> Any:
+        kinds[step_kind(plan)] += 1
+        return launch(plan, feed)
+
+    engine.runner.launch = counting  # type: ignore[method-assign]
+    return kinds
+
+
 def closed_loop(s: Settings, ranks: int, policy: Policy, specs: list[ConvSpec]) -> dict[str, Any]:
     tokenizer = s.assets / "tokenizer"
     options = EngineOptions(
@@ -84,12 +107,19 @@ def closed_loop(s: Settings, ranks: int, policy: Policy, specs: list[ConvSpec]) 
     begin = time.perf_counter()
     with tempfile.TemporaryDirectory() as data, ranks_engine(options, Path(data)) as built:
         started = time.perf_counter() - begin
+        kinds = counted_steps(built.engine)
         result = steady_closed_loop(built.engine, specs, s.concurrency, s.warmup_s, s.window_s)
+        device = built.engine.runner.device_time()
     window = result.window.summary()
+    # the whole run's steps (warm-up included): what kind they were, and how much of its time
+    # the first rank's device waited for the host between steps it could have run back to back
+    steps = {"kinds": dict(kinds), "device_busy_s": device.busy_s,
+             "device_idle_s": device.idle_s, **result.extra}  # fmt: skip
     print(f"[bench_tp_replay] {ranks} rank(s), {policy.value}: {window['tok_per_s']:.0f} tok/s "
-          f"(ranks started in {started:.0f} s)", flush=True)  # fmt: skip
+          f"(ranks started in {started:.0f} s); steps {dict(kinds)}, device busy "
+          f"{device.busy_s:.1f} s, idle between steps {device.idle_s:.1f} s", flush=True)  # fmt: skip
     return {"ranks": ranks, "policy": policy.value, "start_s": started, "window": window,
-            "turns_finished": len(result.records)}  # fmt: skip
+            "turns_finished": len(result.records), "steps": steps}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,11 +147,17 @@ def main(argv: list[str] | None = None) -> int:
                                         default=str))  # fmt: skip
     base = results[0]["window"]["tok_per_s"]
     print(f"\nclosed loop, {s.concurrency} conversations, {s.model} {s.dtype}")
-    print(f"{'ranks':>5} {'policy':>9} {'tok/s':>9} {'x first':>8} {'turns':>6}")
+    print(f"{'ranks':>5} {'policy':>9} {'tok/s':>9} {'x first':>8} {'turns':>6} "
+          f"{'ms/step':>8} {'mixed':>6} {'busy':>5}")  # fmt: skip
     for r in results:
-        rate = r["window"]["tok_per_s"]
+        rate, steps = r["window"]["tok_per_s"], r["steps"]
+        per_step = s.window_s / max(steps["steps_in_window"], 1) * 1e3
+        mixed = 1 - steps["kinds"].get("decode", 0) / max(sum(steps["kinds"].values()), 1)
+        busy = steps["device_busy_s"] / (s.warmup_s + s.window_s)
         print(f"{r['ranks']:>5} {r['policy']:>9} {rate:9.1f} {rate / base:8.3f} "
-              f"{r['turns_finished']:>6}")  # fmt: skip
+              f"{r['turns_finished']:>6} {per_step:8.2f} {mixed:6.3f} {busy:5.2f}")  # fmt: skip
+    print("ms/step: the window's mean step; mixed: the share of steps run eagerly (prefill "
+          "pieces or swap-ins); busy: the first rank's device time in steps over the run")
     return 0
 
 
