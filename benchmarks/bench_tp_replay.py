@@ -117,7 +117,8 @@ def closed_loop(s: Settings, ranks: int, policy: Policy, specs: list[ConvSpec]) 
              "device_idle_s": device.idle_s, **result.extra}  # fmt: skip
     print(f"[bench_tp_replay] {ranks} rank(s), {policy.value}: {window['tok_per_s']:.0f} tok/s "
           f"(ranks started in {started:.0f} s); steps {dict(kinds)}, device busy "
-          f"{device.busy_s:.1f} s, idle between steps {device.idle_s:.1f} s", flush=True)  # fmt: skip
+          f"{device.busy_s:.1f} s, idle between steps {device.idle_s:.1f} s",
+          flush=True)  # fmt: skip
     return {"ranks": ranks, "policy": policy.value, "start_s": started, "window": window,
             "turns_finished": len(result.records), "steps": steps}  # fmt: skip
 
@@ -156,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         busy = steps["device_busy_s"] / (s.warmup_s + s.window_s)
         print(f"{r['ranks']:>5} {r['policy']:>9} {rate:9.1f} {rate / base:8.3f} "
               f"{r['turns_finished']:>6} {per_step:8.2f} {mixed:6.3f} {busy:5.2f}")  # fmt: skip
-    print("ms/step: the window's mean step; mixed: the share of steps run eagerly (prefill "
-          "pieces or swap-ins); busy: the first rank's device time in steps over the run")
+    print(
+        "ms/step: the window's mean step; mixed: the share of steps run eagerly (prefill "
+        "pieces or swap-ins); busy: the first rank's device time in steps over the run"
+    )
     return 0
 
 
