@@ -3,9 +3,9 @@
 Each configuration runs in processes of its own (one per rank, NCCL between them), one after
 the other, on the same plan: `batch` one-token decodes at position `context`, each over its own
 blocks, through the ModelRunner (eager, and replayed from its CUDA graph). The context is the
-largest up to `--context` whose KV fits on one GPU beside the whole model, so every
-configuration decodes the same step. Next to each time: the time to read the rank's weights and
-KV once at the device copy rate measured in the same process.
+largest up to `--context` whose KV fits beside the model on the fewest ranks of the run, so
+every configuration decodes the same step. Next to each time: the time to read the rank's
+weights and KV once at the device copy rate measured in the same process.
 
     python3 -m benchmarks.bench_tp [--model preset:llama2-13b-gqa10] [--ranks 1 2]
     python3 -m benchmarks.bench_tp --smoke      (CPU, gloo, tiny-llama, toy sizes)
@@ -155,17 +155,21 @@ def rank_main(rank: int, world_size: int, s: Settings, store: str, out: str) -> 
             dist.destroy_process_group()
 
 
-def fitting_context(s: Settings) -> int:
-    """The longest context up to `s.context` whose KV for the batch fits on one GPU beside the
-    whole model, with room for activations and graphs."""
+def fitting_context(s: Settings, ranks: int) -> int:
+    """The longest context up to `s.context` whose KV for the batch fits on each GPU beside
+    that GPU's share of the model when split over `ranks` (the fewest of the run), with room for
+    activations and graphs."""
     if s.device != "cuda":
         return s.context
     meta = load_model(s.model, "meta", DTYPES[s.dtype])
-    weights = sum(p.numel() for p in meta.model.parameters()) * DTYPES[s.dtype].itemsize
+    weights = sum(p.numel() for p in meta.model.parameters()) * DTYPES[s.dtype].itemsize / ranks
     free, _ = torch.cuda.mem_get_info(0)
-    per_seq_token = meta.config.kv_bytes_per_token(DTYPES[s.dtype]) * s.batch
-    fits = int(free * 0.9 - weights - 6e9) // per_seq_token
-    return min(s.context, fits // s.block_size * s.block_size - 1)
+    per_seq_token = meta.config.kv_bytes_per_token(DTYPES[s.dtype]) * s.batch / ranks
+    fits = int((free * 0.9 - weights - 6e9) // per_seq_token)
+    context = min(s.context, fits // s.block_size * s.block_size - 1)
+    if context < s.block_size:
+        raise ValueError(f"{s.model} on {ranks} rank(s) leaves no room for a batch of {s.batch}")
+    return context
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings(args.model, args.dtype, args.batch, args.context, 32, args.repeats, "cuda")
     if args.smoke:
         s = Settings("preset:tiny-llama", "float32", 4, 100, 16, 3, "cpu")
-    s = Settings(**{**asdict(s), "context": fitting_context(s)})
+    s = Settings(**{**asdict(s), "context": fitting_context(s, min(args.ranks))})
     print(f"[bench_tp] {s}", flush=True)
     timings: list[Timing] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Two one-GPU jobs at once on a machine of two GPUs, each on a card of its own: a device
-# minute of such a machine then measures two things. Each job is a command line (run by bash
-# from the repository root) that sees one GPU (CUDA_VISIBLE_DEVICES), writes under $OUT, and
+# Two jobs at once on a machine of several GPUs, each on cards of its own: a device minute of
+# such a machine then measures two things. Each job is a command line (run by bash from the
+# repository root) that sees its cards alone (CUDA_VISIBLE_DEVICES), writes under $OUT, and
 # keeps its servers, ports and scratch files apart from the other's (LOGS, TMPDIR, PORT_BASE).
-# The wheels are installed once, before both start (the jobs get WHEELS_DIR=none).
+# The wheels are installed once, before both start (the jobs get WHEELS_DIR=none). CARDS gives
+# each job's cards (default "0 1": one GPU each; "0,1 2,3": two each on a machine of four).
 #
 #   bash benchmarks/gpu_pair.sh OUT_DIR 'JOB ON GPU 0' 'JOB ON GPU 1'
+#   CARDS="0,1 2,3" bash benchmarks/gpu_pair.sh OUT_DIR 'TWO-RANK JOB' 'TWO-RANK JOB'
 #   bash benchmarks/gpu_pair.sh /tmp/pair \
 #       'VARIANTS="before direct" bash benchmarks/gpu_actors.sh $OUT 64 128' \
 #       'PROBE=0.1 VARIANTS=procs bash benchmarks/gpu_actors.sh $OUT 128'
@@ -17,6 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_pair.sh OUT_DIR 'JOB ON GPU 0' 'JOB ON GPU 1'}
 jobs=("${2:?the job on GPU 0}" "${3:?the job on GPU 1}")
+read -ra cards <<< "${CARDS:-0 1}"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 # shellcheck source=benchmarks/gpu_env.sh
@@ -26,7 +29,7 @@ pids=()
 for gpu in 0 1; do
     dir=$out/gpu$gpu
     mkdir -p "$dir/logs" "$dir/tmp"
-    CUDA_VISIBLE_DEVICES=$gpu OUT=$dir LOGS=$dir/logs TMPDIR=$dir/tmp \
+    CUDA_VISIBLE_DEVICES=${cards[$gpu]} OUT=$dir LOGS=$dir/logs TMPDIR=$dir/tmp \
         PORT_BASE=$((4300 + 1000 * gpu)) WHEELS_DIR=none \
         bash -c "${jobs[$gpu]}" > "$dir/job.txt" 2>&1 &
     pids+=($!)
@@ -37,7 +40,7 @@ for pid in "${pids[@]}"; do
 done
 for gpu in 0 1; do
     echo
-    echo "== GPU $gpu: ${jobs[$gpu]}"
+    echo "== GPU ${cards[$gpu]}: ${jobs[$gpu]}"
     tail -"${TAIL:-16}" "$out/gpu$gpu/job.txt"
 done
 exit $status
