@@ -1029,6 +1029,9 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
         "--rates", dest="fixed_rates", help="policies: exact rates, no sweep, e.g. stateless=9/10"
     )
     p.add_argument("--max-points", type=int, help="policies: runs per policy at most")
+    p.add_argument(
+        "--rate-factor", type=float, help="policies: a sweep's step between rates (default 1.2)"
+    )
     p.add_argument("--duration", dest="duration_s", type=float, help="policies: arrival seconds")
     p.add_argument("--warmup", dest="warmup_s", type=float, help="policies: unmeasured seconds")
     p.add_argument(

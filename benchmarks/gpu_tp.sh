@@ -15,7 +15,8 @@
 #           (conversations/s, e.g. pensieve=3/4,stateless=2/3) or swept from its start rate
 #           (STARTS, default pensieve=4,lru=4,gpu-only=3,stateless=2.5: the 70B on two H200s);
 #           MODEL, GPU_TOKENS, CPU_TOKENS, DURATION, WARMUP, MAX_POINTS (runs per policy, 2),
-#           WARMUP_RUN (the discarded first run, 15 s) and TIME_LIMIT (540 s) change the
+#           RATE_FACTOR (a sweep's step, 1.2), WARMUP_RUN (the discarded first run, 15 s) and
+#           TIME_LIMIT (540 s) change the
 #           setting (two H200s hold the 70B with room for KV; two H100s leave ~9 GB each: use a
 #           34B-class shape there)
 #
@@ -64,7 +65,8 @@ for section in "${sections[@]}"; do
                 --gpu-tokens "${GPU_TOKENS:-65536}" --cpu-tokens "${CPU_TOKENS:-262144}" \
                 --duration "${DURATION:-50}" --warmup "${WARMUP:-25}" \
                 --warmup-run "${WARMUP_RUN:-15}" \
-                --max-points "${MAX_POINTS:-2}" --time-limit "$limit" \
+                --max-points "${MAX_POINTS:-2}" --rate-factor "${RATE_FACTOR:-1.2}" \
+                --time-limit "$limit" \
                 --json "$out/bench_paper.json" \
                 > "$out/paper.txt" 2>&1 || tail -30 "$out/paper.txt" ;;
     esac
