@@ -30,7 +30,7 @@ from pensieve.kernels import AttentionImpl, AttentionMetadata, build_metadata
 from pensieve.kernels.metadata import upload
 from pensieve.models.attention import PagedAttention, allocate_kv_caches
 from pensieve.models.loader import CausalLM
-from pensieve.models.tensor_parallel import TensorShard, broadcast_from_first
+from pensieve.models.tensor_parallel import TensorShard, broadcast_from_first, prepare_all_reduce
 
 
 @dataclass
@@ -178,6 +178,9 @@ class ModelRunner:
             c = self.config
             compile_variants(c.num_heads_per_rank, c.num_kv_heads_per_rank, c.head_dim,
                              cache.block_size, c.max_context_len, dtype, device)  # fmt: skip
+        # the row-parallel sums as PENSIEVE_ALL_REDUCE asks: set up on every rank here, before
+        # any graph is captured
+        self.all_reduce = None if shard is None else prepare_all_reduce(shard, device)
         self.graphs = (
             DecodeGraphs(
                 model,

@@ -5,9 +5,13 @@ the other, on the same plan: `batch` one-token decodes at position `context`, ea
 blocks, through the ModelRunner (eager, and replayed from its CUDA graph). The context is the
 largest up to `--context` whose KV fits beside the model on the fewest ranks of the run, so
 every configuration decodes the same step. Next to each time: the time to read the rank's
-weights and KV once at the device copy rate measured in the same process.
+weights and KV once at the device copy rate measured in the same process. With several
+`--all-reduce` modes (nccl, peer: PENSIEVE_ALL_REDUCE), every configuration of more than one
+rank runs once in each, and the table gives each one all-reduce of the batch's hidden states,
+eager and replayed from a CUDA graph.
 
     python3 -m benchmarks.bench_tp [--model preset:llama2-13b-gqa10] [--ranks 1 2]
+        [--all-reduce nccl peer]
     python3 -m benchmarks.bench_tp --smoke      (CPU, gloo, tiny-llama, toy sizes)
 
 Run from the repository root (`benchmarks` is not installed). The table is printed last.
@@ -37,7 +41,14 @@ from pensieve.actors.request import SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.models import load_model
 from pensieve.models.shard_loader import load_shard
-from pensieve.models.tensor_parallel import NCCL_ENV, TensorShard  # NVLink multicast stays off
+from pensieve.models.tensor_parallel import (  # NCCL_ENV: NVLink multicast stays off
+    ALL_REDUCE_ENV,
+    ALL_REDUCE_MODES,
+    NCCL_ENV,
+    AllReduce,
+    TensorShard,
+    reducer,
+)
 from pensieve.ops.factory import DTYPES
 
 GB = 1e9
@@ -64,6 +75,8 @@ class Timing:
     # one all-reduce of a decode batch's hidden states [batch, hidden]; a step makes two a layer
     allreduce_us: float | None = None
     error: str | None = None
+    all_reduce: str = "-"  # how the row-parallel sums went (nccl, peer; gloo on CPUs)
+    allreduce_graph_us: float | None = None  # the same all-reduce replayed from a CUDA graph
 
 
 def decode_plan(batch: int, context: int, blocks_per_seq: int) -> StepPlan:
@@ -125,16 +138,38 @@ def time_rank(s: Settings, shard: TensorShard | None, device: torch.device) -> T
             graph_s = median_time(step, s.repeats, cuda)
         except Exception as failure:  # every rank fails alike: the capture is the same
             error = f"CUDA graph: {type(failure).__name__}: {failure}"
-    reduce_s = None
+    reduce_us = graph_us = None
     if shard is not None:
         hidden = torch.zeros((s.batch, model.config.hidden_size), dtype=dtype, device=device)
-        reduce_s = median_time(lambda: dist.all_reduce(hidden), s.repeats, cuda)
-    return Timing(ranks, eager, graph_s, (weights + kv) / rate, rate / GB,
-                  None if reduce_s is None else reduce_s * 1e6, error)  # fmt: skip
+        reduce = reducer(shard.group)
+        reduce_us = median_time(lambda: reduce(hidden), s.repeats, cuda) * 1e6
+        if cuda:
+            try:
+                graph_us = graphed_reduce_s(reduce, hidden, s.repeats) * 1e6
+            except Exception as failure:  # every rank fails alike
+                error = f"all-reduce graph: {type(failure).__name__}: {failure}"
+    return Timing(ranks, eager, graph_s, (weights + kv) / rate, rate / GB, reduce_us, error,
+                  runner.all_reduce or "-", graph_us)  # fmt: skip
 
 
-def rank_main(rank: int, world_size: int, s: Settings, store: str, out: str) -> None:
+def graphed_reduce_s(reduce: AllReduce, hidden: torch.Tensor, repeats: int, n: int = 20) -> float:
+    """Seconds of one all-reduce of `hidden` among `n` captured in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture
+        for _ in range(3):
+            reduce(hidden)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            reduce(hidden)
+    return median_time(graph.replay, repeats, True) / n
+
+
+def rank_main(rank: int, world_size: int, s: Settings, store: str, out: str, mode: str) -> None:
     os.environ.update(NCCL_ENV)
+    os.environ[ALL_REDUCE_ENV] = mode
     device = torch.device(f"cuda:{rank}" if s.device == "cuda" else "cpu")
     shard = None
     if world_size > 1:
@@ -179,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=4032)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--all-reduce", nargs="+", default=["nccl"], choices=ALL_REDUCE_MODES,
+                        help="each configuration of several ranks once in each mode")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny-llama, toy sizes")
@@ -191,13 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench_tp] {s}", flush=True)
     timings: list[Timing] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for ranks in args.ranks:
+        runs = [(r, m) for r in args.ranks for m in (args.all_reduce if r > 1 else ["nccl"])]
+        for ranks, mode in runs:
             begin = time.perf_counter()
-            out = Path(tmp) / f"ranks{ranks}.json"
-            mp.spawn(rank_main, (ranks, s, str(Path(tmp) / f"store{ranks}"), str(out)),
-                     nprocs=ranks)  # fmt: skip
+            out = Path(tmp) / f"ranks{ranks}_{mode}.json"
+            store = str(Path(tmp) / f"store{ranks}_{mode}")
+            mp.spawn(rank_main, (ranks, s, store, str(out), mode), nprocs=ranks)
             timings.append(Timing(**json.loads(out.read_text())))
-            print(f"[bench_tp] {ranks} rank(s): {timings[-1]} "
+            print(f"[bench_tp] {ranks} rank(s), {mode}: {timings[-1]} "
                   f"({time.perf_counter() - begin:.0f} s)", flush=True)  # fmt: skip
     if args.json is not None:
         results = {"settings": asdict(s), "timings": [asdict(t) for t in timings]}
@@ -210,15 +248,19 @@ def print_table(s: Settings, timings: list[Timing]) -> None:
     base = timings[0]
     graphed = all(t.graph_s is not None for t in timings)  # compare like with like
     print(f"\ndecode step, {s.model} {s.dtype}, batch {s.batch} at context {s.context}")
-    print(f"{'ranks':>5} {'eager ms':>9} {'graph ms':>9} {'x first':>8} {'read-bound ms':>14}"
-          f" {'copy GB/s':>10} {'allreduce us':>13}")  # fmt: skip
+    print(f"{'ranks':>5} {'reduce':>6} {'eager ms':>9} {'graph ms':>9} {'x first':>8}"
+          f" {'read-bound ms':>14} {'copy GB/s':>10} {'allreduce us':>13}"
+          f" {'in graph us':>12}")  # fmt: skip
     for t in timings:
         step, first = (t.graph_s, base.graph_s) if graphed else (t.eager_s, base.eager_s)
         assert step is not None and first is not None
         graph = f"{t.graph_s * 1e3:9.2f}" if t.graph_s is not None else f"{'-':>9}"
         reduce = f"{t.allreduce_us:13.1f}" if t.allreduce_us is not None else f"{'-':>13}"
-        print(f"{t.ranks:>5} {t.eager_s * 1e3:9.2f} {graph} {step / first:8.3f} "
-              f"{t.read_bound_s * 1e3:14.2f} {t.copy_gb_s:10.0f} {reduce}"
+        graphed_reduce = (f"{t.allreduce_graph_us:12.1f}" if t.allreduce_graph_us is not None
+                          else f"{'-':>12}")  # fmt: skip
+        mode = t.all_reduce if t.ranks > 1 else "-"
+        print(f"{t.ranks:>5} {mode:>6} {t.eager_s * 1e3:9.2f} {graph} {step / first:8.3f} "
+              f"{t.read_bound_s * 1e3:14.2f} {t.copy_gb_s:10.0f} {reduce} {graphed_reduce}"
               + (f"  ({t.error})" if t.error else ""))  # fmt: skip
 
 

@@ -8,6 +8,7 @@ in the split alone; the same ShareGPT pool, the same GPU and CPU tiers in tokens
 output lengths from the recorded replies.
 
     python3 -m benchmarks.bench_tp_replay [--ranks 1 2] [--json OUT]     (GPUs; .bench assets)
+    python3 -m benchmarks.bench_tp_replay --all-reduce nccl peer   (each N > 1 in both modes)
     python3 -m benchmarks.bench_tp_replay --model preset:llama2-70b --ranks 2 \
         --policies pensieve stateless --gpu-tokens 0                     (the paper's model)
     python3 -m benchmarks.bench_tp_replay --smoke                         (CPU, gloo, tiny-llama)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -30,6 +32,7 @@ from pensieve.actors.config import Policy
 from pensieve.actors.engine import Engine
 from pensieve.actors.step import StepPlan
 from pensieve.models.loader import load_model
+from pensieve.models.tensor_parallel import ALL_REDUCE_ENV, ALL_REDUCE_MODES
 from pensieve.ops.factory import DTYPES, EngineOptions
 from pensieve.ops.ranks_engine import ranks_engine
 from pensieve.ops.sharegpt import load_conversations
@@ -97,7 +100,10 @@ def counted_steps(engine: Engine) -> Counter[str]:
     return kinds
 
 
-def closed_loop(s: Settings, ranks: int, policy: Policy, specs: list[ConvSpec]) -> dict[str, Any]:
+def closed_loop(
+    s: Settings, ranks: int, policy: Policy, specs: list[ConvSpec], mode: str = "nccl"
+) -> dict[str, Any]:
+    os.environ[ALL_REDUCE_ENV] = mode  # the rank processes take it from here
     tokenizer = s.assets / "tokenizer"
     options = EngineOptions(
         s.model, s.device, s.dtype, tokenizer=str(tokenizer) if tokenizer.is_dir() else None,
@@ -115,12 +121,13 @@ def closed_loop(s: Settings, ranks: int, policy: Policy, specs: list[ConvSpec]) 
     # the first rank's device waited for the host between steps it could have run back to back
     steps = {"kinds": dict(kinds), "device_busy_s": device.busy_s,
              "device_idle_s": device.idle_s, **result.extra}  # fmt: skip
-    print(f"[bench_tp_replay] {ranks} rank(s), {policy.value}: {window['tok_per_s']:.0f} tok/s "
-          f"(ranks started in {started:.0f} s); steps {dict(kinds)}, device busy "
-          f"{device.busy_s:.1f} s, idle between steps {device.idle_s:.1f} s",
-          flush=True)  # fmt: skip
-    return {"ranks": ranks, "policy": policy.value, "start_s": started, "window": window,
-            "turns_finished": len(result.records), "steps": steps}  # fmt: skip
+    print(f"[bench_tp_replay] {ranks} rank(s), {policy.value}, {mode}: "
+          f"{window['tok_per_s']:.0f} tok/s (ranks started in {started:.0f} s); steps "
+          f"{dict(kinds)}, device busy {device.busy_s:.1f} s, idle between steps "
+          f"{device.idle_s:.1f} s", flush=True)  # fmt: skip
+    return {"ranks": ranks, "policy": policy.value, "all_reduce": mode if ranks > 1 else "-",
+            "start_s": started, "window": window, "turns_finished": len(result.records),
+            "steps": steps}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=Settings.model)
     parser.add_argument("--gpu-tokens", type=int, default=Settings.gpu_tokens,
                         help="GPU tier per engine; 0: most of the free memory")  # fmt: skip
+    parser.add_argument("--all-reduce", nargs="+", default=["nccl"], choices=ALL_REDUCE_MODES,
+                        help="each configuration of several ranks once in each mode")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny-llama, toy sizes")
     args = parser.parse_args(argv)
@@ -139,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench_tp_replay] {s.model}: {len(specs)} conversations, {s.concurrency} at once",
           flush=True)  # fmt: skip
     results = [
-        closed_loop(s, ranks, Policy(policy), specs)
+        closed_loop(s, ranks, Policy(policy), specs, mode)
         for ranks in args.ranks
+        for mode in (args.all_reduce if ranks > 1 else ["nccl"])
         for policy in args.policies
     ]
     if args.json is not None:
@@ -148,15 +158,16 @@ def main(argv: list[str] | None = None) -> int:
                                         default=str))  # fmt: skip
     base = results[0]["window"]["tok_per_s"]
     print(f"\nclosed loop, {s.concurrency} conversations, {s.model} {s.dtype}")
-    print(f"{'ranks':>5} {'policy':>9} {'tok/s':>9} {'x first':>8} {'turns':>6} "
+    print(f"{'ranks':>5} {'reduce':>6} {'policy':>9} {'tok/s':>9} {'x first':>8} {'turns':>6} "
           f"{'ms/step':>8} {'mixed':>6} {'busy':>5}")  # fmt: skip
     for r in results:
         rate, steps = r["window"]["tok_per_s"], r["steps"]
         per_step = s.window_s / max(steps["steps_in_window"], 1) * 1e3
         mixed = 1 - steps["kinds"].get("decode", 0) / max(sum(steps["kinds"].values()), 1)
         busy = steps["device_busy_s"] / (s.warmup_s + s.window_s)
-        print(f"{r['ranks']:>5} {r['policy']:>9} {rate:9.1f} {rate / base:8.3f} "
-              f"{r['turns_finished']:>6} {per_step:8.2f} {mixed:6.3f} {busy:5.2f}")  # fmt: skip
+        print(f"{r['ranks']:>5} {r['all_reduce']:>6} {r['policy']:>9} {rate:9.1f} "
+              f"{rate / base:8.3f} {r['turns_finished']:>6} {per_step:8.2f} {mixed:6.3f} "
+              f"{busy:5.2f}")  # fmt: skip
     print(
         "ms/step: the window's mean step; mixed: the share of steps run eagerly (prefill "
         "pieces or swap-ins); busy: the first rank's device time in steps over the run"

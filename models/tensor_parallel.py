@@ -14,12 +14,17 @@ code never branches on it (gpt-fast's way). Megatron-LM's split, per layer:
 Norms, rotary tables and OPT's learned positions stay whole on every rank. The KV cache of a
 rank holds its KV heads of every block (`ModelConfig.kv_cache_shape`), so the scheduler's block
 tables and swap orders are the same for every rank. The collectives go through
-torch.distributed on whatever backend the group has: NCCL on GPUs, gloo on CPUs in tests.
+torch.distributed on whatever backend the group has: NCCL on GPUs, gloo on CPUs in tests. With
+PENSIEVE_ALL_REDUCE=peer, the row-parallel sums on GPUs go through symmetric memory instead
+(`AllReduce`): each rank stages its partial sum in a buffer every rank can read over NVLink, and
+one kernel adds them (no multicast).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +42,15 @@ from pensieve.models.opt import OPTLayer
 # shared GPU hosts a program using it can take the host's GPUs out of service)
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+# how the row-parallel layers sum their partial products: "nccl" (the process group's own
+# all-reduce) or "peer" (symmetric memory on GPUs, the group's own for what does not fit)
+ALL_REDUCE_ENV = "PENSIEVE_ALL_REDUCE"
+ALL_REDUCE_MODES = ("nccl", "peer")
+PEER_MAX_BYTES = 8 << 20  # the staging buffer: a decode step's sums fit many times over
+ONE_SHOT_MAX_BYTES = 2 << 20  # up to here each rank reads all the others' (one shot)
+PEER_DTYPES = (torch.float32, torch.bfloat16)  # what the symmetric-memory kernels add
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,88 @@ class TensorShard:
         return slice(self.rank * size, (self.rank + 1) * size)
 
 
+class AllReduce:
+    """The in-place sum over a group's ranks of a tensor: the group's own all-reduce, until
+    `enable_peer` gives it a symmetric-memory buffer; then, on the GPU, a tensor of a supported
+    dtype that fits is staged there and summed by one kernel of torch's symmetric memory: one
+    shot (every rank reads every other's staged copy) for small sums, two shots (each rank sums
+    its slice, then every rank gathers the slices) for larger ones. Both can be captured in a
+    CUDA graph. One per process group (`reducer`)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.buffer: torch.Tensor | None = None  # bytes every rank of the group can read
+        self.group_name = ""
+
+    def enable_peer(self, device: torch.device) -> bool:
+        """Allocate the buffer and exchange it with the group's other ranks (a collective:
+        every rank calls it, before any CUDA graph is captured); whether every rank has it.
+        A rank that cannot (no symmetric memory in this torch, no peer access) leaves every
+        rank on the group's own all-reduce."""
+        if self.buffer is not None:
+            return True
+        group = self.group if self.group is not None else dist.group.WORLD
+        assert group is not None, "the process group exists before its buffer"
+        buffer, reason = None, ""
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # torch before 2.8 asks first
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+            buffer = symm_mem.empty(PEER_MAX_BYTES, dtype=torch.uint8, device=device)
+            symm_mem.rendezvous(buffer, group.group_name)
+        except Exception as error:  # any failure falls back, on every rank
+            buffer, reason = None, f"{type(error).__name__}: {error}"
+        everyone = torch.tensor([buffer is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.group)
+        if not everyone.item():
+            logger.warning("peer all-reduce unavailable (%s); using %s", reason or "another "
+                           "rank could not", dist.get_backend(group))  # fmt: skip
+            return False
+        self.buffer, self.group_name = buffer, group.group_name
+        return True
+
+    def __call__(self, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if (self.buffer is None or tensor.dtype not in PEER_DTYPES or size > PEER_MAX_BYTES
+                or not tensor.is_contiguous()):  # fmt: skip
+            dist.all_reduce(tensor, group=self.group)
+            return
+        flat = tensor.view(-1)
+        staged = self.buffer[:size].view(tensor.dtype)
+        staged.copy_(flat)
+        if size <= ONE_SHOT_MAX_BYTES:
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, out=flat)
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)
+            flat.copy_(staged)
+
+
+_REDUCERS: dict[Any, AllReduce] = {}
+
+
+def reducer(group: Any) -> AllReduce:
+    """This process's `AllReduce` of `group` (None: the default group)."""
+    return _REDUCERS.setdefault(group, AllReduce(group))
+
+
+def all_reduce_mode() -> str:
+    """The mode PENSIEVE_ALL_REDUCE names (default "nccl"); ValueError for another."""
+    mode = os.environ.get(ALL_REDUCE_ENV, "nccl") or "nccl"
+    if mode not in ALL_REDUCE_MODES:
+        raise ValueError(f"{ALL_REDUCE_ENV}={mode!r}: one of {', '.join(ALL_REDUCE_MODES)}")
+    return mode
+
+
+def prepare_all_reduce(shard: TensorShard, device: torch.device) -> str:
+    """Set up the row-parallel sums of this rank as PENSIEVE_ALL_REDUCE asks (every rank of the
+    group calls it at the same point, before capturing graphs); the mode in use."""
+    wanted = all_reduce_mode() == "peer" and device.type == "cuda" and shard.world_size > 1
+    if wanted and reducer(shard.group).enable_peer(device):
+        return "peer"
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 class RowParallelLinear(nn.Module):
     """A linear layer over this rank's input columns: the partial products of all ranks summed
     by one all-reduce. The bias is added on rank 0 alone, so the sum holds it once."""
@@ -67,11 +163,12 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in / N]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
+        self.reduce = reducer(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in / N] -> [T, out], the same on every rank
         out = F.linear(x, self.weight, self.bias)
-        dist.all_reduce(out, group=self.group)
+        self.reduce(out)
         return out
 
 

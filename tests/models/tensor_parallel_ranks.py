@@ -23,7 +23,7 @@ from pensieve.actors.executor import Launched, ModelRunner
 from pensieve.actors.request import PLACEHOLDER, SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.models import PRESETS, CausalLM, ModelConfig, build_model, init_random_
-from pensieve.models.tensor_parallel import NCCL_ENV, TensorShard, shard_model
+from pensieve.models.tensor_parallel import ALL_REDUCE_ENV, NCCL_ENV, TensorShard, shard_model
 
 # every layer kind: GQA, biases on every linear layer with an odd vocabulary (padded shards),
 # per-head QK-norm with a tied head, and OPT
@@ -74,7 +74,7 @@ def exercise(runner: ModelRunner) -> dict[str, Any]:
         tokens.append(launched.result())
     end = len(PROMPTS[0]) + NEW_TOKENS - 1
     drawn = runner.execute(StepPlan((SeqPiece("s0", (9,) * 4, end, end + 4, tables[0], hot),)))
-    return {"logits": logits, "tokens": tokens, "drawn": drawn}
+    return {"logits": logits, "tokens": tokens, "drawn": drawn, "all_reduce": runner.all_reduce}
 
 
 def runner_for(model: CausalLM, device: torch.device, shard: TensorShard | None) -> ModelRunner:
@@ -111,10 +111,18 @@ def rank_main(rank: int, world_size: int, backend: str, store: str, out: str) ->
     os._exit(0)
 
 
-def run_ranks(world_size: int, backend: str, tmp: Path) -> dict[str, list[dict[str, Any]]]:
-    """Every case's results on each of `world_size` ranks: {case: [rank 0's, rank 1's, ...]}."""
+def run_ranks(
+    world_size: int, backend: str, tmp: Path, all_reduce: str = "nccl"
+) -> dict[str, list[dict[str, Any]]]:
+    """Every case's results on each of `world_size` ranks: {case: [rank 0's, rank 1's, ...]};
+    the ranks sum as `all_reduce` (PENSIEVE_ALL_REDUCE) says."""
     os.environ.update(NCCL_ENV)  # the GPU machines keep NVLink multicast off
-    mp.spawn(rank_main, (world_size, backend, str(tmp / "store"), str(tmp)), nprocs=world_size)
+    os.environ[ALL_REDUCE_ENV] = all_reduce  # the ranks inherit it
+    try:
+        mp.spawn(rank_main, (world_size, backend, str(tmp / "store"), str(tmp)),
+                 nprocs=world_size)  # fmt: skip
+    finally:
+        del os.environ[ALL_REDUCE_ENV]
     return {
         case: [torch.load(tmp / f"{case}.rank{r}.pt") for r in range(world_size)] for case in CASES
     }

@@ -17,9 +17,12 @@ from tensor_parallel_ranks import CASES, one_rank, run_ranks
 from pensieve.models import PRESETS, build_model, load_model
 from pensieve.models.shard_loader import load_shard
 from pensieve.models.tensor_parallel import (
+    ALL_REDUCE_ENV,
     RowParallelLinear,
     TensorShard,
     VocabParallelEmbedding,
+    prepare_all_reduce,
+    reducer,
     shard_model,
 )
 
@@ -43,15 +46,31 @@ def test_two_ranks_give_the_logits_and_tokens_of_one(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_gpu_two_ranks_give_the_logits_and_tokens_of_one(tmp_path: Path) -> None:
-    """Over NCCL, with the Triton kernels and the CUDA graphs of the decode steps."""
-    ranks = run_ranks(2, "nccl", tmp_path)
+@pytest.mark.parametrize("all_reduce", ["nccl", "peer"])
+def test_gpu_two_ranks_give_the_logits_and_tokens_of_one(tmp_path: Path, all_reduce: str) -> None:
+    """Over NCCL, with the Triton kernels and the CUDA graphs of the decode steps; the sums of
+    the row-parallel layers through NCCL, or through symmetric memory (which must not fall
+    back)."""
+    ranks = run_ranks(2, "nccl", tmp_path, all_reduce)
     for case in CASES:
         whole = one_rank(case, torch.device("cuda:0"))
         for rank in ranks[case]:
+            assert rank["all_reduce"] == all_reduce, case
             torch.testing.assert_close(rank["logits"], whole["logits"], atol=1e-5, rtol=0)
             assert rank["tokens"] == whole["tokens"], case
         assert ranks[case][0]["drawn"] == ranks[case][1]["drawn"], case
+
+
+def test_the_all_reduce_mode_is_checked_and_peer_sums_stay_on_gpus(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ALL_REDUCE_ENV, "ring")
+    with pytest.raises(ValueError, match="PENSIEVE_ALL_REDUCE='ring': one of nccl, peer"):
+        prepare_all_reduce(TensorShard(0, 2), torch.device("cpu"))
+    # on CPUs the group's own all-reduce (gloo) sums, whatever is asked: no collective here
+    monkeypatch.setenv(ALL_REDUCE_ENV, "peer")
+    assert prepare_all_reduce(TensorShard(0, 2), torch.device("cpu")) == "gloo"
+    assert reducer(None).buffer is None
 
 
 def test_shards_hold_their_heads_and_vocabulary_rows() -> None:
