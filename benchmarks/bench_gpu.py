@@ -1122,11 +1122,12 @@ def main(argv: list[str] | None = None) -> int:
             if out is not None:  # after every section, so a run cut short keeps what it measured
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(jsonable(report), indent=1))
+        # before the ranks stop: freeing their pinned CPU tiers can take longer than the run has
+        print_table(report)
+        if out is not None:
+            print(f"results: {out}", flush=True)
     finally:
         b.close_ranks()
-    print_table(report)
-    if out is not None:
-        print(f"results: {out}")
     return 1 if any(s["status"] == "error" for s in report["sections"].values()) else 0
 
 
