@@ -188,6 +188,12 @@ def rank_main(rank: int, world_size: int, s: Settings, store: str, out: str, mod
         if world_size > 1:
             dist.barrier()  # no rank leaves while another still talks to it
             dist.destroy_process_group()
+    if world_size > 1:
+        # done: leave without the interpreter's finalization, where a gloo group's worker
+        # threads can abort the process (as the executor ranks do)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def fitting_context(s: Settings, ranks: int) -> int:
