@@ -10,8 +10,9 @@ one runs, its decodes fed the tokens this one samples straight from the device (
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -21,6 +22,7 @@ from pensieve.actors import tracing
 from pensieve.actors.config import CacheConfig
 from pensieve.actors.cuda_graphs import DecodeGraphs
 from pensieve.actors.device_clock import DeviceClock, DeviceTime
+from pensieve.actors.piecewise_graphs import PiecewiseGraphs, mixed_graphs_enabled
 from pensieve.actors.request import PLACEHOLDER
 from pensieve.actors.sampler import sample_async
 from pensieve.actors.step import SeqPiece, StepPlan
@@ -181,19 +183,36 @@ class ModelRunner:
         # the row-parallel sums as PENSIEVE_ALL_REDUCE asks: set up on every rank here, before
         # any graph is captured
         self.all_reduce = None if shard is None else prepare_all_reduce(shard, device)
-        self.graphs = (
-            DecodeGraphs(
-                model,
-                self.gpu_caches,
-                cache.num_gpu_blocks,
-                cache.block_size,
-                self.config.max_context_len,
-                self.scale,
-                impl,
-            )  # fmt: skip
-            if cuda_graphs and device.type == "cuda"
+        self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: PiecewiseGraphs | None = None
+        if cuda_graphs and device.type == "cuda":
+            self.renew_graphs()
+
+    def renew_graphs(self) -> tuple[DecodeGraphs | None, PiecewiseGraphs | None]:
+        """New, empty CUDA graphs: pure-decode steps in whole graphs, steps with prefill pieces
+        in graphs cut at attention (unless PENSIEVE_MIXED_GRAPHS=0); both use the scratch block.
+        Returns the graphs they replace, which must outlive any capture still running in them
+        (a benchmark that changes the model's kernels captures again after `set_fused`)."""
+        old = self.graphs, self.mixed_graphs
+        c = self.cache
+        self.graphs = DecodeGraphs(self.model, self.gpu_caches, c.num_gpu_blocks, c.block_size,
+                                   self.config.max_context_len, self.scale, self.impl)  # fmt: skip
+        self.mixed_graphs = (
+            PiecewiseGraphs(self.model, self.gpu_caches, c.num_gpu_blocks * c.block_size, self.impl)
+            if mixed_graphs_enabled()
             else None
         )
+        return old
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Every step inside runs without CUDA graphs (benchmarks time both ways)."""
+        kept = self.graphs, self.mixed_graphs
+        self.graphs = self.mixed_graphs = None
+        try:
+            yield
+        finally:
+            self.graphs, self.mixed_graphs = kept
 
     @property
     def block_bytes(self) -> int:
@@ -345,7 +364,10 @@ class ModelRunner:
             impl=self.impl,
             before_layer=self.swap.wait_layer if self.swap.pipelined else None,
         )
-        hidden = self.model(inputs.ids, inputs.positions, attn)  # [T, hidden]
+        if self.mixed_graphs is not None and self.mixed_graphs.fits(inputs.ids.shape[0]):
+            hidden = self.mixed_graphs.forward(inputs.ids, inputs.positions, attn)
+        else:
+            hidden = self.model(inputs.ids, inputs.positions, attn)  # [T, hidden]
         return self.model.compute_logits(hidden[inputs.rows])
 
     def _feed(self, ids: torch.Tensor, pieces: list[SeqPiece] | tuple[SeqPiece, ...],

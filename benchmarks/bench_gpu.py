@@ -63,7 +63,6 @@ from benchmarks.bench_workload import (
 )
 from pensieve.actors.config import DEFAULTS, CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.cost_model import CostModel
-from pensieve.actors.cuda_graphs import DecodeGraphs
 from pensieve.actors.engine import Engine
 from pensieve.actors.executor import ModelRunner
 from pensieve.actors.kv_cache import CopyOp, SwapOrders
@@ -520,12 +519,11 @@ def section_decode(b: Bench, rows: list[Row]) -> dict[str, Any]:
     runner = ModelRunner(loaded.model, cache, b.device, b.dtype)
     weights = weight_bytes_read(loaded.model)
     steps = {}
-    graphs = runner.graphs
     for batch in b.s.decode_batches:
         plan = decode_plan(batch, context, blocks_per_seq, block_size)
-        runner.graphs = None
-        eager = median_time(b, functools.partial(runner.execute, plan), b.s.repeats, warmup=3)
-        runner.graphs = graphs
+        with runner.eager():
+            eager = median_time(b, functools.partial(runner.execute, plan), b.s.repeats,
+                                warmup=3)  # fmt: skip
         seconds = median_time(b, functools.partial(runner.execute, plan), b.s.repeats, warmup=3)
         rows.append(Row(f"decode step b={batch} eager", eager * 1e3, "ms", note="no CUDA graph"))
         kv = batch * (context + 1) * per_token
@@ -794,7 +792,7 @@ def decode_beside_swap_out(b: Bench, rows: list[Row]) -> dict[str, Any]:
 def mixed_steps(b: Bench, rows: list[Row]) -> list[dict[str, Any]]:
     """Steps of the policy benchmark's shapes (decodes, decodes beside a prompt, a prompt alone)
     with the fused element-wise kernels and with the torch operations they replace, on the same
-    runner and KV; a pure-decode step replays a CUDA graph captured in each mode."""
+    runner and KV, replayed from CUDA graphs captured in each mode; and fused without graphs."""
     block_size = DEFAULTS.block_size
     shapes = b.s.mixed_steps
     per_seq = max(-(-(context + 1) // block_size) for _, context, _ in shapes)
@@ -804,7 +802,7 @@ def mixed_steps(b: Bench, rows: list[Row]) -> list[dict[str, Any]]:
     cache = CacheConfig(block_size, first + prompt_blocks + 1, 0, Policy.GPU_ONLY)
     model = b.loaded().model
     runner = ModelRunner(model, cache, b.device, b.dtype)
-    kept: list[DecodeGraphs] = []
+    kept: list[object] = []
     results = []
     for decodes, context, prompt in shapes:
         pieces = decode_plan(decodes, context, per_seq, block_size).pieces
@@ -814,24 +812,24 @@ def mixed_steps(b: Bench, rows: list[Row]) -> list[dict[str, Any]]:
                                 SamplingParams(max_tokens=1)),)  # fmt: skip
         step = StepPlan(pieces)
         timed = {}
-        for name, fused in (("unfused", False), ("fused", True)):
+        for name, fused, graphed in (("unfused", False, True), ("fused", True, True),
+                                     ("eager", True, False)):  # fmt: skip
             if isinstance(model, LlamaModel):
                 model.set_fused(fused)
             if runner.graphs is not None:  # graphs captured in this mode, in a pool of their own
-                kept.append(runner.graphs)  # (a pool must outlive every graph captured in it)
-                runner.graphs = DecodeGraphs(
-                    model, runner.gpu_caches, cache.num_gpu_blocks, block_size,
-                    model.config.max_context_len, runner.scale, runner.impl,
-                )  # fmt: skip
-            timed[name] = median_time(b, functools.partial(runner.execute, step), b.s.repeats,
-                                      warmup=3)  # fmt: skip
+                kept.append(runner.renew_graphs())  # a pool outlives every graph captured in it
+            with contextlib.nullcontext() if graphed else runner.eager():
+                timed[name] = median_time(b, functools.partial(runner.execute, step),
+                                          b.s.repeats, warmup=3)  # fmt: skip
         what = f"{decodes} decodes@{context}" + (f" + {prompt} prompt tokens" if prompt else "")
-        ratio = timed["unfused"] / timed["fused"]
-        note = f"{ratio:.2f}x faster"
-        rows.append(Row(f"step, {what}, fused", timed["fused"] * 1e3, "ms",
-                        timed["unfused"] * 1e3, "unfused", note=note))  # fmt: skip
-        b.log(f"{what}: unfused {timed['unfused'] * 1e3:.2f} ms, "
-              f"fused {timed['fused'] * 1e3:.2f} ms")  # fmt: skip
+        fused_x, graph_x = timed["unfused"] / timed["fused"], timed["eager"] / timed["fused"]
+        step_ms = timed["fused"] * 1e3
+        rows.append(Row(f"step, {what}, fused", step_ms, "ms", timed["unfused"] * 1e3,
+                        "unfused", note=f"{fused_x:.2f}x faster"))  # fmt: skip
+        rows.append(Row(f"step, {what}, CUDA graphs", step_ms, "ms", timed["eager"] * 1e3,
+                        "eager", note=f"{graph_x:.2f}x faster"))  # fmt: skip
+        b.log(f"{what}: unfused {timed['unfused'] * 1e3:.2f} ms, fused "
+              f"{timed['fused'] * 1e3:.2f} ms, eager {timed['eager'] * 1e3:.2f} ms")  # fmt: skip
         results.append({"decodes": decodes, "context": context, "prompt": prompt,
                         **{f"{k}_seconds": v for k, v in timed.items()}})  # fmt: skip
     del runner, kept

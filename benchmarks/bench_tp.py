@@ -63,6 +63,7 @@ class Settings:
     block_size: int
     repeats: int
     device: str  # cuda or cpu
+    prompt: int = 256  # the mixed step: the decodes beside a prompt of this many tokens
 
 
 @dataclass(frozen=True)
@@ -77,17 +78,22 @@ class Timing:
     error: str | None = None
     all_reduce: str = "-"  # how the row-parallel sums went (nccl, peer; gloo on CPUs)
     allreduce_graph_us: float | None = None  # the same all-reduce replayed from a CUDA graph
+    # the decodes beside a prompt, eager and from graphs cut at attention (None: no graphs)
+    mixed_eager_s: float | None = None
+    mixed_graph_s: float | None = None
 
 
-def decode_plan(batch: int, context: int, blocks_per_seq: int) -> StepPlan:
-    """`batch` one-token decodes at position `context`, each over its own blocks."""
+def decode_plan(batch: int, context: int, blocks_per_seq: int, prompt: int = 0) -> StepPlan:
+    """`batch` one-token decodes at position `context`, each over its own blocks, and a prompt
+    of `prompt` tokens (if any) over the blocks after theirs."""
     sampling = SamplingParams(max_tokens=1, ignore_eos=True)
     tables = [tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
-    return StepPlan(
-        tuple(
-            SeqPiece(f"d{i}", (7,), context, context + 1, t, sampling) for i, t in enumerate(tables)
-        )
-    )
+    pieces = [SeqPiece(f"d{i}", (7,), context, context + 1, t, sampling)
+              for i, t in enumerate(tables)]  # fmt: skip
+    if prompt:
+        table = tuple(range(batch * blocks_per_seq, (batch + 1) * blocks_per_seq))
+        pieces.append(SeqPiece("p", tuple(range(5, 5 + prompt)), 0, prompt, table, sampling))
+    return StepPlan(tuple(pieces))
 
 
 def median_time(fn: Callable[[], object], repeats: int, cuda: bool, warmup: int = 3) -> float:
@@ -121,7 +127,7 @@ def time_rank(s: Settings, shard: TensorShard | None, device: torch.device) -> T
     else:
         model = load_shard(s.model, device, dtype, shard).model
     blocks_per_seq = -(-(s.context + 1) // s.block_size)
-    cache = CacheConfig(s.block_size, s.batch * blocks_per_seq + 1, 0, Policy.GPU_ONLY)
+    cache = CacheConfig(s.block_size, (s.batch + 1) * blocks_per_seq, 0, Policy.GPU_ONLY)
     runner = ModelRunner(model, cache, device, dtype, shard=shard)
     plan = decode_plan(s.batch, s.context, blocks_per_seq)
     rate = copy_rate(device, s.repeats)
@@ -129,15 +135,19 @@ def time_rank(s: Settings, shard: TensorShard | None, device: torch.device) -> T
     weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     kv = s.batch * (s.context + 1) * model.config.kv_bytes_per_token(dtype)
     step = functools.partial(runner.execute, plan)
-    graphs, runner.graphs = runner.graphs, None
-    eager = median_time(step, s.repeats, cuda)
+    with runner.eager():
+        eager = median_time(step, s.repeats, cuda)
     graph_s, error = None, None
-    if graphs is not None:
-        runner.graphs = graphs
+    if runner.graphs is not None:
         try:
             graph_s = median_time(step, s.repeats, cuda)
         except Exception as failure:  # every rank fails alike: the capture is the same
             error = f"CUDA graph: {type(failure).__name__}: {failure}"
+    mixed = functools.partial(runner.execute, decode_plan(s.batch, s.context, blocks_per_seq,
+                                                          s.prompt))  # fmt: skip
+    with runner.eager():
+        mixed_eager = median_time(mixed, s.repeats, cuda)
+    mixed_graph = median_time(mixed, s.repeats, cuda) if runner.mixed_graphs else None
     reduce_us = graph_us = None
     if shard is not None:
         hidden = torch.zeros((s.batch, model.config.hidden_size), dtype=dtype, device=device)
@@ -149,7 +159,7 @@ def time_rank(s: Settings, shard: TensorShard | None, device: torch.device) -> T
             except Exception as failure:  # every rank fails alike
                 error = f"all-reduce graph: {type(failure).__name__}: {failure}"
     return Timing(ranks, eager, graph_s, (weights + kv) / rate, rate / GB, reduce_us, error,
-                  runner.all_reduce or "-", graph_us)  # fmt: skip
+                  runner.all_reduce or "-", graph_us, mixed_eager, mixed_graph)  # fmt: skip
 
 
 def graphed_reduce_s(reduce: AllReduce, hidden: torch.Tensor, repeats: int, n: int = 20) -> float:
@@ -205,7 +215,7 @@ def fitting_context(s: Settings, ranks: int) -> int:
     meta = load_model(s.model, "meta", DTYPES[s.dtype])
     weights = sum(p.numel() for p in meta.model.parameters()) * DTYPES[s.dtype].itemsize / ranks
     free, _ = torch.cuda.mem_get_info(0)
-    per_seq_token = meta.config.kv_bytes_per_token(DTYPES[s.dtype]) * s.batch / ranks
+    per_seq_token = meta.config.kv_bytes_per_token(DTYPES[s.dtype]) * (s.batch + 1) / ranks
     fits = int((free * 0.9 - weights - 6e9) // per_seq_token)
     context = min(s.context, fits // s.block_size * s.block_size - 1)
     if context < s.block_size:
@@ -222,14 +232,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--all-reduce", nargs="+", default=["nccl"], choices=ALL_REDUCE_MODES,
                         help="each configuration of several ranks once in each mode")  # fmt: skip
+    parser.add_argument("--prompt", type=int, default=Settings.prompt,
+                        help="prompt tokens beside the decodes in the mixed step")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny-llama, toy sizes")
     args = parser.parse_args(argv)
     os.environ.update(NCCL_ENV)
-    s = Settings(args.model, args.dtype, args.batch, args.context, 32, args.repeats, "cuda")
+    s = Settings(args.model, args.dtype, args.batch, args.context, 32, args.repeats, "cuda",
+                 args.prompt)  # fmt: skip
     if args.smoke:
-        s = Settings("preset:tiny-llama", "float32", 4, 100, 16, 3, "cpu")
+        s = Settings("preset:tiny-llama", "float32", 4, 100, 16, 3, "cpu", 20)
     s = Settings(**{**asdict(s), "context": fitting_context(s, min(args.ranks))})
     print(f"[bench_tp] {s}", flush=True)
     timings: list[Timing] = []
@@ -268,6 +281,17 @@ def print_table(s: Settings, timings: list[Timing]) -> None:
         print(f"{t.ranks:>5} {mode:>6} {t.eager_s * 1e3:9.2f} {graph} {step / first:8.3f} "
               f"{t.read_bound_s * 1e3:14.2f} {t.copy_gb_s:10.0f} {reduce} {graphed_reduce}"
               + (f"  ({t.error})" if t.error else ""))  # fmt: skip
+    print(f"\nmixed step: the same decodes beside a {s.prompt}-token prompt")
+    print(f"{'ranks':>5} {'reduce':>6} {'eager ms':>9} {'graphs ms':>10} {'x eager':>8} "
+          f"{'x first':>8}")  # fmt: skip
+    for t in timings:
+        eager, graphs = t.mixed_eager_s, t.mixed_graph_s
+        if eager is None:
+            continue
+        best, first = graphs or eager, base.mixed_graph_s or base.mixed_eager_s or eager
+        cut = f"{graphs * 1e3:10.2f} {eager / graphs:8.3f}" if graphs else f"{'-':>10} {'-':>8}"
+        mode = t.all_reduce if t.ranks > 1 else "-"
+        print(f"{t.ranks:>5} {mode:>6} {eager * 1e3:9.2f} {cut} {best / first:8.3f}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ output lengths from the recorded replies.
 
     python3 -m benchmarks.bench_tp_replay [--ranks 1 2] [--json OUT]     (GPUs; .bench assets)
     python3 -m benchmarks.bench_tp_replay --all-reduce nccl peer   (each N > 1 in both modes)
+    python3 -m benchmarks.bench_tp_replay --mixed-graphs on off    (steps with prefill pieces
+                                                  from graphs cut at attention, and eagerly)
     python3 -m benchmarks.bench_tp_replay --model preset:llama2-70b --ranks 2 \
         --policies pensieve stateless --gpu-tokens 0                     (the paper's model)
     python3 -m benchmarks.bench_tp_replay --smoke                         (CPU, gloo, tiny-llama)
@@ -30,6 +32,7 @@ from typing import Any
 from benchmarks.bench_workload import ConvSpec, build_workload, steady_closed_loop
 from pensieve.actors.config import Policy
 from pensieve.actors.engine import Engine
+from pensieve.actors.piecewise_graphs import ENABLED_ENV as MIXED_GRAPHS_ENV
 from pensieve.actors.step import StepPlan
 from pensieve.models.loader import load_model
 from pensieve.models.tensor_parallel import ALL_REDUCE_ENV, ALL_REDUCE_MODES
@@ -81,7 +84,8 @@ def workload(s: Settings) -> list[ConvSpec]:
 
 
 def step_kind(plan: StepPlan) -> str:
-    """`decode` (a CUDA graph replays it), `decode+swap-in` or `mixed` (both run eagerly)."""
+    """`decode` (a CUDA graph replays it), `decode+swap-in` or `mixed` (graphs cut at attention
+    replay them, or they run eagerly: `--mixed-graphs`)."""
     if any(p.end - p.start != 1 for p in plan.pieces):
         return "mixed"
     return "decode+swap-in" if plan.orders.swap_in else "decode"
@@ -100,10 +104,10 @@ def counted_steps(engine: Engine) -> Counter[str]:
     return kinds
 
 
-def closed_loop(
-    s: Settings, ranks: int, policy: Policy, specs: list[ConvSpec], mode: str = "nccl"
-) -> dict[str, Any]:
-    os.environ[ALL_REDUCE_ENV] = mode  # the rank processes take it from here
+def closed_loop(s: Settings, ranks: int, policy: Policy, specs: list[ConvSpec],
+                mode: str = "nccl", mixed_graphs: str = "on") -> dict[str, Any]:  # fmt: skip
+    os.environ[ALL_REDUCE_ENV] = mode  # the rank processes take both from here
+    os.environ[MIXED_GRAPHS_ENV] = "1" if mixed_graphs == "on" else "0"
     tokenizer = s.assets / "tokenizer"
     options = EngineOptions(
         s.model, s.device, s.dtype, tokenizer=str(tokenizer) if tokenizer.is_dir() else None,
@@ -121,13 +125,14 @@ def closed_loop(
     # the first rank's device waited for the host between steps it could have run back to back
     steps = {"kinds": dict(kinds), "device_busy_s": device.busy_s,
              "device_idle_s": device.idle_s, **result.extra}  # fmt: skip
-    print(f"[bench_tp_replay] {ranks} rank(s), {policy.value}, {mode}: "
+    print(f"[bench_tp_replay] {ranks} rank(s), {policy.value}, {mode}, mixed graphs "
+          f"{mixed_graphs}: "
           f"{window['tok_per_s']:.0f} tok/s (ranks started in {started:.0f} s); steps "
           f"{dict(kinds)}, device busy {device.busy_s:.1f} s, idle between steps "
           f"{device.idle_s:.1f} s", flush=True)  # fmt: skip
     return {"ranks": ranks, "policy": policy.value, "all_reduce": mode if ranks > 1 else "-",
-            "start_s": started, "window": window, "turns_finished": len(result.records),
-            "steps": steps}  # fmt: skip
+            "mixed_graphs": mixed_graphs, "start_s": started, "window": window,
+            "turns_finished": len(result.records), "steps": steps}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="GPU tier per engine; 0: most of the free memory")  # fmt: skip
     parser.add_argument("--all-reduce", nargs="+", default=["nccl"], choices=ALL_REDUCE_MODES,
                         help="each configuration of several ranks once in each mode")  # fmt: skip
+    parser.add_argument("--mixed-graphs", nargs="+", default=["on"], choices=["on", "off"],
+                        help="each configuration with steps that prefill replayed from graphs "
+                        "cut at attention (on), run eagerly (off), or both")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny-llama, toy sizes")
     args = parser.parse_args(argv)
@@ -148,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench_tp_replay] {s.model}: {len(specs)} conversations, {s.concurrency} at once",
           flush=True)  # fmt: skip
     results = [
-        closed_loop(s, ranks, Policy(policy), specs, mode)
+        closed_loop(s, ranks, Policy(policy), specs, mode, mixed)
         for ranks in args.ranks
         for mode in (args.all_reduce if ranks > 1 else ["nccl"])
+        for mixed in args.mixed_graphs
         for policy in args.policies
     ]
     if args.json is not None:
@@ -158,19 +167,21 @@ def main(argv: list[str] | None = None) -> int:
                                         default=str))  # fmt: skip
     base = results[0]["window"]["tok_per_s"]
     print(f"\nclosed loop, {s.concurrency} conversations, {s.model} {s.dtype}")
-    print(f"{'ranks':>5} {'reduce':>6} {'policy':>9} {'tok/s':>9} {'x first':>8} {'turns':>6} "
-          f"{'ms/step':>8} {'mixed':>6} {'busy':>5}")  # fmt: skip
+    print(f"{'ranks':>5} {'reduce':>6} {'graphs':>6} {'policy':>9} {'tok/s':>9} {'x first':>8} "
+          f"{'turns':>6} {'ms/step':>8} {'mixed':>6} {'busy':>5}")  # fmt: skip
     for r in results:
         rate, steps = r["window"]["tok_per_s"], r["steps"]
         per_step = s.window_s / max(steps["steps_in_window"], 1) * 1e3
         mixed = 1 - steps["kinds"].get("decode", 0) / max(sum(steps["kinds"].values()), 1)
         busy = steps["device_busy_s"] / (s.warmup_s + s.window_s)
-        print(f"{r['ranks']:>5} {r['all_reduce']:>6} {r['policy']:>9} {rate:9.1f} "
+        print(f"{r['ranks']:>5} {r['all_reduce']:>6} {r['mixed_graphs']:>6} {r['policy']:>9} "
+              f"{rate:9.1f} "
               f"{rate / base:8.3f} {r['turns_finished']:>6} {per_step:8.2f} {mixed:6.3f} "
               f"{busy:5.2f}")  # fmt: skip
     print(
-        "ms/step: the window's mean step; mixed: the share of steps run eagerly (prefill "
-        "pieces or swap-ins); busy: the first rank's device time in steps over the run"
+        "graphs: mixed steps from graphs cut at attention (on) or eager (off); ms/step: the "
+        "window's mean step; mixed: the share of steps with prefill pieces or swap-ins; busy: "
+        "the first rank's device time in steps over the run"
     )
     return 0
 

@@ -97,16 +97,25 @@ class PagedAttention:
         )
         return self._attend(q, cache)
 
-    def _attend(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor) -> None:
+        """Attention of layer `layer_idx` into `out` [T, Hq, D], its new K/V already in the
+        cache (written by a captured graph: actors/piecewise_graphs.py); `before_layer` is the
+        caller's to run first."""
+        self._attend(q, self.kv_caches[layer_idx], out)
+
+    def _attend(
+        self, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Attention over the cache; with Triton through the step's launch plan, made at the first
         layer (every layer's query and cache have the same shapes) and replayed by the others."""
         if not _use_triton(self.impl, q):
-            return paged_attention(q, cache, self.meta, self.scale, self.impl)
+            result = paged_attention(q, cache, self.meta, self.scale, self.impl)
+            return result if out is None else out.copy_(result)
         if self._plan is None:
             from pensieve.kernels.triton_attention import AttentionPlan
 
             self._plan = AttentionPlan(q, cache, self.meta, self.scale)
-        return self._plan.run(q, cache)
+        return self._plan.run(q, cache, out)
 
 
 def allocate_kv_caches(
