@@ -9,7 +9,9 @@
 #           e.g. preset:llama2-70b and "2 4" on four GPUs), the split runs once for each of
 #           ALL_REDUCE_MODES (default "nccl peer": NCCL's all-reduce, symmetric memory's)
 #   replay  the 48-conversation closed loop on 1 rank and on 2, for each of ALL_REDUCE_MODES
-#           (benchmarks/bench_tp_replay.py; needs .bench from prepare_bench_assets.py)
+#           and of MIXED_GRAPHS ("on", "off" or both: steps with prefill pieces from graphs cut
+#           at attention, or eager) (benchmarks/bench_tp_replay.py; needs .bench from
+#           prepare_bench_assets.py)
 #   paper   the paper's experiment: preset:llama2-70b (bf16) on RANKS ranks (2), bench_gpu's
 #           policies section (multi-turn ShareGPT, Poisson arrivals, think time, the same
 #           tiers for every policy) for POLICIES (pensieve,stateless), each at RATES
@@ -55,8 +57,9 @@ for section in "${sections[@]}"; do
                 --all-reduce "${modes[@]}" --json "$out/bench_tp.json" \
                 > "$out/decode.txt" 2>&1 || tail -30 "$out/decode.txt" ;;
         replay)
+            read -ra mixed <<< "${MIXED_GRAPHS:-on}"
             timeout 330 python3 -m benchmarks.bench_tp_replay --all-reduce "${modes[@]}" \
-                --json "$out/bench_tp_replay.json" \
+                --mixed-graphs "${mixed[@]}" --json "$out/bench_tp_replay.json" \
                 > "$out/replay.txt" 2>&1 || tail -30 "$out/replay.txt" ;;
         paper)
             rates=()
