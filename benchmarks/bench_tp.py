@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import statistics
 import sys
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +66,7 @@ class Settings:
     repeats: int
     device: str  # cuda or cpu
     prompt: int = 256  # the mixed step: the decodes beside a prompt of this many tokens
+    profile: bool = False  # the first rank's kernels in both steps, from graphs (torch.profiler)
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ class Timing:
     # the decodes beside a prompt, eager and from graphs cut at attention (None: no graphs)
     mixed_eager_s: float | None = None
     mixed_graph_s: float | None = None
+    # the first rank's device time per step by kernel kind, of each step replayed from graphs
+    profiles: dict[str, dict[str, Any]] | None = None
 
 
 def decode_plan(batch: int, context: int, blocks_per_seq: int, prompt: int = 0) -> StepPlan:
@@ -148,6 +153,11 @@ def time_rank(s: Settings, shard: TensorShard | None, device: torch.device) -> T
     with runner.eager():
         mixed_eager = median_time(mixed, s.repeats, cuda)
     mixed_graph = median_time(mixed, s.repeats, cuda) if runner.mixed_graphs else None
+    profiles = None
+    if s.profile and cuda:  # every rank steps; the first one records
+        first = shard is None or shard.rank == 0
+        profiles = {name: profile_steps(fn, s.repeats, first)
+                    for name, fn in (("decode", step), ("mixed", mixed))}  # fmt: skip
     reduce_us = graph_us = None
     if shard is not None:
         hidden = torch.zeros((s.batch, model.config.hidden_size), dtype=dtype, device=device)
@@ -159,7 +169,30 @@ def time_rank(s: Settings, shard: TensorShard | None, device: torch.device) -> T
             except Exception as failure:  # every rank fails alike
                 error = f"all-reduce graph: {type(failure).__name__}: {failure}"
     return Timing(ranks, eager, graph_s, (weights + kv) / rate, rate / GB, reduce_us, error,
-                  runner.all_reduce or "-", graph_us, mixed_eager, mixed_graph)  # fmt: skip
+                  runner.all_reduce or "-", graph_us, mixed_eager, mixed_graph,
+                  profiles)  # fmt: skip
+
+
+def profile_steps(fn: Callable[[], object], repeats: int, record: bool) -> dict[str, Any]:
+    """Milliseconds per step of `repeats` steps: wall, the GPU's busy time and each kernel
+    kind's device time (empty where not `record`)."""
+    from benchmarks.bench_policies import ProfileWindow
+
+    window = ProfileWindow(0.0, math.inf)
+    torch.cuda.synchronize()
+    if record:
+        window.on_step(0.0)
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    if not record:
+        return {}
+    summary = window.finish()
+    if "wall_s" not in summary:
+        return summary
+    per_step = 1e3 / repeats
+    return {"wall_ms": summary["wall_s"] * per_step, "busy_ms": summary["busy_s"] * per_step,
+            "kinds_ms": {k: v * per_step for k, v in summary["kinds_s"].items()}}  # fmt: skip
 
 
 def graphed_reduce_s(reduce: AllReduce, hidden: torch.Tensor, repeats: int, n: int = 20) -> float:
@@ -235,12 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=Settings.prompt,
                         help="prompt tokens beside the decodes in the mixed step")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--profile", action="store_true",
+                        help="the first rank's kernels by kind (torch.profiler)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny-llama, toy sizes")
     args = parser.parse_args(argv)
     os.environ.update(NCCL_ENV)
     s = Settings(args.model, args.dtype, args.batch, args.context, 32, args.repeats, "cuda",
-                 args.prompt)  # fmt: skip
+                 args.prompt, args.profile)  # fmt: skip
     if args.smoke:
         s = Settings("preset:tiny-llama", "float32", 4, 100, 16, 3, "cpu", 20)
     s = Settings(**{**asdict(s), "context": fitting_context(s, min(args.ranks))})
@@ -292,6 +327,13 @@ def print_table(s: Settings, timings: list[Timing]) -> None:
         cut = f"{graphs * 1e3:10.2f} {eager / graphs:8.3f}" if graphs else f"{'-':>10} {'-':>8}"
         mode = t.all_reduce if t.ranks > 1 else "-"
         print(f"{t.ranks:>5} {mode:>6} {eager * 1e3:9.2f} {cut} {best / first:8.3f}")
+    for t in timings:
+        for name, p in (t.profiles or {}).items():
+            if "wall_ms" not in p:
+                continue
+            kinds = ", ".join(f"{kind} {ms:.2f}" for kind, ms in p["kinds_ms"].items())
+            print(f"profile, {t.ranks} rank(s), {name} step from graphs: {p['wall_ms']:.2f} ms, "
+                  f"GPU busy {p['busy_ms']:.2f} ms; by kind (ms): {kinds}")  # fmt: skip
 
 
 if __name__ == "__main__":
