@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pensieve.actors.config import CacheConfig, Policy
-from pensieve.actors.executor import ModelRunner
+from pensieve.actors.executor import Launched, ModelRunner
 from pensieve.actors.request import SamplingParams
 from pensieve.actors.step import SeqPiece, StepPlan
 from pensieve.models import load_model
@@ -86,6 +86,9 @@ class Timing:
     mixed_graph_s: float | None = None
     # the first rank's device time per step by kernel kind, of each step replayed from graphs
     profiles: dict[str, dict[str, Any]] | None = None
+    # steps from graphs launched back to back, as the engine launches them (each one's inputs
+    # go up while the one before runs): the decode step, the mixed step
+    back_to_back_s: tuple[float, float] | None = None
 
 
 def decode_plan(batch: int, context: int, blocks_per_seq: int, prompt: int = 0) -> StepPlan:
@@ -148,11 +151,16 @@ def time_rank(s: Settings, shard: TensorShard | None, device: torch.device) -> T
             graph_s = median_time(step, s.repeats, cuda)
         except Exception as failure:  # every rank fails alike: the capture is the same
             error = f"CUDA graph: {type(failure).__name__}: {failure}"
-    mixed = functools.partial(runner.execute, decode_plan(s.batch, s.context, blocks_per_seq,
-                                                          s.prompt))  # fmt: skip
+    mixed_plan = decode_plan(s.batch, s.context, blocks_per_seq, s.prompt)
+    mixed = functools.partial(runner.execute, mixed_plan)
     with runner.eager():
         mixed_eager = median_time(mixed, s.repeats, cuda)
     mixed_graph = median_time(mixed, s.repeats, cuda) if runner.mixed_graphs else None
+    back_to_back = None
+    if graph_s is not None and runner.mixed_graphs is not None:
+        back_to_back = (back_to_back_s(functools.partial(runner.launch, plan), s.repeats),
+                        back_to_back_s(functools.partial(runner.launch, mixed_plan),
+                                       s.repeats))  # fmt: skip
     profiles = None
     if s.profile and cuda:  # every rank steps; the first one records
         first = shard is None or shard.rank == 0
@@ -170,7 +178,20 @@ def time_rank(s: Settings, shard: TensorShard | None, device: torch.device) -> T
                 error = f"all-reduce graph: {type(failure).__name__}: {failure}"
     return Timing(ranks, eager, graph_s, (weights + kv) / rate, rate / GB, reduce_us, error,
                   runner.all_reduce or "-", graph_us, mixed_eager, mixed_graph,
-                  profiles)  # fmt: skip
+                  profiles, back_to_back)  # fmt: skip
+
+
+def back_to_back_s(launch: Callable[[], Launched], repeats: int, warmup: int = 3) -> float:
+    """Seconds per step of `repeats` steps launched without waiting for the one before."""
+    for _ in range(warmup):
+        launch().result()
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for _ in range(repeats):
+        last = launch()
+    last.result()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - begin) / repeats
 
 
 def profile_steps(fn: Callable[[], object], repeats: int, record: bool) -> dict[str, Any]:
@@ -327,6 +348,16 @@ def print_table(s: Settings, timings: list[Timing]) -> None:
         cut = f"{graphs * 1e3:10.2f} {eager / graphs:8.3f}" if graphs else f"{'-':>10} {'-':>8}"
         mode = t.all_reduce if t.ranks > 1 else "-"
         print(f"{t.ranks:>5} {mode:>6} {eager * 1e3:9.2f} {cut} {best / first:8.3f}")
+    if all(t.back_to_back_s is not None for t in timings):
+        print("\nfrom graphs, launched back to back (inputs go up while the step before runs)")
+        print(f"{'ranks':>5} {'reduce':>6} {'decode ms':>10} {'x first':>8} {'mixed ms':>9} "
+              f"{'x first':>8}")  # fmt: skip
+        decode_first, mixed_first = base.back_to_back_s or (1.0, 1.0)
+        for t in timings:
+            decode, mixed = t.back_to_back_s or (0.0, 0.0)
+            mode = t.all_reduce if t.ranks > 1 else "-"
+            print(f"{t.ranks:>5} {mode:>6} {decode * 1e3:10.2f} {decode / decode_first:8.3f} "
+                  f"{mixed * 1e3:9.2f} {mixed / mixed_first:8.3f}")  # fmt: skip
     for t in timings:
         for name, p in (t.profiles or {}).items():
             if "wall_ms" not in p:
