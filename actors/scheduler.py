@@ -152,10 +152,11 @@ class Scheduler:
         """Whether this step admits nobody: it would decode only, and fewer running slots are
         free than the admit group (or than the requests waiting, if fewer wait).
 
-        A step with a multi-token piece pays for an eager forward; a pure-decode step replays a
-        CUDA graph. At the running-request cap, requests finish one or two at a time, and
-        admitting each into the next slot would make most steps mixed ones carrying a single short
-        prompt (a stateful turn's new prompt is small). Waiting until a few slots are free
+        A step with a multi-token piece replays graphs cut at attention, with attention launched
+        between them; a pure-decode step replays one whole CUDA graph. At the running-request
+        cap, requests finish one or two at a time, and admitting each into the next slot would
+        make most steps mixed ones carrying a single short prompt (a stateful turn's new prompt
+        is small). Waiting until a few slots are free
         starts those turns together in one mixed step; below the cap, and whenever a step has
         prefill work anyway, requests are admitted at once."""
         if not self.waiting or not self.running or any(p.end - p.start > 1 for p in pieces):

@@ -64,7 +64,7 @@ def layer_groups(num_layers: int) -> list[range]:
     1, 1, 2, then 4 at a time. Layer 0's copies stay alone, as the step waits for them before
     anything else; grouping the rest cuts a 40-layer model's 40 calls, events and waits to 12.
     With the addresses made once per step too, this cuts the host's time to issue and wait for a
-    swap-in about threefold, which matters as an eager step's launch is bound by the host. A
+    swap-in about threefold, which matters as a step with swap-ins waits between its layers. A
     group's first layer waits for three more layers' copies: where copies are slower
     than compute, up to three layers of compute at the end are not overlapped."""
     groups, begin = [], 0

@@ -425,7 +425,12 @@ def section_kernels(b: Bench, rows: list[Row]) -> dict[str, Any]:
     details: dict[str, Any] = {"pytest_rc": None}
     try:
         proc = subprocess.run(
-            [*command, "tests/kernels", "tests/actors/test_cuda_graphs.py"],
+            [
+                *command,
+                "tests/kernels",
+                "tests/actors/test_cuda_graphs.py",
+                "tests/actors/test_piecewise_graphs.py",
+            ],
             cwd=REPO,
             capture_output=True,
             text=True,
