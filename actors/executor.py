@@ -191,8 +191,8 @@ class ModelRunner:
     def renew_graphs(self) -> tuple[DecodeGraphs | None, PiecewiseGraphs | None]:
         """New, empty CUDA graphs: pure-decode steps in whole graphs, steps with prefill pieces
         in graphs cut at attention (unless PENSIEVE_MIXED_GRAPHS=0); both use the scratch block.
-        Returns the graphs they replace, which must outlive any capture still running in them
-        (a benchmark that changes the model's kernels captures again after `set_fused`)."""
+        Returns the graphs replaced: a benchmark that changes the model's kernels (`set_fused`)
+        captures again, keeping the old graphs, and so their memory pools, alive."""
         old = self.graphs, self.mixed_graphs
         c = self.cache
         self.graphs = DecodeGraphs(self.model, self.gpu_caches, c.num_gpu_blocks, c.block_size,

@@ -49,7 +49,7 @@ TOKEN_BUCKETS = (
 ENABLED_ENV = "PENSIEVE_MIXED_GRAPHS"
 # a capture here spans a whole forward: other threads of the process (the event loop, NCCL's
 # watchdog) may call the CUDA API meanwhile, which a process-wide capture would refuse
-MODE = "thread_local"
+CAPTURE_MODE = "thread_local"
 
 
 def mixed_graphs_enabled() -> bool:
@@ -185,7 +185,7 @@ class PiecewiseGraphs:
         def next_graph() -> None:
             graphs[-1].capture_end()
             graphs.append(torch.cuda.CUDAGraph())
-            graphs[-1].capture_begin(pool=self.pool, capture_error_mode=MODE)
+            graphs[-1].capture_begin(pool=self.pool, capture_error_mode=CAPTURE_MODE)
 
         with torch.cuda.stream(side):
             # outside any capture first: cuBLAS and Triton pick and load their kernels, the
@@ -193,7 +193,7 @@ class PiecewiseGraphs:
             self.model(ids, positions, cut)
             torch.cuda.synchronize()
             cut.cut, cut.num_cuts = next_graph, 0
-            graphs[0].capture_begin(pool=self.pool, capture_error_mode=MODE)
+            graphs[0].capture_begin(pool=self.pool, capture_error_mode=CAPTURE_MODE)
             try:
                 hidden = self.model(ids, positions, cut)
             except BaseException:
