@@ -8,8 +8,10 @@
 #
 #   SECTIONS="tests step serve" bash benchmarks/gpu_graphs.sh OUT_DIR     (~9 minutes)
 #
-# carry: .whl and .bench (benchmarks/prepare_bench_assets.py, and .bench/last). CONCURRENCY
-# (default "64 128"), REPEAT (2) and CONVS (192) size the serving runs. Tables come last.
+# carry: .whl and .bench (benchmarks/prepare_bench_assets.py, and .bench/last, made here with
+# `mkdir -p .bench/last && git archive REV | tar -x -C .bench/last && ln -s .. .bench/last/.bench`
+# so that the build before finds the same assets). CONCURRENCY (default "64 128"), REPEAT (2)
+# and CONVS (192) size the serving runs. Tables come last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_graphs.sh OUT_DIR}
