@@ -62,14 +62,14 @@ from benchmarks.bench_workload import (
     steady_closed_loop,
 )
 from pensieve.actors.config import DEFAULTS, CacheConfig, Policy, SchedulerConfig
-from pensieve.actors.cost_model import CostModel
-from pensieve.actors.engine import Engine
-from pensieve.actors.executor import ModelRunner
-from pensieve.actors.kv_cache import CopyOp, SwapOrders
-from pensieve.actors.request import SamplingParams
-from pensieve.actors.step import SeqPiece, StepPlan
-from pensieve.actors.step_channel import RemoteRunner
-from pensieve.actors.swap import SwapStats
+from pensieve.actors.executor.model_runner import ModelRunner
+from pensieve.actors.executor.swap import SwapStats
+from pensieve.actors.scheduler.engine import Engine
+from pensieve.actors.scheduler.kv.cost_model import CostModel
+from pensieve.actors.scheduler.kv.kv_cache import CopyOp, SwapOrders
+from pensieve.actors.scheduler.request import SamplingParams
+from pensieve.actors.wire.step import SeqPiece, StepPlan
+from pensieve.actors.wire.step_channel import RemoteRunner
 from pensieve.models.assets import smollm2_tokenizer
 from pensieve.models.llama import LlamaModel
 from pensieve.models.loader import LoadedModel, load_model
@@ -428,8 +428,8 @@ def section_kernels(b: Bench, rows: list[Row]) -> dict[str, Any]:
             [
                 *command,
                 "tests/kernels",
-                "tests/actors/test_cuda_graphs.py",
-                "tests/actors/test_piecewise_graphs.py",
+                "tests/actors/executor/test_cuda_graphs.py",
+                "tests/actors/executor/test_piecewise_graphs.py",
             ],
             cwd=REPO,
             capture_output=True,

@@ -31,9 +31,9 @@ from typing import Any
 
 from benchmarks.bench_workload import ConvSpec, build_workload, steady_closed_loop
 from pensieve.actors.config import Policy
-from pensieve.actors.engine import Engine
-from pensieve.actors.piecewise_graphs import ENABLED_ENV as MIXED_GRAPHS_ENV
-from pensieve.actors.step import StepPlan
+from pensieve.actors.executor.piecewise_graphs import ENABLED_ENV as MIXED_GRAPHS_ENV
+from pensieve.actors.scheduler.engine import Engine
+from pensieve.actors.wire.step import StepPlan
 from pensieve.models.loader import load_model
 from pensieve.models.tensor_parallel import ALL_REDUCE_ENV, ALL_REDUCE_MODES
 from pensieve.ops.factory import DTYPES, EngineOptions

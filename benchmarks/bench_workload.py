@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pensieve.actors.engine import Engine, StepTiming
-from pensieve.actors.request import FinishReason, Request, SamplingParams, TokenSources
+from pensieve.actors.scheduler.engine import Engine, StepTiming
+from pensieve.actors.scheduler.request import FinishReason, Request, SamplingParams, TokenSources
 from pensieve.kernels.compile_log import CompileLog
 from pensieve.ops.sharegpt import Conversation, Role, human_turns
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CUDA graphs of steps with prefill pieces (actors/piecewise_graphs.py) on one GPU, in one go:
+# CUDA graphs of steps with prefill pieces (actors/executor/piecewise_graphs.py) on one GPU, in one go:
 #   tests  the GPU tests of both kinds of graphs, the cache paths and the fused kernels
 #   step   the decode step and the same decodes beside a prompt, eager and from graphs, of
 #          MODEL (preset:llama2-13b-gqa10) on one rank (benchmarks/bench_tp.py)
@@ -25,9 +25,9 @@ for section in "${sections[@]}"; do
     case $section in
         tests)
             timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -m gpu \
-                tests/actors/test_piecewise_graphs.py tests/actors/test_cuda_graphs.py \
-                tests/actors/test_cache_paths_gpu.py tests/kernels/test_fused.py \
-                tests/actors/test_swap_gpu.py 2>&1 | tee "$out/tests.txt" | tail -25 ;;
+                tests/actors/executor/test_piecewise_graphs.py tests/actors/executor/test_cuda_graphs.py \
+                tests/actors/executor/test_cache_paths_gpu.py tests/kernels/test_fused.py \
+                tests/actors/executor/test_swap_gpu.py 2>&1 | tee "$out/tests.txt" | tail -25 ;;
         step)
             timeout 200 python3 -m benchmarks.bench_tp --ranks 1 \
                 --model "${MODEL:-preset:llama2-13b-gqa10}" --json "$out/step.json" \

@@ -48,7 +48,7 @@ for section in "${sections[@]}"; do
     case $section in
         tests)
             timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -m gpu \
-                tests/models/test_tensor_parallel.py tests/actors/test_executor_ranks.py \
+                tests/models/test_tensor_parallel.py tests/actors/executor/test_executor_ranks.py \
                 2>&1 | tee "$out/tests.txt" | tail -30 ;;
         decode)
             read -ra decode_ranks <<< "${DECODE_RANKS:-1 2}"

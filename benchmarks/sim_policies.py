@@ -32,9 +32,9 @@ from benchmarks.bench_workload import (
     summarize,
 )
 from pensieve.actors.config import DEFAULTS, CacheConfig, Policy, SchedulerConfig
-from pensieve.actors.cost_model import CostModel
-from pensieve.actors.engine import Engine
-from pensieve.actors.step import StepPlan
+from pensieve.actors.scheduler.engine import Engine
+from pensieve.actors.scheduler.kv.cost_model import CostModel
+from pensieve.actors.wire.step import StepPlan
 
 REPO = Path(__file__).resolve().parents[1]
 

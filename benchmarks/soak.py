@@ -35,8 +35,8 @@ from typing import Any
 import lmdb
 import orjson
 
-from pensieve.actors import subjects
-from pensieve.actors.bus import Bus
+from pensieve.actors.wire import subjects
+from pensieve.actors.wire.bus import Bus
 from pensieve.ops.load import server_stats
 from pensieve.ops.sharegpt import human_turns, load_conversations
 

@@ -99,8 +99,8 @@ class PagedAttention:
 
     def attend(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor) -> None:
         """Attention of layer `layer_idx` into `out` [T, Hq, D], its new K/V already in the
-        cache (written by a captured graph: actors/piecewise_graphs.py); `before_layer` is the
-        caller's to run first."""
+        cache (written by a captured graph: actors/executor/piecewise_graphs.py); `before_layer`
+        is the caller's to run first."""
         self._attend(q, self.kv_caches[layer_idx], out)
 
     def _attend(

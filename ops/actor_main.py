@@ -29,14 +29,14 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pensieve.actors.bus import Bus, ConnectOptions
-from pensieve.actors.executor import ModelRunner
-from pensieve.actors.executor_actor import ExecutorActor
-from pensieve.actors.http_ingress import HttpIngressActor
-from pensieve.actors.ingress import IngressActor
-from pensieve.actors.recompute_planner import RecomputePlannerActor
-from pensieve.actors.step_channel import connect_executor
-from pensieve.actors.tokenizer_actor import tokenizer_replicas
+from pensieve.actors.executor.actor import ExecutorActor
+from pensieve.actors.executor.model_runner import ModelRunner
+from pensieve.actors.ingress.actor import IngressActor
+from pensieve.actors.ingress.http_actor import HttpIngressActor
+from pensieve.actors.planner.actor import RecomputePlannerActor
+from pensieve.actors.tokenizer.actor import tokenizer_replicas
+from pensieve.actors.wire.bus import Bus, ConnectOptions
+from pensieve.actors.wire.step_channel import connect_executor
 from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import (

@@ -17,8 +17,8 @@ import secrets
 import threading
 from pathlib import Path
 
-from pensieve.actors.openai_api import unauthorized
-from pensieve.actors.subjects import check_tenant_name
+from pensieve.actors.ingress.openai_api import unauthorized
+from pensieve.actors.wire.subjects import check_tenant_name
 
 KEY_PREFIX = "pk-"
 SUFFIX = ".sha256"

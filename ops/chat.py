@@ -20,8 +20,8 @@ from typing import Any, TextIO
 
 import orjson
 
-from pensieve.actors import subjects
-from pensieve.actors.bus import Bus, ConnectOptions
+from pensieve.actors.wire import subjects
+from pensieve.actors.wire.bus import Bus, ConnectOptions
 
 HELP = "/new: another conversation   /history: its turns   /stats: the engine   /quit: leave"
 Reader = Callable[[str], Awaitable[str | None]]  # a prompt -> the line typed (None: no more)

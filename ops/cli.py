@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pensieve.actors.config import DEFAULTS, ExpiryConfig, Policy, StepChannel
-from pensieve.actors.version import version
+from pensieve.actors.wire.version import version
 
 DESCRIPTION = """Stateful LLM serving for multi-turn conversations: each conversation's KV cache
 is kept across turns in a GPU tier and a CPU tier."""
@@ -617,7 +617,7 @@ def _nats_config(args: argparse.Namespace, started: float) -> int:
 
 
 def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from pensieve.actors.http_ingress import HttpConfig
+    from pensieve.actors.ingress.http_actor import HttpConfig
     from pensieve.ops.nats_auth import auth_data_dir, events_auth_from_args, nats_auth_from_args
     from pensieve.ops.serve import ServeOptions, default_data_dir
 

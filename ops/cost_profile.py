@@ -4,7 +4,7 @@ For each context length l = 2^k (from the chunk size up to `max_context`) it tim
 of chunks of query tokens over l cached positions, through every layer, on the path the engine
 uses (`PagedAttention`: write the chunks' K/V into the paged cache, then attend). The non-attention
 cost is a forward of fresh chunks with the attention left out. The table it
-writes is what `CostModel.from_json` loads (format: actors/cost_model.py).
+writes is what `CostModel.from_json` loads (format: actors/scheduler/kv/cost_model.py).
 
 Chunks are measured in batches and each time is divided by the batch size: recompute runs inside
 a batched step, and a lone chunk on a GPU measures kernel-launch overhead and weight reads, which
@@ -28,7 +28,11 @@ from typing import Any
 
 import torch
 
-from pensieve.actors.cost_model import PROFILE_FORMAT, CostModel, context_lens_to_profile
+from pensieve.actors.scheduler.kv.cost_model import (
+    PROFILE_FORMAT,
+    CostModel,
+    context_lens_to_profile,
+)
 from pensieve.kernels import build_metadata
 from pensieve.kernels.fused import rope_write_kv
 from pensieve.models.attention import PagedAttention, allocate_kv_caches

@@ -6,7 +6,7 @@
 Each rank joins the group (NCCL between GPUs, gloo between CPUs, and a gloo group beside NCCL
 for the start-up handshake), loads its share of the model (`load_shard`), sizes its KV tiers to
 what every rank can hold, takes rank 0's incarnation and engine id, and runs an ExecutorActor:
-every rank takes every step plan from the bus, rank 0 answers for all (actors/executor_actor.py).
+every rank takes every step plan from the bus, rank 0 answers for all (actors/executor/actor.py).
 Rank 0 starts answering only once every other rank has subscribed to the plans, so no plan
 reaches some ranks and not the others.
 
@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pensieve.actors.bus import Bus
 from pensieve.actors.config import CacheConfig
-from pensieve.actors.executor_actor import ExecutorActor
+from pensieve.actors.executor.actor import ExecutorActor
+from pensieve.actors.wire.bus import Bus
 from pensieve.models.loader import load_model
 from pensieve.models.tensor_parallel import NCCL_ENV, TensorShard, split_config
 from pensieve.ops.factory import DTYPES, EngineOptions, cpu_threads, frozen_heap, rank_runner

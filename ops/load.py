@@ -38,8 +38,8 @@ from typing import Any, Protocol
 
 import orjson
 
-from pensieve.actors import subjects
-from pensieve.actors.bus import Bus
+from pensieve.actors.wire import subjects
+from pensieve.actors.wire.bus import Bus
 from pensieve.ops.sharegpt import Conversation, Role, human_turns, load_conversations
 
 

@@ -36,8 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pensieve.actors.bus import ConnectOptions
-from pensieve.actors.subjects import check_tenant_name, tenant_of, tenant_subject
+from pensieve.actors.wire.bus import ConnectOptions
+from pensieve.actors.wire.subjects import check_tenant_name, tenant_of, tenant_subject
 
 __all__ = ["check_tenant_name", "tenant_of", "tenant_subject"]  # named here for the accounts
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pensieve.actors.bus import DISCONNECTS
-from pensieve.actors.subjects import PREFIX
+from pensieve.actors.wire.bus import DISCONNECTS
+from pensieve.actors.wire.subjects import PREFIX
 from pensieve.ops.nats_auth import EVENTS_USER, SERVICE_ACCOUNT, SERVICE_USER, tenant_subject
 
 RELOAD_USER = "pensieve-reload"

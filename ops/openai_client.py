@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pensieve.actors.bus import Bus
+from pensieve.actors.wire.bus import Bus
 
 CONVERSATION_HEADER = "X-Conversation-Id"
 

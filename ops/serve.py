@@ -21,21 +21,26 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pensieve.actors import subjects
-from pensieve.actors.bus import Bus, ConnectOptions
-from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig, StepChannel
-from pensieve.actors.executor import ModelRunner
-from pensieve.actors.executor_actor import ExecutorActor
-from pensieve.actors.http_ingress import Authenticate, HttpConfig, HttpIngressActor, serve_metrics
-from pensieve.actors.ingress import IngressActor
-from pensieve.actors.recompute_planner import RecomputePlannerActor
-from pensieve.actors.server import ChatServer, EngineThread
-from pensieve.actors.spill_keeper import SpillKeeper
-from pensieve.actors.step_channel import connect_executor
-from pensieve.actors.sweeper import sweeping
-from pensieve.actors.tokenizer import ChatTokenizer
-from pensieve.actors.tokenizer_actor import tokenizer_replicas
+from pensieve.actors.executor.actor import ExecutorActor
+from pensieve.actors.executor.model_runner import ModelRunner
+from pensieve.actors.executor.spill_keeper import SpillKeeper
+from pensieve.actors.ingress.actor import IngressActor
+from pensieve.actors.ingress.http_actor import (
+    Authenticate,
+    HttpConfig,
+    HttpIngressActor,
+    serve_metrics,
+)
+from pensieve.actors.planner.actor import RecomputePlannerActor
+from pensieve.actors.scheduler.actor import ChatServer, EngineThread
+from pensieve.actors.scheduler.chat_service import ChatService
+from pensieve.actors.scheduler.sweeper import sweeping
+from pensieve.actors.tokenizer.actor import tokenizer_replicas
+from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
+from pensieve.actors.wire import subjects
+from pensieve.actors.wire.bus import Bus, ConnectOptions
+from pensieve.actors.wire.step_channel import connect_executor
 from pensieve.models.loader import LoadedModel
 from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
@@ -193,7 +198,7 @@ async def executor_actor(
     store: ConversationStore | None = None,
 ) -> AsyncIterator[None]:
     """The model behind an executor actor on the bus; the engine steps it through the
-    per-step channel (`actors/step_channel.py`) until the context closes. With `store`, the
+    per-step channel (`actors/wire/step_channel.py`) until the context closes. With `store`, the
     actor keeps the spill index there."""
     runner = built.engine.runner
     if not isinstance(runner, ModelRunner):

@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pensieve.actors.bus import Bus, ConnectOptions
+from pensieve.actors.wire.bus import Bus, ConnectOptions
 from pensieve.ops.chat import add_connection_args
 from pensieve.ops.load import ChatClient, LoadOptions, NatsClient, Window, run_load, run_poisson
 from pensieve.ops.sharegpt import Conversation, human_turns, load_conversations

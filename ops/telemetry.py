@@ -26,8 +26,8 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 
-from pensieve.actors import subjects, tracing
-from pensieve.actors.version import version
+from pensieve.actors.wire import subjects, tracing
+from pensieve.actors.wire.version import version
 
 TRACE_CHOICES = ("none", "console", "otlp")
 

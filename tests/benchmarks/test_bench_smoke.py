@@ -23,7 +23,7 @@ from benchmarks.bench_workload import (
     percentile,
     step_times,
 )
-from pensieve.actors.cost_model import CostModel
+from pensieve.actors.scheduler.kv.cost_model import CostModel
 from pensieve.ops.sharegpt import Conversation, Message, Role
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.sim_policies import steeper
-from pensieve.actors.cost_model import CostModel
+from pensieve.actors.scheduler.kv.cost_model import CostModel
 
 REPO = Path(__file__).resolve().parents[2]
 H200_TABLE = REPO / "benchmarks/results/h200/cost_llama2-13b-gqa10.json"
@@ -42,7 +42,7 @@ def test_a_slow_step_is_recorded_with_what_it_did() -> None:
     )
     from benchmarks.sim_policies import SimClock, SimRunner, StepModel
     from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
-    from pensieve.actors.engine import Engine
+    from pensieve.actors.scheduler.engine import Engine
 
     clock = SimClock()
     runner = SimRunner(clock, StepModel(fixed_ms=700.0))

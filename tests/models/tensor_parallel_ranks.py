@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pensieve.actors.config import CacheConfig
-from pensieve.actors.executor import Launched, ModelRunner
-from pensieve.actors.request import PLACEHOLDER, SamplingParams
-from pensieve.actors.step import SeqPiece, StepPlan
+from pensieve.actors.executor.model_runner import Launched, ModelRunner
+from pensieve.actors.scheduler.request import PLACEHOLDER, SamplingParams
+from pensieve.actors.wire.step import SeqPiece, StepPlan
 from pensieve.models import PRESETS, CausalLM, ModelConfig, build_model, init_random_
 from pensieve.models.tensor_parallel import ALL_REDUCE_ENV, NCCL_ENV, TensorShard, shard_model
 

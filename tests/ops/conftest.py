@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pensieve.actors.tokenizer import ChatTokenizer
+from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops.sharegpt import Conversation, Message, Role, load_conversations, write_jsonl
 

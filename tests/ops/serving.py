@@ -14,10 +14,10 @@ from pathlib import Path
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from pensieve.actors.bus import ConnectOptions
-from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import DEFAULTS, Policy, StepChannel
-from pensieve.actors.tokenizer import ChatTokenizer
+from pensieve.actors.scheduler.chat_service import ChatService
+from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
+from pensieve.actors.wire.bus import ConnectOptions
 from pensieve.models.loader import LoadedModel
 from pensieve.ops.factory import Built, EngineOptions, assemble
 from pensieve.ops.replay import ReplayOptions, replay

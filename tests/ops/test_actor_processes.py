@@ -24,7 +24,7 @@ import nats
 import orjson
 import pytest
 
-from pensieve.actors import subjects
+from pensieve.actors.wire import subjects
 from pensieve.ops.nats_server import EmbeddedNats
 from tests.ops.serving import stateless_references
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pensieve.actors.openai_api import OpenAIError
+from pensieve.actors.ingress.openai_api import OpenAIError
 from pensieve.ops.api_keys import ApiKeys, keys_dir, new_api_key, remove_api_key
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pensieve.actors.http_ingress import HttpConfig
+from pensieve.actors.ingress.http_actor import HttpConfig
 from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.cli import main
 from pensieve.ops.factory import EngineOptions, assemble

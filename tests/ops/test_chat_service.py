@@ -13,9 +13,9 @@ from typing import Any
 import orjson
 import pytest
 
-from pensieve.actors.chat_service import ChatService
-from pensieve.actors.messages import DetokenizeReply, DetokenizeRequest
-from pensieve.actors.schemas import ApiError, Page, parse_chat
+from pensieve.actors.scheduler.chat_service import ChatService
+from pensieve.actors.wire.messages import DetokenizeReply, DetokenizeRequest
+from pensieve.actors.wire.schemas import ApiError, Page, parse_chat
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.store import ConversationStore, StoreWriter, TurnRecord
 

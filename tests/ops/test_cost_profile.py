@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pensieve.actors.cost_model import CostModel
+from pensieve.actors.scheduler.kv.cost_model import CostModel
 from pensieve.models.loader import load_model
 from pensieve.ops.cost_profile import ProfileSettings, main, profile_model
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pensieve.actors.chat_service import ChatService
+from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.store import ConversationStore, StoreWriter
 from tests.ops.test_chat_service import CHAT, turn

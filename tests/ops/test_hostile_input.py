@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
 
-from pensieve.actors import subjects
-from pensieve.actors.bus import ERROR_HEADER
 from pensieve.actors.config import StepChannel
-from pensieve.actors.schemas import ERROR_CODES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, ROLES
+from pensieve.actors.wire import subjects
+from pensieve.actors.wire.bus import ERROR_HEADER
+from pensieve.actors.wire.schemas import ERROR_CODES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, ROLES
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from tests.ops.serving import serve_on_thread

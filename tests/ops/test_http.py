@@ -23,7 +23,7 @@ import orjson
 import pytest
 from openai import OpenAI
 
-from pensieve.actors import subjects
+from pensieve.actors.wire import subjects
 from pensieve.ops.nats_server import free_port
 
 pytestmark = pytest.mark.slow

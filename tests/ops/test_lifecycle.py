@@ -15,12 +15,12 @@ from typing import Any
 import orjson
 import pytest
 
-from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import ExpiryConfig
-from pensieve.actors.schemas import ApiError, parse_chat
-from pensieve.actors.server import EngineThread
-from pensieve.actors.subjects import CHAT, CONVERSATIONS_GET
-from pensieve.actors.sweeper import Sweeper
+from pensieve.actors.scheduler.actor import EngineThread
+from pensieve.actors.scheduler.chat_service import ChatService
+from pensieve.actors.scheduler.sweeper import Sweeper
+from pensieve.actors.wire.schemas import ApiError, parse_chat
+from pensieve.actors.wire.subjects import CHAT, CONVERSATIONS_GET
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.serve import serving

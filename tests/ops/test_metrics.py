@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
-from pensieve.actors.bus import Bus
-from pensieve.actors.http_ingress import HttpConfig, HttpIngressActor
+from pensieve.actors.ingress.http_actor import HttpConfig, HttpIngressActor
+from pensieve.actors.wire.bus import Bus
 from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port

@@ -23,9 +23,9 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from pensieve.actors.bus import REQUEST_INFO_HEADER, Bus, requester
 from pensieve.actors.config import DEFAULTS
-from pensieve.actors.subjects import CHAT, CONVERSATIONS_GET
+from pensieve.actors.wire.bus import REQUEST_INFO_HEADER, Bus, requester
+from pensieve.actors.wire.subjects import CHAT, CONVERSATIONS_GET
 from pensieve.ops.chat import tenant_options
 from pensieve.ops.cli import main
 from pensieve.ops.nats_accounts import (

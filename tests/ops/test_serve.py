@@ -29,12 +29,12 @@ import pytest
 import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pensieve.actors import subjects
-from pensieve.actors.bus import ERROR_HEADER, Bus
-from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import DEFAULTS, StepChannel
-from pensieve.actors.schemas import ERROR_STATUS, ApiError, parse_chat
-from pensieve.actors.server import EngineThread
+from pensieve.actors.scheduler.actor import EngineThread
+from pensieve.actors.scheduler.chat_service import ChatService
+from pensieve.actors.wire import subjects
+from pensieve.actors.wire.bus import ERROR_HEADER, Bus
+from pensieve.actors.wire.schemas import ERROR_STATUS, ApiError, parse_chat
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.load import LoadOptions, run_load
 from pensieve.ops.nats_server import EmbeddedNats, free_port

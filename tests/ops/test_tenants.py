@@ -15,7 +15,7 @@ import nats.errors
 import orjson
 import pytest
 
-from pensieve.actors import subjects
+from pensieve.actors.wire import subjects
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_accounts import add_tenant, remove_tenant
 from pensieve.ops.nats_server import EmbeddedNats

@@ -22,10 +22,10 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from pensieve.actors import subjects, tracing
-from pensieve.actors.chat_service import ChatService
 from pensieve.actors.config import StepChannel
-from pensieve.actors.schemas import parse_chat
+from pensieve.actors.scheduler.chat_service import ChatService
+from pensieve.actors.wire import subjects, tracing
+from pensieve.actors.wire.schemas import parse_chat
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.telemetry import setup_tracing

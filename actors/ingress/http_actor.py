@@ -1,0 +1,303 @@
+"""The HTTP ingress actor: OpenAI's chat-completions API over HTTP, in front of the NATS one.
+
+    POST /v1/chat/completions   whole or streamed (server-sent events) replies
+    POST /v1/completions        the same for a raw prompt (no chat template; one turn)
+    GET  /v1/models             the model served
+    GET  /health                200 while this engine's ingress and scheduler answer, else 503
+    GET  /metrics               the scheduler's Prometheus metrics (`actors/scheduler/metrics.py`)
+    GET  /version               this build's version, as vLLM answers it
+
+Each completion becomes one `pensieve.v1.chat` request on the bus (`actors/ingress/openai_api.py`
+translates both ways), sent with the service's identity on the subject of the tenant whose API
+key came with it (`pensieve.tenant.<tenant>.v1.chat`, where NATS delivers that tenant's own
+requests), so the NATS ingress checks, scopes and forwards it as any other: tenancy stays a
+matter of NATS subjects, and no tenant's key reaches another's conversations. The hop costs one
+NATS message per turn; the streamed deltas come from the scheduler straight to this actor.
+
+The server is aiohttp: asyncio-native, so it shares the event loop and the bus connection of
+the other actors of a process, starts and drains as an async context manager, streams responses
+without a thread per request, and is one well-kept dependency with no server of its own to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import orjson
+from aiohttp import web
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
+
+from pensieve.actors.ingress import openai_api
+from pensieve.actors.ingress.chat_index import ChatIndex
+from pensieve.actors.ingress.openai_api import CONVERSATION_HEADER, Completion, OpenAIError
+from pensieve.actors.scheduler.metrics import CONTENT_TYPE
+from pensieve.actors.wire import subjects, tracing
+from pensieve.actors.wire.actor import Actor
+from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.version import version
+
+logger = logging.getLogger(__name__)
+
+# an API key (None: none given) -> its tenant (None: the service's own); raises OpenAIError 401
+Authenticate = Callable[[str | None], str | None]
+Exposition = Callable[[], bytes]
+HEALTH_TIMEOUT_S = 1.0
+# a guessed conversation that is busy (invalid_request) or deleted (not_found): start a new one
+_GUESS_MISSED = ("invalid_request", "not_found")
+MAX_BODY_BYTES = 1 << 20  # NATS's default largest message
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    port: int
+    host: str = "127.0.0.1"
+    model: str = "pensieve"  # the name clients give as `model`
+    timeout_s: float = 600.0  # silence within an answer after which the request fails
+    shutdown_grace_s: float = 20.0  # requests in flight get this long when it stops
+    max_model_len: int | None = None  # the model's context, told by /v1/models (None: unknown)
+
+
+class HttpIngressActor(Actor):
+    name: ClassVar[str] = "http-ingress"
+    description: ClassVar[str] = "OpenAI-compatible HTTP API: /v1/chat/completions, /metrics"
+
+    def __init__(
+        self,
+        bus: Bus,
+        engine_id: str,
+        config: HttpConfig,
+        authenticate: Authenticate,
+        metrics: Exposition | None = None,
+    ) -> None:
+        """`metrics`: the scheduler's metrics in this process (None: asked over the bus)."""
+        super().__init__(bus, engine_id)
+        self.config = config
+        self.authenticate = authenticate
+        self.metrics = metrics
+        self.created = int(time.time())
+        self.port: int | None = None  # the one bound (config.port 0: any free port)
+        self.index = ChatIndex()  # the conversations stateless clients' chats continue
+        self._runner: web.AppRunner | None = None
+
+    async def setup(self) -> None:
+        app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/version", self._version)
+        self._runner = web.AppRunner(app, access_log=None,
+                                     shutdown_timeout=self.config.shutdown_grace_s)  # fmt: skip
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def teardown(self) -> None:
+        if self._runner is not None:  # stops listening, then lets requests in flight finish
+            await self._runner.cleanup()
+
+    def _tenant(self, request: web.Request) -> str | None:
+        return self.authenticate(openai_api.bearer_token(request.headers.get("Authorization")))
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        asked = openai_api.to_chat(await request.read(), self.config.model,
+                                   request.headers.get(CONVERSATION_HEADER))  # fmt: skip
+        return await self._answer(request, asked, tenant, "POST /v1/chat/completions")
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        tenant = self._tenant(request)
+        asked = openai_api.to_text_completion(await request.read(), self.config.model)
+        return await self._answer(request, asked, tenant, "POST /v1/completions")
+
+    async def _answer(
+        self, request: web.Request, asked: Completion, tenant: str | None, name: str
+    ) -> web.StreamResponse:
+        tracer = tracing.tracer("http-ingress")
+        with tracer.start_as_current_span(name, kind=SpanKind.SERVER):
+            first, answer = await self._first(asked, tenant)
+            async with aclosing(answer) as messages:
+                if not asked.stream:
+                    self._remember(asked, tenant, first)
+                    return _json(openai_api.completion(asked, first), first["conversation_id"])
+                return await self._stream(request, asked, first, messages, tenant)
+
+    async def _first(
+        self, asked: Completion, tenant: str | None
+    ) -> tuple[dict[str, Any], AsyncGenerator[bytes, None]]:
+        """Send the request; its answer's first message, and the answer (to close). A
+        stateless chat that continues a known conversation goes to it (`chat_index.py`);
+        if that one is busy or gone, the chat starts a new conversation instead."""
+        chat = asked.chat
+        guess = None
+        if "messages" in chat and "conversation_id" not in chat:
+            guess = self.index.find(tenant, chat["messages"])
+        headers: dict[str, str] = {}
+        propagate.inject(headers)  # the NATS ingress's span goes under this one
+        tries = [{**chat, "conversation_id": guess}] if guess else []
+        for body in [*tries, chat]:
+            answer = self.bus.ask(_as_tenant(tenant, subjects.CHAT), orjson.dumps(body),
+                                  self.config.timeout_s, headers)  # fmt: skip
+            try:
+                return await self._next(answer), answer
+            except BaseException as error:
+                await answer.aclose()
+                guessed = body is not chat
+                if not (guessed and isinstance(error, OpenAIError) and error.code in _GUESS_MISSED):
+                    raise
+        raise AssertionError("unreachable: the last try returns or raises")
+
+    def _remember(self, asked: Completion, tenant: str | None, reply: dict[str, Any]) -> None:
+        """A whole chat answered: the next request that continues it finds its conversation."""
+        if "messages" in asked.chat:
+            self.index.remember(tenant, asked.chat["messages"], reply["text"],
+                                reply["conversation_id"])  # fmt: skip
+
+    async def _stream(
+        self,
+        request: web.Request,
+        asked: Completion,
+        first: dict[str, Any],
+        messages: AsyncIterator[bytes],
+        tenant: str | None,
+    ) -> web.StreamResponse:
+        """Stream the reply from its first message on: whatever fails before it is answered
+        with its status code, what fails after it as an error event."""
+        conv_id = str(first["conversation_id"])
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            CONVERSATION_HEADER: conv_id,
+        })  # fmt: skip
+        message = first
+        try:
+            await response.prepare(request)
+            for opening in openai_api.first_chunks(asked):
+                await response.write(openai_api.event(opening))
+            try:
+                while "delta" in message:
+                    delta = openai_api.chunk(asked, message["delta"])
+                    await response.write(openai_api.event(delta))
+                    message = await self._next(messages)
+                self._remember(asked, tenant, message)
+                for last in openai_api.last_chunks(asked, message):
+                    await response.write(openai_api.event(last))
+            except OpenAIError as error:
+                await response.write(openai_api.event(error.body()))
+            await response.write(openai_api.DONE)
+            await response.write_eof()
+        except ConnectionResetError:  # the client went away: so does its turn
+            await self._cancel(conv_id, tenant)
+        return response
+
+    async def _next(self, messages: AsyncIterator[bytes]) -> dict[str, Any]:
+        try:
+            message: dict[str, Any] = orjson.loads(await anext(messages))
+        except TimeoutError:
+            raise OpenAIError(504, f"no answer in {self.config.timeout_s:.0f} s",
+                              "server_error", "timeout") from None  # fmt: skip
+        except (ConnectionError, StopAsyncIteration):
+            raise OpenAIError(503, f"engine {self.engine_id} does not answer; retry when it "
+                              "does", "server_error", "unavailable") from None  # fmt: skip
+        if "error" in message:
+            raise openai_api.from_reply_error(message)
+        return message
+
+    async def _cancel(self, conv_id: str, tenant: str | None) -> None:
+        subject = _as_tenant(tenant, subjects.CHAT_CANCEL)
+        with contextlib.suppress(Exception):  # best effort: the turn ends at its limit anyway
+            await self.bus.publish(subject, orjson.dumps({"conversation_id": conv_id}))
+
+    async def _models(self, request: web.Request) -> web.StreamResponse:
+        self._tenant(request)
+        return _json(openai_api.models(self.config.model, self.created,
+                                       self.config.max_model_len))  # fmt: skip
+
+    async def _version(self, request: web.Request) -> web.StreamResponse:
+        return _json({"version": version()})
+
+    async def _health(self, request: web.Request) -> web.StreamResponse:
+        scheduler = f"$SRV.PING.{subjects.actor_service('scheduler')}.{self.engine_id}"
+        ingress = subjects.engine_ping(self.engine_id)
+        up = await asyncio.gather(*(self.bus.answers(s, HEALTH_TIMEOUT_S)
+                                    for s in (ingress, scheduler)))  # fmt: skip
+        if not all(up):
+            raise OpenAIError(503, f"engine {self.engine_id} is not answering",
+                              "server_error", "unavailable")  # fmt: skip
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.StreamResponse:
+        if self.metrics is not None:
+            text = self.metrics()
+        else:  # the scheduler runs in a process of its own
+            subject = subjects.internal(self.engine_id, "scheduler", "metrics")
+            try:
+                async with aclosing(self.bus.ask(subject, b"", HEALTH_TIMEOUT_S * 5)) as answer:
+                    text = await anext(answer)
+            except (TimeoutError, ConnectionError):
+                raise OpenAIError(503, f"the scheduler of engine {self.engine_id} does not "
+                                  "answer", "server_error", "unavailable") from None  # fmt: skip
+        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
+
+
+@contextlib.asynccontextmanager
+async def serve_metrics(host: str, port: int, exposition: Exposition) -> AsyncIterator[None]:
+    """`GET /metrics` alone on `host:port`, while the context is open (`--metrics-port`)."""
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        yield
+    finally:
+        await runner.cleanup()
+
+
+def _as_tenant(tenant: str | None, subject: str) -> str:
+    """Where the service receives `tenant`'s requests on `subject` (None: its own)."""
+    return subject if tenant is None else subjects.tenant_subject(tenant, subject)
+
+
+def _json(body: dict[str, Any], conv_id: str | None = None) -> web.Response:
+    headers = {} if conv_id is None else {CONVERSATION_HEADER: conv_id}
+    return web.Response(body=orjson.dumps(body), content_type="application/json",
+                        headers=headers)  # fmt: skip
+
+
+@web.middleware
+async def _openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every error in OpenAI's shape, with its status code."""
+    try:
+        return await handler(request)
+    except OpenAIError as error:
+        return web.Response(status=error.status, body=orjson.dumps(error.body()),
+                            content_type="application/json")  # fmt: skip
+    except web.HTTPException as error:  # no such route, wrong method, body too large
+        if error.status < 400:
+            raise
+        kind = "invalid_request_error" if error.status < 500 else "server_error"
+        shaped = OpenAIError(error.status, error.reason, kind, None)
+        return web.Response(status=error.status, body=orjson.dumps(shaped.body()),
+                            content_type="application/json")  # fmt: skip
+    except Exception as failure:  # a bug: answered, logged, and the server goes on
+        logger.exception("%s %s failed", request.method, request.path)
+        shaped = OpenAIError(500, f"{type(failure).__name__}: {failure}", "server_error",
+                             "internal")  # fmt: skip
+        return web.Response(status=500, body=orjson.dumps(shaped.body()),
+                            content_type="application/json")  # fmt: skip

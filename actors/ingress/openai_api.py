@@ -1,0 +1,350 @@
+"""OpenAI's chat-completions and completions APIs in terms of Pensieve's client API (no I/O).
+
+The HTTP ingress (`actors/ingress/http_actor.py`) turns each `POST /v1/chat/completions` into one
+`pensieve.v1.chat` request (`to_chat`), each `POST /v1/completions` into one with a raw `prompt`
+(`to_text_completion`: no chat template, one turn), and the replies and streamed deltas that
+come back into OpenAI's response, chunk and error bodies. Where OpenAI is silent this follows
+vLLM: `ignore_eos` and `return_token_ids` are accepted as extra fields (and Pensieve's `final`:
+the conversation ends after this turn), and an unsupported sampling option is refused, never
+ignored.
+
+Statefulness: a request that names its conversation (the field `conversation_id`, or the header
+`X-Conversation-Id`) with one user message in `messages` appends that message to it; with more
+messages, they are the whole chat, and the KV is reused up to the first token where it differs
+from the conversation's (the NATS API's stateless path). Without a name, the HTTP ingress looks
+for the conversation the chat continues (`actors/ingress/chat_index.py`). Each response names its
+conversation in the `X-Conversation-Id` header.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from pensieve.actors.wire.schemas import MAX_TOKENS_LIMIT, ApiError
+
+CONVERSATION_HEADER = "X-Conversation-Id"
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# OpenAI's status and error type for each error code of the client API
+_ERRORS = {
+    "invalid_request": (400, "invalid_request_error"),
+    "not_found": (404, "invalid_request_error"),
+    "too_long": (400, "invalid_request_error"),
+    "overloaded": (429, "rate_limit_error"),
+    "cancelled": (499, "invalid_request_error"),
+    "unavailable": (503, "server_error"),
+    "internal": (500, "server_error"),
+}
+# vLLM's extra sampling fields, which clients of vLLM send (`vllm bench serve`: a repetition
+# penalty of 1), and the value that asks for nothing
+_VLLM_SAMPLING: dict[str, tuple[object, ...]] = {
+    "repetition_penalty": (None, 1, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+}  # fmt: skip
+# options of OpenAI's API the engine has no way to honour, and the value that asks for nothing
+_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), "audio": (None,), "prediction": (None,),
+    **_VLLM_SAMPLING,
+}  # fmt: skip
+
+
+class OpenAIError(Exception):
+    """An error as OpenAI answers it: an HTTP status and `{"error": {...}}`."""
+
+    def __init__(
+        self, status: int, message: str, kind: str, code: str | None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+
+def invalid(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", "invalid_request", param)
+
+
+def from_api_error(error: ApiError) -> OpenAIError:
+    status, kind = _ERRORS[error.code]
+    code = "context_length_exceeded" if error.code == "too_long" else error.code
+    return OpenAIError(status, error.message, kind, code)
+
+
+def from_reply_error(body: dict[str, Any]) -> OpenAIError:
+    """The `{"error": {"code", "message"}}` of a client API reply, as OpenAI's."""
+    error = body.get("error") or {}
+    code = error.get("code")
+    if code not in _ERRORS:
+        return OpenAIError(500, str(error.get("message", body)), "server_error", "internal")
+    return from_api_error(ApiError(code, str(error.get("message", ""))))
+
+
+def unauthorized(message: str) -> OpenAIError:
+    return OpenAIError(401, message, "invalid_request_error", "invalid_api_key")
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header (None: no header)."""
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise unauthorized("the Authorization header must be 'Bearer <API key>'")
+    return token.strip()
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A chat-completions request as the client API's chat request, and how to answer it."""
+
+    chat: dict[str, Any]  # the body of a `pensieve.v1.chat` request
+    model: str
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    return_token_ids: bool  # the reply's token ids in the choice (vLLM's extra field)
+    id: str
+    created: int
+    text: bool = False  # a completion of a raw prompt (`/v1/completions`), not of a chat
+
+
+def to_chat(data: bytes, model: str, conversation_header: str | None) -> Completion:
+    """Parse a `POST /v1/chat/completions` body for the model served as `model`."""
+    body = _checked(data, model, _UNSUPPORTED)
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise invalid("only the text response format is supported", "response_format")
+    messages = _messages(body.get("messages"))
+    stream = _flag(body, "stream")
+    chat: dict[str, Any] = {"stream": stream}
+    conv_id = _conversation_id(body.get("conversation_id"), conversation_header)
+    if conv_id is not None:
+        chat["conversation_id"] = conv_id
+    if conv_id is not None and len(messages) == 1 and messages[0]["role"] == "user":
+        chat["message"] = messages[0]["content"]  # the next message of a named conversation
+    else:
+        chat["messages"] = messages
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    chat["max_tokens"] = MAX_TOKENS_LIMIT if max_tokens is None else max_tokens  # to the context
+    chat["temperature"] = body.get("temperature", 1.0)  # OpenAI's default
+    for name in ("top_p", "seed", "stop", "ignore_eos", "final"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    return Completion(chat, model, stream, _include_usage(body), _flag(body, "return_token_ids"),
+                      f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))  # fmt: skip
+
+
+def _checked(data: bytes, model: str, unsupported: dict[str, tuple[object, ...]]) -> dict[str, Any]:
+    """The body of a request for the model served as `model`, with none of the `unsupported`
+    options asking for something, and one choice."""
+    body = _object(data)
+    asked = body.get("model", model)
+    if asked != model:
+        raise OpenAIError(404, f"The model `{asked}` does not exist.", "invalid_request_error",
+                          "model_not_found", "model")  # fmt: skip
+    for name, harmless in unsupported.items():
+        if name in body and body[name] not in harmless:
+            raise invalid(f"'{name}' is not supported by this server", name)
+    if body.get("n", 1) != 1:
+        raise invalid("only n=1 is supported", "n")
+    return body
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    """stream_options.include_usage: a last chunk with the usage."""
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise invalid("'stream_options' must be an object", "stream_options")
+    return bool(options.get("include_usage"))
+
+
+# `/v1/completions` options with no engine behind them, and the value that asks for nothing
+_TEXT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "echo": (None, False), "logprobs": (None, 0), "suffix": (None, ""), "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), **_VLLM_SAMPLING,
+}  # fmt: skip
+TEXT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for a completion
+
+
+def to_text_completion(data: bytes, model: str) -> Completion:
+    """Parse a `POST /v1/completions` body for the model served as `model`: one prompt (text,
+    or token ids), completed as it is and forgotten after (its KV freed at once)."""
+    body = _checked(data, model, _TEXT_UNSUPPORTED)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
+                                        all(type(t) is int for t in prompt))):  # fmt: skip
+        raise invalid("'prompt' must be a string or an array of token ids (one prompt; a batch "
+                      "of several is not supported)", "prompt")  # fmt: skip
+    stream = _flag(body, "stream")
+    max_tokens = body.get("max_tokens")
+    chat: dict[str, Any] = {
+        "prompt": prompt, "stream": stream,
+        "max_tokens": TEXT_MAX_TOKENS if max_tokens is None else max_tokens,
+        "temperature": body.get("temperature", 1.0),  # OpenAI's default
+    }  # fmt: skip
+    for name in ("top_p", "seed", "stop", "ignore_eos"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    return Completion(chat, model, stream, _include_usage(body), _flag(body, "return_token_ids"),
+                      f"cmpl-{uuid.uuid4().hex}", int(time.time()), text=True)  # fmt: skip
+
+
+def usage(reply: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage of a client API reply; `prompt_tokens_details.sources` says where each
+    prompt token's KV came from (cached = the GPU and CPU tiers)."""
+    used = reply["usage"]
+    cached = used["cached_tokens"]
+    prompt, completion = used["prompt_tokens"], used["completion_tokens"]
+    new = prompt - cached["gpu"] - cached["cpu"] - cached["recomputed"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached["gpu"] + cached["cpu"],
+                                  "sources": {**cached, "new": new}},
+    }  # fmt: skip
+
+
+def completion(request: Completion, reply: dict[str, Any]) -> dict[str, Any]:
+    """The `chat.completion` (or `text_completion`) object of a whole reply."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                              "finish_reason": reply["finish_reason"]}  # fmt: skip
+    if request.text:
+        choice["text"] = reply["text"]
+    else:
+        choice["message"] = {"role": "assistant", "content": reply["text"]}
+    if request.return_token_ids:
+        choice["token_ids"] = reply["token_ids"]
+    body = {"id": request.id, "object": "text_completion" if request.text else "chat.completion",
+            "created": request.created, "model": request.model, "choices": [choice],
+            "usage": usage(reply)}  # fmt: skip
+    if not request.text:  # a raw completion's conversation has ended with it
+        body["conversation_id"] = reply["conversation_id"]
+    return body
+
+
+def first_chunks(request: Completion) -> list[dict[str, Any]]:
+    """The chunks that open a stream: the assistant's role (a chat's only)."""
+    return [] if request.text else [chunk(request, "", role=True)]
+
+
+def chunk(
+    request: Completion,
+    text: str,
+    finish_reason: str | None = None,
+    token_ids: list[int] | None = None,
+    role: bool = False,
+) -> dict[str, Any]:
+    """One `chat.completion.chunk` (or `text_completion` chunk) of a streamed reply: `text`
+    more of it, with the assistant's `role` in a chat's first."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    if request.text:
+        choice["text"] = text
+    else:
+        opening = {"role": "assistant"} if role else {}
+        choice["delta"] = {**opening, "content": text} if text or role else {}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": request.id, "object": _chunk_object(request), "created": request.created,
+            "model": request.model, "choices": [choice]}  # fmt: skip
+
+
+def last_chunks(request: Completion, reply: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chunks that end a stream: the finish reason, then the usage if it was asked for."""
+    ids = reply["token_ids"] if request.return_token_ids else None
+    chunks = [chunk(request, "", reply["finish_reason"], ids)]
+    if request.include_usage:
+        chunks.append({"id": request.id, "object": _chunk_object(request),
+                       "created": request.created, "model": request.model, "choices": [],
+                       "usage": usage(reply)})  # fmt: skip
+    return chunks
+
+
+def _chunk_object(request: Completion) -> str:
+    return "text_completion" if request.text else "chat.completion.chunk"
+
+
+def event(body: dict[str, Any]) -> bytes:
+    """One server-sent event."""
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def models(model: str, created: int, max_model_len: int | None = None) -> dict[str, Any]:
+    """`GET /v1/models`: the one model served (with its context, as vLLM's, where known)."""
+    card: dict[str, Any] = {"id": model, "object": "model", "created": created,
+                            "owned_by": "pensieve", "root": model}  # fmt: skip
+    if max_model_len is not None:
+        card["max_model_len"] = max_model_len
+    return {"object": "list", "data": [card]}
+
+
+def _object(data: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError as error:
+        raise invalid(f"the body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise invalid("the body must be a JSON object")
+    return body
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value not in (None, True, False):
+        raise invalid(f"'{name}' must be true or false", name)
+    return bool(value)
+
+
+def _conversation_id(field: object, header: str | None) -> str | None:
+    if field is not None and header is not None and field != header:
+        raise invalid(f"the field 'conversation_id' and the header {CONVERSATION_HEADER} "
+                      "name different conversations", "conversation_id")  # fmt: skip
+    chosen = field if field is not None else header
+    if chosen is not None and not isinstance(chosen, str):
+        raise invalid("'conversation_id' must be a string", "conversation_id")
+    return chosen
+
+
+def _messages(value: object) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise invalid("'messages' must be a non-empty array", "messages")
+    out = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise invalid(f"messages[{i}] must be an object", "messages")
+        role = ROLES.get(message.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise invalid(f"messages[{i}].role must be one of {', '.join(ROLES)}", "messages")
+        out.append({"role": role, "content": _text(message.get("content"), i)})
+    return out
+
+
+def _text(content: object, i: int) -> str:
+    """A message's content: a string, or an array of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    raise invalid(f"messages[{i}].content must be a string or an array of text parts",
+                  "messages")  # fmt: skip

@@ -1,0 +1,332 @@
+"""The engine: scheduler + cache manager + executor in one step loop (no I/O).
+
+`pensieve replay` drives it directly and `pensieve serve` from its engine thread; callers use
+the methods here, never the parts behind them.
+
+With `overlap` (the default) the loop keeps the device one step ahead of the host: each call
+plans and launches step N+1 while step N runs, then waits for step N's tokens and applies them.
+Step N+1's decodes read step N's tokens on the device, so the host's planning, input building and
+bookkeeping hide behind the device's work instead of leaving it idle between steps. The price is
+one step of delay for whatever arrives (a new turn joins a step later) and, for a turn that ends
+on an end-of-sequence token, one wasted decode position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
+from pensieve.actors.executor.model_runner import Launch, StepRunner
+from pensieve.actors.executor.swap import SwapStats
+from pensieve.actors.scheduler.kv.kv_manager import CostFn, KVCacheManager
+from pensieve.actors.scheduler.request import (
+    Request,
+    SamplingParams,
+    TokenSources,
+)
+from pensieve.actors.scheduler.scheduler import Scheduler, StepOutcome
+from pensieve.actors.wire import tracing
+from pensieve.actors.wire.messages import KvEvent
+from pensieve.actors.wire.step import StepPlan, TraceContexts
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """Where the last `Engine.step` call's wall time went, in host seconds: scheduling, issuing
+    the copies and the forward (`launch_s`), choosing the next ahead-of-time swap-outs while the
+    device runs (`ahead_s`), waiting for the sampled tokens (`wait_s`), applying them; and what
+    the step it applied did (with overlap, the one launched by the call before). A small `wait_s`
+    means the device finished before the host did: the host is on the critical path."""
+
+    schedule_s: float
+    launch_s: float
+    ahead_s: float
+    wait_s: float
+    update_s: float
+    decodes: int  # single-token pieces
+    prefill_tokens: int  # tokens of multi-token pieces (new prompt and recomputed history)
+    swap_in: int  # blocks
+    swap_out: int
+    evict_first: int
+    decode_positions: int = 0  # KV positions the decodes attend to, summed over them
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.launch_s + self.ahead_s + self.wait_s + self.update_s
+
+    @property
+    def kind(self) -> str:
+        """decode | mixed | prefill, with "+in" when the step swapped in."""
+        shape = "prefill" if not self.decodes else "mixed" if self.prefill_tokens else "decode"
+        return shape + ("+in" if self.swap_in else "")
+
+
+@dataclass
+class EngineTotals:
+    steps: int = 0
+    requests: int = 0  # finished, with their tokens below
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    sources: TokenSources = TokenSources()
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: StepRunner,
+        cache: CacheConfig,
+        scheduling: SchedulerConfig,
+        cost: CostFn,
+        eos_token_ids: frozenset[int],
+        clock: Callable[[], float] = time.monotonic,
+        overlap: bool = True,
+    ) -> None:
+        self.runner = runner
+        self.kv = KVCacheManager(cache, cost)
+        self.scheduler = Scheduler(scheduling, self.kv)
+        self.eos_token_ids = eos_token_ids
+        self.clock = clock
+        self.totals = EngineTotals()
+        self._ids = itertools.count()
+        self.last_timing: StepTiming | None = None
+        self.overlap = overlap
+        self._inflight: Launch | None = None  # launched, its tokens not applied yet
+        # host work that needs no sampled token, done while the step waits for the device (it
+        # is given the step waited for, and may return before or after that step is done)
+        self.while_waiting: Callable[[Launch], None] | None = None
+        self._traces: TraceContexts | None = None  # see `trace_requests`
+        self._kv_follower: Callable[[list[KvEvent]], None] | None = None
+
+    def add_request(
+        self,
+        conv_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        planned_recompute: tuple[tuple[int, int], ...] | None = None,
+    ) -> Request:
+        request = Request(
+            request_id=f"{conv_id}#{next(self._ids)}",
+            conv_id=conv_id,
+            prompt_ids=list(prompt_ids),
+            sampling=sampling,
+            arrival=self.clock(),
+            eos_token_ids=self.eos_token_ids,
+            planned_recompute=planned_recompute,
+        )
+        self.scheduler.add(request)
+        return request
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
+
+    # ---- what callers ask of the engine -------------------------------------------------
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.kv.config
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (suspended ones included)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_suspensions(self) -> int:
+        return self.scheduler.num_suspensions
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one chunk's KV over every layer: what one swapped block moves."""
+        return self.runner.block_bytes
+
+    def swap_stats(self) -> SwapStats:
+        """Swap totals since start, waiting for the copies still in flight."""
+        return self.runner.swap_stats()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """What happened to which chunk since the last call, in order (the KV event plane).
+        Recording starts with the first call: make it before the first step. They go to the
+        follower set by `follow_kv_events` too."""
+        events = self.kv.take_events()
+        if events and self._kv_follower is not None:
+            self._kv_follower(events)
+        return events
+
+    def follow_kv_events(self, follower: Callable[[list[KvEvent]], None] | None) -> None:
+        """Hand `follower` every batch of events `take_kv_events` takes (None: no one): the
+        spill index of a swap manager in this thread, where no event plane reaches it."""
+        self._kv_follower = follower
+
+    def trace_requests(self, contexts: TraceContexts | None) -> None:
+        """While tracing is on, the executor traces each request's phases under the trace that
+        `contexts` gives for it; it asks when the request first comes to it (None: no one)."""
+        self._traces = contexts
+
+    def restore(self, conv_id: str, token_log: list[int]) -> None:
+        """Adopt a conversation known only from its token log (after a restart): all of its KV
+        counts as dropped, so its next turn recomputes it."""
+        self.scheduler.restore_history(conv_id, token_log, self.clock())
+
+    def forget(self, conv_id: str) -> None:
+        """Forget a conversation that has no turn in flight: its token log and its KV."""
+        self.scheduler.forget(conv_id)
+        self.kv.forget(conv_id)
+
+    def stop_at(self, request: Request, num_output: int) -> bool:
+        """End a request with its first `num_output` tokens, where a stop string completes
+        (`Scheduler.stop_at`); False if it is suspended and ends at its next token."""
+        before = len(request.output_ids)
+        finished = request.finish_reason is not None
+        stopped = self.scheduler.stop_at(request, num_output, self.clock())
+        if finished:  # counted in the totals already, with the tokens now discarded
+            self.totals.output_tokens -= before - len(request.output_ids)
+        elif stopped:
+            self._count(request)
+        return stopped
+
+    def cancel(self, request: Request) -> bool:
+        """End a request now, as its requester asked (`Scheduler.cancel`); False if it cannot
+        end before it runs again."""
+        return self.scheduler.cancel(request, self.clock())
+
+    def abort_all(self, error: str) -> list[Request]:
+        """Recover from a step that raised: abort every request in flight and forget all KV.
+
+        The failed step's plan had already taken its requests' positions and issued its swap
+        orders, so neither those requests nor any chunk a copy touched can be trusted. Every
+        conversation is kept as history with all chunks dropped (as after a restart), so its next
+        turn recomputes the KV from its tokens and the output does not change.
+        """
+        self.runner.settle()
+        self._inflight = None
+        now = self.clock()
+        aborted = self.scheduler.abort_all(error, now)
+        for conv_id in list(self.kv.conversations):
+            self.kv.forget(conv_id)
+        self.kv.take_orders()  # the cancelled copies, and slots freed for the next step
+        if self.kv.config.policy is Policy.STATELESS:
+            self.scheduler.histories.clear()  # only turns in flight had one
+        for conv_id, tokens in self.scheduler.histories.items():
+            self.kv.restore(conv_id, max(len(tokens) - 1, 0), now)
+        return aborted
+
+    # ---- the step loop ------------------------------------------------------------------
+
+    def step(self) -> StepOutcome:
+        """Plan and launch a step; apply the tokens of the step before it (with `overlap`) or
+        of this one (without). The outcome is that of the step applied."""
+        begin = time.perf_counter()
+        plan = self.scheduler.schedule(self.clock())
+        scheduled = time.perf_counter()
+        launched_step = self._launch(plan)
+        launched = time.perf_counter()
+        # while the device runs: choose the next ahead-of-time swap-outs (their copies go out
+        # with the next step); nothing here depends on sampled tokens
+        self.kv.swap_out_ahead(self.clock())
+        chosen = time.perf_counter()
+        done = self._inflight if self.overlap else launched_step
+        # a step without pieces samples nothing, so nothing waits on it
+        self._inflight = launched_step if self.overlap and plan.pieces else None
+        if done is None:  # the first step of a busy period: nothing to apply yet
+            self.last_timing = None
+            return self._with_rejected(StepOutcome({}, []))
+        if self.while_waiting is not None:
+            self.while_waiting(done)
+            chosen = time.perf_counter()
+        sampled = done.result()
+        executed = time.perf_counter()
+        plan, orders = done.plan, done.plan.orders
+        outcome = self.scheduler.update(plan, sampled, self.clock())
+        decoding = [piece.end for piece in plan.pieces if piece.end - piece.start == 1]
+        decodes = len(decoding)
+        self.last_timing = StepTiming(
+            scheduled - begin,
+            launched - scheduled,
+            chosen - launched,
+            executed - chosen,
+            time.perf_counter() - executed,
+            decodes,
+            plan.num_tokens - decodes,
+            len(orders.swap_in),
+            len(orders.swap_out),
+            len(orders.evict_first),
+            sum(decoding),
+        )
+        self.totals.steps += 1
+        for request in outcome.finished:
+            self._count(request)
+        return self._with_rejected(outcome)
+
+    def _count(self, request: Request) -> None:
+        """A finished request, in the totals."""
+        self.totals.requests += 1
+        self.totals.prompt_tokens += len(request.prompt_ids)
+        self.totals.output_tokens += len(request.output_ids)
+        self.totals.sources = self.totals.sources + request.sources
+
+    def stats(self) -> dict[str, Any]:
+        """Totals since start (requests finished, their prompt tokens by where they came from,
+        swaps, suspensions) and the state now (requests running and waiting, each tier's
+        blocks); a consistent snapshot when called between steps, as the server does. Swap
+        seconds count only copies the device has finished."""
+        totals, kv = self.totals, self.kv
+        swaps = self.runner.swap_stats(wait=False)
+        return {
+            "policy": kv.config.policy.value,
+            "steps": totals.steps,
+            "requests": {
+                "finished": totals.requests,
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "suspensions": self.scheduler.num_suspensions,
+            },
+            # turns admitted with a recompute plan, by whether admission recomputed what it said
+            "recompute_plans": dict(self.scheduler.recompute_plans),
+            "tokens": {
+                "prompt": totals.prompt_tokens,
+                "completion": totals.output_tokens,
+                "prompt_sources": dataclasses.asdict(totals.sources),
+            },
+            "swaps": {
+                "in": {
+                    "blocks": swaps.blocks_in,
+                    "bytes": swaps.bytes_in,
+                    "seconds": swaps.seconds_in,
+                },
+                "out": {
+                    "blocks": swaps.blocks_out,
+                    "bytes": swaps.bytes_out,
+                    "seconds": swaps.seconds_out,
+                },
+            },
+            "device": dataclasses.asdict(self.runner.device_time()),
+            "cache": {
+                "block_size": kv.config.block_size,
+                "conversations": len(kv.conversations),
+                # reclaimable: swapped out, their data kept until the block is reused
+                "gpu_blocks": {
+                    "total": kv.gpu.capacity,
+                    "free": kv.gpu.num_free,
+                    "reclaimable": kv.num_free_gpu - kv.gpu.num_free,
+                },
+                "cpu_blocks": {"total": kv.cpu.capacity, "free": kv.cpu.num_free},
+            },
+        }
+
+    def _with_rejected(self, outcome: StepOutcome) -> StepOutcome:
+        """The outcome, with the requests admission rejected since the last step among the
+        finished ones (also when no step was applied: nothing else would report them)."""
+        rejected, self.scheduler.rejected = self.scheduler.rejected, []
+        if rejected:
+            return StepOutcome(outcome.new_tokens, outcome.finished + rejected)
+        return outcome
+
+    def _launch(self, plan: StepPlan) -> Launch:
+        if self._traces is not None and tracing.enabled():  # the executor traces its phases
+            plan = dataclasses.replace(plan, traces=self._traces)
+        return self.runner.launch(plan, self._inflight)

@@ -1,0 +1,388 @@
+"""The message bus: the only module that imports `nats`.
+
+Handlers get an `Incoming` message and answer on its reply subject. Each message is handled in a
+task of its own, so a long turn never holds up the next request on the same subject; a handler
+that raises is answered with an `internal` error and logged, and the subscription keeps serving.
+Every endpoint counts its requests, errors and processing time, which `advertise` reports through
+the NATS service discovery protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import logging
+import re
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import nats
+import nats.errors
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from pensieve.actors.wire.schemas import ERROR_STATUS, ApiError
+
+logger = logging.getLogger(__name__)
+
+ERROR_HEADER = "Pensieve-Error"  # set to the error code on every error reply
+SERVICE_ERROR_HEADER = "Nats-Service-Error"  # the NATS service protocol's error headers
+SERVICE_ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+# a handed-off request carries the requester's inbox here (see `Bus.hand_off`), and the tenant
+# it came from, as NATS delivered it (absent: the service's own account)
+REPLY_TO_HEADER = "Pensieve-Reply-To"
+TENANT_HEADER = "Pensieve-Tenant"
+# the connection a tenant's request came from, as nats-server named it (see `requester`)
+REQUESTER_HEADER = "Pensieve-Requester"
+# set by nats-server on a request that crossed into the service account through an import
+# with `share`, in place of anything the client sent under that name
+REQUEST_INFO_HEADER = "Nats-Request-Info"
+DISCONNECTS = "$SYS.ACCOUNT.*.DISCONNECT"  # the system account's event of a closed connection
+
+
+@dataclass
+class Incoming:
+    data: bytes
+    reply: str
+    headers: dict[str, str]  # W3C trace context rides here ("traceparent")
+    _client: Client
+    subject: str = ""  # where it was delivered (a tenant's requests name the tenant)
+
+    async def send(
+        self, body: bytes, headers: dict[str, str] | None = None, probe: str = ""
+    ) -> None:
+        """Publish one message to the requester's inbox (nothing if it gave none); with
+        `probe`, a subject of `Bus.on_no_responders`, as its reply subject, which a client
+        reading the message ignores."""
+        if self.reply:
+            await self._client.publish(self.reply, body, reply=probe, headers=headers)
+
+    async def send_error(self, error: ApiError) -> None:
+        """The error as a body and as headers: ours, and the NATS service protocol's, which
+        micro-service clients read (a description and an HTTP-like status code)."""
+        headers = {
+            ERROR_HEADER: error.code,
+            SERVICE_ERROR_HEADER: error.message.replace("\r", " ").replace("\n", " "),
+            SERVICE_ERROR_CODE_HEADER: str(ERROR_STATUS[error.code]),
+        }
+        await self.send(error.body(), headers)
+
+    async def forward(self, subject: str) -> None:
+        """Hand the request on to `subject` as it came: the answer goes to the requester."""
+        await self._client.publish(
+            subject, self.data, reply=self.reply, headers=self.headers or None
+        )
+
+
+Handler = Callable[[Incoming], Awaitable[None]]
+
+
+def requester(headers: dict[str, str]) -> str | None:
+    """The connection that sent a request through a tenant's import, as `server/client-id`
+    (the server's name, which is its id unless configured; what `Bus.on_disconnects` reports
+    when it closes); None where nats-server said nothing."""
+    try:
+        info = orjson.loads(headers.get(REQUEST_INFO_HEADER, ""))
+        return f"{info['server']}/{info['id']}"
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
+@dataclass(frozen=True)
+class ServiceInfo:
+    """Who answers on this bus, for NATS service discovery (one engine = one service id)."""
+
+    name: str
+    id: str
+    version: str
+    description: str
+
+
+@dataclass
+class EndpointStats:
+    name: str
+    subject: str
+    queue_group: str
+    num_requests: int = 0
+    num_errors: int = 0
+    last_error: str = ""
+    processing_time: int = 0  # ns, over all requests
+
+    def as_json(self) -> dict[str, object]:
+        average = self.processing_time // self.num_requests if self.num_requests else 0
+        return {**dataclasses.asdict(self), "average_processing_time": average, "data": None}
+
+
+@dataclass(frozen=True)
+class ConnectOptions:
+    """Who this process is to the NATS server, in nats-py's terms (`ops/nats_auth.py` builds it
+    from flags and the environment); the defaults connect anonymously."""
+
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+    nkeys_seed: str | None = None  # the path of a seed file
+    nkeys_seed_str: str | None = field(default=None, repr=False)  # or the seed itself
+    user_credentials: str | None = None  # the path of a .creds file
+    tls: ssl.SSLContext | None = None
+    inbox_prefix: str = "_INBOX"  # a tenant may subscribe only below its own
+
+
+class Bus:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._tasks: set[asyncio.Task[None]] = set()  # requests in hand
+        self._endpoint_subscriptions: list[Subscription] = []
+        self.endpoints: dict[str, EndpointStats] = {}  # by subject
+
+    @classmethod
+    async def connect(
+        cls, url: str, name: str = "pensieve", options: ConnectOptions | None = None
+    ) -> Bus:
+        """Connect as `options` says (anonymously without), retrying until the server answers
+        (in a compose stack the engine may start before NATS does); each failed try is one log
+        line."""
+
+        async def on_error(error: Exception) -> None:
+            logger.warning("NATS at %s: %s: %s", url, type(error).__name__, error)
+
+        given = options or ConnectOptions()
+        client = await nats.connect(
+            url, name=name, max_reconnect_attempts=-1, error_cb=on_error,
+            user=given.user, password=given.password, token=given.token,
+            nkeys_seed=given.nkeys_seed, nkeys_seed_str=given.nkeys_seed_str,
+            user_credentials=given.user_credentials,
+            tls=given.tls, inbox_prefix=given.inbox_prefix,
+        )  # fmt: skip
+        return cls(client)
+
+    async def serve(
+        self, subject: str, handler: Handler, queue: str = "pensieve", handoff: bool = False
+    ) -> None:
+        """Answer requests on `subject` (members of one queue group share them). With
+        `handoff`, requests come from `hand_off`: each is acknowledged as soon as it is taken,
+        and the handler answers the original requester."""
+        stats = EndpointStats(re.sub(r"[^A-Za-z0-9_-]", "-", subject), subject, queue)
+        self.endpoints[subject] = stats
+
+        async def on_message(msg: Msg) -> None:
+            task = asyncio.create_task(self._handle(handler, msg, stats, handoff))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        self._endpoint_subscriptions.append(
+            await self.client.subscribe(subject, queue=queue, cb=on_message)
+        )
+
+    async def mailbox(
+        self, subject: str, handler: Callable[[bytes, dict[str, str]], Awaitable[None]]
+    ) -> None:
+        """Take the messages on `subject` one at a time, in the order they came (nats-py awaits
+        a subscription's callback before it hands it the next message). A handler that raises
+        is logged and the mailbox goes on with the next message."""
+
+        async def on_message(msg: Msg) -> None:
+            try:
+                await handler(msg.data, dict(msg.headers or {}))
+            except Exception:
+                logger.exception("mailbox %s: a message failed", subject)
+
+        self._endpoint_subscriptions.append(
+            await self.client.subscribe(subject, cb=on_message, pending_msgs_limit=1 << 20)
+        )
+
+    async def on_no_responders(self, gone: Callable[[str], None]) -> str:
+        """A subject prefix of this connection's own, for probes: when a message sent with a
+        reply subject below it (`Incoming.send(..., probe=...)`) reaches no subscriber,
+        nats-server answers that reply subject with a no-responders status (503), and
+        `gone(subject)` is called. This holds within one account only: a reply to a tenant
+        crosses accounts through the tenant's import, which takes it whether or not the tenant
+        still listens (see `on_disconnects` for those)."""
+        prefix = self.client.new_inbox()
+
+        async def on_status(msg: Msg) -> None:
+            if not msg.data and (msg.headers or {}).get("Status") == "503":
+                gone(msg.subject)
+
+        await self.client.subscribe(f"{prefix}.>", cb=on_status)
+        return prefix
+
+    async def on_disconnects(self, gone: Callable[[str], None]) -> None:
+        """Call `gone(connection)` whenever a client connection of the server closes,
+        `connection` named as `requester` names it. Needs a user of the system account allowed
+        to subscribe to its disconnect events."""
+
+        async def on_event(msg: Msg) -> None:
+            try:
+                event = orjson.loads(msg.data)
+                gone(f"{event['server']['name']}/{event['client']['id']}")
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                logger.warning("a disconnect event not understood: %r", msg.data[:200])
+
+        await self.client.subscribe(DISCONNECTS, cb=on_event)
+
+    async def publish(
+        self, subject: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> None:
+        await self.client.publish(subject, body, headers=headers)
+
+    async def stop_serving(self) -> None:
+        """Take no more requests: the endpoints' subscriptions go (other engines of the queue
+        group take what comes next); requests already in hand go on."""
+        subscriptions, self._endpoint_subscriptions = self._endpoint_subscriptions, []
+        if not self.client.is_connected:  # NATS is away: the server dropped them already
+            return
+        for subscription in subscriptions:
+            await subscription.unsubscribe()
+
+    async def settle(self, timeout: float) -> int:
+        """Wait up to `timeout` s for the requests in hand to be answered; how many are not."""
+        if not self._tasks:
+            return 0
+        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+        return len(pending)
+
+    async def ask(
+        self, subject: str, body: bytes, timeout: float, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[bytes]:
+        """The client side: send one request and yield each message of its answer as it comes
+        (a streamed answer has several); the caller stops when it has the last, and closes the
+        generator (`contextlib.aclosing`) so its reply subscription goes at once. Raises
+        TimeoutError after `timeout` s without a message, ConnectionError if nothing answers
+        on `subject`."""
+        inbox = self.client.new_inbox()
+        sub = await self.client.subscribe(inbox)
+        try:
+            await self.client.publish(subject, body, reply=inbox, headers=headers)
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=timeout)
+                except nats.errors.TimeoutError:
+                    raise TimeoutError(f"no answer on {subject} in {timeout} s") from None
+                if not msg.data and (msg.headers or {}).get("Status") == "503":
+                    raise ConnectionError(f"nothing answers on {subject}")
+                yield msg.data
+        finally:  # on a connection going away its subscriptions go with it
+            closing = (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)
+            with contextlib.suppress(*closing):
+                await sub.unsubscribe()
+
+    async def hand_off(
+        self, subject: str, request: Incoming, headers: dict[str, str], timeout: float
+    ) -> None:
+        """Pass `request` to the endpoint on `subject` (served with `handoff`), which answers
+        the requester directly; returns once that endpoint has taken it. What it answers never
+        passes through here, so the requester keeps its answer if this process goes away.
+        Raises ConnectionError if nothing serves `subject`, TimeoutError if it does not take
+        the request within `timeout` s."""
+        headers = {**headers, REPLY_TO_HEADER: request.reply}
+        try:
+            await self.client.request(subject, request.data, timeout=timeout, headers=headers)
+        except nats.errors.NoRespondersError:
+            raise ConnectionError(f"nothing answers on {subject}") from None
+        except nats.errors.TimeoutError:
+            raise TimeoutError(f"{subject} did not take the request in {timeout} s") from None
+
+    async def answers(self, subject: str, timeout: float = 1.0) -> bool:
+        """Whether something answers a request on `subject` within `timeout` s."""
+        try:
+            await self.client.request(subject, b"", timeout=timeout)
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            return False
+        return True
+
+    async def advertise(self, service: ServiceInfo) -> None:
+        """Answer the NATS service discovery protocol (`$SRV.PING|INFO|STATS[.name[.id]]`), so
+        `nats micro list|info|stats pensieve` show every engine with the endpoints above and
+        their request counts, errors and processing times.
+
+        nats-py's own `nats.micro` answers these too, but it also runs each endpoint's requests
+        one after another (its handler is awaited in the subscription's callback), which a
+        streamed turn of several seconds would hold up; so the endpoints stay ours and only the
+        discovery answers are written here."""
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        identity = {"name": service.name, "id": service.id, "version": service.version,
+                    "metadata": {}}  # fmt: skip
+
+        def body(kind: str) -> dict[str, object]:
+            reply: dict[str, object] = {"type": f"io.nats.micro.v1.{kind}_response", **identity}
+            if kind == "info":
+                reply["description"] = service.description
+                reply["endpoints"] = [
+                    {"name": e.name, "subject": e.subject, "queue_group": e.queue_group,
+                     "metadata": None} for e in self.endpoints.values()
+                ]  # fmt: skip
+            elif kind == "stats":
+                reply["started"] = started
+                reply["endpoints"] = [e.as_json() for e in self.endpoints.values()]
+            return reply
+
+        for kind in ("ping", "info", "stats"):
+
+            async def answer(msg: Msg, kind: str = kind) -> None:
+                await self.client.publish(msg.reply, orjson.dumps(body(kind)))
+
+            for subject in (f"$SRV.{kind.upper()}", f"$SRV.{kind.upper()}.{service.name}",
+                            f"$SRV.{kind.upper()}.{service.name}.{service.id}"):  # fmt: skip
+                await self.client.subscribe(subject, cb=answer)
+
+    async def _handle(
+        self, handler: Handler, msg: Msg, stats: EndpointStats, handoff: bool
+    ) -> None:
+        headers = dict(msg.headers or {})
+        reply = msg.reply
+        if handoff:
+            reply = headers.pop(REPLY_TO_HEADER, "")
+            if msg.reply:  # taken: from here the requester hears from this handler
+                await self.client.publish(msg.reply, b"")
+        incoming = Incoming(msg.data, reply, headers, self.client, msg.subject)
+        stats.num_requests += 1
+        begin = time.perf_counter_ns()
+        error: ApiError | None = None
+        try:
+            await handler(incoming)
+        except ApiError as refused:
+            error = refused
+        except Exception as failure:  # a bug must not take the subscription down
+            logger.exception("handler for %s failed", msg.subject)
+            error = ApiError("internal", f"{type(failure).__name__}: {failure}")
+        finally:
+            stats.processing_time += time.perf_counter_ns() - begin
+        if error is not None:
+            stats.num_errors += 1
+            stats.last_error = f"{error.code}: {error.message}"
+            await incoming.send_error(error)
+
+    async def flush(self) -> None:
+        """Wait until the server has every subscription and message sent so far (a ping round
+        trip): without it a subscription may still sit in the client's buffer, and a request
+        sent meanwhile by someone else finds no responder."""
+        await self.client.flush()
+
+    async def close(self) -> None:
+        """Stop handling requests and leave the bus: drain (let queued messages and replies go
+        out) when connected; when NATS is down, just close, as there is nothing to drain to."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self.client.is_connected:
+            try:
+                await self.client.drain()
+                return
+            except (nats.errors.Error, OSError) as error:  # NATS went away while draining
+                logger.warning("NATS drain failed: %s", error)
+        try:
+            await self.client.close()
+        except OSError:  # the socket may be gone with the server
+            pass
+        except asyncio.CancelledError:
+            # closing while a reconnect is under way can end in a future nats-py cancelled itself;
+            # a cancellation of this task itself still goes on
+            me = asyncio.current_task()
+            if me is not None and me.cancelling():
+                raise

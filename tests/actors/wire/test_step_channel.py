@@ -1,0 +1,216 @@
+"""The per-step channel: plans survive the trip as diffs, and an engine whose executor is an
+actor across a real nats-server gives the tokens of the in-process engine on every cache path."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from pensieve.actors.executor.actor import ExecutorActor
+from pensieve.actors.scheduler.engine import Engine
+from pensieve.actors.scheduler.kv.kv_cache import CopyOp, SwapOrders
+from pensieve.actors.scheduler.request import PLACEHOLDER, SamplingParams
+from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.messages import MessageError
+from pensieve.actors.wire.step import SeqPiece, StepPlan
+from pensieve.actors.wire.step_channel import (
+    ExecutorLost,
+    PlanDecoder,
+    PlanEncoder,
+    StepResult,
+    connect_executor,
+    reset_message,
+)
+from pensieve.ops.factory import EngineOptions, build
+from pensieve.ops.nats_server import EmbeddedNats
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+HOT = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=3)
+
+
+def _plans() -> list[StepPlan]:
+    orders = SwapOrders([CopyOp(1, 2)], [CopyOp(3, 4), CopyOp(5, 6)], [CopyOp(7, 8)], fence=True)
+    return [
+        StepPlan((SeqPiece("a", (1, 2, 3), 0, 3, (10,), GREEDY),
+                  SeqPiece("b", (4, 5), 30, 32, (11,), None))),
+        # a grows by a block; b's recomputed prefix and new prompt share one table
+        StepPlan((SeqPiece("a", (PLACEHOLDER,), 3, 4, (10, 12), GREEDY, 1),
+                  SeqPiece("b", (6,) * 4, 0, 4, (11, 13), None),
+                  SeqPiece("b", (7,), 32, 33, (11, 13), HOT)), orders),
+        # a's table changes in the middle (a swap-in put a chunk elsewhere); b sits out
+        StepPlan((SeqPiece("a", (PLACEHOLDER,), 4, 5, (14, 12, 15), GREEDY, 2),)),
+        # b comes back: sent in full again
+        StepPlan((SeqPiece("b", (9,), 33, 34, (11, 13), HOT, 1),)),
+        StepPlan(()),
+    ]  # fmt: skip
+
+
+def test_plans_cross_as_diffs_and_come_back_whole() -> None:
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    sizes = []
+    for step, plan in enumerate(_plans(), start=1):
+        data = encoder.encode(step, plan, step - 1 or None)
+        sizes.append(len(data))
+        got = decoder.decode(data)
+        assert got is not None and got.plan == plan and got.step == step
+        assert got.feed == (step - 1 or None)
+    # after a step without it, a request goes in full; then its unchanged table is not sent
+    running = StepPlan((SeqPiece("a", (PLACEHOLDER,), 5, 6, (14, 12, 15), GREEDY, 3),))
+    first = encoder.encode(9, running, None)
+    assert b"[14,12,15]" in first and decoder.decode(first).plan == running  # type: ignore[union-attr]
+    again = encoder.encode(10, running, 9)
+    assert b"[14,12,15]" not in again and b"[8,0.0" not in again
+    assert decoder.decode(again).plan == running  # type: ignore[union-attr]
+
+
+def test_a_reset_forgets_on_both_sides() -> None:
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    plan = _plans()[0]
+    decoder.decode(encoder.encode(1, plan, None))
+    encoder.reset()
+    assert decoder.decode(reset_message()) is None
+    got = decoder.decode(encoder.encode(2, plan, None))
+    assert got is not None and got.plan == plan
+
+
+def test_a_diff_against_a_table_the_executor_lacks_is_refused() -> None:
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    encoder.encode(1, _plans()[0], None)  # never delivered
+    with pytest.raises(MessageError, match="keeps"):
+        decoder.decode(encoder.encode(2, _plans()[1], 1))
+    with pytest.raises(MessageError, match="version"):
+        decoder.decode(b'{"v": 99, "kind": "step"}')
+
+
+def test_a_step_result_round_trips() -> None:
+    result = StepResult(4, [1, 2], None, [1, 2, 3, 4, 0.5, 0.25])
+    assert StepResult.decode(result.encode()) == result
+    assert result.swap_stats().seconds_out == 0.25
+
+
+# ---- the engine across the bus ---------------------------------------------------------------
+
+OPTIONS = EngineOptions(model="preset:tiny-llama", gpu_cache_tokens=320, cpu_cache_tokens=320,
+                        max_batch_tokens=256)  # fmt: skip
+NUM_CONVS, NUM_TURNS = 5, 3
+
+
+def converse(
+    engine: Engine, reasons: list[str] | None = None
+) -> tuple[list[list[int]], dict[str, int]]:
+    """Five conversations of three turns, all turns of a round at once, on tiers so small that
+    histories swap out, come back and are dropped and recomputed (also run on executor ranks,
+    tests/actors/executor/test_executor_ranks.py)."""
+    histories: dict[str, list[int]] = {f"c{i}": [] for i in range(NUM_CONVS)}
+    outputs = []
+    for turn in range(NUM_TURNS):
+        for i, (conv, history) in enumerate(histories.items()):
+            message = [(13 * i + 7 * turn + k) % 400 + 5 for k in range(40 + 9 * i)]
+            engine.add_request(conv, history + message, GREEDY)
+        done = 0
+        while done < NUM_CONVS:
+            for request in engine.step().finished:
+                histories[request.conv_id] = request.all_ids
+                outputs.append(request.output_ids)
+                if reasons is not None:  # what a failure shows: how each turn ended
+                    reasons.append(f"{request.conv_id}/{turn}: {request.finish_reason} "
+                                   f"after {len(request.output_ids)}")  # fmt: skip
+                done += 1
+    sources = dataclasses.asdict(engine.totals.sources)
+    return sorted(outputs), sources
+
+
+def test_an_engine_with_its_executor_over_nats_gives_the_in_process_tokens() -> None:
+    local_reasons: list[str] = []
+    expected, sources = converse(build(OPTIONS).engine, local_reasons)
+    assert sources["cpu"] and sources["recomputed"], sources  # every cache path was taken
+    remote_reasons: list[str] = []
+
+    async def remote() -> tuple[list[list[int]], dict[str, int]]:
+        built = build(OPTIONS)
+        with EmbeddedNats() as nats:
+            executor = ExecutorActor(await Bus.connect(nats.url), "e1", built.engine.runner)
+            async with executor:
+                bus = await Bus.connect(nats.url)
+                runner = await connect_executor(bus, "e1", timeout_s=10)
+                built.engine.runner = runner
+                try:
+                    return await asyncio.to_thread(converse, built.engine, remote_reasons)
+                finally:
+                    await runner.close()
+                    await bus.close()
+
+    got, remote_sources = asyncio.run(remote())
+    assert got == expected, (local_reasons, remote_reasons, sources, remote_sources)
+    # which chunks are evicted depends on idle times, so only the totals must agree
+    assert sum(remote_sources.values()) == sum(sources.values())
+    assert remote_sources["cpu"] and remote_sources["recomputed"], remote_sources
+
+
+def test_the_scheduler_waits_for_an_executor_that_starts_later() -> None:
+    async def late() -> int:
+        built = build(OPTIONS)
+        with EmbeddedNats() as nats:
+            bus = await Bus.connect(nats.url)
+            asking = asyncio.create_task(connect_executor(bus, "e2", timeout_s=20))
+            await asyncio.sleep(1.0)
+            assert not asking.done()
+            async with ExecutorActor(await Bus.connect(nats.url), "e2", built.engine.runner):
+                runner = await asking
+                await runner.close()
+            await bus.close()
+            return runner.block_bytes
+
+    assert asyncio.run(late()) == build(OPTIONS).engine.block_bytes
+
+
+def test_a_plan_the_executor_cannot_read_fails_the_steps_in_flight() -> None:
+    """Which step an unreadable plan was is unknown: every step in flight fails, so the engine
+    resets instead of waiting for an answer that never comes."""
+
+    async def unreadable() -> str:
+        built = build(OPTIONS)
+        with EmbeddedNats() as nats:
+            async with ExecutorActor(await Bus.connect(nats.url), "e3", built.engine.runner):
+                bus = await Bus.connect(nats.url)
+                runner = await connect_executor(bus, "e3", timeout_s=10)
+                # the plan leaves as a message without its pieces
+                runner.encoder.encode = lambda *_: b'{"v": 1, "kind": "step"}'  # type: ignore[method-assign]
+                launched = runner.launch(_plans()[0])
+                try:
+                    await asyncio.to_thread(launched.result)
+                except RuntimeError as error:
+                    return str(error)
+                finally:
+                    await runner.close()
+                    await bus.close()
+        return "answered"
+
+    assert "could not be read" in asyncio.run(unreadable())
+
+
+def test_a_plan_lost_on_the_way_is_noticed_instead_of_waited_for() -> None:
+    """A message lost while NATS restarts: the executor says it never got the step, and the
+    step fails (the engine then resets) rather than waiting forever."""
+
+    async def lost() -> str:
+        built = build(OPTIONS)
+        with EmbeddedNats() as nats:
+            async with ExecutorActor(await Bus.connect(nats.url), "e4", built.engine.runner):
+                bus = await Bus.connect(nats.url)
+                runner = await connect_executor(bus, "e4", timeout_s=10)
+                runner.check_every_s = 0.2
+                runner._post = lambda body: None  # type: ignore[method-assign]
+                launched = runner.launch(_plans()[0])
+                try:
+                    await asyncio.to_thread(launched.result)
+                except ExecutorLost as error:
+                    return str(error)
+                finally:
+                    await runner.close()
+                    await bus.close()
+        return "answered"
+
+    assert "never reached the executor" in asyncio.run(lost())
