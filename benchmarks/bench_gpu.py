@@ -117,8 +117,11 @@ class Settings:
     # steps with and without the fused element-wise kernels: (decodes, their context, prompt
     # tokens); 2-3 are the policy benchmark's mean mixed steps at 12 conversations/s
     mixed_steps: tuple[tuple[int, int, int], ...] = (
-        (250, 1024, 0), (240, 1024, 150), (245, 1024, 470), (0, 0, 2048),
-    )  # fmt: skip
+        (250, 1024, 0),
+        (240, 1024, 150),
+        (245, 1024, 470),
+        (0, 0, 2048),
+    )
     # a pure-decode step alone and beside an ahead-of-time swap-out, as the policy runs have it:
     # (decodes, their context, blocks swapped out)
     decode_beside_out: tuple[int, int, int] = (250, 1024, 30)
@@ -140,8 +143,11 @@ class Settings:
     # the first rate tried per policy (conversations/s, near each one's knee on an H200 with
     # these settings); the sweep steps from it
     start_rates: tuple[tuple[str, float], ...] = (
-        ("pensieve", 12.05), ("lru", 12.05), ("gpu-only", 10.8), ("stateless", 9.31),
-    )  # fmt: skip
+        ("pensieve", 12.05),
+        ("lru", 12.05),
+        ("gpu-only", 10.8),
+        ("stateless", 9.31),
+    )
     fixed_rates: tuple[tuple[str, tuple[float, ...]], ...] = ()  # these rates instead of a sweep
     rate_factor: float = 1.2
     warmup_run_s: float = 20.0  # the discarded first run's arrival seconds
@@ -163,19 +169,44 @@ class Settings:
 
 
 SMOKE = Settings(
-    smoke=True, model="preset:tiny-llama", device="cpu", dtype="float32", time_limit_s=120.0,
-    source_conversations=80, max_context=384, repeats=3, replay_conversations=24,
-    replay_concurrency=6, replay_turns=2, replay_max_output=8, replay_warmup_s=0.3,
-    replay_window_s=1.5, hf_window_s=2.0, decode_batches=(1, 4), decode_context=256,
-    swap_chunks=(4, 16), swap_step_decodes=4, swap_step_context=128, swap_history=128,
+    smoke=True,
+    model="preset:tiny-llama",
+    device="cpu",
+    dtype="float32",
+    time_limit_s=120.0,
+    source_conversations=80,
+    max_context=384,
+    repeats=3,
+    replay_conversations=24,
+    replay_concurrency=6,
+    replay_turns=2,
+    replay_max_output=8,
+    replay_warmup_s=0.3,
+    replay_window_s=1.5,
+    hf_window_s=2.0,
+    decode_batches=(1, 4),
+    decode_context=256,
+    swap_chunks=(4, 16),
+    swap_step_decodes=4,
+    swap_step_context=128,
+    swap_history=128,
     swap_step_busy=(6, 64),
-    swap_new_tokens=8, mixed_steps=((4, 64, 0), (4, 64, 20), (0, 0, 64)),
+    swap_new_tokens=8,
+    mixed_steps=((4, 64, 0), (4, 64, 20), (0, 0, 64)),
     decode_beside_out=(4, 64, 4),
-    loop_decodes=(6, 16, 5), gpu_tokens=512,
-    cpu_tokens=4096, policy_max_output=8, policy_max_turns=4,
+    loop_decodes=(6, 16, 5),
+    gpu_tokens=512,
+    cpu_tokens=4096,
+    policy_max_output=8,
+    policy_max_turns=4,
     start_rates=(("pensieve", 8.0), ("lru", 8.0), ("gpu-only", 8.0), ("stateless", 8.0)),
-    max_points=1, duration_s=3.0, warmup_s=0.5, drain_s=3.0, think_s=0.4, latency_bound=10.0,
-)  # fmt: skip
+    max_points=1,
+    duration_s=3.0,
+    warmup_s=0.5,
+    drain_s=3.0,
+    think_s=0.4,
+    latency_bound=10.0,
+)
 
 
 class Bench:
@@ -328,10 +359,16 @@ class Bench:
             self.close_ranks()
             begin = time.perf_counter()
             options = EngineOptions(
-                self.s.model, self.s.device, self.s.dtype, gpu_cache_tokens=key[0],
-                cpu_cache_tokens=key[1], max_num_seqs=self.s.max_num_seqs, seed=self.s.seed,
-                cpu_threads=None if self.cuda else 1, tensor_parallel=self.s.tensor_parallel,
-            )  # fmt: skip
+                self.s.model,
+                self.s.device,
+                self.s.dtype,
+                gpu_cache_tokens=key[0],
+                cpu_cache_tokens=key[1],
+                max_num_seqs=self.s.max_num_seqs,
+                seed=self.s.seed,
+                cpu_threads=None if self.cuda else 1,
+                tensor_parallel=self.s.tensor_parallel,
+            )
             data = Path(self._ranks_stack.enter_context(tempfile.TemporaryDirectory()))
             runner = self._ranks_stack.enter_context(executor_ranks(options, data))
             self._ranks = key, runner
@@ -351,8 +388,10 @@ class Bench:
         if block_size not in self._costs:
             loaded, c = self.loaded(), self.loaded().config
             if self.s.cost == "profile" and self.ranks:
-                raise ValueError("--cost profile measures the model in this process: with "
-                                 "--tensor-parallel use --cost analytic")  # fmt: skip
+                raise ValueError(
+                    "--cost profile measures the model in this process: with "
+                    "--tensor-parallel use --cost analytic"
+                )
             if self.s.cost == "profile":
                 begin = time.perf_counter()
                 context = min(c.max_context_len, self.s.max_context or c.max_context_len)
@@ -527,8 +566,7 @@ def section_decode(b: Bench, rows: list[Row]) -> dict[str, Any]:
     for batch in b.s.decode_batches:
         plan = decode_plan(batch, context, blocks_per_seq, block_size)
         with runner.eager():
-            eager = median_time(b, functools.partial(runner.execute, plan), b.s.repeats,
-                                warmup=3)  # fmt: skip
+            eager = median_time(b, functools.partial(runner.execute, plan), b.s.repeats, warmup=3)
         seconds = median_time(b, functools.partial(runner.execute, plan), b.s.repeats, warmup=3)
         rows.append(Row(f"decode step b={batch} eager", eager * 1e3, "ms", note="no CUDA graph"))
         kv = batch * (context + 1) * per_token
@@ -679,10 +717,20 @@ def loop_steps(b: Bench, rows: list[Row]) -> dict[str, Any]:
         r = results[name]
         note = f"host {r['host_seconds'] * 1e3:.2f} ms of it"
         ref = None if name == "sequential" else seq["step_seconds"] * 1e3
-        rows.append(Row(f"engine loop, {what}, {name}", r["step_seconds"] * 1e3, "ms", ref,
-                        "sequential" if ref else "", note=note))  # fmt: skip
-    b.log(f"engine loop {what}: sequential {seq['step_seconds'] * 1e3:.2f} ms, overlapped "
-          f"{ovl['step_seconds'] * 1e3:.2f} ms per step")  # fmt: skip
+        rows.append(
+            Row(
+                f"engine loop, {what}, {name}",
+                r["step_seconds"] * 1e3,
+                "ms",
+                ref,
+                "sequential" if ref else "",
+                note=note,
+            )
+        )
+    b.log(
+        f"engine loop {what}: sequential {seq['step_seconds'] * 1e3:.2f} ms, overlapped "
+        f"{ovl['step_seconds'] * 1e3:.2f} ms per step"
+    )
     b.free()
     return results
 
@@ -739,19 +787,36 @@ def pipelined_step(b: Bench, rows: list[Row], num_decodes: int, context: int) ->
     swap_s = median_time(b, alone, s.repeats)
     what = f"{num_decodes} decodes@{context} + {len(tokens)} new tokens"
     label = f"step, {num_decodes} decodes, {s.swap_history}-tok history"
-    rows.append(Row(f"{label} on GPU", gpu_s * 1e3, "ms",
-                    note=f"{what}; launch {launch['gpu'] * 1e3:.1f} ms of it"))  # fmt: skip
+    rows.append(
+        Row(
+            f"{label} on GPU",
+            gpu_s * 1e3,
+            "ms",
+            note=f"{what}; launch {launch['gpu'] * 1e3:.1f} ms of it",
+        )
+    )
     note = (
         f"launch {launch['swapped'] * 1e3:.1f} ms of it; swap alone {swap_s * 1e3:.2f} ms: "
         f"serial would be {(gpu_s + swap_s) / gpu_s:.2f}x"
     )
-    rows.append(Row(f"{label} swapped in", cpu_s * 1e3, "ms", gpu_s * 1e3, "history on GPU",
-                    note=note))  # fmt: skip
+    rows.append(
+        Row(f"{label} swapped in", cpu_s * 1e3, "ms", gpu_s * 1e3, "history on GPU", note=note)
+    )
     target, ok = ("<= 1.1x", ratio <= 1.1) if b.cuda else ("", None)  # CPU: serial
-    rows.append(Row(f"{label}, swapped / on GPU", ratio, "x", target=target, ok=ok,
-                    note="the median of the pairs' ratios"))  # fmt: skip
-    b.log(f"pipelined swap-in step ({what}): {cpu_s * 1e3:.2f} ms vs {gpu_s * 1e3:.2f} ms on GPU, "
-          f"median pair ratio {ratio:.3f}")  # fmt: skip
+    rows.append(
+        Row(
+            f"{label}, swapped / on GPU",
+            ratio,
+            "x",
+            target=target,
+            ok=ok,
+            note="the median of the pairs' ratios",
+        )
+    )
+    b.log(
+        f"pipelined swap-in step ({what}): {cpu_s * 1e3:.2f} ms vs {gpu_s * 1e3:.2f} ms on GPU, "
+        f"median pair ratio {ratio:.3f}"
+    )
     return {
         "gpu_seconds": gpu_s,
         "swapped_seconds": cpu_s,
@@ -784,14 +849,29 @@ def decode_beside_swap_out(b: Bench, rows: list[Row]) -> dict[str, Any]:
     )
     what = f"{decodes} decodes@{context}"
     rows.append(Row(f"step, {what}, alone", alone * 1e3, "ms"))
-    rows.append(Row(f"step, {what}, beside a {out_blocks}-block swap-out", beside * 1e3, "ms",
-                    alone * 1e3, "alone", note=f"{beside / alone:.3f}x"))  # fmt: skip
-    b.log(f"{what}: {alone * 1e3:.2f} ms alone, {beside * 1e3:.2f} ms beside a "
-          f"{out_blocks}-block swap-out")  # fmt: skip
+    rows.append(
+        Row(
+            f"step, {what}, beside a {out_blocks}-block swap-out",
+            beside * 1e3,
+            "ms",
+            alone * 1e3,
+            "alone",
+            note=f"{beside / alone:.3f}x",
+        )
+    )
+    b.log(
+        f"{what}: {alone * 1e3:.2f} ms alone, {beside * 1e3:.2f} ms beside a "
+        f"{out_blocks}-block swap-out"
+    )
     del runner
     b.free()
-    return {"decodes": decodes, "context": context, "swap_out_blocks": out_blocks,
-            "alone_seconds": alone, "beside_seconds": beside}  # fmt: skip
+    return {
+        "decodes": decodes,
+        "context": context,
+        "swap_out_blocks": out_blocks,
+        "alone_seconds": alone,
+        "beside_seconds": beside,
+    }
 
 
 def mixed_steps(b: Bench, rows: list[Row]) -> list[dict[str, Any]]:
@@ -813,30 +893,61 @@ def mixed_steps(b: Bench, rows: list[Row]) -> list[dict[str, Any]]:
         pieces = decode_plan(decodes, context, per_seq, block_size).pieces
         if prompt:
             table = tuple(range(first, first + -(-prompt // block_size)))
-            pieces += (SeqPiece("p", tuple(range(5, 5 + prompt)), 0, prompt, table,
-                                SamplingParams(max_tokens=1)),)  # fmt: skip
+            pieces += (
+                SeqPiece(
+                    "p", tuple(range(5, 5 + prompt)), 0, prompt, table, SamplingParams(max_tokens=1)
+                ),
+            )
         step = StepPlan(pieces)
         timed = {}
-        for name, fused, graphed in (("unfused", False, True), ("fused", True, True),
-                                     ("eager", True, False)):  # fmt: skip
+        for name, fused, graphed in (
+            ("unfused", False, True),
+            ("fused", True, True),
+            ("eager", True, False),
+        ):
             if isinstance(model, LlamaModel):
                 model.set_fused(fused)
             if runner.graphs is not None:  # graphs captured in this mode, in a pool of their own
                 kept.append(runner.renew_graphs())  # a pool outlives every graph captured in it
             with contextlib.nullcontext() if graphed else runner.eager():
-                timed[name] = median_time(b, functools.partial(runner.execute, step),
-                                          b.s.repeats, warmup=3)  # fmt: skip
+                timed[name] = median_time(
+                    b, functools.partial(runner.execute, step), b.s.repeats, warmup=3
+                )
         what = f"{decodes} decodes@{context}" + (f" + {prompt} prompt tokens" if prompt else "")
         fused_x, graph_x = timed["unfused"] / timed["fused"], timed["eager"] / timed["fused"]
         step_ms = timed["fused"] * 1e3
-        rows.append(Row(f"step, {what}, fused", step_ms, "ms", timed["unfused"] * 1e3,
-                        "unfused", note=f"{fused_x:.2f}x faster"))  # fmt: skip
-        rows.append(Row(f"step, {what}, CUDA graphs", step_ms, "ms", timed["eager"] * 1e3,
-                        "eager", note=f"{graph_x:.2f}x faster"))  # fmt: skip
-        b.log(f"{what}: unfused {timed['unfused'] * 1e3:.2f} ms, fused "
-              f"{timed['fused'] * 1e3:.2f} ms, eager {timed['eager'] * 1e3:.2f} ms")  # fmt: skip
-        results.append({"decodes": decodes, "context": context, "prompt": prompt,
-                        **{f"{k}_seconds": v for k, v in timed.items()}})  # fmt: skip
+        rows.append(
+            Row(
+                f"step, {what}, fused",
+                step_ms,
+                "ms",
+                timed["unfused"] * 1e3,
+                "unfused",
+                note=f"{fused_x:.2f}x faster",
+            )
+        )
+        rows.append(
+            Row(
+                f"step, {what}, CUDA graphs",
+                step_ms,
+                "ms",
+                timed["eager"] * 1e3,
+                "eager",
+                note=f"{graph_x:.2f}x faster",
+            )
+        )
+        b.log(
+            f"{what}: unfused {timed['unfused'] * 1e3:.2f} ms, fused "
+            f"{timed['fused'] * 1e3:.2f} ms, eager {timed['eager'] * 1e3:.2f} ms"
+        )
+        results.append(
+            {
+                "decodes": decodes,
+                "context": context,
+                "prompt": prompt,
+                **{f"{k}_seconds": v for k, v in timed.items()},
+            }
+        )
     del runner, kept
     b.free()
     return results
@@ -1022,9 +1133,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument("--policies", help="policies: comma-separated subset, e.g. pensieve,lru")
     p.add_argument("--model", help="policies: the model (default preset:llama2-13b-gqa10)")
     p.add_argument(
-        "--tensor-parallel", type=int,
+        "--tensor-parallel",
+        type=int,
         help="policies: executor ranks, one process per GPU (default 1: in this process)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--start-rates", help="policies: first rate per policy, e.g. pensieve=14,stateless=8"
     )
@@ -1038,9 +1150,11 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument("--duration", dest="duration_s", type=float, help="policies: arrival seconds")
     p.add_argument("--warmup", dest="warmup_s", type=float, help="policies: unmeasured seconds")
     p.add_argument(
-        "--warmup-run", dest="warmup_run_s", type=float,
+        "--warmup-run",
+        dest="warmup_run_s",
+        type=float,
         help="policies: arrival seconds of the discarded first run (default 20)",
-    )  # fmt: skip
+    )
     p.add_argument("--latency-bound", type=float, help="policies: p90 s per output token")
     p.add_argument("--think", dest="think_s", type=float, help="policies: mean think time (s)")
     p.add_argument("--gpu-tokens", type=int, help="policies: GPU KV budget in tokens")
@@ -1049,32 +1163,47 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument("--max-num-seqs", type=int, help="policies: running requests at most")
     p.add_argument("--admit-batch", type=int, help="policies: slots free before a decode admits")
     p.add_argument(
-        "--no-overlap", dest="overlap", action="store_const", const=False,
+        "--no-overlap",
+        dest="overlap",
+        action="store_const",
+        const=False,
         help="policies: plan each step only after the one before is applied",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--swap-out-kernel", dest="swap_out_dma", action="store_const", const=False,
+        "--swap-out-kernel",
+        dest="swap_out_dma",
+        action="store_const",
+        const=False,
         help="policies: ahead-of-time swap-outs by the copy kernel, not DMA",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--no-batched-copies", dest="swap_batched", action="store_const", const=False,
+        "--no-batched-copies",
+        dest="swap_batched",
+        action="store_const",
+        const=False,
         help="policies: swap copies by the copy kernel / one DMA call each, not batched calls",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--swap-out-dma", action="store_const", const=True,
+        "--swap-out-dma",
+        action="store_const",
+        const=True,
         help="policies: ahead-of-time swap-outs by DMA (the default; kept for older commands)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--profile", dest="profile_s", type=float, help="policies: seconds of kernel profile"
     )
     p.add_argument(
-        "--no-gc-freeze", dest="gc_freeze", action="store_const", const=False,
+        "--no-gc-freeze",
+        dest="gc_freeze",
+        action="store_const",
+        const=False,
         help="policies: leave the start-up heap in Python's garbage collections",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--cost", choices=["profile", "analytic"],
+        "--cost",
+        choices=["profile", "analytic"],
         help="policies: eviction's Cost(l) measured in the run (default) or estimated",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--replay-window", dest="replay_window_s", type=float, help="replay48: ours, seconds"
     )

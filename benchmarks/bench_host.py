@@ -128,8 +128,11 @@ def follow_cost(chat: ChatTokenizer, streams: int, tokens: int) -> dict[str, flo
     whole_s = time.perf_counter() - begin
     assert texts == [chat.decode(ids) for ids in replies]
     per_step = 1e3 / tokens
-    return {"scheduler_ms": scheduler_s * per_step, "replica_ms": replica_s * per_step,
-            "whole_ms": whole_s * per_step}  # fmt: skip
+    return {
+        "scheduler_ms": scheduler_s * per_step,
+        "replica_ms": replica_s * per_step,
+        "whole_ms": whole_s * per_step,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

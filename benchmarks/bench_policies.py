@@ -317,10 +317,15 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
     cost = b.cost_model()  # before the KV tiers take the memory its measurement needs
     longest = cost.context_lens[-1]
     rows.append(
-        Row(f"Cost({longest}) / Cost({cost.chunk_size})", cost.cost(longest) * 1e3, "ms",
-            cost.cost(cost.chunk_size) * 1e3, f"Cost({cost.chunk_size})",
-            note=f"eviction's chunk cost, {cost.source}")
-    )  # fmt: skip
+        Row(
+            f"Cost({longest}) / Cost({cost.chunk_size})",
+            cost.cost(longest) * 1e3,
+            "ms",
+            cost.cost(cost.chunk_size) * 1e3,
+            f"Cost({cost.chunk_size})",
+            note=f"eviction's chunk cost, {cost.source}",
+        )
+    )
     b.warm_up()
     begin = time.perf_counter()
     engine = b.engine(policies[0], s.gpu_tokens, s.cpu_tokens)
@@ -333,8 +338,7 @@ def section(b: Bench, rows: list[Row]) -> dict[str, Any]:
     # worse than later runs of the same policy and rate: a short discarded run at the first
     # point's rate (`warmup_run_s` of arrivals) meets most variants and takes that cost.
     first = dict(s.fixed_rates).get(policies[0].value, (starts[policies[0].value],))[0]
-    warm = OpenLoop(first, s.think_s, min(s.warmup_run_s, s.duration_s), 0.0, s.drain_s,
-                    s.seed + 1)  # fmt: skip
+    warm = OpenLoop(first, s.think_s, min(s.warmup_run_s, s.duration_s), 0.0, s.drain_s, s.seed + 1)
     b.log("warm-up run (discarded):")
     run_point(b, policies[0], specs, warm.conv_rate, warm)
     point_s = s.duration_s + s.drain_s + POINT_OVERHEAD_S
@@ -457,8 +461,10 @@ def compare(runs: dict[str, list[dict[str, Any]]], bound: float) -> list[Row]:
         theirs = best.get(other)
         if other not in runs or "pensieve" not in runs:
             continue
-        for label, key, unit in (("req/s at bound", "req_per_s", "req/s"),
-                                 ("highest rate", "rate", "conv/s")):  # fmt: skip
+        for label, key, unit in (
+            ("req/s at bound", "req_per_s", "req/s"),
+            ("highest rate", "rate", "conv/s"),
+        ):
             value = ours[key] if ours else None
             ref = theirs[key] if theirs else None
             ok = (
@@ -485,8 +491,9 @@ def combine(paths: Sequence[Path], bound: float | None = None) -> dict[str, Any]
     runs: dict[str, list[dict[str, Any]]] = {}
     for path, report in zip(paths, reports, strict=True):
         if report["meta"]["device"] != first["meta"]["device"]:
-            raise ValueError(f"{path}: measured on {report['meta']['device']}, not on "
-                             f"{first['meta']['device']}")  # fmt: skip
+            raise ValueError(
+                f"{path}: measured on {report['meta']['device']}, not on {first['meta']['device']}"
+            )
         settings = {k: v for k, v in report["settings"].items() if k not in _PER_CALL}
         if settings != fixed:
             diff = sorted(
@@ -517,9 +524,14 @@ def _numbers(value: Any) -> Any:
 
 # may differ between the merged runs: they choose which points run, not how one is measured
 _PER_CALL = {
-    "policies", "start_rates", "fixed_rates", "time_limit_s", "max_points", "profile_s",
+    "policies",
+    "start_rates",
+    "fixed_rates",
+    "time_limit_s",
+    "max_points",
+    "profile_s",
     "warmup_run_s",
-}  # fmt: skip
+}
 
 
 def main(argv: list[str] | None = None) -> int:

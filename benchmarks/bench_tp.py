@@ -96,8 +96,9 @@ def decode_plan(batch: int, context: int, blocks_per_seq: int, prompt: int = 0) 
     of `prompt` tokens (if any) over the blocks after theirs."""
     sampling = SamplingParams(max_tokens=1, ignore_eos=True)
     tables = [tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
-    pieces = [SeqPiece(f"d{i}", (7,), context, context + 1, t, sampling)
-              for i, t in enumerate(tables)]  # fmt: skip
+    pieces = [
+        SeqPiece(f"d{i}", (7,), context, context + 1, t, sampling) for i, t in enumerate(tables)
+    ]
     if prompt:
         table = tuple(range(batch * blocks_per_seq, (batch + 1) * blocks_per_seq))
         pieces.append(SeqPiece("p", tuple(range(5, 5 + prompt)), 0, prompt, table, sampling))
@@ -158,14 +159,17 @@ def time_rank(s: Settings, shard: TensorShard | None, device: torch.device) -> T
     mixed_graph = median_time(mixed, s.repeats, cuda) if runner.mixed_graphs else None
     back_to_back = None
     if graph_s is not None and runner.mixed_graphs is not None:
-        back_to_back = (back_to_back_s(functools.partial(runner.launch, plan), s.repeats),
-                        back_to_back_s(functools.partial(runner.launch, mixed_plan),
-                                       s.repeats))  # fmt: skip
+        back_to_back = (
+            back_to_back_s(functools.partial(runner.launch, plan), s.repeats),
+            back_to_back_s(functools.partial(runner.launch, mixed_plan), s.repeats),
+        )
     profiles = None
     if s.profile and cuda:  # every rank steps; the first one records
         first = shard is None or shard.rank == 0
-        profiles = {name: profile_steps(fn, s.repeats, first)
-                    for name, fn in (("decode", step), ("mixed", mixed))}  # fmt: skip
+        profiles = {
+            name: profile_steps(fn, s.repeats, first)
+            for name, fn in (("decode", step), ("mixed", mixed))
+        }
     reduce_us = graph_us = None
     if shard is not None:
         hidden = torch.zeros((s.batch, model.config.hidden_size), dtype=dtype, device=device)
@@ -176,9 +180,21 @@ def time_rank(s: Settings, shard: TensorShard | None, device: torch.device) -> T
                 graph_us = graphed_reduce_s(reduce, hidden, s.repeats) * 1e6
             except Exception as failure:  # every rank fails alike
                 error = f"all-reduce graph: {type(failure).__name__}: {failure}"
-    return Timing(ranks, eager, graph_s, (weights + kv) / rate, rate / GB, reduce_us, error,
-                  runner.all_reduce or "-", graph_us, mixed_eager, mixed_graph,
-                  profiles, back_to_back)  # fmt: skip
+    return Timing(
+        ranks,
+        eager,
+        graph_s,
+        (weights + kv) / rate,
+        rate / GB,
+        reduce_us,
+        error,
+        runner.all_reduce or "-",
+        graph_us,
+        mixed_eager,
+        mixed_graph,
+        profiles,
+        back_to_back,
+    )
 
 
 def back_to_back_s(launch: Callable[[], Launched], repeats: int, warmup: int = 3) -> float:
@@ -212,8 +228,11 @@ def profile_steps(fn: Callable[[], object], repeats: int, record: bool) -> dict[
     if "wall_s" not in summary:
         return summary
     per_step = 1e3 / repeats
-    return {"wall_ms": summary["wall_s"] * per_step, "busy_ms": summary["busy_s"] * per_step,
-            "kinds_ms": {k: v * per_step for k, v in summary["kinds_s"].items()}}  # fmt: skip
+    return {
+        "wall_ms": summary["wall_s"] * per_step,
+        "busy_ms": summary["busy_s"] * per_step,
+        "kinds_ms": {k: v * per_step for k, v in summary["kinds_s"].items()},
+    }
 
 
 def graphed_reduce_s(reduce: AllReduce, hidden: torch.Tensor, repeats: int, n: int = 20) -> float:
@@ -240,8 +259,9 @@ def rank_main(rank: int, world_size: int, s: Settings, store: str, out: str, mod
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
-                                world_size=world_size)  # fmt: skip
+        dist.init_process_group(
+            backend, init_method=f"file://{store}", rank=rank, world_size=world_size
+        )
         dist.barrier()  # the communicators exist before a graph is captured
         shard = TensorShard(rank, world_size)
     try:
@@ -284,19 +304,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=4032)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--all-reduce", nargs="+", default=["nccl"], choices=ALL_REDUCE_MODES,
-                        help="each configuration of several ranks once in each mode")  # fmt: skip
-    parser.add_argument("--prompt", type=int, default=Settings.prompt,
-                        help="prompt tokens beside the decodes in the mixed step")  # fmt: skip
+    parser.add_argument(
+        "--all-reduce",
+        nargs="+",
+        default=["nccl"],
+        choices=ALL_REDUCE_MODES,
+        help="each configuration of several ranks once in each mode",
+    )
+    parser.add_argument(
+        "--prompt",
+        type=int,
+        default=Settings.prompt,
+        help="prompt tokens beside the decodes in the mixed step",
+    )
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--profile", action="store_true",
-                        help="the first rank's kernels by kind (torch.profiler)")  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true", help="the first rank's kernels by kind (torch.profiler)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny-llama, toy sizes")
     args = parser.parse_args(argv)
     os.environ.update(NCCL_ENV)
-    s = Settings(args.model, args.dtype, args.batch, args.context, 32, args.repeats, "cuda",
-                 args.prompt, args.profile)  # fmt: skip
+    s = Settings(
+        args.model,
+        args.dtype,
+        args.batch,
+        args.context,
+        32,
+        args.repeats,
+        "cuda",
+        args.prompt,
+        args.profile,
+    )
     if args.smoke:
         s = Settings("preset:tiny-llama", "float32", 4, 100, 16, 3, "cpu", 20)
     s = Settings(**{**asdict(s), "context": fitting_context(s, min(args.ranks))})
@@ -310,8 +349,11 @@ def main(argv: list[str] | None = None) -> int:
             store = str(Path(tmp) / f"store{ranks}_{mode}")
             mp.spawn(rank_main, (ranks, s, store, str(out), mode), nprocs=ranks)
             timings.append(Timing(**json.loads(out.read_text())))
-            print(f"[bench_tp] {ranks} rank(s), {mode}: {timings[-1]} "
-                  f"({time.perf_counter() - begin:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"[bench_tp] {ranks} rank(s), {mode}: {timings[-1]} "
+                f"({time.perf_counter() - begin:.0f} s)",
+                flush=True,
+            )
     if args.json is not None:
         results = {"settings": asdict(s), "timings": [asdict(t) for t in timings]}
         args.json.write_text(json.dumps(results, indent=1))
@@ -323,23 +365,30 @@ def print_table(s: Settings, timings: list[Timing]) -> None:
     base = timings[0]
     graphed = all(t.graph_s is not None for t in timings)  # compare like with like
     print(f"\ndecode step, {s.model} {s.dtype}, batch {s.batch} at context {s.context}")
-    print(f"{'ranks':>5} {'reduce':>6} {'eager ms':>9} {'graph ms':>9} {'x first':>8}"
-          f" {'read-bound ms':>14} {'copy GB/s':>10} {'allreduce us':>13}"
-          f" {'in graph us':>12}")  # fmt: skip
+    print(
+        f"{'ranks':>5} {'reduce':>6} {'eager ms':>9} {'graph ms':>9} {'x first':>8}"
+        f" {'read-bound ms':>14} {'copy GB/s':>10} {'allreduce us':>13}"
+        f" {'in graph us':>12}"
+    )
     for t in timings:
         step, first = (t.graph_s, base.graph_s) if graphed else (t.eager_s, base.eager_s)
         assert step is not None and first is not None
         graph = f"{t.graph_s * 1e3:9.2f}" if t.graph_s is not None else f"{'-':>9}"
         reduce = f"{t.allreduce_us:13.1f}" if t.allreduce_us is not None else f"{'-':>13}"
-        graphed_reduce = (f"{t.allreduce_graph_us:12.1f}" if t.allreduce_graph_us is not None
-                          else f"{'-':>12}")  # fmt: skip
+        graphed_reduce = (
+            f"{t.allreduce_graph_us:12.1f}" if t.allreduce_graph_us is not None else f"{'-':>12}"
+        )
         mode = t.all_reduce if t.ranks > 1 else "-"
-        print(f"{t.ranks:>5} {mode:>6} {t.eager_s * 1e3:9.2f} {graph} {step / first:8.3f} "
-              f"{t.read_bound_s * 1e3:14.2f} {t.copy_gb_s:10.0f} {reduce} {graphed_reduce}"
-              + (f"  ({t.error})" if t.error else ""))  # fmt: skip
+        print(
+            f"{t.ranks:>5} {mode:>6} {t.eager_s * 1e3:9.2f} {graph} {step / first:8.3f} "
+            f"{t.read_bound_s * 1e3:14.2f} {t.copy_gb_s:10.0f} {reduce} {graphed_reduce}"
+            + (f"  ({t.error})" if t.error else "")
+        )
     print(f"\nmixed step: the same decodes beside a {s.prompt}-token prompt")
-    print(f"{'ranks':>5} {'reduce':>6} {'eager ms':>9} {'graphs ms':>10} {'x eager':>8} "
-          f"{'x first':>8}")  # fmt: skip
+    print(
+        f"{'ranks':>5} {'reduce':>6} {'eager ms':>9} {'graphs ms':>10} {'x eager':>8} "
+        f"{'x first':>8}"
+    )
     for t in timings:
         eager, graphs = t.mixed_eager_s, t.mixed_graph_s
         if eager is None:
@@ -350,21 +399,27 @@ def print_table(s: Settings, timings: list[Timing]) -> None:
         print(f"{t.ranks:>5} {mode:>6} {eager * 1e3:9.2f} {cut} {best / first:8.3f}")
     if all(t.back_to_back_s is not None for t in timings):
         print("\nfrom graphs, launched back to back (inputs go up while the step before runs)")
-        print(f"{'ranks':>5} {'reduce':>6} {'decode ms':>10} {'x first':>8} {'mixed ms':>9} "
-              f"{'x first':>8}")  # fmt: skip
+        print(
+            f"{'ranks':>5} {'reduce':>6} {'decode ms':>10} {'x first':>8} {'mixed ms':>9} "
+            f"{'x first':>8}"
+        )
         decode_first, mixed_first = base.back_to_back_s or (1.0, 1.0)
         for t in timings:
             decode, mixed = t.back_to_back_s or (0.0, 0.0)
             mode = t.all_reduce if t.ranks > 1 else "-"
-            print(f"{t.ranks:>5} {mode:>6} {decode * 1e3:10.2f} {decode / decode_first:8.3f} "
-                  f"{mixed * 1e3:9.2f} {mixed / mixed_first:8.3f}")  # fmt: skip
+            print(
+                f"{t.ranks:>5} {mode:>6} {decode * 1e3:10.2f} {decode / decode_first:8.3f} "
+                f"{mixed * 1e3:9.2f} {mixed / mixed_first:8.3f}"
+            )
     for t in timings:
         for name, p in (t.profiles or {}).items():
             if "wall_ms" not in p:
                 continue
             kinds = ", ".join(f"{kind} {ms:.2f}" for kind, ms in p["kinds_ms"].items())
-            print(f"profile, {t.ranks} rank(s), {name} step from graphs: {p['wall_ms']:.2f} ms, "
-                  f"GPU busy {p['busy_ms']:.2f} ms; by kind (ms): {kinds}")  # fmt: skip
+            print(
+                f"profile, {t.ranks} rank(s), {name} step from graphs: {p['wall_ms']:.2f} ms, "
+                f"GPU busy {p['busy_ms']:.2f} ms; by kind (ms): {kinds}"
+            )
 
 
 if __name__ == "__main__":

@@ -60,9 +60,20 @@ class Settings:
     window_s: float = 15.0
 
 
-SMOKE = Settings(model="preset:tiny-llama", device="cpu", dtype="float32", gpu_tokens=4096,
-                 cpu_tokens=4096, pool=24, concurrency=6, turns=2, max_output=8,
-                 max_context=384, warmup_s=0.5, window_s=2.0)  # fmt: skip
+SMOKE = Settings(
+    model="preset:tiny-llama",
+    device="cpu",
+    dtype="float32",
+    gpu_tokens=4096,
+    cpu_tokens=4096,
+    pool=24,
+    concurrency=6,
+    turns=2,
+    max_output=8,
+    max_context=384,
+    warmup_s=0.5,
+    window_s=2.0,
+)
 
 
 def workload(s: Settings) -> list[ConvSpec]:
@@ -104,16 +115,28 @@ def counted_steps(engine: Engine) -> Counter[str]:
     return kinds
 
 
-def closed_loop(s: Settings, ranks: int, policy: Policy, specs: list[ConvSpec],
-                mode: str = "nccl", mixed_graphs: str = "on") -> dict[str, Any]:  # fmt: skip
+def closed_loop(
+    s: Settings,
+    ranks: int,
+    policy: Policy,
+    specs: list[ConvSpec],
+    mode: str = "nccl",
+    mixed_graphs: str = "on",
+) -> dict[str, Any]:
     os.environ[ALL_REDUCE_ENV] = mode  # the rank processes take both from here
     os.environ[MIXED_GRAPHS_ENV] = "1" if mixed_graphs == "on" else "0"
     tokenizer = s.assets / "tokenizer"
     options = EngineOptions(
-        s.model, s.device, s.dtype, tokenizer=str(tokenizer) if tokenizer.is_dir() else None,
-        policy=policy, gpu_cache_tokens=s.gpu_tokens, cpu_cache_tokens=s.cpu_tokens,
-        cpu_threads=1 if s.device == "cpu" else None, tensor_parallel=ranks,
-    )  # fmt: skip
+        s.model,
+        s.device,
+        s.dtype,
+        tokenizer=str(tokenizer) if tokenizer.is_dir() else None,
+        policy=policy,
+        gpu_cache_tokens=s.gpu_tokens,
+        cpu_cache_tokens=s.cpu_tokens,
+        cpu_threads=1 if s.device == "cpu" else None,
+        tensor_parallel=ranks,
+    )
     begin = time.perf_counter()
     with tempfile.TemporaryDirectory() as data, ranks_engine(options, Path(data)) as built:
         started = time.perf_counter() - begin
@@ -123,38 +146,69 @@ def closed_loop(s: Settings, ranks: int, policy: Policy, specs: list[ConvSpec],
     window = result.window.summary()
     # the whole run's steps (warm-up included): what kind they were, and how much of its time
     # the first rank's device waited for the host between steps it could have run back to back
-    steps = {"kinds": dict(kinds), "device_busy_s": device.busy_s,
-             "device_idle_s": device.idle_s, **result.extra}  # fmt: skip
-    print(f"[bench_tp_replay] {ranks} rank(s), {policy.value}, {mode}, mixed graphs "
-          f"{mixed_graphs}: "
-          f"{window['tok_per_s']:.0f} tok/s (ranks started in {started:.0f} s); steps "
-          f"{dict(kinds)}, device busy {device.busy_s:.1f} s, idle between steps "
-          f"{device.idle_s:.1f} s", flush=True)  # fmt: skip
-    return {"ranks": ranks, "policy": policy.value, "all_reduce": mode if ranks > 1 else "-",
-            "mixed_graphs": mixed_graphs, "start_s": started, "window": window,
-            "turns_finished": len(result.records), "steps": steps}  # fmt: skip
+    steps = {
+        "kinds": dict(kinds),
+        "device_busy_s": device.busy_s,
+        "device_idle_s": device.idle_s,
+        **result.extra,
+    }
+    print(
+        f"[bench_tp_replay] {ranks} rank(s), {policy.value}, {mode}, mixed graphs "
+        f"{mixed_graphs}: "
+        f"{window['tok_per_s']:.0f} tok/s (ranks started in {started:.0f} s); steps "
+        f"{dict(kinds)}, device busy {device.busy_s:.1f} s, idle between steps "
+        f"{device.idle_s:.1f} s",
+        flush=True,
+    )
+    return {
+        "ranks": ranks,
+        "policy": policy.value,
+        "all_reduce": mode if ranks > 1 else "-",
+        "mixed_graphs": mixed_graphs,
+        "start_s": started,
+        "window": window,
+        "turns_finished": len(result.records),
+        "steps": steps,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--policies", nargs="+", default=["pensieve"],
-                        choices=[p.value for p in Policy])  # fmt: skip
+    parser.add_argument(
+        "--policies", nargs="+", default=["pensieve"], choices=[p.value for p in Policy]
+    )
     parser.add_argument("--model", default=Settings.model)
-    parser.add_argument("--gpu-tokens", type=int, default=Settings.gpu_tokens,
-                        help="GPU tier per engine; 0: most of the free memory")  # fmt: skip
-    parser.add_argument("--all-reduce", nargs="+", default=["nccl"], choices=ALL_REDUCE_MODES,
-                        help="each configuration of several ranks once in each mode")  # fmt: skip
-    parser.add_argument("--mixed-graphs", nargs="+", default=["on"], choices=["on", "off"],
-                        help="each configuration with steps that prefill replayed from graphs "
-                        "cut at attention (on), run eagerly (off), or both")  # fmt: skip
+    parser.add_argument(
+        "--gpu-tokens",
+        type=int,
+        default=Settings.gpu_tokens,
+        help="GPU tier per engine; 0: most of the free memory",
+    )
+    parser.add_argument(
+        "--all-reduce",
+        nargs="+",
+        default=["nccl"],
+        choices=ALL_REDUCE_MODES,
+        help="each configuration of several ranks once in each mode",
+    )
+    parser.add_argument(
+        "--mixed-graphs",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="each configuration with steps that prefill replayed from graphs "
+        "cut at attention (on), run eagerly (off), or both",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny-llama, toy sizes")
     args = parser.parse_args(argv)
     s = SMOKE if args.smoke else Settings(model=args.model, gpu_tokens=args.gpu_tokens or None)
     specs = workload(s)
-    print(f"[bench_tp_replay] {s.model}: {len(specs)} conversations, {s.concurrency} at once",
-          flush=True)  # fmt: skip
+    print(
+        f"[bench_tp_replay] {s.model}: {len(specs)} conversations, {s.concurrency} at once",
+        flush=True,
+    )
     results = [
         closed_loop(s, ranks, Policy(policy), specs, mode, mixed)
         for ranks in args.ranks
@@ -163,21 +217,26 @@ def main(argv: list[str] | None = None) -> int:
         for policy in args.policies
     ]
     if args.json is not None:
-        args.json.write_text(json.dumps({"settings": asdict(s), "results": results}, indent=1,
-                                        default=str))  # fmt: skip
+        args.json.write_text(
+            json.dumps({"settings": asdict(s), "results": results}, indent=1, default=str)
+        )
     base = results[0]["window"]["tok_per_s"]
     print(f"\nclosed loop, {s.concurrency} conversations, {s.model} {s.dtype}")
-    print(f"{'ranks':>5} {'reduce':>6} {'graphs':>6} {'policy':>9} {'tok/s':>9} {'x first':>8} "
-          f"{'turns':>6} {'ms/step':>8} {'mixed':>6} {'busy':>5}")  # fmt: skip
+    print(
+        f"{'ranks':>5} {'reduce':>6} {'graphs':>6} {'policy':>9} {'tok/s':>9} {'x first':>8} "
+        f"{'turns':>6} {'ms/step':>8} {'mixed':>6} {'busy':>5}"
+    )
     for r in results:
         rate, steps = r["window"]["tok_per_s"], r["steps"]
         per_step = s.window_s / max(steps["steps_in_window"], 1) * 1e3
         mixed = 1 - steps["kinds"].get("decode", 0) / max(sum(steps["kinds"].values()), 1)
         busy = steps["device_busy_s"] / (s.warmup_s + s.window_s)
-        print(f"{r['ranks']:>5} {r['all_reduce']:>6} {r['mixed_graphs']:>6} {r['policy']:>9} "
-              f"{rate:9.1f} "
-              f"{rate / base:8.3f} {r['turns_finished']:>6} {per_step:8.2f} {mixed:6.3f} "
-              f"{busy:5.2f}")  # fmt: skip
+        print(
+            f"{r['ranks']:>5} {r['all_reduce']:>6} {r['mixed_graphs']:>6} {r['policy']:>9} "
+            f"{rate:9.1f} "
+            f"{rate / base:8.3f} {r['turns_finished']:>6} {per_step:8.2f} {mixed:6.3f} "
+            f"{busy:5.2f}"
+        )
     print(
         "graphs: mixed steps from graphs cut at attention (on) or eager (off); ms/step: the "
         "window's mean step; mixed: the share of steps with prefill pieces or swap-ins; busy: "

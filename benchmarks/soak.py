@@ -86,14 +86,28 @@ def free_port() -> int:
 
 def start_server(options: SoakOptions, data_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
     """`pensieve serve` in a process of its own, and its NATS url once it says it serves."""
-    command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", "smollm2",
-               "--data-dir", str(data_dir), "--nats-port", str(free_port()),
-               "--gpu-cache-tokens", str(options.gpu_cache_tokens),
-               "--cpu-cache-tokens", str(options.cpu_cache_tokens),
-               "--conversation-ttl", str(options.conversation_ttl_s),
-               "--stateless-ttl", str(options.stateless_ttl_s),
-               # its own nats-server on loopback and a throwaway store: no accounts needed
-               "--insecure"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pensieve.ops.cli",
+        "serve",
+        "--model",
+        "smollm2",
+        "--data-dir",
+        str(data_dir),
+        "--nats-port",
+        str(free_port()),
+        "--gpu-cache-tokens",
+        str(options.gpu_cache_tokens),
+        "--cpu-cache-tokens",
+        str(options.cpu_cache_tokens),
+        "--conversation-ttl",
+        str(options.conversation_ttl_s),
+        "--stateless-ttl",
+        str(options.stateless_ttl_s),
+        # its own nats-server on loopback and a throwaway store: no accounts needed
+        "--insecure",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("w") as sink:
         proc = subprocess.Popen(command, stderr=sink, stdout=sink, env=env)
@@ -273,9 +287,10 @@ async def soak(
     begin = time.monotonic()
     end = begin + options.minutes * 60
     rng = random.Random(options.seed)
-    clients = [asyncio.create_task(client(bus, texts, options, counts, end,
-                                          random.Random(rng.random())))
-               for _ in range(options.concurrency)]  # fmt: skip
+    clients = [
+        asyncio.create_task(client(bus, texts, options, counts, end, random.Random(rng.random())))
+        for _ in range(options.concurrency)
+    ]
     try:
         with (out / "samples.jsonl").open("w") as sink:
             while True:
@@ -324,17 +339,21 @@ def table(samples: list[dict[str, Any]], options: SoakOptions) -> str:
     """About one row a minute, and the last sample."""
     every = max(round(60 / options.interval_s), 1)
     rows = [s for i, s in enumerate(samples) if i % every == 0 or i == len(samples) - 1]
-    lines = ["| min | RSS MiB | nats MiB | data.mdb MiB | used MiB | stored | cached | turns |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| min | RSS MiB | nats MiB | data.mdb MiB | used MiB | stored | cached | turns |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
 
     def mib(value: int | None) -> str:
         return "-" if value is None else f"{value / MIB:.2f}"
 
     for s in rows:
-        lines.append(f"| {s['t_s'] / 60:.1f} | {s['rss_mib'] or 0:.0f} | {s['nats_rss_mib']:.0f} "
-                     f"| {mib(s['data_mdb_bytes'])} | {mib(s['used_bytes'])} "
-                     f"| {s['stored_conversations']} | {s['cached_conversations']} "
-                     f"| {s['turns_finished']} |")  # fmt: skip
+        lines.append(
+            f"| {s['t_s'] / 60:.1f} | {s['rss_mib'] or 0:.0f} | {s['nats_rss_mib']:.0f} "
+            f"| {mib(s['data_mdb_bytes'])} | {mib(s['used_bytes'])} "
+            f"| {s['stored_conversations']} | {s['cached_conversations']} "
+            f"| {s['turns_finished']} |"
+        )
     return "\n".join(lines)
 
 
@@ -346,8 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=SoakOptions.concurrency)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/soak"))
     args = p.parse_args(argv)
-    options = SoakOptions(minutes=args.minutes, interval_s=args.interval,
-                          warmup_minutes=args.warmup, concurrency=args.concurrency)  # fmt: skip
+    options = SoakOptions(
+        minutes=args.minutes,
+        interval_s=args.interval,
+        warmup_minutes=args.warmup,
+        concurrency=args.concurrency,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pensieve-soak-") as tmp:
         data_dir = Path(tmp) / "data"
@@ -361,14 +384,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pensieve serve exited ({exited}) during the soak:", file=sys.stderr)
             print((Path(tmp) / "serve.log").read_text()[-4000:], file=sys.stderr)
     samples = [orjson.loads(line) for line in (args.out / "samples.jsonl").read_text().splitlines()]
-    result = {"options": asdict(options), "verdict": verdict(samples, options),
-              "load": {"turns": counts.turns, "conversations": counts.conversations,
-                       "stateless": counts.stateless, "finals": counts.finals,
-                       "errors": dict(counts.errors)}}  # fmt: skip
+    result = {
+        "options": asdict(options),
+        "verdict": verdict(samples, options),
+        "load": {
+            "turns": counts.turns,
+            "conversations": counts.conversations,
+            "stateless": counts.stateless,
+            "finals": counts.finals,
+            "errors": dict(counts.errors),
+        },
+    }
     (args.out / "summary.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
     print(table(samples, options))
-    print(orjson.dumps({"load": result["load"], "verdict": result["verdict"]},
-                       option=orjson.OPT_INDENT_2).decode())  # fmt: skip
+    print(
+        orjson.dumps(
+            {"load": result["load"], "verdict": result["verdict"]}, option=orjson.OPT_INDENT_2
+        ).decode()
+    )
     return 0 if counts.turns else 1
 
 

@@ -52,8 +52,12 @@ async def turn(nc: Any, tracer: Tracer, body: dict[str, Any]) -> tuple[dict[str,
     with tracer.start_as_current_span("chat turn", kind=SpanKind.CLIENT) as span:
         headers: dict[str, str] = {}
         propagate.inject(headers)  # traceparent: the engine's spans join this trace
-        msg = await nc.request("pensieve.v1.chat", orjson.dumps({"max_tokens": 8, **body}),
-                               timeout=300, headers=headers)  # fmt: skip
+        msg = await nc.request(
+            "pensieve.v1.chat",
+            orjson.dumps({"max_tokens": 8, **body}),
+            timeout=300,
+            headers=headers,
+        )
         reply = orjson.loads(msg.data)
         if msg.headers and "Pensieve-Error" in msg.headers:
             raise RuntimeError(reply["error"])
@@ -69,8 +73,9 @@ async def main() -> None:
     provider, tracer = client_tracer()
     nc = await nats.connect(args.nats_url)
     try:
-        firsts = [await turn(nc, tracer, {"message": f"({i}) {LONG}"})
-                  for i in range(args.conversations)]  # fmt: skip
+        firsts = [
+            await turn(nc, tracer, {"message": f"({i}) {LONG}"}) for i in range(args.conversations)
+        ]
         found = None
         for first, first_trace in reversed(firsts):
             body = {"conversation_id": first["conversation_id"], "message": "And of Italy?"}

@@ -23,8 +23,16 @@ TILE = 4096
 # the batch size is not specialized on (the block size, fixed per model, is: its alignment lets
 # loads vectorize): every batch then runs the kernel compiled at start-up
 @triton.jit(do_not_specialize=["num_work"])
-def _copy_blocks_kernel(src_ptr, dst_ptr, src_index_ptr, dst_index_ptr, block_numel, num_work,
-                        tiles_per_block, TILE: tl.constexpr):  # fmt: skip
+def _copy_blocks_kernel(
+    src_ptr,
+    dst_ptr,
+    src_index_ptr,
+    dst_index_ptr,
+    block_numel,
+    num_work,
+    tiles_per_block,
+    TILE: tl.constexpr,
+):
     for work in range(tl.program_id(0), num_work, tl.num_programs(0)):
         op = work // tiles_per_block
         part = work % tiles_per_block

@@ -31,8 +31,20 @@ from pensieve.kernels.reference import write_kv_ref
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, sum_ptr, out_ptr, n, eps,
-                         stride_x, stride_d, stride_s, stride_o, BLOCK: tl.constexpr):  # fmt: skip
+def _add_rms_norm_kernel(
+    x_ptr,
+    delta_ptr,
+    weight_ptr,
+    sum_ptr,
+    out_ptr,
+    n,
+    eps,
+    stride_x,
+    stride_d,
+    stride_s,
+    stride_o,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -65,10 +77,21 @@ def add_rms_norm(
     if rows:
         block = triton.next_power_of_2(n)
         _ADD_RMS_NORM(
-            (rows,), x, delta, weight, total, out, n, eps,
-            x.stride(0), delta.stride(0), total.stride(0), out.stride(0),
-            BLOCK=block, num_warps=max(1, min(16, block // 512)),
-        )  # fmt: skip
+            (rows,),
+            x,
+            delta,
+            weight,
+            total,
+            out,
+            n,
+            eps,
+            x.stride(0),
+            delta.stride(0),
+            total.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            num_warps=max(1, min(16, block // 512)),
+        )
     return total, out
 
 
@@ -84,11 +107,26 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor)
 
 
 @triton.jit
-def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, cache_ptr, slot_ptr,
-                       stride_t, stride_cs, stride_qt, stride_qh,
-                       stride_cb, stride_ckv, stride_cp, stride_ch,
-                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                       PAGE: tl.constexpr):  # fmt: skip
+def _rope_write_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_t,
+    stride_cs,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_ckv,
+    stride_cp,
+    stride_ch,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    PAGE: tl.constexpr,
+):
     # one program per (token, head): heads 0..HQ-1 are q heads, HQ..HQ+HKV-1 the k/v heads
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -139,12 +177,26 @@ def rope_write_kv(
     if num_tokens:
         _ROPE_WRITE(
             (num_tokens, num_q_heads + num_kv_heads),
-            qkv, cos, signed_sin, q, kv_cache, slot_mapping,
-            qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            HQ=num_q_heads, HKV=num_kv_heads, D=head_dim, PAGE=kv_cache.shape[2],
+            qkv,
+            cos,
+            signed_sin,
+            q,
+            kv_cache,
+            slot_mapping,
+            qkv.stride(0),
+            cos.stride(0),
+            q.stride(0),
+            q.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            HQ=num_q_heads,
+            HKV=num_kv_heads,
+            D=head_dim,
+            PAGE=kv_cache.shape[2],
             num_warps=1,
-        )  # fmt: skip
+        )
     return q
 
 

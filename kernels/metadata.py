@@ -60,20 +60,32 @@ class AttentionMetadata:
         cached = self.__dict__.get("_split")
         if cached is None:
             singles = AttentionMetadata(
-                self.cu_query_lens[: n + 1], self.seq_lens[:n], self.block_tables[:n],
-                self.slot_mapping[:n], 1, max(self.seq_lens_host[:n]), self.block_size,
-                self.query_lens_host[:n], self.seq_lens_host[:n], n,
-            )  # fmt: skip
+                self.cu_query_lens[: n + 1],
+                self.seq_lens[:n],
+                self.block_tables[:n],
+                self.slot_mapping[:n],
+                1,
+                max(self.seq_lens_host[:n]),
+                self.block_size,
+                self.query_lens_host[:n],
+                self.seq_lens_host[:n],
+                n,
+            )
             # the rest's tensors are copies, not views at an offset: Triton specializes a
             # kernel on whether each pointer is 16-byte aligned, and a view's alignment would
             # change with the number of decodes, compiling a new variant mid-run
             rest = AttentionMetadata(
-                self.cu_query_lens[n:] - n, self.seq_lens[n:].clone(),
-                self.block_tables[n:].clone(), self.slot_mapping[n:].clone(),
+                self.cu_query_lens[n:] - n,
+                self.seq_lens[n:].clone(),
+                self.block_tables[n:].clone(),
+                self.slot_mapping[n:].clone(),
                 max(self.query_lens_host[n:]),
-                max(self.seq_lens_host[n:]), self.block_size, self.query_lens_host[n:],
-                self.seq_lens_host[n:], 0,
-            )  # fmt: skip
+                max(self.seq_lens_host[n:]),
+                self.block_size,
+                self.query_lens_host[n:],
+                self.seq_lens_host[n:],
+                0,
+            )
             cached = self.__dict__["_split"] = (singles, rest)  # frozen: cache by hand
         return cached  # type: ignore[no-any-return]
 
@@ -104,12 +116,14 @@ def build_metadata(
         cu.append(cu[-1] + qlen)
     num_seqs = len(query_lens)
     ints = torch.from_numpy(  # the int32 inputs go up in one copy
-        np.concatenate([
-            np.asarray(cu, dtype=np.int32),
-            np.asarray(seq_lens, dtype=np.int32),
-            pad_tables(block_tables, max_blocks, 0).ravel(),
-        ])
-    )  # fmt: skip
+        np.concatenate(
+            [
+                np.asarray(cu, dtype=np.int32),
+                np.asarray(seq_lens, dtype=np.int32),
+                pad_tables(block_tables, max_blocks, 0).ravel(),
+            ]
+        )
+    )
     ints = upload(ints, torch.device(device))
     return AttentionMetadata(
         cu_query_lens=ints[: num_seqs + 1],

@@ -58,10 +58,26 @@ class KernelConfig:
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_base, stride_cp, stride_cb,
-    qk_scale, offs_n, offs_d,
-    PAGE: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-):  # fmt: skip
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    start_n,
+    kv_end,
+    bt_row,
+    k_base,
+    v_base,
+    stride_cp,
+    stride_cb,
+    qk_scale,
+    offs_n,
+    offs_d,
+    PAGE: tl.constexpr,
+    MASK: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     # one online-softmax step over KV positions [start_n, start_n + BLOCK_N)
     pos = start_n + offs_n  # [BLOCK_N]
     if MASK:
@@ -106,16 +122,42 @@ def _attend_tile(
     do_not_specialize_on_alignment=["cu_q_ptr", "seq_lens_ptr", "block_tables_ptr"],
 )
 def _paged_attention_kernel(
-    q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    cu_q_ptr, seq_lens_ptr, block_tables_ptr,
-    num_seqs, kv_split_len, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_ckv, stride_cp, stride_ch, stride_bt,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    SINGLE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    kv_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    cu_q_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    num_seqs,
+    kv_split_len,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ckv,
+    stride_cp,
+    stride_ch,
+    stride_bt,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    SINGLE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     # the grid's fastest axis is the KV head, so the GPU starts every head of a tile together,
     # and the highest tile ids first: the last tiles of a sub-sequence attend to the most keys
     # (and the executor puts the longest decodes last), so the launch ends on short tiles
@@ -177,14 +219,48 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start_n in range(kv_lo, tl.minimum(kv_hi, full_end), BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_base, stride_cp,
-            stride_cb, qk_scale, offs_n, offs_d, PAGE, False, PRECISION, DOT_FP32,
-        )  # fmt: skip
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            start_n,
+            kv_end,
+            bt_row,
+            k_base,
+            v_base,
+            stride_cp,
+            stride_cb,
+            qk_scale,
+            offs_n,
+            offs_d,
+            PAGE,
+            False,
+            PRECISION,
+            DOT_FP32,
+        )
     for start_n in range(tl.maximum(kv_lo, full_end), kv_hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, kv_end, bt_row, k_base, v_base, stride_cp,
-            stride_cb, qk_scale, offs_n, offs_d, PAGE, True, PRECISION, DOT_FP32,
-        )  # fmt: skip
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            start_n,
+            kv_end,
+            bt_row,
+            k_base,
+            v_base,
+            stride_cp,
+            stride_cb,
+            qk_scale,
+            offs_n,
+            offs_d,
+            PAGE,
+            True,
+            PRECISION,
+            DOT_FP32,
+        )
 
     if SPLIT:
         # a split past a row's causal limit leaves l_i = 0: lse = -inf and a zero partial output
@@ -203,10 +279,20 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ls"])
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
-):  # fmt: skip
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS)
@@ -227,10 +313,23 @@ def _merge_splits_kernel(
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, kv_ptr, slot_ptr, num_kv_heads,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ckv, stride_cp, stride_ch,
-    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
-):  # fmt: skip
+    key_ptr,
+    value_ptr,
+    kv_ptr,
+    slot_ptr,
+    num_kv_heads,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ckv,
+    stride_cp,
+    stride_ch,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token)
     offs_h = tl.arange(0, HEADS)
@@ -288,7 +387,7 @@ def choose_config(
         config = dataclasses.replace(config, block_n=config.block_n // 2)
     num_splits = _num_kv_splits(
         config, num_tokens, num_seqs, max_query_len, group, num_kv_heads, row_bytes, num_sms
-    )  # fmt: skip
+    )
     num_splits = min(num_splits, max_seq_len // 512)  # a split below 512 positions costs more
     if num_splits <= 1:
         return config
@@ -338,10 +437,16 @@ def launch_config(
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     return choose_config(
-        num_tokens, meta.num_seqs, meta.max_query_len, meta.max_seq_len,
-        num_q_heads // num_kv_heads, num_kv_heads, head_dim, query.element_size(),
+        num_tokens,
+        meta.num_seqs,
+        meta.max_query_len,
+        meta.max_seq_len,
+        num_q_heads // num_kv_heads,
+        num_kv_heads,
+        head_dim,
+        query.element_size(),
         _num_sms(query.device),
-    )  # fmt: skip
+    )
 
 
 def compile_variants(
@@ -381,8 +486,9 @@ def compile_variants(
         for splits in (1, *split_counts):
             context = splits * config.block_n
             blocks = -(-context // block_size)
-            cache = torch.zeros((blocks, 2, block_size, num_kv_heads, head_dim), dtype=dtype,
-                                device=device)  # fmt: skip
+            cache = torch.zeros(
+                (blocks, 2, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+            )
             query_len = 1 if single else min(max(2, config.block_m // group), context)
             query = torch.zeros((query_len, num_q_heads, head_dim), dtype=dtype, device=device)
             meta = AttentionMetadata(
@@ -418,11 +524,24 @@ def write_kv_triton(
     if num_tokens == 0:
         return
     _WRITE_KV(
-        (num_tokens,), key, value, kv_cache, slot_mapping, num_kv_heads,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        PAGE=kv_cache.shape[2], HEAD_DIM=head_dim, HEADS=triton.next_power_of_2(num_kv_heads),
-    )  # fmt: skip
+        (num_tokens,),
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        num_kv_heads,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        PAGE=kv_cache.shape[2],
+        HEAD_DIM=head_dim,
+        HEADS=triton.next_power_of_2(num_kv_heads),
+    )
 
 
 def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -498,8 +617,10 @@ class AttentionPlan:
         self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         planned = (self.query_layout, self.cache_layout)
-        given = ((query.shape, query.stride(), query.dtype),
-                 (kv_cache.shape, kv_cache.stride(), kv_cache.dtype))  # fmt: skip
+        given = (
+            (query.shape, query.stride(), query.dtype),
+            (kv_cache.shape, kv_cache.stride(), kv_cache.dtype),
+        )
         if given != planned:
             raise ValueError("attention plan: query or cache differ from the planned layout")
         if out is None:
@@ -539,14 +660,20 @@ class _Launch:
         part_lse: torch.Tensor | None = None
         if self.split:
             part_out = torch.empty(
-                (num_splits, num_tokens, num_q_heads, head_dim), dtype=torch.float32,
+                (num_splits, num_tokens, num_q_heads, head_dim),
+                dtype=torch.float32,
                 device=query.device,
-            )  # fmt: skip
+            )
             part_lse = torch.empty(
                 (num_splits, num_tokens, num_q_heads), dtype=torch.float32, device=query.device
             )
-            part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
-                            part_lse.stride(0), part_lse.stride(1))  # fmt: skip
+            part_strides = (
+                part_out.stride(0),
+                part_out.stride(1),
+                part_out.stride(2),
+                part_lse.stride(0),
+                part_lse.stride(1),
+            )
         else:
             # unused by the kernel: the output tensor stands in for them at run time
             part_strides = (0, 0, 0, 0, 0)
@@ -560,28 +687,51 @@ class _Launch:
         self.grid = (num_kv_heads, tiles, num_splits)
         # the launch's arguments after q, kv, out, part_out, part_lse
         self.args = (
-            meta.cu_query_lens, meta.seq_lens, meta.block_tables,
-            meta.num_seqs, split_len or 0, scale * _LOG2E,
-            query.stride(0), query.stride(1), out_stride[0], out_stride[1],
-            kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-            meta.block_tables.stride(0), *part_strides,
-        )  # fmt: skip
+            meta.cu_query_lens,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.num_seqs,
+            split_len or 0,
+            scale * _LOG2E,
+            query.stride(0),
+            query.stride(1),
+            out_stride[0],
+            out_stride[1],
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            meta.block_tables.stride(0),
+            *part_strides,
+        )
         self.options = dict(
-            GROUP=group, HEAD_DIM=head_dim, PAGE=meta.block_size,
-            BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n, SPLIT=self.split,
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            PAGE=meta.block_size,
+            BLOCK_M=config.block_m,
+            BLOCK_Q=block_q,
+            BLOCK_N=config.block_n,
+            SPLIT=self.split,
             SINGLE=single,
             PRECISION="ieee" if query.dtype == torch.float32 or not query.is_cuda else "tf32",
             # the CPU interpreter (triton 3.9) multiplies bf16/fp16 tiles wrongly in tl.dot
             DOT_FP32=not query.is_cuda,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )  # fmt: skip
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
         if self.split:
             assert part_out is not None and part_lse is not None
             self.merge_grid = (num_tokens, num_q_heads)
             self.merge_args = (
-                num_splits, part_out.stride(0), part_out.stride(1), part_out.stride(2),
-                part_lse.stride(0), part_lse.stride(1), out_stride[0], out_stride[1],
-            )  # fmt: skip
+                num_splits,
+                part_out.stride(0),
+                part_out.stride(1),
+                part_out.stride(2),
+                part_lse.stride(0),
+                part_lse.stride(1),
+                out_stride[0],
+                out_stride[1],
+            )
             self.merge_options = dict(
                 HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits), num_warps=4
             )

@@ -94,8 +94,13 @@ def _folder_shard(
 class _Split:
     """Where this rank's piece of each checkpoint tensor goes (`slots`), and the piece."""
 
-    def __init__(self, model: CausalLM, whole_slots: dict[str, WeightSlot],
-                 whole_rows: dict[str, int], shard: TensorShard) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: CausalLM,
+        whole_slots: dict[str, WeightSlot],
+        whole_rows: dict[str, int],
+        shard: TensorShard,
+    ) -> None:
         self.config = model.config
         self.slots: dict[str, WeightSlot] = {}
         self.cuts: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}

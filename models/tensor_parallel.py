@@ -40,8 +40,11 @@ from pensieve.models.opt import OPTLayer
 
 # set in every process of a group before its first communicator: NVLink multicast stays off (on
 # shared GPU hosts a program using it can take the host's GPUs out of service)
-NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}  # fmt: skip
+NCCL_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 # how the row-parallel layers sum their partial products: "nccl" (the process group's own
 # all-reduce) or "peer" (symmetric memory on GPUs, the group's own for what does not fit)
 ALL_REDUCE_ENV = "PENSIEVE_ALL_REDUCE"
@@ -107,16 +110,23 @@ class AllReduce:
         everyone = torch.tensor([buffer is not None], dtype=torch.int32, device=device)
         dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.group)
         if not everyone.item():
-            logger.warning("peer all-reduce unavailable (%s); using %s", reason or "another "
-                           "rank could not", dist.get_backend(group))  # fmt: skip
+            logger.warning(
+                "peer all-reduce unavailable (%s); using %s",
+                reason or "another rank could not",
+                dist.get_backend(group),
+            )
             return False
         self.buffer, self.group_name = buffer, group.group_name
         return True
 
     def __call__(self, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
-        if (self.buffer is None or tensor.dtype not in PEER_DTYPES or size > PEER_MAX_BYTES
-                or not tensor.is_contiguous()):  # fmt: skip
+        if (
+            self.buffer is None
+            or tensor.dtype not in PEER_DTYPES
+            or size > PEER_MAX_BYTES
+            or not tensor.is_contiguous()
+        ):
             dist.all_reduce(tensor, group=self.group)
             return
         flat = tensor.view(-1)

@@ -76,8 +76,7 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
             if name == "executor":
                 built = build(engine)
                 with frozen_heap():
-                    asyncio.run(_executor(built.engine.runner, nats, store,
-                                          cpu_threads(engine)))  # fmt: skip
+                    asyncio.run(_executor(built.engine.runner, nats, store, cpu_threads(engine)))
             elif name == "recompute-planner":
                 with frozen_heap():
                     asyncio.run(_planner(nats, store, engine.block_size))
@@ -89,8 +88,9 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
                     asyncio.run(_http(nats, store.engine_id(), options))
             elif name == "tokenizer":
                 with frozen_heap():
-                    asyncio.run(_tokenizer(engine, nats, store.engine_id(),
-                                           max(1, options.tokenizers)))  # fmt: skip
+                    asyncio.run(
+                        _tokenizer(engine, nats, store.engine_id(), max(1, options.tokenizers))
+                    )
             else:
                 with frozen_heap():
                     asyncio.run(_scheduler(engine, options, nats, store, started))
@@ -129,8 +129,9 @@ async def _executor(
     stop = _on_signals()
     engine_id = store.engine_id()
     async with ExecutorActor(await nats.bus(), engine_id, runner, threads, store):
-        print(f"pensieve: executor of engine {engine_id} ready on {nats}", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"pensieve: executor of engine {engine_id} ready on {nats}", file=sys.stderr, flush=True
+        )
         await stop.wait()
 
 
@@ -154,8 +155,12 @@ def _executor_ranks(engine: EngineOptions, options: ServeOptions) -> int:
 async def _ingress(nats: _Nats, engine_id: str) -> None:
     stop = _on_signals()
     async with IngressActor(await nats.bus(), engine_id):
-        print(f"pensieve: ingress of engine {engine_id} ready on {nats} (pensieve.v1.chat, "
-              "pensieve.v1.conversations.*)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"pensieve: ingress of engine {engine_id} ready on {nats} (pensieve.v1.chat, "
+            "pensieve.v1.conversations.*)",
+            file=sys.stderr,
+            flush=True,
+        )
         await stop.wait()
 
 
@@ -165,8 +170,12 @@ async def _http(nats: _Nats, engine_id: str, options: ServeOptions) -> None:
     keys = ApiKeys(options.data_dir, options.api_keys_required)
     http = options.http
     async with HttpIngressActor(await nats.bus("pensieve-http"), engine_id, http, keys.tenant):
-        print(f"pensieve: HTTP ingress of engine {engine_id} ready on http://{http.host}:"
-              f"{http.port}/v1 (model {http.model!r})", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"pensieve: HTTP ingress of engine {engine_id} ready on http://{http.host}:"
+            f"{http.port}/v1 (model {http.model!r})",
+            file=sys.stderr,
+            flush=True,
+        )
         await stop.wait()
 
 
@@ -174,8 +183,11 @@ async def _planner(nats: _Nats, store: ConversationStore, block_size: int) -> No
     stop = _on_signals()
     engine_id = store.engine_id()
     async with RecomputePlannerActor(await nats.bus(), engine_id, store, block_size):
-        print(f"pensieve: recompute planner of engine {engine_id} ready on {nats}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"pensieve: recompute planner of engine {engine_id} ready on {nats}",
+            file=sys.stderr,
+            flush=True,
+        )
         await stop.wait()
 
 
@@ -184,8 +196,11 @@ async def _tokenizer(engine: EngineOptions, nats: _Nats, engine_id: str, replica
     freeze_start_up()
     stop = _on_signals()
     async with tokenizer_replicas(nats.url, engine_id, chat, replicas, nats.connect):
-        print(f"pensieve: {replicas} tokenizer replica(s) of engine {engine_id} ready on {nats}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"pensieve: {replicas} tokenizer replica(s) of engine {engine_id} ready on {nats}",
+            file=sys.stderr,
+            flush=True,
+        )
         await stop.wait()
 
 
@@ -207,9 +222,17 @@ async def _scheduler(
             built = assemble_remote(engine, loaded, chat, runner)
             freeze_start_up()
             events = options.events_auth and options.events_auth.connect_options()
-            await serve_until_signal(built, store, nats.url, options, started, ingress=False,
-                                     planner=False, connect=nats.connect,
-                                     events=events)  # fmt: skip
+            await serve_until_signal(
+                built,
+                store,
+                nats.url,
+                options,
+                started,
+                ingress=False,
+                planner=False,
+                connect=nats.connect,
+                events=events,
+            )
         finally:
             await runner.close()
     finally:

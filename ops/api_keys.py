@@ -78,8 +78,10 @@ class ApiKeys:
         """The tenant of `key`; raises OpenAIError (401) for a wrong or missing one."""
         if key is None:
             if self.required:
-                raise unauthorized("no API key given: send 'Authorization: Bearer <key>' with "
-                                   "the key `pensieve tenant add` printed")  # fmt: skip
+                raise unauthorized(
+                    "no API key given: send 'Authorization: Bearer <key>' with "
+                    "the key `pensieve tenant add` printed"
+                )
             return None
         self._reload()  # one stat a request: a removed or rotated key stops working at once
         found = self._find(_digest(key))
@@ -103,8 +105,10 @@ class ApiKeys:
                 return False
             if mtime == self._seen:
                 return False
-            hashes = [(path.read_text().strip(), path.name.removesuffix(SUFFIX))
-                      for path in sorted(self.directory.glob(f"*{SUFFIX}"))]  # fmt: skip
+            hashes = [
+                (path.read_text().strip(), path.name.removesuffix(SUFFIX))
+                for path in sorted(self.directory.glob(f"*{SUFFIX}"))
+            ]
             self._hashes, self._seen = hashes, mtime
             return True
 

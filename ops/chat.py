@@ -42,10 +42,12 @@ def tenant_options(path: Path) -> tuple[str, ConnectOptions]:
         line = json.loads(path.read_text())
         nats = line["nats"]
         seed = nats.get("nkeys_seed_str")  # a tenant with an nkey; else one with a password
-        options = ConnectOptions(user=None if seed else nats["user"],
-                                 password=None if seed else nats["password"],
-                                 nkeys_seed_str=seed,
-                                 inbox_prefix=nats["inbox_prefix"])  # fmt: skip
+        options = ConnectOptions(
+            user=None if seed else nats["user"],
+            password=None if seed else nats["password"],
+            nkeys_seed_str=seed,
+            inbox_prefix=nats["inbox_prefix"],
+        )
         return nats["servers"][0], options
     except (ValueError, KeyError, IndexError, TypeError) as error:
         raise ValueError(f"{path} is not a line of `pensieve tenant add` ({error!r})") from None
@@ -83,8 +85,12 @@ class ChatSession:
 
     async def turn(self, message: str) -> None:
         options = self.options
-        body: dict[str, Any] = {"message": message, "max_tokens": options.max_tokens,
-                                "temperature": options.temperature, "stream": True}  # fmt: skip
+        body: dict[str, Any] = {
+            "message": message,
+            "max_tokens": options.max_tokens,
+            "temperature": options.temperature,
+            "stream": True,
+        }
         if self.conversation_id is not None:
             body["conversation_id"] = self.conversation_id
         answer = self.bus.ask(subjects.CHAT, orjson.dumps(body), self.options.timeout_s)
@@ -101,11 +107,13 @@ class ChatSession:
                 self.conversation_id = reply["conversation_id"]
                 usage = reply["usage"]
                 cached = usage["cached_tokens"]
-                self.say(f"\n[turn {reply['turn']} of {self.conversation_id}: "
-                         f"{usage['prompt_tokens']} prompt tokens (gpu {cached['gpu']}, cpu "
-                         f"{cached['cpu']}, recomputed {cached['recomputed']}), "
-                         f"{usage['completion_tokens']} completion tokens, "
-                         f"{reply['finish_reason']}]")  # fmt: skip
+                self.say(
+                    f"\n[turn {reply['turn']} of {self.conversation_id}: "
+                    f"{usage['prompt_tokens']} prompt tokens (gpu {cached['gpu']}, cpu "
+                    f"{cached['cpu']}, recomputed {cached['recomputed']}), "
+                    f"{usage['completion_tokens']} completion tokens, "
+                    f"{reply['finish_reason']}]"
+                )
                 return
 
     async def history(self) -> None:
@@ -130,13 +138,15 @@ class ChatSession:
             return
         requests, sources = got["requests"], got["tokens"]["prompt_sources"]
         cache = got["cache"]
-        self.say(f"engine {got['engine_id']} ({got['policy']}): {requests['running']} running, "
-                 f"{requests['waiting']} waiting, {requests['finished']} finished\n"
-                 f"prompt tokens from gpu {sources['gpu']}, cpu {sources['cpu']}, recomputed "
-                 f"{sources['recomputed']}, new {sources['new']}\n"
-                 f"gpu blocks free {cache['gpu_blocks']['free']} of "
-                 f"{cache['gpu_blocks']['total']}, cpu blocks free "
-                 f"{cache['cpu_blocks']['free']} of {cache['cpu_blocks']['total']}")  # fmt: skip
+        self.say(
+            f"engine {got['engine_id']} ({got['policy']}): {requests['running']} running, "
+            f"{requests['waiting']} waiting, {requests['finished']} finished\n"
+            f"prompt tokens from gpu {sources['gpu']}, cpu {sources['cpu']}, recomputed "
+            f"{sources['recomputed']}, new {sources['new']}\n"
+            f"gpu blocks free {cache['gpu_blocks']['free']} of "
+            f"{cache['gpu_blocks']['total']}, cpu blocks free "
+            f"{cache['cpu_blocks']['free']} of {cache['cpu_blocks']['total']}"
+        )
 
     async def ask(self, subject: str, body: dict[str, Any]) -> dict[str, Any]:
         """One answer to a request; an error is printed and comes back as it is."""
@@ -181,11 +191,17 @@ async def chat(options: ChatOptions, read: Reader = read_terminal, out: TextIO =
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
     """Where a client command connects: `--nats-url`, or a tenant's line (`--tenant`)."""
-    parser.add_argument("--nats-url", metavar="URL", help="the server's NATS (default: the "
-                        "tenant file's, else nats://127.0.0.1:4222)")  # fmt: skip
-    parser.add_argument("--tenant", type=Path, metavar="FILE",
-                        help="connect as the tenant whose line `pensieve tenant add` printed "
-                        "into FILE")  # fmt: skip
+    parser.add_argument(
+        "--nats-url",
+        metavar="URL",
+        help="the server's NATS (default: the tenant file's, else nats://127.0.0.1:4222)",
+    )
+    parser.add_argument(
+        "--tenant",
+        type=Path,
+        metavar="FILE",
+        help="connect as the tenant whose line `pensieve tenant add` printed into FILE",
+    )
 
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:

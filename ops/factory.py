@@ -80,19 +80,29 @@ def build(options: EngineOptions) -> Built:
     loaded = load_model(options.model, device, dtype, seed=options.seed)
     config = loaded.config
     num_params = sum(p.numel() for p in loaded.model.parameters())
-    logger.info("model %s loaded in %.1f s: %s, %d layers, %.0fM parameters, %s on %s",
-                options.model, time.perf_counter() - begin, config.arch.value, config.num_layers,
-                num_params / 1e6, options.dtype, device)  # fmt: skip
+    logger.info(
+        "model %s loaded in %.1f s: %s, %d layers, %.0fM parameters, %s on %s",
+        options.model,
+        time.perf_counter() - begin,
+        config.arch.value,
+        config.num_layers,
+        num_params / 1e6,
+        options.dtype,
+        device,
+    )
     begin = time.perf_counter()
     chat = ChatTokenizer(_tokenizer(options, loaded), config.vocab_size)
     logger.info("tokenizer ready in %.1f s", time.perf_counter() - begin)
     begin = time.perf_counter()
     built = assemble(options, loaded, chat)
     cache = built.engine.cache_config
-    logger.info("engine ready in %.1f s: policy %s, GPU tier %d tokens, CPU tier %d tokens",
-                time.perf_counter() - begin, cache.policy.value,
-                cache.num_gpu_blocks * cache.block_size,
-                cache.num_cpu_blocks * cache.block_size)  # fmt: skip
+    logger.info(
+        "engine ready in %.1f s: policy %s, GPU tier %d tokens, CPU tier %d tokens",
+        time.perf_counter() - begin,
+        cache.policy.value,
+        cache.num_gpu_blocks * cache.block_size,
+        cache.num_cpu_blocks * cache.block_size,
+    )
     return built
 
 
@@ -131,8 +141,14 @@ def rank_runner(
     dtype = DTYPES[options.dtype]
     begin = time.perf_counter()
     loaded = load_shard(options.model, device, dtype, shard, seed=options.seed)
-    logger.info("rank %d of %d: its share of %s loaded in %.1f s on %s", shard.rank,
-                shard.world_size, options.model, time.perf_counter() - begin, device)  # fmt: skip
+    logger.info(
+        "rank %d of %d: its share of %s loaded in %.1f s on %s",
+        shard.rank,
+        shard.world_size,
+        options.model,
+        time.perf_counter() - begin,
+        device,
+    )
     cache = agree(cache_config(options, loaded.config, device, dtype))
     return ModelRunner(loaded.model, cache, device, dtype, shard=shard)
 
@@ -164,8 +180,11 @@ def remote_cache(options: EngineOptions, config: ModelConfig, runner: RemoteRunn
         )
     cache = cache_config(options, config, torch.device("cpu"), DTYPES[options.dtype])
     tiered = options.policy not in (Policy.GPU_ONLY, Policy.STATELESS)
-    return dataclasses.replace(cache, num_gpu_blocks=info.num_gpu_blocks,
-                               num_cpu_blocks=info.num_cpu_blocks if tiered else 0)  # fmt: skip
+    return dataclasses.replace(
+        cache,
+        num_gpu_blocks=info.num_gpu_blocks,
+        num_cpu_blocks=info.num_cpu_blocks if tiered else 0,
+    )
 
 
 def _around(

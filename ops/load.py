@@ -70,8 +70,10 @@ class Window:
 
     def __post_init__(self) -> None:
         if not 0 <= self.warmup_s < self.duration_s:
-            raise ValueError(f"the warm-up ({self.warmup_s:g} s) must be shorter than the run "
-                             f"({self.duration_s:g} s)")  # fmt: skip
+            raise ValueError(
+                f"the warm-up ({self.warmup_s:g} s) must be shorter than the run "
+                f"({self.duration_s:g} s)"
+            )
 
 
 class ChatClient(Protocol):
@@ -175,9 +177,9 @@ async def run_poisson(
         if time.perf_counter() >= sent.until:
             break
         pause = draw.expovariate(1 / think_s) if think_s > 0 else 0.0
-        talking.append(asyncio.ensure_future(
-            _conversation(chat, conv, options, turns, pause, sent)
-        ))  # fmt: skip
+        talking.append(
+            asyncio.ensure_future(_conversation(chat, conv, options, turns, pause, sent))
+        )
         await asyncio.sleep(draw.expovariate(rate))
     await asyncio.gather(*talking)
     seconds = window.duration_s - window.warmup_s if window else time.perf_counter() - begin
@@ -286,13 +288,16 @@ async def _conversation(
 ) -> None:
     """The conversation's turns one after the other, `think_s` between a reply and the next."""
     conversation_id = None
-    system = [{"role": "system", "content": m.text} for m in conv.turns[:1]
-              if m.role is Role.SYSTEM]  # fmt: skip
+    system = [
+        {"role": "system", "content": m.text} for m in conv.turns[:1] if m.role is Role.SYSTEM
+    ]
     chosen = list(human_turns(conv))[: options.max_turns]
     for i, turn in enumerate(chosen):
-        body: dict[str, Any] = {"max_tokens": options.max_tokens,
-                                "ignore_eos": options.ignore_eos,
-                                "stream": options.stream}  # fmt: skip
+        body: dict[str, Any] = {
+            "max_tokens": options.max_tokens,
+            "ignore_eos": options.ignore_eos,
+            "stream": options.stream,
+        }
         if options.final and i == len(chosen) - 1:
             body["final"] = True
         if conversation_id is not None:
@@ -358,7 +363,7 @@ def _summary(turns: _Turns, seconds: float) -> dict[str, Any]:
                 ("ttft_s", turns.ttft),
                 ("latency_s", turns.latency),
                 ("norm_latency_s", turns.normalized),
-            )  # fmt: skip
+            )
             for q in (0.5, 0.9)
         },
     }
@@ -375,8 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-stream", action="store_true", help="whole replies only")
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
-    p.add_argument("--final", action="store_true",
-                   help="send each conversation's last turn with \"final\": true")  # fmt: skip
+    p.add_argument(
+        "--final",
+        action="store_true",
+        help='send each conversation\'s last turn with "final": true',
+    )
     p.add_argument(
         "--probe-every",
         type=float,
@@ -386,9 +394,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     conversations = load_conversations(args.conversations, args.num_conversations)
-    options = LoadOptions(args.concurrency, args.max_turns, args.max_tokens, args.ignore_eos,
-                          not args.no_stream, probe_every_s=args.probe_every,
-                          final=args.final)  # fmt: skip
+    options = LoadOptions(
+        args.concurrency,
+        args.max_turns,
+        args.max_tokens,
+        args.ignore_eos,
+        not args.no_stream,
+        probe_every_s=args.probe_every,
+        final=args.final,
+    )
 
     async def go() -> dict[str, Any]:
         bus = await Bus.connect(args.nats_url, name="pensieve-load")

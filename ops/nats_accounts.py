@@ -67,8 +67,9 @@ def write_server_config(data_dir: Path, listen: str, pid_file: bool) -> Path:
     making the service's password if there is none yet; returns its path. With `pid_file` the
     server records its pid, so that `add_tenant` can reload it."""
     with _locked(data_dir) as directory:
-        config = replace(_on_file(directory), listen=listen,
-                         pid_file=directory / PID_FILE if pid_file else None)  # fmt: skip
+        config = replace(
+            _on_file(directory), listen=listen, pid_file=directory / PID_FILE if pid_file else None
+        )
         _write_private(directory / CONFIG, config.text())
     return directory / CONFIG
 
@@ -174,8 +175,12 @@ def _take(data_dir: Path, directory: Path, done: str) -> ServerConfig:
     pid = running_pid(data_dir)
     if pid is None:
         _write_private(directory / CONFIG, config.text())
-        logger.info("%s; no nats-server runs from %s: it takes this when it starts (one "
-                    "started otherwise: SIGHUP it)", done, directory)  # fmt: skip
+        logger.info(
+            "%s; no nats-server runs from %s: it takes this when it starts (one "
+            "started otherwise: SIGHUP it)",
+            done,
+            directory,
+        )
     else:
         _reload(directory, pid, config)
         logger.info("%s; nats-server (pid %d) reloaded", done, pid)
@@ -221,8 +226,10 @@ def _reload(directory: Path, pid: int, config: ServerConfig) -> None:
         loaded = set()
     unknown = [t for t in config.tenants if t.account not in loaded]
     if unknown:
-        staged = tuple(replace(t, password=new_secret(), nkey="", wired=False)
-                       if t in unknown else t for t in config.tenants)  # fmt: skip
+        staged = tuple(
+            replace(t, password=new_secret(), nkey="", wired=False) if t in unknown else t
+            for t in config.tenants
+        )
         _apply(directory, pid, replace(config, tenants=staged, marker=new_secret()))
     _apply(directory, pid, config)
 
@@ -235,8 +242,10 @@ def _apply(directory: Path, pid: int, config: ServerConfig) -> None:
     deadline = time.monotonic() + RELOAD_TIMEOUT_S
     while not _logs_in(config.address, RELOAD_USER, config.marker):
         if time.monotonic() > deadline:
-            raise OSError(f"nats-server (pid {pid}) did not take {directory / CONFIG} "
-                          f"within {RELOAD_TIMEOUT_S:.0f} s: see its log")  # fmt: skip
+            raise OSError(
+                f"nats-server (pid {pid}) did not take {directory / CONFIG} "
+                f"within {RELOAD_TIMEOUT_S:.0f} s: see its log"
+            )
         time.sleep(0.02)
 
 
@@ -258,18 +267,27 @@ def _on_file(directory: Path) -> ServerConfig:
         last = json.loads((directory / CONFIG).read_text())
     except FileNotFoundError:
         last = {}
-    service, events, spare = (directory / SERVICE_PASSWORD, directory / EVENTS_PASSWORD,
-                              directory / SPARE)  # fmt: skip
+    service, events, spare = (
+        directory / SERVICE_PASSWORD,
+        directory / EVENTS_PASSWORD,
+        directory / SPARE,
+    )
     for path, make in ((service, new_secret), (events, new_secret), (spare, new_account)):
         if not path.exists():
             _write_private(path, make())
-    logins = sorted(path for auth in TenantAuth
-                    for path in (directory / TENANTS).glob(f"*.{auth.value}"))  # fmt: skip
+    logins = sorted(
+        path for auth in TenantAuth for path in (directory / TENANTS).glob(f"*.{auth.value}")
+    )
     tenants = tuple(_tenant_on_file(path) for path in logins)
     pid_file = last.get("pid_file")
-    return ServerConfig(last.get("listen", f"127.0.0.1:{DEFAULTS.nats_port}"),
-                        read_secret(service), read_secret(events), read_secret(spare), tenants,
-                        None if pid_file is None else Path(pid_file))  # fmt: skip
+    return ServerConfig(
+        last.get("listen", f"127.0.0.1:{DEFAULTS.nats_port}"),
+        read_secret(service),
+        read_secret(events),
+        read_secret(spare),
+        tenants,
+        None if pid_file is None else Path(pid_file),
+    )
 
 
 def _tenant_on_file(login: Path) -> Tenant:

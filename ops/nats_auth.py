@@ -156,8 +156,10 @@ def add_connect_args(parser: argparse.ArgumentParser) -> None:
 
 class _RefuseSecret(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
-        parser.error(f"{self.option_strings[0]} would show the secret to every user of this "
-                     f"host: use ${ENV_PASSWORD}, ${ENV_TOKEN} or a file")  # fmt: skip
+        parser.error(
+            f"{self.option_strings[0]} would show the secret to every user of this "
+            f"host: use ${ENV_PASSWORD}, ${ENV_TOKEN} or a file"
+        )
 
 
 def nats_auth_from_args(
@@ -180,8 +182,11 @@ def nats_auth_from_args(
 
     password_file = path("nats_password_file", ENV_PASSWORD_FILE)
     token_file = path("nats_token_file", ENV_TOKEN_FILE)
-    tls = TlsFiles(path("nats_tls_ca", ENV_TLS_CA), path("nats_tls_cert", ENV_TLS_CERT),
-                   path("nats_tls_key", ENV_TLS_KEY))  # fmt: skip
+    tls = TlsFiles(
+        path("nats_tls_ca", ENV_TLS_CA),
+        path("nats_tls_cert", ENV_TLS_CERT),
+        path("nats_tls_key", ENV_TLS_KEY),
+    )
     auth = NatsAuth(
         user=given("nats_user", ENV_USER),
         password=read_secret(password_file) if password_file else environ.get(ENV_PASSWORD),
@@ -197,12 +202,13 @@ def add_events_args(parser: argparse.ArgumentParser) -> None:
     """The scheduler's watch on closed connections, on a NATS server you run
     (`events_auth_from_args`)."""
     parser.add_argument(
-        "--nats-events-password-file", metavar="FILE",
+        "--nats-events-password-file",
+        metavar="FILE",
         help=f"the password of user {EVENTS_USER} of the NATS server's system account "
         f"(`pensieve nats-config` writes it to DIR/nats/events.password; "
         f"${ENV_EVENTS_PASSWORD_FILE}): with it, a tenant's turns end when its connection "
         "closes. Default: none, they run to their end",
-    )  # fmt: skip
+    )
 
 
 def events_auth_from_args(
@@ -230,12 +236,13 @@ def add_embedded_args(parser: argparse.ArgumentParser) -> None:
     """--insecure: the nats-server started here asks nobody who they are."""
     group = parser.add_argument_group("NATS authentication of the nats-server started here")
     group.add_argument(
-        "--insecure", action="store_true",
+        "--insecure",
+        action="store_true",
         help="no authentication (loopback only): anyone on this host reads and writes every "
         "conversation. Without it the server has accounts for the service and each tenant, "
         "generated into DATA_DIR/nats (0600); a tenant connects with the JSON line of "
         "`pensieve tenant add`",
-    )  # fmt: skip
+    )
 
 
 def auth_data_dir(args: argparse.Namespace, data_dir: Path) -> Path | None:
@@ -244,7 +251,9 @@ def auth_data_dir(args: argparse.Namespace, data_dir: Path) -> Path | None:
     insecure = getattr(args, "insecure", False)
     if getattr(args, "nats_url", None):
         if insecure:
-            raise ValueError("--insecure is for the nats-server started here, and --nats-url "
-                             "starts none: use the NATS credentials options")  # fmt: skip
+            raise ValueError(
+                "--insecure is for the nats-server started here, and --nats-url "
+                "starts none: use the NATS credentials options"
+            )
         return None
     return None if insecure else data_dir

@@ -56,14 +56,20 @@ class Tenant:
 
     def export(self) -> dict[str, Any]:
         """The service account's export of the client API to this tenant alone."""
-        return {"service": tenant_subject(self.name, f"{PREFIX}.>"), "response_type": "stream",
-                "response_threshold": RESPONSE_THRESHOLD, "accounts": [self.account]}  # fmt: skip
+        return {
+            "service": tenant_subject(self.name, f"{PREFIX}.>"),
+            "response_type": "stream",
+            "response_threshold": RESPONSE_THRESHOLD,
+            "accounts": [self.account],
+        }
 
     def account_config(self) -> dict[str, Any]:
         """Its account: it publishes the plain API subjects, which its import maps to its own
         subjects of the service account, and subscribes to its own inbox only."""
-        permissions = {"publish": {"allow": [f"{PREFIX}.>"]},
-                       "subscribe": {"allow": [f"{self.inbox_prefix}.>"]}}  # fmt: skip
+        permissions = {
+            "publish": {"allow": [f"{PREFIX}.>"]},
+            "subscribe": {"allow": [f"{self.inbox_prefix}.>"]},
+        }
         login = {"nkey": self.nkey} if self.nkey else {"user": self.user, "password": self.password}
         api = {"account": SERVICE_ACCOUNT, "subject": tenant_subject(self.name, f"{PREFIX}.>")}
         # share: each request names the connection it came from (`bus.requester`)
@@ -93,19 +99,28 @@ class ServerConfig:
     marker: str = field(default_factory=lambda: secrets.token_urlsafe(16), repr=False)
 
     def text(self) -> str:
-        service = {"users": [{"user": SERVICE_USER, "password": self.service_password}],
-                   "exports": [t.export() for t in self.tenants if t.wired]}  # fmt: skip
-        watcher = {"user": EVENTS_USER, "password": self.events_password,
-                   "permissions": {"publish": {"deny": [">"]},
-                                   "subscribe": {"allow": [DISCONNECTS]}}}  # fmt: skip
+        service = {
+            "users": [{"user": SERVICE_USER, "password": self.service_password}],
+            "exports": [t.export() for t in self.tenants if t.wired],
+        }
+        watcher = {
+            "user": EVENTS_USER,
+            "password": self.events_password,
+            "permissions": {"publish": {"deny": [">"]}, "subscribe": {"allow": [DISCONNECTS]}},
+        }
         marker = {"user": RELOAD_USER, "password": self.marker, "permissions": NOTHING}
-        accounts: dict[str, Any] = {SERVICE_ACCOUNT: service,
-                                    SYSTEM_ACCOUNT: {"users": [watcher]},
-                                    RELOAD_ACCOUNT: {"users": [marker]}}  # fmt: skip
+        accounts: dict[str, Any] = {
+            SERVICE_ACCOUNT: service,
+            SYSTEM_ACCOUNT: {"users": [watcher]},
+            RELOAD_ACCOUNT: {"users": [marker]},
+        }
         accounts.update((t.account, t.account_config()) for t in self.tenants)
         accounts[self.spare] = {}
-        config: dict[str, Any] = {"listen": self.listen, "accounts": accounts,
-                                  "system_account": SYSTEM_ACCOUNT}  # fmt: skip
+        config: dict[str, Any] = {
+            "listen": self.listen,
+            "accounts": accounts,
+            "system_account": SYSTEM_ACCOUNT,
+        }
         if self.pid_file is not None:
             config["pid_file"] = str(self.pid_file)
         return json.dumps(config, indent=2) + "\n"  # nats-server reads JSON as its own format
@@ -126,8 +141,9 @@ def new_nkey() -> tuple[str, str]:
     try:
         import nkeys  # type: ignore[import-untyped]
     except ImportError:
-        raise ValueError("a tenant with an nkey needs the nkeys package: pip install "
-                         "nkeys") from None  # fmt: skip
+        raise ValueError(
+            "a tenant with an nkey needs the nkeys package: pip install nkeys"
+        ) from None
     seed = nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER)
     public = nkeys.from_seed(bytearray(seed)).public_key
     return bytes(seed).decode(), bytes(public).decode()

@@ -132,9 +132,12 @@ class EmbeddedNats:
             command += ["-c", str(config)]
             self.service_auth = service_connect_options(self.auth_data_dir)
             self.events_auth = events_connect_options(self.auth_data_dir)
-            logger.info("NATS authentication on: accounts and passwords in %s (add a tenant: "
-                        "pensieve tenant add NAME --data-dir %s)", config.parent,
-                        self.auth_data_dir)  # fmt: skip
+            logger.info(
+                "NATS authentication on: accounts and passwords in %s (add a tenant: "
+                "pensieve tenant add NAME --data-dir %s)",
+                config.parent,
+                self.auth_data_dir,
+            )
         self._process = subprocess.Popen(
             command,
             stdout=subprocess.DEVNULL,
@@ -154,8 +157,9 @@ class EmbeddedNats:
             except OSError:
                 time.sleep(0.05)
         self.__exit__()
-        raise OSError(f"nats-server did not listen on port {self.port} within "
-                      f"{self.ready_timeout_s:.0f} s")  # fmt: skip
+        raise OSError(
+            f"nats-server did not listen on port {self.port} within {self.ready_timeout_s:.0f} s"
+        )
 
     def reload(self) -> None:
         """Take the accounts on file now (`add_tenant` does this itself)."""

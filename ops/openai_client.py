@@ -34,8 +34,9 @@ def api_key(tenant: Path | None) -> str:
     try:
         return str(json.loads(tenant.read_text())["http"]["api_key"])
     except (ValueError, KeyError, TypeError) as error:
-        raise ValueError(f"{tenant} holds no HTTP API key of `pensieve tenant add` "
-                         f"({error!r})") from None  # fmt: skip
+        raise ValueError(
+            f"{tenant} holds no HTTP API key of `pensieve tenant add` ({error!r})"
+        ) from None
 
 
 def base_url(url: str) -> str:
@@ -58,8 +59,9 @@ class OpenAIChatClient:
     def session(self) -> aiohttp.ClientSession:
         """One pool of connections, unbounded: the load decides how many turns run at once."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                                  headers=self.headers)  # fmt: skip
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0), headers=self.headers
+            )
         return self._session
 
     async def close(self) -> None:
@@ -71,8 +73,9 @@ class OpenAIChatClient:
         if self.model is None:
             async with self.session().get(f"{self.base_url}/models") as response:
                 if response.status != 200:
-                    raise OSError(f"GET /models answered {response.status}: "
-                                  f"{(await response.text())[:200]}")  # fmt: skip
+                    raise OSError(
+                        f"GET /models answered {response.status}: {(await response.text())[:200]}"
+                    )
                 listed = orjson.loads(await response.read()).get("data") or []
             if listed:
                 self.model = str(listed[0]["id"])
@@ -85,19 +88,23 @@ class OpenAIChatClient:
     ) -> AsyncGenerator[dict[str, Any], None]:
         messages = body.get("messages") or [{"role": "user", "content": body["message"]}]
         request: dict[str, Any] = {
-            "model": await self.served_model(), "messages": messages,
-            "max_tokens": body["max_tokens"], "temperature": body.get("temperature", 0.0),
-            "stream": True, "stream_options": {"include_usage": True},
-        }  # fmt: skip
+            "model": await self.served_model(),
+            "messages": messages,
+            "max_tokens": body["max_tokens"],
+            "temperature": body.get("temperature", 0.0),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         request.update(
             (k, body[k]) for k in ("conversation_id", "ignore_eos", "final") if k in body
         )
         usage = None
         try:
             async with self.session().post(
-                f"{self.base_url}/chat/completions", data=orjson.dumps(request),
+                f"{self.base_url}/chat/completions",
+                data=orjson.dumps(request),
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as response:  # fmt: skip
+            ) as response:
                 if response.status != 200:
                     yield {"error": _error(await response.read(), str(response.status))}
                     return
@@ -128,10 +135,14 @@ class OpenAIChatClient:
         if sources is None:  # another server: its cached tokens, as if from the GPU
             sources = {"gpu": details.get("cached_tokens") or 0}
         cached = {k: sources.get(k, 0) for k in ("gpu", "cpu", "recomputed")}
-        yield {"conversation_id": conversation,
-               "usage": {"prompt_tokens": usage["prompt_tokens"],
-                         "completion_tokens": usage["completion_tokens"],
-                         "cached_tokens": cached}}  # fmt: skip
+        yield {
+            "conversation_id": conversation,
+            "usage": {
+                "prompt_tokens": usage["prompt_tokens"],
+                "completion_tokens": usage["completion_tokens"],
+                "cached_tokens": cached,
+            },
+        }
 
 
 def _error(data: bytes, status: str) -> dict[str, Any]:

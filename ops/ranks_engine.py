@@ -66,14 +66,14 @@ def executor_ranks(
     with contextlib.ExitStack() as stack:
         if nats_url is None:
             nats_url = stack.enter_context(EmbeddedNats()).url
-        ranks = stack.enter_context(ExecutorRanks(RankSpec(options, nats_url, data_dir,
-                                                           nats_auth)))  # fmt: skip
+        ranks = stack.enter_context(ExecutorRanks(RankSpec(options, nats_url, data_dir, nats_auth)))
         wait_ranks(ranks)
         with ConversationStore(data_dir) as store:
             engine_id = store.engine_id()
         loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="pensieve-step-channel",
-                                  daemon=True)  # fmt: skip
+        thread = threading.Thread(
+            target=loop.run_forever, name="pensieve-step-channel", daemon=True
+        )
         thread.start()
         stack.callback(thread.join)
         stack.callback(loop.call_soon_threadsafe, loop.stop)

@@ -83,8 +83,14 @@ def replay(
 
 
 class _Replayer:
-    def __init__(self, built: Built, options: ReplayOptions, out: IO[bytes],
-                 store: ConversationStore, writer: StoreWriter) -> None:  # fmt: skip
+    def __init__(
+        self,
+        built: Built,
+        options: ReplayOptions,
+        out: IO[bytes],
+        store: ConversationStore,
+        writer: StoreWriter,
+    ) -> None:
         self.engine = built.engine
         self.chat = built.chat
         self.max_len = built.loaded.config.max_context_len

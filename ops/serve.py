@@ -92,13 +92,17 @@ class ServeOptions:
             raise ValueError("--tokenizers must be >= 0 (0: tokenizer actors run elsewhere)")
         if not 0 < self.nats_port < 65536:
             raise ValueError(f"--nats-port must be a TCP port, got {self.nats_port}")
-        for name, port in (("--http-port", self.http and self.http.port),
-                           ("--metrics-port", self.metrics_port)):  # fmt: skip
+        for name, port in (
+            ("--http-port", self.http and self.http.port),
+            ("--metrics-port", self.metrics_port),
+        ):
             if port is not None and not 0 < port < 65536:
                 raise ValueError(f"{name} must be a TCP port, got {port}")
         if self.http is not None and not self.api_keys_required and not _loopback(self.http.host):
-            raise ValueError("--insecure asks HTTP clients for no API key: serve HTTP on "
-                             "loopback only (--http-host 127.0.0.1)")  # fmt: skip
+            raise ValueError(
+                "--insecure asks HTTP clients for no API key: serve HTTP on "
+                "loopback only (--http-host 127.0.0.1)"
+            )
 
 
 @dataclass(frozen=True)
@@ -160,8 +164,15 @@ async def serving(
         def new_id() -> str:  # names this engine, so other engines forward its turns here
             return subjects.new_conversation_id(engine_id, secrets.token_hex(8))
 
-        service = ChatService(built.engine, built.chat, built.loaded.config.max_context_len,
-                              store, writer, max_waiting, new_id)  # fmt: skip
+        service = ChatService(
+            built.engine,
+            built.chat,
+            built.loaded.config.max_context_len,
+            store,
+            writer,
+            max_waiting,
+            new_id,
+        )
         async with contextlib.AsyncExitStack() as actors:
             # an engine around a remote executor (`pensieve actor scheduler`) starts none here
             # and keeps no spill index: the executor's swap manager does
@@ -178,13 +189,25 @@ async def serving(
             )
             if planner:
                 block_size = built.engine.cache_config.block_size
-                await actors.enter_async_context(RecomputePlannerActor(
-                    await Bus.connect(nats_url, options=connect), engine_id, store, block_size
-                ))  # fmt: skip
+                await actors.enter_async_context(
+                    RecomputePlannerActor(
+                        await Bus.connect(nats_url, options=connect), engine_id, store, block_size
+                    )
+                )
             text_remote = tokenizers == 0 if remote_text is None else remote_text
-            async with _engine_serving(service, nats_url, engine_id, threads, shutdown_grace_s,
-                                       expiry, ingress, connect, text_remote,
-                                       front, events) as run:  # fmt: skip
+            async with _engine_serving(
+                service,
+                nats_url,
+                engine_id,
+                threads,
+                shutdown_grace_s,
+                expiry,
+                ingress,
+                connect,
+                text_remote,
+                front,
+                events,
+            ) as run:
                 yield run
 
 
@@ -203,8 +226,9 @@ async def executor_actor(
     runner = built.engine.runner
     if not isinstance(runner, ModelRunner):
         raise TypeError("the engine's model already runs elsewhere")
-    async with ExecutorActor(await Bus.connect(nats_url, options=connect), engine_id, runner,
-                             threads, store):  # fmt: skip
+    async with ExecutorActor(
+        await Bus.connect(nats_url, options=connect), engine_id, runner, threads, store
+    ):
         bus = await Bus.connect(nats_url, options=connect)
         remote = await connect_executor(bus, engine_id, timeout_s=30)
         built.engine.runner = remote
@@ -249,13 +273,21 @@ async def _engine_serving(
                     http_bus = await Bus.connect(nats_url, "pensieve-http", connect)
                     # the model's context, which /v1/models tells (this process knows it)
                     http = replace(front.http, max_model_len=service.max_context)
-                    await doors.enter_async_context(HttpIngressActor(
-                        http_bus, engine_id, http, front.authenticate, service.metrics.exposition,
-                    ))  # fmt: skip
+                    await doors.enter_async_context(
+                        HttpIngressActor(
+                            http_bus,
+                            engine_id,
+                            http,
+                            front.authenticate,
+                            service.metrics.exposition,
+                        )
+                    )
                 if front.metrics_port is not None:
-                    await doors.enter_async_context(serve_metrics(
-                        front.metrics_host, front.metrics_port, service.metrics.exposition
-                    ))  # fmt: skip
+                    await doors.enter_async_context(
+                        serve_metrics(
+                            front.metrics_host, front.metrics_port, service.metrics.exposition
+                        )
+                    )
                 async with sweeping(engine, expiry):
                     yield service
             await server.drain(grace_s)
@@ -285,29 +317,53 @@ async def serve_until_signal(
     threads = cpu_threads(built.options)
     keys = ApiKeys(options.data_dir, options.api_keys_required)
     front = Front(options.http, keys.tenant, options.metrics_port, options.metrics_host)
-    async with serving(built, store, url, options.max_waiting, threads,
-                       options.shutdown_grace_s, options.step_channel,
-                       options.tokenizers, options.expiry, ingress, planner,
-                       connect, front=front, events=events):  # fmt: skip
+    async with serving(
+        built,
+        store,
+        url,
+        options.max_waiting,
+        threads,
+        options.shutdown_grace_s,
+        options.step_channel,
+        options.tokenizers,
+        options.expiry,
+        ingress,
+        planner,
+        connect,
+        front=front,
+        events=events,
+    ):
         engine_id = store.engine_id()
         logger.info("ready in %.1f s", time.monotonic() - started)
         # the line clients and scripts wait for, whatever the log level
         if ingress:
             own = subjects.engine_subject(engine_id, ">")
-            print(f"pensieve: serving on {redact_url(url)} (pensieve.v1.chat, "
-                  f"pensieve.v1.conversations.*; this engine: {own})", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"pensieve: serving on {redact_url(url)} (pensieve.v1.chat, "
+                f"pensieve.v1.conversations.*; this engine: {own})",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
-            print(f"pensieve: scheduler of engine {engine_id} serving on {redact_url(url)}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"pensieve: scheduler of engine {engine_id} serving on {redact_url(url)}",
+                file=sys.stderr,
+                flush=True,
+            )
         if ingress and options.http is not None:
             http = options.http
-            print(f"pensieve: OpenAI-compatible API on http://{http.host}:{http.port}/v1 "
-                  f"(model {http.model!r}; /metrics, /health)", file=sys.stderr,
-                  flush=True)  # fmt: skip
+            print(
+                f"pensieve: OpenAI-compatible API on http://{http.host}:{http.port}/v1 "
+                f"(model {http.model!r}; /metrics, /health)",
+                file=sys.stderr,
+                flush=True,
+            )
         if options.metrics_port is not None:
-            print(f"pensieve: metrics on http://{front.metrics_host}:{options.metrics_port}"
-                  "/metrics", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"pensieve: metrics on http://{front.metrics_host}:{options.metrics_port}/metrics",
+                file=sys.stderr,
+                flush=True,
+            )
         await stop.wait()
         logger.info("stopping: up to %.0f s for the turns in flight", options.shutdown_grace_s)
 
@@ -327,8 +383,7 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
                     EmbeddedNats(options.nats_port, auth_data_dir=options.auth_data_dir)
                 )
                 url, auth, events = server.url, server.service_auth, server.events_auth
-                logger.info("nats-server listening on %s (%.1f s)", url,
-                            time.monotonic() - begin)  # fmt: skip
+                logger.info("nats-server listening on %s (%.1f s)", url, time.monotonic() - begin)
             connect = auth.connect_options() if auth is not None else None
             if engine_options.tensor_parallel > 1:  # the model runs in the ranks' processes
                 spec = RankSpec(engine_options, url, options.data_dir, auth, options.trace)
@@ -337,14 +392,28 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
                 loaded, chat = load_config_only(engine_options)
                 watch = events.connect_options() if events is not None else None
                 with frozen_heap():
-                    asyncio.run(_serve_ranks(engine_options, loaded, chat, store, url, options,
-                                             started, connect, watch))  # fmt: skip
+                    asyncio.run(
+                        _serve_ranks(
+                            engine_options,
+                            loaded,
+                            chat,
+                            store,
+                            url,
+                            options,
+                            started,
+                            connect,
+                            watch,
+                        )
+                    )
                 return 0
             built = build(engine_options)
             with frozen_heap():
                 watch = events.connect_options() if events is not None else None
-                asyncio.run(serve_until_signal(built, store, url, options, started,
-                                               connect=connect, events=watch))  # fmt: skip
+                asyncio.run(
+                    serve_until_signal(
+                        built, store, url, options, started, connect=connect, events=watch
+                    )
+                )
         return 0
     finally:
         if provider is not None:
@@ -370,8 +439,9 @@ async def _serve_ranks(
         try:
             built = assemble_remote(engine_options, loaded, chat, runner)
             freeze_start_up()
-            await serve_until_signal(built, store, url, options, started, connect=connect,
-                                     events=events)  # fmt: skip
+            await serve_until_signal(
+                built, store, url, options, started, connect=connect, events=events
+            )
         finally:
             await runner.close()
     finally:

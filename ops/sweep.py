@@ -26,17 +26,36 @@ from pensieve.ops.chat import add_connection_args
 from pensieve.ops.load import ChatClient, LoadOptions, NatsClient, Window, run_load, run_poisson
 from pensieve.ops.sharegpt import Conversation, human_turns, load_conversations
 
-COLUMNS = ("run", "turns/s", "out tok/s", "ttft p50", "ttft p90", "norm p50", "norm p90",
-           "gpu", "cpu", "recomp", "new", "errors")  # fmt: skip
+COLUMNS = (
+    "run",
+    "turns/s",
+    "out tok/s",
+    "ttft p50",
+    "ttft p90",
+    "norm p50",
+    "norm p90",
+    "gpu",
+    "cpu",
+    "recomp",
+    "new",
+    "errors",
+)
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("conversations", nargs="?", default="sharegpt",
-                        help="a conversations file (JSON Lines), or 'sharegpt'")  # fmt: skip
+    parser.add_argument(
+        "conversations",
+        nargs="?",
+        default="sharegpt",
+        help="a conversations file (JSON Lines), or 'sharegpt'",
+    )
     add_connection_args(parser)
-    parser.add_argument("--http", metavar="URL",
-                        help="drive the OpenAI API at URL (http://HOST:PORT/v1) instead of NATS, "
-                        "as the --tenant file's key, else $OPENAI_API_KEY")  # fmt: skip
+    parser.add_argument(
+        "--http",
+        metavar="URL",
+        help="drive the OpenAI API at URL (http://HOST:PORT/v1) instead of NATS, "
+        "as the --tenant file's key, else $OPENAI_API_KEY",
+    )
     parser.add_argument(
         "--model",
         metavar="NAME",
@@ -47,30 +66,64 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--max-turns", type=int, default=3, metavar="N")
     load.add_argument("--max-tokens", type=int, default=128, metavar="N")
     load.add_argument("--ignore-eos", action="store_true", help="every reply max-tokens long")
-    load.add_argument("--concurrency", type=int, default=8, metavar="N",
-                      help="closed loop: N conversations at once (without --rates)")  # fmt: skip
-    load.add_argument("--rates", metavar="R,R,...",
-                      help="Poisson arrivals instead: one run at each rate of new "
-                      "conversations a second")  # fmt: skip
-    load.add_argument("--think-time", type=float, default=0.0, metavar="S",
-                      help="with --rates: mean seconds from a reply to the next turn")  # fmt: skip
-    load.add_argument("--duration", type=float, metavar="S",
-                      help="with --rates: conversations arrive for S seconds at each rate "
-                      "(taken again from the first when all have come) and no turn is sent "
-                      "after; by default each conversation comes once")  # fmt: skip
-    load.add_argument("--warmup", type=float, default=0.0, metavar="S",
-                      help="with --duration: count only the turns sent after S seconds, once "
-                      "the server has filled up")  # fmt: skip
+    load.add_argument(
+        "--concurrency",
+        type=int,
+        default=8,
+        metavar="N",
+        help="closed loop: N conversations at once (without --rates)",
+    )
+    load.add_argument(
+        "--rates",
+        metavar="R,R,...",
+        help="Poisson arrivals instead: one run at each rate of new conversations a second",
+    )
+    load.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --rates: mean seconds from a reply to the next turn",
+    )
+    load.add_argument(
+        "--duration",
+        type=float,
+        metavar="S",
+        help="with --rates: conversations arrive for S seconds at each rate "
+        "(taken again from the first when all have come) and no turn is sent "
+        "after; by default each conversation comes once",
+    )
+    load.add_argument(
+        "--warmup",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --duration: count only the turns sent after S seconds, once "
+        "the server has filled up",
+    )
     load.add_argument("--seed", type=int, default=0)
     out = parser.add_argument_group("output")
     out.add_argument("--label", default="pensieve", help="this sweep's name in JSON and plots")
     out.add_argument("--json", type=Path, metavar="FILE", help="write the sweep's runs here")
-    out.add_argument("--plot", type=Path, metavar="FILE.png",
-                     help="draw normalized latency and TTFT against the request rate")  # fmt: skip
-    out.add_argument("--compare", type=Path, nargs="*", default=[], metavar="JSON",
-                     help="other sweeps (their --json) to draw beside this one")  # fmt: skip
-    out.add_argument("--replot", action="store_true",
-                     help="load nothing: draw --plot from the --compare sweeps alone")  # fmt: skip
+    out.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="draw normalized latency and TTFT against the request rate",
+    )
+    out.add_argument(
+        "--compare",
+        type=Path,
+        nargs="*",
+        default=[],
+        metavar="JSON",
+        help="other sweeps (their --json) to draw beside this one",
+    )
+    out.add_argument(
+        "--replot",
+        action="store_true",
+        help="load nothing: draw --plot from the --compare sweeps alone",
+    )
 
 
 def parse_rates(text: str | None) -> list[float]:
@@ -136,8 +189,9 @@ async def sweep(
                 if rate is None:
                     runs.append(await run_load(client, conversations, told))
                 else:
-                    runs.append(await run_poisson(client, conversations, told, rate, think_s,
-                                                  seed, window))  # fmt: skip
+                    runs.append(
+                        await run_poisson(client, conversations, told, rate, think_s, seed, window)
+                    )
             if on_run is not None:
                 on_run(runs)
     finally:
@@ -148,19 +202,33 @@ async def sweep(
 def table(label: str, runs: Sequence[dict[str, Any]]) -> str:
     rows = [COLUMNS]
     for run in runs:
-        mode = (f"{run['request_rate']:g}/s" if "request_rate" in run
-                else f"c={run.get('concurrency', '?')}")  # fmt: skip
+        mode = (
+            f"{run['request_rate']:g}/s"
+            if "request_rate" in run
+            else f"c={run.get('concurrency', '?')}"
+        )
         cached = run["cached_tokens"]
         errors = ",".join(f"{k}:{v}" for k, v in sorted(run["errors"].items())) or "-"
-        rows.append((f"{label} {mode}", f"{run['turns_per_s']:.2f}",
-                     f"{run['output_tok_per_s']:.1f}", f"{run['ttft_s_p50']:.3f}",
-                     f"{run['ttft_s_p90']:.3f}", f"{run['norm_latency_s_p50']:.4f}",
-                     f"{run['norm_latency_s_p90']:.4f}", str(cached["gpu"]), str(cached["cpu"]),
-                     str(cached["recomputed"]), str(run["new_prompt_tokens"]),
-                     errors))  # fmt: skip
+        rows.append(
+            (
+                f"{label} {mode}",
+                f"{run['turns_per_s']:.2f}",
+                f"{run['output_tok_per_s']:.1f}",
+                f"{run['ttft_s_p50']:.3f}",
+                f"{run['ttft_s_p90']:.3f}",
+                f"{run['norm_latency_s_p50']:.4f}",
+                f"{run['norm_latency_s_p90']:.4f}",
+                str(cached["gpu"]),
+                str(cached["cpu"]),
+                str(cached["recomputed"]),
+                str(run["new_prompt_tokens"]),
+                errors,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
-                     for row in rows)  # fmt: skip
+    return "\n".join(
+        "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
+    )
 
 
 def plot(path: Path, sweeps: dict[str, list[dict[str, Any]]]) -> None:
@@ -172,8 +240,10 @@ def plot(path: Path, sweeps: dict[str, list[dict[str, Any]]]) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 2, figsize=(10, 4.4), constrained_layout=True)
-    panels = (("norm_latency_s_p90", "p90 normalized latency (s / token)"),
-              ("ttft_s_p90", "p90 time to first token (s)"))  # fmt: skip
+    panels = (
+        ("norm_latency_s_p90", "p90 normalized latency (s / token)"),
+        ("ttft_s_p90", "p90 time to first token (s)"),
+    )
     for axis, (key, title) in zip(axes, panels, strict=True):
         for label, runs in sweeps.items():
             points = sorted((r["turns_per_s"], r[key]) for r in runs if "request_rate" in r)
@@ -216,8 +286,9 @@ def bench(args: argparse.Namespace, url: str, connect: ConnectOptions | None) ->
     elif args.warmup:
         raise ValueError("--warmup needs --duration")
     conversations = load_conversations(args.conversations, args.num_conversations)
-    options = LoadOptions(args.concurrency, args.max_turns, args.max_tokens, args.ignore_eos,
-                          probe_every_s=0.0)  # fmt: skip
+    options = LoadOptions(
+        args.concurrency, args.max_turns, args.max_tokens, args.ignore_eos, probe_every_s=0.0
+    )
     server = Server(url, connect)
     if args.http is not None:
         from pensieve.ops.openai_client import api_key
@@ -228,8 +299,9 @@ def bench(args: argparse.Namespace, url: str, connect: ConnectOptions | None) ->
         if args.json is not None:
             args.json.write_text(json.dumps({"label": args.label, "runs": runs}, indent=1))
 
-    runs = asyncio.run(sweep(server, conversations, options, rates, args.think_time,
-                             args.seed, window, save))  # fmt: skip
+    runs = asyncio.run(
+        sweep(server, conversations, options, rates, args.think_time, args.seed, window, save)
+    )
     print(table(args.label, runs))
     if args.plot is not None:
         plot(args.plot, {args.label: runs, **read_sweeps(args.compare)})

@@ -55,12 +55,14 @@ def setup_tracing(kind: str | SpanExporter, engine_id: str | None = None) -> Tra
     instance = engine_id or uuid.uuid4().hex
     providers = {}
     for actor in subjects.ACTORS:
-        resource = Resource.create({
-            "service.name": subjects.actor_service(actor),
-            "service.namespace": subjects.SERVICE,
-            "service.instance.id": instance,
-            "service.version": version(),
-        })  # fmt: skip
+        resource = Resource.create(
+            {
+                "service.name": subjects.actor_service(actor),
+                "service.namespace": subjects.SERVICE,
+                "service.instance.id": instance,
+                "service.version": version(),
+            }
+        )
         # one exit hook for all (`Tracing.shutdown`), not one per provider
         provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         provider.add_span_processor(processor)

@@ -12,10 +12,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_wheel_holds_the_product_and_no_benchmarks(tmp_path: Path) -> None:
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path), str(ROOT)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert built.returncode == 0, built.stderr
     (wheel,) = tmp_path.glob("pensieve_serve-*.whl")  # the distribution's name, free on PyPI
     names = zipfile.ZipFile(wheel).namelist()

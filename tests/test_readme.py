@@ -78,9 +78,20 @@ def _client(language: str, folder: Path) -> list[str]:
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
         pytest.skip("no Node.js here")
-    installed = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(folder),
-                                "@nats-io/transport-node@3"], capture_output=True, text=True,
-                               timeout=300)  # fmt: skip
+    installed = subprocess.run(
+        [
+            npm,
+            "install",
+            "--no-audit",
+            "--no-fund",
+            "--prefix",
+            str(folder),
+            "@nats-io/transport-node@3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if installed.returncode != 0:
         pytest.skip(f"the Node NATS client could not be installed: {installed.stderr[-300:]}")
     (folder / "client.mjs").write_text(readme_block("node client example"))
@@ -108,10 +119,10 @@ def test_the_client_example_runs_verbatim_against_serve_started_as_the_readme_sa
         (tenant_line,) = readme_block("tenant command").splitlines()
         words, out = _command(tenant_line.split(">")[0]), tenant_line.split(">")[1].strip()
         with (tmp_path / out).open("w") as written:  # the README's redirection
-            subprocess.run(words, stdout=written, text=True, env=env, cwd=tmp_path, timeout=120,
-                           check=True)  # fmt: skip
-        done = subprocess.run(client, capture_output=True, text=True, timeout=600,
-                              cwd=tmp_path)  # fmt: skip
+            subprocess.run(
+                words, stdout=written, text=True, env=env, cwd=tmp_path, timeout=120, check=True
+            )
+        done = subprocess.run(client, capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
         *texts, cached_line = done.stdout.strip().splitlines()
         assert len(texts) >= 2 and all(line.strip() for line in (texts[0], texts[-1]))
@@ -124,8 +135,14 @@ def test_the_client_example_runs_verbatim_against_serve_started_as_the_readme_sa
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    for phase in ("nats-server listening on", "model smollm2 loaded in", "tokenizer ready in",
-                  "engine ready in", "ready in", "turn 0 of"):  # fmt: skip
+    for phase in (
+        "nats-server listening on",
+        "model smollm2 loaded in",
+        "tokenizer ready in",
+        "engine ready in",
+        "ready in",
+        "turn 0 of",
+    ):
         assert phase in log.text, log.text
     data_dir = tmp_path / "data" / "pensieve"  # the README's default data directory
     assert data_dir.is_dir() and data_dir.stat().st_mode & 0o077 == 0  # this user's alone
@@ -136,8 +153,14 @@ def test_the_readme_is_short_and_links_only_to_what_exists() -> None:
     assert len(text.splitlines()) <= 200
     for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
         assert (ROOT / target).exists(), target
-    for name in ("run command", "test command", "serve command", "tenant command",
-                 "client example", "node client example"):  # fmt: skip
+    for name in (
+        "run command",
+        "test command",
+        "serve command",
+        "tenant command",
+        "client example",
+        "node client example",
+    ):
         assert readme_block(name).strip()
 
 

@@ -57,10 +57,15 @@ class ExecutorActor(Actor):
     name = "executor"
     description = "runs the scheduler's step plans on the model and samples (and the swaps)"
 
-    def __init__(self, bus: Any, engine_id: str, runner: ModelRunner,
-                 cpu_threads: int | None = None,
-                 store: ConversationStore | None = None,
-                 incarnation: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        bus: Any,
+        engine_id: str,
+        runner: ModelRunner,
+        cpu_threads: int | None = None,
+        store: ConversationStore | None = None,
+        incarnation: str | None = None,
+    ) -> None:
         super().__init__(bus, engine_id)
         self.runner = runner
         self.cpu_threads = cpu_threads
@@ -82,9 +87,15 @@ class ExecutorActor(Actor):
 
     def info(self) -> ExecutorInfo:
         cache = self.runner.cache
-        return ExecutorInfo(self.incarnation, self.runner.block_bytes, cache.block_size,
-                            cache.num_gpu_blocks, cache.num_cpu_blocks, self.last_step,
-                            self.last_answered)  # fmt: skip
+        return ExecutorInfo(
+            self.incarnation,
+            self.runner.block_bytes,
+            cache.block_size,
+            cache.num_gpu_blocks,
+            cache.num_cpu_blocks,
+            self.last_step,
+            self.last_answered,
+        )
 
     async def setup(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -156,8 +167,9 @@ class ExecutorActor(Actor):
                 continue
             if isinstance(item, MessageError):  # which step it was is unknown: fail them all
                 logger.error("a step plan could not be read: %s", item)
-                self._send(StepResult(UNKNOWN_STEP, [], f"a step plan could not be read: {item}")
-                           .encode())  # fmt: skip
+                self._send(
+                    StepResult(UNKNOWN_STEP, [], f"a step plan could not be read: {item}").encode()
+                )
                 continue
             message: StepMessage = item
             if message.to != self.incarnation:  # planned on KV that another executor held

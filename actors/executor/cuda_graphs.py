@@ -24,9 +24,30 @@ from pensieve.models.attention import PagedAttention
 from pensieve.models.loader import CausalLM
 
 BATCH_BUCKETS = (
-    1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256,
-    288, 320, 352, 384, 416, 448, 480, 512,
-)  # fmt: skip
+    1,
+    2,
+    4,
+    8,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    160,
+    192,
+    224,
+    256,
+    288,
+    320,
+    352,
+    384,
+    416,
+    448,
+    480,
+    512,
+)
 MIN_CONTEXT_BUCKET = 512
 
 

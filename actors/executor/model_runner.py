@@ -178,8 +178,15 @@ class ModelRunner:
             from pensieve.kernels.triton_attention import compile_variants
 
             c = self.config
-            compile_variants(c.num_heads_per_rank, c.num_kv_heads_per_rank, c.head_dim,
-                             cache.block_size, c.max_context_len, dtype, device)  # fmt: skip
+            compile_variants(
+                c.num_heads_per_rank,
+                c.num_kv_heads_per_rank,
+                c.head_dim,
+                cache.block_size,
+                c.max_context_len,
+                dtype,
+                device,
+            )
         # the row-parallel sums as PENSIEVE_ALL_REDUCE asks: set up on every rank here, before
         # any graph is captured
         self.all_reduce = None if shard is None else prepare_all_reduce(shard, device)
@@ -195,8 +202,15 @@ class ModelRunner:
         captures again, keeping the old graphs, and so their memory pools, alive."""
         old = self.graphs, self.mixed_graphs
         c = self.cache
-        self.graphs = DecodeGraphs(self.model, self.gpu_caches, c.num_gpu_blocks, c.block_size,
-                                   self.config.max_context_len, self.scale, self.impl)  # fmt: skip
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.gpu_caches,
+            c.num_gpu_blocks,
+            c.block_size,
+            self.config.max_context_len,
+            self.scale,
+            self.impl,
+        )
         self.mixed_graphs = (
             PiecewiseGraphs(self.model, self.gpu_caches, c.num_gpu_blocks * c.block_size, self.impl)
             if mixed_graphs_enabled()
@@ -266,13 +280,15 @@ class ModelRunner:
         if orders.swap_in or orders.swap_out or orders.evict_first:
             # not in any turn's trace: it serves many
             with tracing.tracer("executor").start_as_current_span("step") as span:
-                span.set_attributes({
-                    "pensieve.swap_in_blocks": len(orders.swap_in),
-                    "pensieve.swap_out_blocks": len(orders.swap_out),
-                    "pensieve.evict_first_blocks": len(orders.evict_first),
-                    "pensieve.sequences": len(plan.pieces),
-                    "pensieve.tokens": plan.num_tokens,
-                })  # fmt: skip
+                span.set_attributes(
+                    {
+                        "pensieve.swap_in_blocks": len(orders.swap_in),
+                        "pensieve.swap_out_blocks": len(orders.swap_out),
+                        "pensieve.evict_first_blocks": len(orders.evict_first),
+                        "pensieve.sequences": len(plan.pieces),
+                        "pensieve.tokens": plan.num_tokens,
+                    }
+                )
                 launched = self._launch(plan, feed)
         else:
             launched = self._launch(plan, feed)
@@ -370,8 +386,12 @@ class ModelRunner:
             hidden = self.model(inputs.ids, inputs.positions, attn)  # [T, hidden]
         return self.model.compute_logits(hidden[inputs.rows])
 
-    def _feed(self, ids: torch.Tensor, pieces: list[SeqPiece] | tuple[SeqPiece, ...],
-              feed: Launched | None) -> None:  # fmt: skip
+    def _feed(
+        self,
+        ids: torch.Tensor,
+        pieces: list[SeqPiece] | tuple[SeqPiece, ...],
+        feed: Launched | None,
+    ) -> None:
         """Put the tokens `feed` samples into the rows of `ids` (one per single-token piece, in
         order, then the rest) that hold a PLACEHOLDER."""
         into: list[int] = []

@@ -43,9 +43,28 @@ from pensieve.models.loader import CausalLM
 # padded step sizes in tokens: fine where a step is memory-bound (padding rows are nearly free
 # there), within an eighth of the step above
 TOKEN_BUCKETS = (
-    8, 16, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512,
-    640, 768, 896, 1024, 1280, 1536, 1792, 2048,
-)  # fmt: skip
+    8,
+    16,
+    32,
+    48,
+    64,
+    96,
+    128,
+    192,
+    256,
+    320,
+    384,
+    448,
+    512,
+    640,
+    768,
+    896,
+    1024,
+    1280,
+    1536,
+    1792,
+    2048,
+)
 ENABLED_ENV = "PENSIEVE_MIXED_GRAPHS"
 # a capture here spans a whole forward: other threads of the process (the event loop, NCCL's
 # watchdog) may call the CUDA API meanwhile, which a process-wide capture would refuse
@@ -176,8 +195,9 @@ class PiecewiseGraphs:
         ids, positions = self.ids[:bucket], self.positions[:bucket]
         # the warm-up writes K/V: into the scratch block only, whatever a step left here
         self.slots[:bucket].fill_(self.scratch_slot)
-        cut = _Cut(self.kv_caches, self.slots[:bucket], self.q_in[:bucket], self.out[:bucket],
-                   self.impl)  # fmt: skip
+        cut = _Cut(
+            self.kv_caches, self.slots[:bucket], self.q_in[:bucket], self.out[:bucket], self.impl
+        )
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         graphs = [torch.cuda.CUDAGraph()]
@@ -204,7 +224,9 @@ class PiecewiseGraphs:
         torch.cuda.current_stream().wait_stream(side)
         num_layers = self.model.config.num_layers
         if cut.num_cuts != num_layers:
-            raise RuntimeError(f"{cut.num_cuts} attention calls in a forward of {num_layers} "
-                               "layers: the model cannot be captured in pieces")  # fmt: skip
+            raise RuntimeError(
+                f"{cut.num_cuts} attention calls in a forward of {num_layers} "
+                "layers: the model cannot be captured in pieces"
+            )
         self.captured[bucket] = _Pieces(graphs, hidden)
         return self.captured[bucket]

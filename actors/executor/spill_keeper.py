@@ -43,9 +43,12 @@ class SpillKeeper:
         """The next batch of the KV event plane."""
         if self.last_seq is not None and batch.seq != self.last_seq + 1:
             if batch.seq != 1:
-                logger.warning("KV events of engine %s: batch %d after batch %d; the spill "
-                               "index starts over", batch.engine_id, batch.seq,
-                               self.last_seq)  # fmt: skip
+                logger.warning(
+                    "KV events of engine %s: batch %d after batch %d; the spill index starts over",
+                    batch.engine_id,
+                    batch.seq,
+                    self.last_seq,
+                )
             self._index = self._start_over()
         self.last_seq = batch.seq
         self._index.apply(batch.events)

@@ -108,8 +108,11 @@ class StepTracer:
         if not self._leaving:
             return []
         through, done_ns = self._done_through, self._done_ns
-        ended = [(s, done_ns[s.last_step]) for s in self._leaving
-                 if s.last_step <= through and s.last_step in done_ns]  # fmt: skip
+        ended = [
+            (s, done_ns[s.last_step])
+            for s in self._leaving
+            if s.last_step <= through and s.last_step in done_ns
+        ]
         if ended:
             self._leaving = [s for s in self._leaving if s.last_step > through]
         return ended
@@ -133,11 +136,23 @@ def _emit(ended: list[tuple[_Stretch, int]], block_bytes: int) -> None:
         if blocks:
             # its copies go out with its first step and are done before its first token
             moved = {"pensieve.blocks": blocks, "pensieve.bytes": blocks * block_bytes}
-            _span(tracing.tracer("swap-manager"), "kv.swap_in", parent, stretch.began_ns,
-                  token_ns or end_ns, moved)  # fmt: skip
+            _span(
+                tracing.tracer("swap-manager"),
+                "kv.swap_in",
+                parent,
+                stretch.began_ns,
+                token_ns or end_ns,
+                moved,
+            )
 
 
-def _span(tracer: trace.Tracer, name: str, parent: Context, start_ns: int, end_ns: int,
-          attributes: dict[str, int] | None = None) -> None:  # fmt: skip
+def _span(
+    tracer: trace.Tracer,
+    name: str,
+    parent: Context,
+    start_ns: int,
+    end_ns: int,
+    attributes: dict[str, int] | None = None,
+) -> None:
     span = tracer.start_span(name, parent, attributes=attributes, start_time=start_ns)
     span.end(end_time=max(start_ns, end_ns))

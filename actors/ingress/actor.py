@@ -68,8 +68,12 @@ ROUTES: dict[str, tuple[Callable[[bytes], object], str]] = {
     subjects.CONVERSATIONS_LIST: (parse_list, "list"),
     subjects.STATS: (_check_stats, "stats"),
 }
-OWNED = (subjects.CHAT, subjects.CHAT_CANCEL, subjects.CONVERSATIONS_GET,
-         subjects.CONVERSATIONS_DELETE)  # fmt: skip
+OWNED = (
+    subjects.CHAT,
+    subjects.CHAT_CANCEL,
+    subjects.CONVERSATIONS_GET,
+    subjects.CONVERSATIONS_DELETE,
+)
 
 
 class IngressActor(Actor):
@@ -84,14 +88,22 @@ class IngressActor(Actor):
                 handler = self._owned(subject, handler)
             own = subjects.engine_subject(self.engine_id, subject)
             # a tenant's requests arrive on its own subjects (see `subjects.tenant_subject`)
-            for delivered in (subject, own, subjects.tenant_subject("*", subject),
-                              subjects.tenant_subject("*", own)):  # fmt: skip
+            for delivered in (
+                subject,
+                own,
+                subjects.tenant_subject("*", subject),
+                subjects.tenant_subject("*", own),
+            ):
                 await self.bus.serve(delivered, handler)
         # the client API's service: one per engine, whichever of its ingress replicas answers
-        await self.bus.advertise(ServiceInfo(
-            subjects.SERVICE, self.engine_id, version(),
-            "stateful LLM serving: chat turns whose KV cache is kept across turns",
-        ))  # fmt: skip
+        await self.bus.advertise(
+            ServiceInfo(
+                subjects.SERVICE,
+                self.engine_id,
+                version(),
+                "stateful LLM serving: chat turns whose KV cache is kept across turns",
+            )
+        )
 
     def _owned(self, subject: str, handler: Handler) -> Handler:
         """`handler` for requests whose conversation lives here; the others go on to the engine
@@ -105,8 +117,11 @@ class IngressActor(Actor):
             # a forwarded request nobody takes would leave its requester waiting out its
             # timeout (NATS tells the forwarder, not the requester, that nobody answered)
             if not await self.bus.answers(subjects.engine_ping(owner)):
-                raise ApiError("unavailable", f"engine {owner}, which holds this "
-                               "conversation, is not running; retry when it is")  # fmt: skip
+                raise ApiError(
+                    "unavailable",
+                    f"engine {owner}, which holds this "
+                    "conversation, is not running; retry when it is",
+                )
             there = subjects.engine_subject(owner, subject)
             tenant = subjects.tenant_of(msg.subject)
             await msg.forward(there if tenant is None else subjects.tenant_subject(tenant, there))
@@ -120,8 +135,9 @@ class IngressActor(Actor):
 
         async def hand_to_scheduler(msg: Incoming) -> None:
             parent = propagate.extract(msg.headers)
-            with tracer.start_as_current_span(subject, context=parent, kind=SpanKind.SERVER,
-                                              record_exception=False) as span:  # fmt: skip
+            with tracer.start_as_current_span(
+                subject, context=parent, kind=SpanKind.SERVER, record_exception=False
+            ) as span:
                 try:
                     check(msg.data)  # a bad body goes no further
                     headers: dict[str, str] = {}
@@ -137,8 +153,11 @@ class IngressActor(Actor):
                     await self.bus.hand_off(scheduler, msg, headers, HANDOFF_TIMEOUT_S)
                 except (ConnectionError, TimeoutError) as lost:
                     logger.warning("%s", lost)
-                    error = ApiError("unavailable", f"the scheduler of engine {self.engine_id} "
-                                     "is not running; retry when it is")  # fmt: skip
+                    error = ApiError(
+                        "unavailable",
+                        f"the scheduler of engine {self.engine_id} "
+                        "is not running; retry when it is",
+                    )
                     tracing.record_refusal(span, error)
                     raise error from None
                 except ApiError as error:

@@ -95,8 +95,9 @@ class HttpIngressActor(Actor):
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
-        self._runner = web.AppRunner(app, access_log=None,
-                                     shutdown_timeout=self.config.shutdown_grace_s)  # fmt: skip
+        self._runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=self.config.shutdown_grace_s
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -111,8 +112,9 @@ class HttpIngressActor(Actor):
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
-        asked = openai_api.to_chat(await request.read(), self.config.model,
-                                   request.headers.get(CONVERSATION_HEADER))  # fmt: skip
+        asked = openai_api.to_chat(
+            await request.read(), self.config.model, request.headers.get(CONVERSATION_HEADER)
+        )
         return await self._answer(request, asked, tenant, "POST /v1/chat/completions")
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
@@ -146,8 +148,12 @@ class HttpIngressActor(Actor):
         propagate.inject(headers)  # the NATS ingress's span goes under this one
         tries = [{**chat, "conversation_id": guess}] if guess else []
         for body in [*tries, chat]:
-            answer = self.bus.ask(_as_tenant(tenant, subjects.CHAT), orjson.dumps(body),
-                                  self.config.timeout_s, headers)  # fmt: skip
+            answer = self.bus.ask(
+                _as_tenant(tenant, subjects.CHAT),
+                orjson.dumps(body),
+                self.config.timeout_s,
+                headers,
+            )
             try:
                 return await self._next(answer), answer
             except BaseException as error:
@@ -160,8 +166,9 @@ class HttpIngressActor(Actor):
     def _remember(self, asked: Completion, tenant: str | None, reply: dict[str, Any]) -> None:
         """A whole chat answered: the next request that continues it finds its conversation."""
         if "messages" in asked.chat:
-            self.index.remember(tenant, asked.chat["messages"], reply["text"],
-                                reply["conversation_id"])  # fmt: skip
+            self.index.remember(
+                tenant, asked.chat["messages"], reply["text"], reply["conversation_id"]
+            )
 
     async def _stream(
         self,
@@ -174,10 +181,13 @@ class HttpIngressActor(Actor):
         """Stream the reply from its first message on: whatever fails before it is answered
         with its status code, what fails after it as an error event."""
         conv_id = str(first["conversation_id"])
-        response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            CONVERSATION_HEADER: conv_id,
-        })  # fmt: skip
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                CONVERSATION_HEADER: conv_id,
+            }
+        )
         message = first
         try:
             await response.prepare(request)
@@ -203,11 +213,16 @@ class HttpIngressActor(Actor):
         try:
             message: dict[str, Any] = orjson.loads(await anext(messages))
         except TimeoutError:
-            raise OpenAIError(504, f"no answer in {self.config.timeout_s:.0f} s",
-                              "server_error", "timeout") from None  # fmt: skip
+            raise OpenAIError(
+                504, f"no answer in {self.config.timeout_s:.0f} s", "server_error", "timeout"
+            ) from None
         except (ConnectionError, StopAsyncIteration):
-            raise OpenAIError(503, f"engine {self.engine_id} does not answer; retry when it "
-                              "does", "server_error", "unavailable") from None  # fmt: skip
+            raise OpenAIError(
+                503,
+                f"engine {self.engine_id} does not answer; retry when it does",
+                "server_error",
+                "unavailable",
+            ) from None
         if "error" in message:
             raise openai_api.from_reply_error(message)
         return message
@@ -219,8 +234,7 @@ class HttpIngressActor(Actor):
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         self._tenant(request)
-        return _json(openai_api.models(self.config.model, self.created,
-                                       self.config.max_model_len))  # fmt: skip
+        return _json(openai_api.models(self.config.model, self.created, self.config.max_model_len))
 
     async def _version(self, request: web.Request) -> web.StreamResponse:
         return _json({"version": version()})
@@ -228,11 +242,13 @@ class HttpIngressActor(Actor):
     async def _health(self, request: web.Request) -> web.StreamResponse:
         scheduler = f"$SRV.PING.{subjects.actor_service('scheduler')}.{self.engine_id}"
         ingress = subjects.engine_ping(self.engine_id)
-        up = await asyncio.gather(*(self.bus.answers(s, HEALTH_TIMEOUT_S)
-                                    for s in (ingress, scheduler)))  # fmt: skip
+        up = await asyncio.gather(
+            *(self.bus.answers(s, HEALTH_TIMEOUT_S) for s in (ingress, scheduler))
+        )
         if not all(up):
-            raise OpenAIError(503, f"engine {self.engine_id} is not answering",
-                              "server_error", "unavailable")  # fmt: skip
+            raise OpenAIError(
+                503, f"engine {self.engine_id} is not answering", "server_error", "unavailable"
+            )
         return web.Response(status=200)
 
     async def _metrics(self, request: web.Request) -> web.StreamResponse:
@@ -244,8 +260,12 @@ class HttpIngressActor(Actor):
                 async with aclosing(self.bus.ask(subject, b"", HEALTH_TIMEOUT_S * 5)) as answer:
                     text = await anext(answer)
             except (TimeoutError, ConnectionError):
-                raise OpenAIError(503, f"the scheduler of engine {self.engine_id} does not "
-                                  "answer", "server_error", "unavailable") from None  # fmt: skip
+                raise OpenAIError(
+                    503,
+                    f"the scheduler of engine {self.engine_id} does not answer",
+                    "server_error",
+                    "unavailable",
+                ) from None
         return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -274,8 +294,7 @@ def _as_tenant(tenant: str | None, subject: str) -> str:
 
 def _json(body: dict[str, Any], conv_id: str | None = None) -> web.Response:
     headers = {} if conv_id is None else {CONVERSATION_HEADER: conv_id}
-    return web.Response(body=orjson.dumps(body), content_type="application/json",
-                        headers=headers)  # fmt: skip
+    return web.Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -286,18 +305,22 @@ async def _openai_errors(
     try:
         return await handler(request)
     except OpenAIError as error:
-        return web.Response(status=error.status, body=orjson.dumps(error.body()),
-                            content_type="application/json")  # fmt: skip
+        return web.Response(
+            status=error.status, body=orjson.dumps(error.body()), content_type="application/json"
+        )
     except web.HTTPException as error:  # no such route, wrong method, body too large
         if error.status < 400:
             raise
         kind = "invalid_request_error" if error.status < 500 else "server_error"
         shaped = OpenAIError(error.status, error.reason, kind, None)
-        return web.Response(status=error.status, body=orjson.dumps(shaped.body()),
-                            content_type="application/json")  # fmt: skip
+        return web.Response(
+            status=error.status, body=orjson.dumps(shaped.body()), content_type="application/json"
+        )
     except Exception as failure:  # a bug: answered, logged, and the server goes on
         logger.exception("%s %s failed", request.method, request.path)
-        shaped = OpenAIError(500, f"{type(failure).__name__}: {failure}", "server_error",
-                             "internal")  # fmt: skip
-        return web.Response(status=500, body=orjson.dumps(shaped.body()),
-                            content_type="application/json")  # fmt: skip
+        shaped = OpenAIError(
+            500, f"{type(failure).__name__}: {failure}", "server_error", "internal"
+        )
+        return web.Response(
+            status=500, body=orjson.dumps(shaped.body()), content_type="application/json"
+        )

@@ -42,17 +42,26 @@ _ERRORS = {
 # vLLM's extra sampling fields, which clients of vLLM send (`vllm bench serve`: a repetition
 # penalty of 1), and the value that asks for nothing
 _VLLM_SAMPLING: dict[str, tuple[object, ...]] = {
-    "repetition_penalty": (None, 1, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "top_k": (None, -1, 0),
+    "min_p": (None, 0, 0.0),
     "min_tokens": (None, 0),
-}  # fmt: skip
+}
 # options of OpenAI's API the engine has no way to honour, and the value that asks for nothing
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
-    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}), "audio": (None,), "prediction": (None,),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "audio": (None,),
+    "prediction": (None,),
     **_VLLM_SAMPLING,
-}  # fmt: skip
+}
 
 
 class OpenAIError(Exception):
@@ -69,8 +78,14 @@ class OpenAIError(Exception):
         self.param = param
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}  # fmt: skip
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def invalid(message: str, param: str | None = None) -> OpenAIError:
@@ -142,8 +157,15 @@ def to_chat(data: bytes, model: str, conversation_header: str | None) -> Complet
     for name in ("top_p", "seed", "stop", "ignore_eos", "final"):
         if body.get(name) is not None:
             chat[name] = body[name]
-    return Completion(chat, model, stream, _include_usage(body), _flag(body, "return_token_ids"),
-                      f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))  # fmt: skip
+    return Completion(
+        chat,
+        model,
+        stream,
+        _include_usage(body),
+        _flag(body, "return_token_ids"),
+        f"chatcmpl-{uuid.uuid4().hex}",
+        int(time.time()),
+    )
 
 
 def _checked(data: bytes, model: str, unsupported: dict[str, tuple[object, ...]]) -> dict[str, Any]:
@@ -152,8 +174,13 @@ def _checked(data: bytes, model: str, unsupported: dict[str, tuple[object, ...]]
     body = _object(data)
     asked = body.get("model", model)
     if asked != model:
-        raise OpenAIError(404, f"The model `{asked}` does not exist.", "invalid_request_error",
-                          "model_not_found", "model")  # fmt: skip
+        raise OpenAIError(
+            404,
+            f"The model `{asked}` does not exist.",
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
     for name, harmless in unsupported.items():
         if name in body and body[name] not in harmless:
             raise invalid(f"'{name}' is not supported by this server", name)
@@ -172,10 +199,15 @@ def _include_usage(body: dict[str, Any]) -> bool:
 
 # `/v1/completions` options with no engine behind them, and the value that asks for nothing
 _TEXT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "echo": (None, False), "logprobs": (None, 0), "suffix": (None, ""), "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}), **_VLLM_SAMPLING,
-}  # fmt: skip
+    "echo": (None, False),
+    "logprobs": (None, 0),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    **_VLLM_SAMPLING,
+}
 TEXT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for a completion
 
 
@@ -186,22 +218,36 @@ def to_text_completion(data: bytes, model: str) -> Completion:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
-    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and
-                                        all(type(t) is int for t in prompt))):  # fmt: skip
-        raise invalid("'prompt' must be a string or an array of token ids (one prompt; a batch "
-                      "of several is not supported)", "prompt")  # fmt: skip
+    if not (
+        isinstance(prompt, str)
+        or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt))
+    ):
+        raise invalid(
+            "'prompt' must be a string or an array of token ids (one prompt; a batch "
+            "of several is not supported)",
+            "prompt",
+        )
     stream = _flag(body, "stream")
     max_tokens = body.get("max_tokens")
     chat: dict[str, Any] = {
-        "prompt": prompt, "stream": stream,
+        "prompt": prompt,
+        "stream": stream,
         "max_tokens": TEXT_MAX_TOKENS if max_tokens is None else max_tokens,
         "temperature": body.get("temperature", 1.0),  # OpenAI's default
-    }  # fmt: skip
+    }
     for name in ("top_p", "seed", "stop", "ignore_eos"):
         if body.get(name) is not None:
             chat[name] = body[name]
-    return Completion(chat, model, stream, _include_usage(body), _flag(body, "return_token_ids"),
-                      f"cmpl-{uuid.uuid4().hex}", int(time.time()), text=True)  # fmt: skip
+    return Completion(
+        chat,
+        model,
+        stream,
+        _include_usage(body),
+        _flag(body, "return_token_ids"),
+        f"cmpl-{uuid.uuid4().hex}",
+        int(time.time()),
+        text=True,
+    )
 
 
 def usage(reply: dict[str, Any]) -> dict[str, Any]:
@@ -215,24 +261,30 @@ def usage(reply: dict[str, Any]) -> dict[str, Any]:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached["gpu"] + cached["cpu"],
-                                  "sources": {**cached, "new": new}},
-    }  # fmt: skip
+        "prompt_tokens_details": {
+            "cached_tokens": cached["gpu"] + cached["cpu"],
+            "sources": {**cached, "new": new},
+        },
+    }
 
 
 def completion(request: Completion, reply: dict[str, Any]) -> dict[str, Any]:
     """The `chat.completion` (or `text_completion`) object of a whole reply."""
-    choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                              "finish_reason": reply["finish_reason"]}  # fmt: skip
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reply["finish_reason"]}
     if request.text:
         choice["text"] = reply["text"]
     else:
         choice["message"] = {"role": "assistant", "content": reply["text"]}
     if request.return_token_ids:
         choice["token_ids"] = reply["token_ids"]
-    body = {"id": request.id, "object": "text_completion" if request.text else "chat.completion",
-            "created": request.created, "model": request.model, "choices": [choice],
-            "usage": usage(reply)}  # fmt: skip
+    body = {
+        "id": request.id,
+        "object": "text_completion" if request.text else "chat.completion",
+        "created": request.created,
+        "model": request.model,
+        "choices": [choice],
+        "usage": usage(reply),
+    }
     if not request.text:  # a raw completion's conversation has ended with it
         body["conversation_id"] = reply["conversation_id"]
     return body
@@ -260,8 +312,13 @@ def chunk(
         choice["delta"] = {**opening, "content": text} if text or role else {}
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": request.id, "object": _chunk_object(request), "created": request.created,
-            "model": request.model, "choices": [choice]}  # fmt: skip
+    return {
+        "id": request.id,
+        "object": _chunk_object(request),
+        "created": request.created,
+        "model": request.model,
+        "choices": [choice],
+    }
 
 
 def last_chunks(request: Completion, reply: dict[str, Any]) -> list[dict[str, Any]]:
@@ -269,9 +326,16 @@ def last_chunks(request: Completion, reply: dict[str, Any]) -> list[dict[str, An
     ids = reply["token_ids"] if request.return_token_ids else None
     chunks = [chunk(request, "", reply["finish_reason"], ids)]
     if request.include_usage:
-        chunks.append({"id": request.id, "object": _chunk_object(request),
-                       "created": request.created, "model": request.model, "choices": [],
-                       "usage": usage(reply)})  # fmt: skip
+        chunks.append(
+            {
+                "id": request.id,
+                "object": _chunk_object(request),
+                "created": request.created,
+                "model": request.model,
+                "choices": [],
+                "usage": usage(reply),
+            }
+        )
     return chunks
 
 
@@ -289,8 +353,13 @@ DONE = b"data: [DONE]\n\n"
 
 def models(model: str, created: int, max_model_len: int | None = None) -> dict[str, Any]:
     """`GET /v1/models`: the one model served (with its context, as vLLM's, where known)."""
-    card: dict[str, Any] = {"id": model, "object": "model", "created": created,
-                            "owned_by": "pensieve", "root": model}  # fmt: skip
+    card: dict[str, Any] = {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "pensieve",
+        "root": model,
+    }
     if max_model_len is not None:
         card["max_model_len"] = max_model_len
     return {"object": "list", "data": [card]}
@@ -315,8 +384,11 @@ def _flag(body: dict[str, Any], name: str) -> bool:
 
 def _conversation_id(field: object, header: str | None) -> str | None:
     if field is not None and header is not None and field != header:
-        raise invalid(f"the field 'conversation_id' and the header {CONVERSATION_HEADER} "
-                      "name different conversations", "conversation_id")  # fmt: skip
+        raise invalid(
+            f"the field 'conversation_id' and the header {CONVERSATION_HEADER} "
+            "name different conversations",
+            "conversation_id",
+        )
     chosen = field if field is not None else header
     if chosen is not None and not isinstance(chosen, str):
         raise invalid("'conversation_id' must be a string", "conversation_id")
@@ -346,5 +418,4 @@ def _text(content: object, i: int) -> str:
         for part in content
     ):
         return "".join(part["text"] for part in content)
-    raise invalid(f"messages[{i}].content must be a string or an array of text parts",
-                  "messages")  # fmt: skip
+    raise invalid(f"messages[{i}].content must be a string or an array of text parts", "messages")

@@ -113,9 +113,13 @@ class RecomputePlanner:
         A batch numbered at or before the last one (a second publisher under this engine's id)
         is not trusted either: the map starts empty after it."""
         ahead = batch.seq > self.tier_map.last_seq
-        logger.warning("KV events of engine %s: batch %d after batch %d; plans wait for the "
-                       "chunks to be placed again", batch.engine_id, batch.seq,
-                       self.tier_map.last_seq)  # fmt: skip
+        logger.warning(
+            "KV events of engine %s: batch %d after batch %d; plans wait for the "
+            "chunks to be placed again",
+            batch.engine_id,
+            batch.seq,
+            self.tier_map.last_seq,
+        )
         self.tier_map, self._seen = TierMap(), {}
         if ahead:
             self.tier_map.apply(dataclasses.replace(batch, seq=1))  # an empty map, then these
@@ -170,8 +174,9 @@ class RecomputePlannerActor(Actor):
         try:
             self.planner.apply(decode_kv_events(data))
         except ValueError as error:  # unreadable, or another engine's: the next batch shows a gap
-            logger.warning("a KV event batch of engine %s was not applied: %s",
-                           self.engine_id, error)  # fmt: skip
+            logger.warning(
+                "a KV event batch of engine %s was not applied: %s", self.engine_id, error
+            )
 
     async def _plan(self, msg: Incoming) -> None:
         parent = propagate.extract(msg.headers)
@@ -184,12 +189,14 @@ class RecomputePlannerActor(Actor):
             except ApiError as error:
                 tracing.record_refusal(span, error)
                 raise
-            span.set_attributes({
-                "pensieve.conversation_id": plan.conversation_id,
-                "pensieve.plan_known": plan.known,
-                "pensieve.recomputed_tokens": plan.recomputed_tokens,
-                "pensieve.ranges": [f"{start}-{end}" for start, end in plan.ranges],
-            })  # fmt: skip
+            span.set_attributes(
+                {
+                    "pensieve.conversation_id": plan.conversation_id,
+                    "pensieve.plan_known": plan.known,
+                    "pensieve.recomputed_tokens": plan.recomputed_tokens,
+                    "pensieve.ranges": [f"{start}-{end}" for start, end in plan.ranges],
+                }
+            )
             await msg.send(encode(plan))
 
     async def _planned(self, data: bytes) -> RecomputePlan:

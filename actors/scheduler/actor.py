@@ -151,8 +151,10 @@ class EngineThread:
                     self.service.recover(error)
                 except Exception as failure:  # e.g. a device error that does not go away
                     logger.exception("the engine could not be reset; it takes no more turns")
-                    broken = ApiError("internal", f"the engine failed and could not be reset "
-                                      f"({failure}); restart the server")  # fmt: skip
+                    broken = ApiError(
+                        "internal",
+                        f"the engine failed and could not be reset ({failure}); restart the server",
+                    )
                     self.service.fail_all(broken)
 
     def take_text(self, step: Launch) -> None:
@@ -249,8 +251,9 @@ class ChatServer:
         await self.bus.stop_serving()
         left = await self.bus.settle(grace_s)
         if left:
-            logger.info("%d requests still running after %.0f s; answering them unavailable",
-                        left, grace_s)  # fmt: skip
+            logger.info(
+                "%d requests still running after %.0f s; answering them unavailable", left, grace_s
+            )
             closed = ApiError("unavailable", "the server is shutting down; send the turn again")
             with contextlib.suppress(ApiError):  # a broken engine answers every turn itself
                 await self._call(self.engine.service.close, closed)
@@ -280,10 +283,14 @@ class ChatServer:
         # asked directly (not handed off) by an HTTP ingress in another process
         metrics = subjects.internal(self.engine_id, "scheduler", "metrics")
         await self.bus.serve(metrics, self._metrics, queue="scheduler")
-        await self.bus.advertise(ServiceInfo(
-            subjects.actor_service("scheduler"), self.engine_id, version(),
-            "admission, the unified batch, KV accounting and eviction; plans every step",
-        ))  # fmt: skip
+        await self.bus.advertise(
+            ServiceInfo(
+                subjects.actor_service("scheduler"),
+                self.engine_id,
+                version(),
+                "admission, the unified batch, KV accounting and eviction; plans every step",
+            )
+        )
         await self.bus.flush()  # started means subscribed: a request sent now is answered
 
     def _publish_kv_events(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -318,8 +325,7 @@ class ChatServer:
         service = self.engine.service
         try:
             try:
-                reply = await detokenize_remote(self.bus, self.engine_id, request,
-                                                RENDER_TIMEOUT_S)  # fmt: skip
+                reply = await detokenize_remote(self.bus, self.engine_id, request, RENDER_TIMEOUT_S)
             except ApiError as error:
                 await self._call(service.text_failed, request, error)
             else:
@@ -346,8 +352,9 @@ class ChatServer:
     async def _chat(self, msg: Incoming) -> None:
         parent = propagate.extract(msg.headers)  # the ingress's span of the request
         scheduler = tracing.tracer("scheduler")
-        with scheduler.start_as_current_span("turn", context=parent, kind=SpanKind.SERVER,
-                                             record_exception=False) as span:  # fmt: skip
+        with scheduler.start_as_current_span(
+            "turn", context=parent, kind=SpanKind.SERVER, record_exception=False
+        ) as span:
             try:
                 await self._chat_turn(msg, span)
             except ApiError as error:
@@ -456,8 +463,9 @@ class ChatServer:
         await msg.send(orjson.dumps({"conversation_id": conv_id, "deleted": True}))
 
     async def _list(self, msg: Incoming) -> None:
-        listed = await asyncio.to_thread(self.engine.service.list, parse_list(msg.data),
-                                         _tenant(msg))  # fmt: skip
+        listed = await asyncio.to_thread(
+            self.engine.service.list, parse_list(msg.data), _tenant(msg)
+        )
         await msg.send(orjson.dumps({**listed, "engine_id": self.engine_id}))
 
     async def _metrics(self, msg: Incoming) -> None:

@@ -158,8 +158,9 @@ def commit_turn(
 ) -> Future[Any]:
     """Hand the turn to the writer thread: the log keeps its common prefix with the new one."""
     keep = common_prefix(old_log, new_log)
-    return writer.submit(store.commit_turn, conv_id, record, keep, new_log[keep:], stateless,
-                         final, tenant)  # fmt: skip
+    return writer.submit(
+        store.commit_turn, conv_id, record, keep, new_log[keep:], stateless, final, tenant
+    )
 
 
 class ChatService:
@@ -228,8 +229,11 @@ class ChatService:
         else:
             conv = self._conversation(request.conversation_id or "", tenant)
             if conv.busy:
-                raise ApiError("invalid_request", f"conversation {conv.conv_id!r} has a turn "
-                               "in progress; send the next message after its reply")  # fmt: skip
+                raise ApiError(
+                    "invalid_request",
+                    f"conversation {conv.conv_id!r} has a turn "
+                    "in progress; send the next message after its reply",
+                )
             if conv.ended:
                 raise _ended(conv.conv_id)
         if request.messages is not None:
@@ -273,13 +277,19 @@ class ChatService:
         ids = request.prompt if isinstance(request.prompt, tuple) else ()  # given by the client
         if ids and max(ids) >= self.chat.vocab_size:
             self._free(reservation)
-            raise ApiError("invalid_request", "'prompt' holds token ids outside the model's "
-                           f"vocabulary (0 to {self.chat.vocab_size - 1})")  # fmt: skip
+            raise ApiError(
+                "invalid_request",
+                "'prompt' holds token ids outside the model's "
+                f"vocabulary (0 to {self.chat.vocab_size - 1})",
+            )
         room = self.max_context - len(prompt)
         if room < 1:
             self._free(reservation)
-            raise ApiError("too_long", f"the prompt has {len(prompt)} tokens; the model's "
-                           f"context holds {self.max_context}")  # fmt: skip
+            raise ApiError(
+                "too_long",
+                f"the prompt has {len(prompt)} tokens; the model's "
+                f"context holds {self.max_context}",
+            )
         seed = request.seed
         if seed is None and request.temperature > 0:
             seed = zlib.crc32(f"{conv.conv_id}:{conv.turns}:{time.time_ns()}".encode())
@@ -299,22 +309,32 @@ class ChatService:
             raise ApiError("invalid_request", str(error)) from None
         followed = request.stream or bool(request.stop)
         turn = _Turn(
-            conv, engine_request, reservation.messages, sink, request.stream, request.stop,
-            time.time(), span, followed, final=request.final,
+            conv,
+            engine_request,
+            reservation.messages,
+            sink,
+            request.stream,
+            request.stop,
+            time.time(),
+            span,
+            followed,
+            final=request.final,
             cancel_at=None if request.timeout_s is None else time.monotonic() + request.timeout_s,
-        )  # fmt: skip
+        )
         self.turns[engine_request.request_id] = turn
         if followed:
             self._followed[engine_request.request_id] = turn
         if request.timeout_s is not None:
             self._timed[engine_request.request_id] = self.turns[engine_request.request_id]
-        span.set_attributes({
-            "pensieve.conversation_id": conv.conv_id,
-            "pensieve.turn": conv.turns,
-            "pensieve.prompt_tokens": len(prompt),
-            **genai_request(conv.conv_id, request, sampling),
-            "gen_ai.usage.input_tokens": len(prompt),
-        })  # fmt: skip
+        span.set_attributes(
+            {
+                "pensieve.conversation_id": conv.conv_id,
+                "pensieve.turn": conv.turns,
+                "pensieve.prompt_tokens": len(prompt),
+                **genai_request(conv.conv_id, request, sampling),
+                "gen_ai.usage.input_tokens": len(prompt),
+            }
+        )
 
     def get(
         self, conv_id: str, page: Page = FIRST_PAGE, tenant: str | None = None
@@ -333,21 +353,29 @@ class ChatService:
             size += len(r.user_message.encode()) + len(r.assistant_text.encode()) + 200
             if turns and size > PAGE_BYTES:
                 break
-            turns.append({
-                "turn": r.turn,
-                "message": r.user_message,
-                "text": r.assistant_text,
-                "finish_reason": r.finish_reason,
-                "prompt_tokens": r.prompt_tokens,
-                "completion_tokens": len(r.output_token_ids),
-            })  # fmt: skip
+            turns.append(
+                {
+                    "turn": r.turn,
+                    "message": r.user_message,
+                    "text": r.assistant_text,
+                    "finish_reason": r.finish_reason,
+                    "prompt_tokens": r.prompt_tokens,
+                    "completion_tokens": len(r.output_token_ids),
+                }
+            )
         following = first + len(turns)
         conv = self.conversations.get(conv_id)
         busy = conv is not None and conv.busy
         num_tokens = len(self.store.token_log(conv_id))
-        return {"conversation_id": conv_id, "turns": turns, "num_tokens": num_tokens,
-                "num_turns": len(records), "busy": busy, "ended": meta.ended,
-                "next_cursor": str(following) if following < len(records) else None}  # fmt: skip
+        return {
+            "conversation_id": conv_id,
+            "turns": turns,
+            "num_tokens": num_tokens,
+            "num_turns": len(records),
+            "busy": busy,
+            "ended": meta.ended,
+            "next_cursor": str(following) if following < len(records) else None,
+        }
 
     def delete(self, conv_id: str, tenant: str | None = None) -> Future[Any]:
         """Forget the conversation everywhere; the future resolves once the store forgot it."""
@@ -399,8 +427,11 @@ class ChatService:
         """The engine's totals and state (`Engine.stats`) with the turns this service has in
         flight (handed to the engine and not yet answered), and how many turns it cancelled
         because their requester went away."""
-        return {**self.engine.stats(), "turns_in_flight": len(self.turns),
-                "turns_abandoned": self.num_abandoned}  # fmt: skip
+        return {
+            **self.engine.stats(),
+            "turns_in_flight": len(self.turns),
+            "turns_abandoned": self.num_abandoned,
+        }
 
     # ---- the step loop -------------------------------------------------------------------
 
@@ -456,8 +487,11 @@ class ChatService:
         if turn is None:
             return False
         if not turn.ended:
-            logger.info("turn %d of %s: its requester went away; cancelled", turn.conv.turns,
-                        turn.conv.conv_id)  # fmt: skip
+            logger.info(
+                "turn %d of %s: its requester went away; cancelled",
+                turn.conv.turns,
+                turn.conv.conv_id,
+            )
             self.num_abandoned += 1
         self._cancel(turn)
         return True
@@ -513,16 +547,19 @@ class ChatService:
     def _trace_kv_leaving(self, events: Sequence[KvEvent]) -> None:
         """Chunks of idle conversations swapped out or dropped, as spans linked to their last
         turn (a running turn's own suspensions are on its trace already)."""
-        moved: dict[KvEventKind, Counter[str]] = {KvEventKind.SWAPPED_OUT: Counter(),
-                                                  KvEventKind.DROPPED: Counter()}  # fmt: skip
+        moved: dict[KvEventKind, Counter[str]] = {
+            KvEventKind.SWAPPED_OUT: Counter(),
+            KvEventKind.DROPPED: Counter(),
+        }
         for event in events:
             counts = moved.get(event.kind)
             conv = self.conversations.get(event.conversation_id)
             if counts is not None and not (conv is not None and conv.busy):
                 counts[event.conversation_id] += 1
         if moved[KvEventKind.SWAPPED_OUT] or moved[KvEventKind.DROPPED]:
-            self.trace_evictions(dict(moved[KvEventKind.SWAPPED_OUT]),
-                                 dict(moved[KvEventKind.DROPPED]))  # fmt: skip
+            self.trace_evictions(
+                dict(moved[KvEventKind.SWAPPED_OUT]), dict(moved[KvEventKind.DROPPED])
+            )
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -544,8 +581,9 @@ class ChatService:
             messages.append({"role": "assistant", "content": record.assistant_text})
         log = self.store.token_log(conv_id)
         self.engine.restore(conv_id, log)
-        return _Conversation(conv_id, messages, log, len(records), stateless=meta.stateless,
-                             tenant=meta.tenant)  # fmt: skip
+        return _Conversation(
+            conv_id, messages, log, len(records), stateless=meta.stateless, tenant=meta.tenant
+        )
 
     def _trace(self, turn: _Turn, record: TurnRecord) -> None:
         """The turn's outcome as attributes of its request span, and its wait for admission as
@@ -553,19 +591,21 @@ class ChatService:
         when the turn arrives, the executor "prefill" and "decode", and the swap manager
         "kv.swap_in", where they run: see `_trace_context`.)"""
         request, span = turn.request, turn.span
-        span.set_attributes({
-            "pensieve.cached_tokens.gpu": record.cached_gpu,
-            "pensieve.cached_tokens.cpu": record.cached_cpu,
-            "pensieve.cached_tokens.recomputed": record.cached_recomputed,
-            "pensieve.new_prompt_tokens": record.new_prompt_tokens,
-            "pensieve.completion_tokens": len(request.output_ids),
-            "pensieve.finish_reason": record.finish_reason,
-            "pensieve.suspensions": request.num_suspensions,
-            "pensieve.swapped_in_bytes": request.swapped_in_blocks * self.engine.block_bytes,
-            "pensieve.swapped_out_bytes": request.swapped_out_blocks * self.engine.block_bytes,
-            "gen_ai.usage.output_tokens": len(request.output_ids),
-            "gen_ai.response.finish_reasons": (record.finish_reason,),
-        })  # fmt: skip
+        span.set_attributes(
+            {
+                "pensieve.cached_tokens.gpu": record.cached_gpu,
+                "pensieve.cached_tokens.cpu": record.cached_cpu,
+                "pensieve.cached_tokens.recomputed": record.cached_recomputed,
+                "pensieve.new_prompt_tokens": record.new_prompt_tokens,
+                "pensieve.completion_tokens": len(request.output_ids),
+                "pensieve.finish_reason": record.finish_reason,
+                "pensieve.suspensions": request.num_suspensions,
+                "pensieve.swapped_in_bytes": request.swapped_in_blocks * self.engine.block_bytes,
+                "pensieve.swapped_out_bytes": request.swapped_out_blocks * self.engine.block_bytes,
+                "gen_ai.usage.output_tokens": len(request.output_ids),
+                "gen_ai.response.finish_reasons": (record.finish_reason,),
+            }
+        )
         turn.conv.last_span = span.get_span_context()
         if span.is_recording():
             self._trace_phases(request, record, trace.set_span_in_context(span))
@@ -687,11 +727,27 @@ class ChatService:
         key = turn.request.request_id
         if turn.ended:
             prefix, read = (turn.prefix, turn.read) if turn.followed else (len(output),) * 2
-            piece = TextPiece(key, tuple(output), 0, prefix, read, tail, turn.stop, True,
-                              tracing.traceparent(turn.span))  # fmt: skip
+            piece = TextPiece(
+                key,
+                tuple(output),
+                0,
+                prefix,
+                read,
+                tail,
+                turn.stop,
+                True,
+                tracing.traceparent(turn.span),
+            )
         elif turn.request.stop_at is None and len(output) > turn.fed:
-            piece = TextPiece(key, tuple(output[turn.prefix :]), turn.prefix, turn.prefix,
-                              turn.read, tail, turn.stop)  # fmt: skip
+            piece = TextPiece(
+                key,
+                tuple(output[turn.prefix :]),
+                turn.prefix,
+                turn.prefix,
+                turn.read,
+                tail,
+                turn.stop,
+            )
         else:
             return None
         turn.fed, turn.asking = len(output), True
@@ -725,32 +781,57 @@ class ChatService:
                 self.conversations.pop(conv.conv_id, None)
                 self.engine.forget(conv.conv_id)
                 self._pass_kv_events()
-            turn.sink.error(ApiError("cancelled", "the turn was cancelled before its first "
-                                     "token; nothing was stored"))  # fmt: skip
+            turn.sink.error(
+                ApiError(
+                    "cancelled", "the turn was cancelled before its first token; nothing was stored"
+                )
+            )
             return
         assert turn.whole is not None
         text = turn.whole
         if turn.stream:
             streamed = turn.text[: turn.sent]
             if not text.startswith(streamed):  # the tokenizer decodes a whole reply differently
-                logger.warning("turn %s of %s: the reply's text does not continue its streamed "
-                               "deltas", conv.turns, conv.conv_id)  # fmt: skip
+                logger.warning(
+                    "turn %s of %s: the reply's text does not continue its streamed deltas",
+                    conv.turns,
+                    conv.conv_id,
+                )
             elif len(text) > turn.sent:
                 turn.sink.delta(text[turn.sent :])
         user = turn.messages[-1]["content"]
         record = turn_record(conv.turns, user, text, request, turn.started_at)
         self._trace(turn, record)
         log = request.all_ids
-        future = commit_turn(self.store, self.writer, conv.conv_id, record, conv.log, log,
-                             conv.stateless, turn.final, conv.tenant)  # fmt: skip
+        future = commit_turn(
+            self.store,
+            self.writer,
+            conv.conv_id,
+            record,
+            conv.log,
+            log,
+            conv.stateless,
+            turn.final,
+            conv.tenant,
+        )
         if turn.final:  # its KV is of no use any more; if the commit fails, the next turn
             self.engine.forget(conv.conv_id)  # recomputes it from the stored log
             self._pass_kv_events()
-        cached = {"gpu": record.cached_gpu, "cpu": record.cached_cpu,
-                  "recomputed": record.cached_recomputed}  # fmt: skip
-        reply = chat_reply(conv.conv_id, record.turn, text, list(request.output_ids),
-                           record.finish_reason, record.prompt_tokens, cached,
-                           turn.final)  # fmt: skip
+        cached = {
+            "gpu": record.cached_gpu,
+            "cpu": record.cached_cpu,
+            "recomputed": record.cached_recomputed,
+        }
+        reply = chat_reply(
+            conv.conv_id,
+            record.turn,
+            text,
+            list(request.output_ids),
+            record.finish_reason,
+            record.prompt_tokens,
+            cached,
+            turn.final,
+        )
 
         # On the store writer's thread, once the commit settles. The conversation stays busy
         # until then and moves on only with the store: a failed commit leaves it as it was
@@ -771,8 +852,12 @@ class ChatService:
             else:
                 conv.busy = False
                 logger.error("turn %s of %s not stored: %s", record.turn, conv.conv_id, error)
-                turn.sink.error(ApiError("internal", f"the turn could not be stored ({error}); "
-                                         "the conversation is as before it"))  # fmt: skip
+                turn.sink.error(
+                    ApiError(
+                        "internal",
+                        f"the turn could not be stored ({error}); the conversation is as before it",
+                    )
+                )
 
         future.add_done_callback(answer)
 
@@ -783,8 +868,11 @@ def _not_found(conv_id: str) -> ApiError:
 
 
 def _ended(conv_id: str) -> ApiError:
-    return ApiError("invalid_request", f"conversation {conv_id!r} has ended (a final turn); "
-                    "it can be read until it expires, and takes no more turns")  # fmt: skip
+    return ApiError(
+        "invalid_request",
+        f"conversation {conv_id!r} has ended (a final turn); "
+        "it can be read until it expires, and takes no more turns",
+    )
 
 
 def _is_expired(meta: ConversationMeta, expiry: ExpiryConfig, now: float) -> bool:
@@ -816,7 +904,15 @@ def _log_turn(conv_id: str, record: TurnRecord, request: Request) -> None:
     logger.info(
         "turn %d of %s: %d prompt tokens (gpu %d, cpu %d, recomputed %d, new %d), %d completion "
         "tokens, %s; first token %.3f s, done %.3f s",
-        record.turn, conv_id, record.prompt_tokens, record.cached_gpu, record.cached_cpu,
-        record.cached_recomputed, record.new_prompt_tokens, len(record.output_token_ids),
-        record.finish_reason, first - request.arrival, finish - request.arrival,
-    )  # fmt: skip
+        record.turn,
+        conv_id,
+        record.prompt_tokens,
+        record.cached_gpu,
+        record.cached_cpu,
+        record.cached_recomputed,
+        record.new_prompt_tokens,
+        len(record.output_token_ids),
+        record.finish_reason,
+        first - request.arrival,
+        finish - request.arrival,
+    )

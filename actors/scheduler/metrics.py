@@ -31,12 +31,74 @@ PREFIX = "pensieve:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SOURCES = ("gpu", "cpu", "recomputed", "new")
 # vLLM's buckets, so dashboards made for it read these the same way
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 EngineStats = Callable[[], dict[str, Any]]  # `ChatService.stats()` as of a recent step
 
@@ -45,34 +107,60 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished "
-                                     "requests", registry=r)  # fmt: skip
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
         self.prompt_sources = Counter(
             PREFIX + "prompt_tokens_by_source",
             "Prompt tokens by where their KV came from: the GPU tier, the CPU tier, recomputed "
-            "from the stored tokens, or new", ["source"], registry=r,
-        )  # fmt: skip
-        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens looked "
-                                      "up in the KV cache", registry=r)  # fmt: skip
-        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens whose KV was "
-                                   "cached (GPU or CPU tier)", registry=r)  # fmt: skip
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of "
-                                         "finished requests", registry=r)  # fmt: skip
-        self.success = Counter(PREFIX + "request_success", "Finished requests",
-                               ["finished_reason"], registry=r)  # fmt: skip
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token",
-                              buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Time per output token "
-                              "after the first", buckets=TPOT_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end request "
-                             "latency in the engine", buckets=LATENCY_BUCKETS,
-                             registry=r)  # fmt: skip
-        self.queue = Histogram(PREFIX + "request_queue_time_seconds", "Time from arrival to "
-                               "first admission", buckets=LATENCY_BUCKETS,
-                               registry=r)  # fmt: skip
-        self.chunks = Counter(PREFIX + "kv_chunks", "KV chunks that left a tier: evicted (to "
-                              "the CPU tier) or dropped (from the cache)", ["event"],
-                              registry=r)  # fmt: skip
+            "from the stored tokens, or new",
+            ["source"],
+            registry=r,
+        )
+        self.prefix_queries = Counter(
+            PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the KV cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            PREFIX + "prefix_cache_hits",
+            "Prompt tokens whose KV was cached (GPU or CPU tier)",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens of finished requests", registry=r
+        )
+        self.success = Counter(
+            PREFIX + "request_success", "Finished requests", ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "End-to-end request latency in the engine",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Time from arrival to first admission",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.chunks = Counter(
+            PREFIX + "kv_chunks",
+            "KV chunks that left a tier: evicted (to the CPU tier) or dropped (from the cache)",
+            ["event"],
+            registry=r,
+        )
         self._engine = _EngineCollector()
         self.registry.register(self._engine)
         for source in SOURCES:  # every series exists from the start, at 0
@@ -133,24 +221,34 @@ class _EngineCollector(Collector):
             return
         stats = self.stats()
         requests, cache, swaps = stats["requests"], stats["cache"], stats["swaps"]
-        yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in the batch",
-                                value=requests["running"])  # fmt: skip
-        yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests queued for "
-                                "admission, suspended ones included",
-                                value=requests["waiting"])  # fmt: skip
-        usage = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of each KV tier's "
-                                  "blocks in use (1 = full)", labels=["tier"])  # fmt: skip
+        yield GaugeMetricFamily(
+            PREFIX + "num_requests_running", "Requests in the batch", value=requests["running"]
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "num_requests_waiting",
+            "Requests queued for admission, suspended ones included",
+            value=requests["waiting"],
+        )
+        usage = GaugeMetricFamily(
+            PREFIX + "kv_cache_usage_perc",
+            "Fraction of each KV tier's blocks in use (1 = full)",
+            labels=["tier"],
+        )
         gpu, cpu = cache["gpu_blocks"], cache["cpu_blocks"]
         usage.add_metric(["gpu"], _used(gpu["total"], gpu["free"] + gpu["reclaimable"]))
         usage.add_metric(["cpu"], _used(cpu["total"], cpu["free"]))
         yield usage
-        yield CounterMetricFamily(PREFIX + "num_preemptions", "Requests suspended (swapped out "
-                                  "and requeued) for want of GPU blocks",
-                                  value=requests["suspensions"])  # fmt: skip
-        moved = CounterMetricFamily(PREFIX + "kv_swap_bytes", "Bytes of KV copied between the "
-                                    "tiers", labels=["direction"])  # fmt: skip
-        took = CounterMetricFamily(PREFIX + "kv_swap_seconds", "Device seconds the copies "
-                                   "took", labels=["direction"])  # fmt: skip
+        yield CounterMetricFamily(
+            PREFIX + "num_preemptions",
+            "Requests suspended (swapped out and requeued) for want of GPU blocks",
+            value=requests["suspensions"],
+        )
+        moved = CounterMetricFamily(
+            PREFIX + "kv_swap_bytes", "Bytes of KV copied between the tiers", labels=["direction"]
+        )
+        took = CounterMetricFamily(
+            PREFIX + "kv_swap_seconds", "Device seconds the copies took", labels=["direction"]
+        )
         for direction in ("in", "out"):
             moved.add_metric([direction], swaps[direction]["bytes"])
             took.add_metric([direction], swaps[direction]["seconds"])

@@ -51,8 +51,10 @@ _MAX_PAUSE_S = 1.0
 
 class TokenizerActor(Actor):
     name = "tokenizer"
-    description = ("renders chat templates into prompt token ids and finds the text and stop "
-                   "strings of reply tokens (one of N stateless replicas)")  # fmt: skip
+    description = (
+        "renders chat templates into prompt token ids and finds the text and stop "
+        "strings of reply tokens (one of N stateless replicas)"
+    )
 
     def __init__(self, bus: Bus, engine_id: str, chat: ChatTokenizer) -> None:
         super().__init__(bus, engine_id)
@@ -110,8 +112,12 @@ class TokenizerActor(Actor):
             parent = tracing.parent_context(piece.trace)
             with tracer.start_as_current_span("tokenizer.detokenize", context=parent) as span:
                 update = self._text_chat.follow(piece)
-                span.set_attributes({"pensieve.completion_tokens": len(piece.ids),
-                                     "pensieve.stopped": update.stop_at is not None})  # fmt: skip
+                span.set_attributes(
+                    {
+                        "pensieve.completion_tokens": len(piece.ids),
+                        "pensieve.stopped": update.stop_at is not None,
+                    }
+                )
             updates.append(update)
         return tuple(updates)
 
@@ -128,15 +134,23 @@ class TokenizerActor(Actor):
         try:
             ids = await loop.run_in_executor(self._worker, render, given)
         except Exception as error:  # the template's own checks (role order, ...)
-            raise ApiError("invalid_request", f"the chat template refused the messages: "
-                           f"{type(error).__name__}: {error}") from None  # fmt: skip
+            raise ApiError(
+                "invalid_request",
+                f"the chat template refused the messages: {type(error).__name__}: {error}",
+            ) from None
         if request.max_tokens is not None and len(ids) > request.max_tokens:
-            raise ApiError("too_long", f"the prompt has {len(ids)} tokens; the model's context "
-                           f"holds {request.max_tokens + 1}")  # fmt: skip
+            raise ApiError(
+                "too_long",
+                f"the prompt has {len(ids)} tokens; the model's context "
+                f"holds {request.max_tokens + 1}",
+            )
         # every id as decimal text with a separator: an upper bound on the answer's size
         if len(ids) * 8 + 64 > self.bus.client.max_payload:
-            raise ApiError("too_long", f"the prompt has {len(ids)} tokens, more than one NATS "
-                           f"message of {self.bus.client.max_payload} bytes carries")  # fmt: skip
+            raise ApiError(
+                "too_long",
+                f"the prompt has {len(ids)} tokens, more than one NATS "
+                f"message of {self.bus.client.max_payload} bytes carries",
+            )
         return ids
 
 
@@ -222,8 +236,11 @@ async def _ask_replica(bus: Bus, engine_id: str, verb: str, body: bytes, timeout
         except ConnectionError:
             await asyncio.sleep(min(pause, left))
             pause = min(2 * pause, _MAX_PAUSE_S)
-    raise ApiError("unavailable", f"no tokenizer of engine {engine_id} answered {verb} in "
-                   f"{timeout:.0f} s; send the turn again")  # fmt: skip
+    raise ApiError(
+        "unavailable",
+        f"no tokenizer of engine {engine_id} answered {verb} in "
+        f"{timeout:.0f} s; send the turn again",
+    )
 
 
 async def _ask(

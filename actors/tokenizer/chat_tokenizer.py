@@ -49,9 +49,9 @@ class ChatTokenizer:
         string: elsewhere one tokenization of the whole text keeps the ids transformers gives."""
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         marked = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
-        rest = str(self.tokenizer.apply_chat_template(
-            marked, add_generation_prompt=True, tokenize=False
-        ))  # fmt: skip
+        rest = str(
+            self.tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+        )
         ids: list[int] = []
         for message, mark in zip(messages, marks, strict=True):
             if mark not in rest:  # a message the template leaves out

@@ -69,8 +69,9 @@ class Actor:
             return
         self._started = True
         await self.setup()
-        info = ServiceInfo(subjects.actor_service(self.name), self.instance_id, version(),
-                           self.description)  # fmt: skip
+        info = ServiceInfo(
+            subjects.actor_service(self.name), self.instance_id, version(), self.description
+        )
         await self.bus.advertise(info)
         await self.bus.flush()
 

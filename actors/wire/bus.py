@@ -154,12 +154,19 @@ class Bus:
 
         given = options or ConnectOptions()
         client = await nats.connect(
-            url, name=name, max_reconnect_attempts=-1, error_cb=on_error,
-            user=given.user, password=given.password, token=given.token,
-            nkeys_seed=given.nkeys_seed, nkeys_seed_str=given.nkeys_seed_str,
+            url,
+            name=name,
+            max_reconnect_attempts=-1,
+            error_cb=on_error,
+            user=given.user,
+            password=given.password,
+            token=given.token,
+            nkeys_seed=given.nkeys_seed,
+            nkeys_seed_str=given.nkeys_seed_str,
             user_credentials=given.user_credentials,
-            tls=given.tls, inbox_prefix=given.inbox_prefix,
-        )  # fmt: skip
+            tls=given.tls,
+            inbox_prefix=given.inbox_prefix,
+        )
         return cls(client)
 
     async def serve(
@@ -307,17 +314,26 @@ class Bus:
         streamed turn of several seconds would hold up; so the endpoints stay ours and only the
         discovery answers are written here."""
         started = datetime.datetime.now(datetime.timezone.utc).isoformat()
-        identity = {"name": service.name, "id": service.id, "version": service.version,
-                    "metadata": {}}  # fmt: skip
+        identity = {
+            "name": service.name,
+            "id": service.id,
+            "version": service.version,
+            "metadata": {},
+        }
 
         def body(kind: str) -> dict[str, object]:
             reply: dict[str, object] = {"type": f"io.nats.micro.v1.{kind}_response", **identity}
             if kind == "info":
                 reply["description"] = service.description
                 reply["endpoints"] = [
-                    {"name": e.name, "subject": e.subject, "queue_group": e.queue_group,
-                     "metadata": None} for e in self.endpoints.values()
-                ]  # fmt: skip
+                    {
+                        "name": e.name,
+                        "subject": e.subject,
+                        "queue_group": e.queue_group,
+                        "metadata": None,
+                    }
+                    for e in self.endpoints.values()
+                ]
             elif kind == "stats":
                 reply["started"] = started
                 reply["endpoints"] = [e.as_json() for e in self.endpoints.values()]
@@ -328,8 +344,11 @@ class Bus:
             async def answer(msg: Msg, kind: str = kind) -> None:
                 await self.client.publish(msg.reply, orjson.dumps(body(kind)))
 
-            for subject in (f"$SRV.{kind.upper()}", f"$SRV.{kind.upper()}.{service.name}",
-                            f"$SRV.{kind.upper()}.{service.name}.{service.id}"):  # fmt: skip
+            for subject in (
+                f"$SRV.{kind.upper()}",
+                f"$SRV.{kind.upper()}.{service.name}",
+                f"$SRV.{kind.upper()}.{service.name}.{service.id}",
+            ):
                 await self.client.subscribe(subject, cb=answer)
 
     async def _handle(

@@ -135,8 +135,10 @@ class TextPiece:
             raise MessageError("TextPiece: ids must be a list of integers")
         end = self.start + len(self.ids)
         if not self.start <= self.prefix <= self.read <= end or (self.final and self.start):
-            raise MessageError("TextPiece: needs start <= prefix <= read <= the last id, and a "
-                               "final piece from the reply's first token")  # fmt: skip
+            raise MessageError(
+                "TextPiece: needs start <= prefix <= read <= the last id, and a "
+                "final piece from the reply's first token"
+            )
         if not isinstance(self.stop, list | tuple) or not all(
             isinstance(s, str) and s for s in self.stop
         ):
@@ -354,8 +356,13 @@ class RecomputePlan:
     cpu_tokens: int
 
     def __post_init__(self) -> None:
-        counts = (self.log_len, self.num_positions, self.recomputed_tokens, self.gpu_tokens,
-                  self.cpu_tokens)  # fmt: skip
+        counts = (
+            self.log_len,
+            self.num_positions,
+            self.recomputed_tokens,
+            self.gpu_tokens,
+            self.cpu_tokens,
+        )
         if not all(_is_int(count) and count >= 0 for count in counts):
             raise MessageError("RecomputePlan: the lengths and counts must be integers >= 0")
         if not (isinstance(self.conversation_id, str) and isinstance(self.known, bool)):

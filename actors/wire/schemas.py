@@ -16,8 +16,15 @@ from pensieve.actors.tokenizer.chat_tokenizer import ChatMessage
 from pensieve.store import validate_conversation_id
 
 # every error code, with the HTTP-like status the NATS service error header carries for it
-ERROR_STATUS = {"invalid_request": 400, "not_found": 404, "too_long": 413, "overloaded": 429,
-                "cancelled": 499, "unavailable": 503, "internal": 500}  # fmt: skip
+ERROR_STATUS = {
+    "invalid_request": 400,
+    "not_found": 404,
+    "too_long": 413,
+    "overloaded": 429,
+    "cancelled": 499,
+    "unavailable": 503,
+    "internal": 500,
+}
 ERROR_CODES = tuple(ERROR_STATUS)
 ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 8
@@ -57,10 +64,23 @@ class ChatRequest:
     prompt: str | tuple[int, ...] | None = None
 
 
-_CHAT_FIELDS = frozenset({
-    "conversation_id", "message", "messages", "max_tokens", "temperature", "top_p", "seed",
-    "stop", "ignore_eos", "stream", "final", "timeout_s", "prompt",
-})  # fmt: skip
+_CHAT_FIELDS = frozenset(
+    {
+        "conversation_id",
+        "message",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "stream",
+        "final",
+        "timeout_s",
+        "prompt",
+    }
+)
 MAX_PROMPT_TOKEN = (1 << 31) - 1  # a token id past the model's vocabulary is refused later
 
 
@@ -153,8 +173,10 @@ def parse_chat(data: bytes) -> ChatRequest:
     else:
         prompt = _prompt(body["prompt"])
         if conv_id is not None:
-            raise ApiError("invalid_request", "a 'prompt' continues no conversation: leave out "
-                           "'conversation_id'")  # fmt: skip
+            raise ApiError(
+                "invalid_request",
+                "a 'prompt' continues no conversation: leave out 'conversation_id'",
+            )
     return ChatRequest(
         conversation_id=conv_id,
         message=message,
@@ -184,8 +206,9 @@ def _prompt(value: object) -> str | tuple[int, ...]:
         and all(type(t) is int and 0 <= t <= MAX_PROMPT_TOKEN for t in value)
     ):
         return tuple(value)
-    raise ApiError("invalid_request", "'prompt' must be a non-empty string or a non-empty array "
-                   "of token ids")  # fmt: skip
+    raise ApiError(
+        "invalid_request", "'prompt' must be a non-empty string or a non-empty array of token ids"
+    )
 
 
 def conversation_id(body: dict[str, Any]) -> str:

@@ -67,8 +67,7 @@ def _orders(orders: SwapOrders) -> list[Any]:
     def pairs(ops: list[CopyOp]) -> list[int]:  # flat: gpu, cpu, gpu, cpu, ...
         return [value for op in ops for value in (op.gpu_block, op.cpu_slot)]
 
-    return [pairs(orders.evict_first), pairs(orders.swap_in), pairs(orders.swap_out),
-            orders.fence]  # fmt: skip
+    return [pairs(orders.evict_first), pairs(orders.swap_in), pairs(orders.swap_out), orders.fence]
 
 
 def _copy_ops(flat: list[int]) -> list[CopyOp]:
@@ -109,11 +108,28 @@ class PlanEncoder:
                 else:
                     sampling = dataclasses.astuple(piece.sampling)
                     held = dataclasses.replace(held, sampling=piece.sampling)
-            rows.append([piece.request_id, piece.start, piece.end, piece.token_ids, keep,
-                         piece.block_table[keep:], sampling, piece.sample_index])  # fmt: skip
+            rows.append(
+                [
+                    piece.request_id,
+                    piece.start,
+                    piece.end,
+                    piece.token_ids,
+                    keep,
+                    piece.block_table[keep:],
+                    sampling,
+                    piece.sample_index,
+                ]
+            )
             self._known[piece.request_id] = _Known(piece.block_table, held.sampling)
-        body = {"v": VERSION, "kind": "step", "to": self.target, "step": step, "feed": feed,
-                "pieces": rows, "orders": _orders(plan.orders)}  # fmt: skip
+        body = {
+            "v": VERSION,
+            "kind": "step",
+            "to": self.target,
+            "step": step,
+            "feed": feed,
+            "pieces": rows,
+            "orders": _orders(plan.orders),
+        }
         if traces:
             body["traces"] = traces
         return orjson.dumps(body)
@@ -167,8 +183,10 @@ class PlanDecoder:
             self._known[rid] = _Known(table, held.sampling)
         evict, swap_in, swap_out, fence = body["orders"]
         orders = SwapOrders(_copy_ops(evict), _copy_ops(swap_in), _copy_ops(swap_out), fence)
-        traces = {rid: (str(parent), int(blocks))
-                  for rid, (parent, blocks) in body.get("traces", {}).items()}  # fmt: skip
+        traces = {
+            rid: (str(parent), int(blocks))
+            for rid, (parent, blocks) in body.get("traces", {}).items()
+        }
         plan = StepPlan(tuple(pieces), orders, traces.get)
         return StepMessage(body["to"], body["step"], body["feed"], plan)
 
@@ -274,8 +292,9 @@ class RemoteRunner:
     at once; `result` waits for the executor's answer. `launch` and `settle` are called from
     the engine's thread, the rest runs on the event loop."""
 
-    def __init__(self, bus: Any, engine_id: str, info: ExecutorInfo,
-                 check_every_s: float = 2.0) -> None:  # fmt: skip
+    def __init__(
+        self, bus: Any, engine_id: str, info: ExecutorInfo, check_every_s: float = 2.0
+    ) -> None:
         self.bus = bus
         self.step_subject = subjects.internal(engine_id, "executor", "step")
         self.describe_subject = subjects.internal(engine_id, "executor", "describe")
@@ -328,8 +347,9 @@ class RemoteRunner:
     def _refresh(self) -> None:
         """Learn which executor runs now (after a reset: it may be a restarted one)."""
         assert self._loop is not None, "RemoteRunner.start was not awaited"
-        asked = asyncio.run_coroutine_threadsafe(_describe(self.bus, self.describe_subject),
-                                                 self._loop)  # fmt: skip
+        asked = asyncio.run_coroutine_threadsafe(
+            _describe(self.bus, self.describe_subject), self._loop
+        )
         try:
             self.info = asked.result(10.0)
         except (concurrent.futures.TimeoutError, ConnectionError, TimeoutError):
@@ -341,8 +361,9 @@ class RemoteRunner:
         (`wait` has nothing to wait for here: every answered step's copies are counted once the
         executor has timed them)."""
         now, before = self._swaps, self._swaps_before
-        return SwapStats(*(getattr(now, f.name) - getattr(before, f.name)
-                           for f in dataclasses.fields(SwapStats)))  # fmt: skip
+        return SwapStats(
+            *(getattr(now, f.name) - getattr(before, f.name) for f in dataclasses.fields(SwapStats))
+        )
 
     def count_from_now(self) -> None:
         """Count swaps from here on (a new engine around the same executor)."""
@@ -352,8 +373,9 @@ class RemoteRunner:
         """Why step `step` will never be answered, or None while the executor runs it (called
         from the engine's thread when the step takes long)."""
         assert self._loop is not None, "RemoteRunner.start was not awaited"
-        asked = asyncio.run_coroutine_threadsafe(_describe(self.bus, self.describe_subject),
-                                                 self._loop)  # fmt: skip
+        asked = asyncio.run_coroutine_threadsafe(
+            _describe(self.bus, self.describe_subject), self._loop
+        )
         try:
             info = asked.result(5.0)
         except (concurrent.futures.TimeoutError, ConnectionError, TimeoutError, RuntimeError):
@@ -411,8 +433,9 @@ async def connect_executor(bus: Any, engine_id: str, timeout_s: float = 600.0) -
             break
         except (ConnectionError, TimeoutError):
             if loop.time() > deadline:
-                raise ExecutorLost(f"no executor of engine {engine_id} answered in "
-                                   f"{timeout_s:.0f} s") from None  # fmt: skip
+                raise ExecutorLost(
+                    f"no executor of engine {engine_id} answered in {timeout_s:.0f} s"
+                ) from None
             await asyncio.sleep(0.25)
     runner = RemoteRunner(bus, engine_id, info)
     await runner.start()

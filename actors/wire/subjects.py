@@ -78,8 +78,15 @@ def check_tenant_name(name: str) -> None:
 # ---- the engine's internal subjects: one namespace per engine, one branch per actor ---------
 
 INTERNAL = "pensieve.internal"
-ACTORS = ("ingress", "http-ingress", "tokenizer", "scheduler", "recompute-planner", "executor",
-          "swap-manager")  # fmt: skip
+ACTORS = (
+    "ingress",
+    "http-ingress",
+    "tokenizer",
+    "scheduler",
+    "recompute-planner",
+    "executor",
+    "swap-manager",
+)
 
 
 def internal(engine_id: str, actor: str, verb: str) -> str:

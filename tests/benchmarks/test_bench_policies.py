@@ -49,10 +49,17 @@ def test_sweep_stops_when_time_runs_out() -> None:
 
 def _run(policy: str, rate: float, req_per_s: float, p90: float) -> dict[str, Any]:
     return {
-        "policy": policy, "rate": rate, "req_per_s": req_per_s, "tok_per_s": 100 * req_per_s,
-        "norm_latency_p50": p90 / 2, "norm_latency_p90": p90, "ttft_p50": 0.1, "ttft_p90": 0.2,
-        "sources": {"gpu": 1, "cpu": 2, "recomputed": 3, "new": 4}, "passed": p90 <= 0.1,
-    }  # fmt: skip
+        "policy": policy,
+        "rate": rate,
+        "req_per_s": req_per_s,
+        "tok_per_s": 100 * req_per_s,
+        "norm_latency_p50": p90 / 2,
+        "norm_latency_p90": p90,
+        "ttft_p50": 0.1,
+        "ttft_p90": 0.2,
+        "sources": {"gpu": 1, "cpu": 2, "recomputed": 3, "new": 4},
+        "passed": p90 <= 0.1,
+    }
 
 
 def _report(path: Path, device: str, runs: dict[str, list[dict]], **settings: Any) -> Path:

@@ -27,8 +27,15 @@ def test_the_decode_step_is_timed_on_one_rank_and_on_two(tmp_path: Path) -> None
 
 
 def test_the_closed_loop_runs_per_rank_count_and_policy(tmp_path: Path) -> None:
-    _run("benchmarks.bench_tp_replay", tmp_path / "loop.json", "--ranks", "2",
-         "--policies", "pensieve", "stateless")  # fmt: skip
+    _run(
+        "benchmarks.bench_tp_replay",
+        tmp_path / "loop.json",
+        "--ranks",
+        "2",
+        "--policies",
+        "pensieve",
+        "stateless",
+    )
     results = json.loads((tmp_path / "loop.json").read_text())["results"]
     assert [(r["ranks"], r["policy"]) for r in results] == [(2, "pensieve"), (2, "stateless")]
     assert all(r["window"]["tok_per_s"] > 0 for r in results)
@@ -39,9 +46,24 @@ def test_the_policy_sweep_steps_executor_ranks(tmp_path: Path) -> None:
     same two ranks, each point's engine counting its own swaps and keeping its own tiers (the
     CPU tier for `pensieve` alone)."""
     out = tmp_path / "policies.json"
-    command = [sys.executable, "-m", "benchmarks.bench_gpu", "--smoke", "--json", str(out),
-               "--sections", "policies", "--tensor-parallel", "2", "--cost", "analytic",
-               "--policies", "pensieve,gpu-only", "--rates", "pensieve=8,gpu-only=8"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_gpu",
+        "--smoke",
+        "--json",
+        str(out),
+        "--sections",
+        "policies",
+        "--tensor-parallel",
+        "2",
+        "--cost",
+        "analytic",
+        "--policies",
+        "pensieve,gpu-only",
+        "--rates",
+        "pensieve=8,gpu-only=8",
+    ]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "2 executor ranks started" in proc.stdout

@@ -83,8 +83,15 @@ def test_rope_write_kv_rotates_q_and_k_and_stores_k_and_v(heads, kv_heads, head_
 def test_rope_write_kv_rejects_a_projection_of_the_wrong_width():
     cache = torch.zeros(2, 2, 4, 2, 16)
     with pytest.raises(ValueError, match="qkv of width"):
-        rope_write_kv(torch.zeros(3, 100), torch.zeros(3, 16), torch.zeros(3, 16), cache,
-                      torch.arange(3), 4, TRITON)  # fmt: skip
+        rope_write_kv(
+            torch.zeros(3, 100),
+            torch.zeros(3, 16),
+            torch.zeros(3, 16),
+            cache,
+            torch.arange(3),
+            4,
+            TRITON,
+        )
 
 
 def gpu(test):
@@ -104,8 +111,11 @@ def test_gpu_fused_kernels_at_13b_shapes():
         return torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
 
     x, delta, weight = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
-    for got, want in zip(add_rms_norm(x, delta, weight, 1e-5, TRITON),
-                         add_rms_norm(x, delta, weight, 1e-5, TORCH), strict=True):  # fmt: skip
+    for got, want in zip(
+        add_rms_norm(x, delta, weight, 1e-5, TRITON),
+        add_rms_norm(x, delta, weight, 1e-5, TORCH),
+        strict=True,
+    ):
         torch.testing.assert_close(got, want, **tolerance(torch.bfloat16))
     gate_up = randn(tokens, 2 * inter)
     torch.testing.assert_close(
@@ -119,8 +129,9 @@ def test_gpu_fused_kernels_at_13b_shapes():
     fused = torch.zeros(64, 2, 32, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
     ref = torch.zeros_like(fused)
     q = rope_write_kv(qkv, cos, sin, fused, slots, heads, TRITON)
-    torch.testing.assert_close(q, rope_write_kv(qkv, cos, sin, ref, slots, heads, TORCH),
-                               **tolerance(torch.bfloat16))  # fmt: skip
+    torch.testing.assert_close(
+        q, rope_write_kv(qkv, cos, sin, ref, slots, heads, TORCH), **tolerance(torch.bfloat16)
+    )
     torch.testing.assert_close(fused, ref, **tolerance(torch.bfloat16))
 
 
@@ -135,13 +146,16 @@ def test_gpu_model_logits_fused_against_torch_ops():
 
     loaded = load_model("preset:tiny-llama", "cuda", torch.bfloat16, seed=0)
     cache = CacheConfig(block_size=16, num_gpu_blocks=64)
-    runner = ModelRunner(loaded.model, cache, torch.device("cuda"), torch.bfloat16,
-                         cuda_graphs=False)  # fmt: skip
+    runner = ModelRunner(
+        loaded.model, cache, torch.device("cuda"), torch.bfloat16, cuda_graphs=False
+    )
     sampled = SamplingParams()
-    plan = StepPlan((
-        SeqPiece("a", tuple(range(3, 103)), 0, 100, tuple(range(7)), sampled),
-        SeqPiece("b", (9,), 40, 41, tuple(range(7, 10)), sampled),
-    ))  # fmt: skip
+    plan = StepPlan(
+        (
+            SeqPiece("a", tuple(range(3, 103)), 0, 100, tuple(range(7)), sampled),
+            SeqPiece("b", (9,), 40, 41, tuple(range(7, 10)), sampled),
+        )
+    )
     logits = {}
     for fused in (False, True):
         loaded.model.set_fused(fused)

@@ -64,16 +64,18 @@ def check_plan_replays(case, num_layers: int) -> None:
 def test_a_plan_replays_every_layer_of_a_mixed_step(rng):
     # decodes on their own tiles (split KV: long contexts, 4 SMs), then a prompt and a
     # recomputed prefix sharing its table on multi-token tiles
-    case = mixed_case(rng, 3, 24, 1400, block_size=16, num_kv_heads=2, group=4, head_dim=16,
-                      dtype=torch.float32)  # fmt: skip
+    case = mixed_case(
+        rng, 3, 24, 1400, block_size=16, num_kv_heads=2, group=4, head_dim=16, dtype=torch.float32
+    )
     plan = AttentionPlan(case.query, case.kv_cache, case.meta, case.scale)
     assert len(plan.launches) == 2 and plan.launches[0].split
     check_plan_replays(case, 3)
 
 
 def test_a_plan_refuses_a_layer_of_another_shape(rng):
-    case = mixed_case(rng, 2, 8, 100, block_size=16, num_kv_heads=1, group=2, head_dim=16,
-                      dtype=torch.float32)  # fmt: skip
+    case = mixed_case(
+        rng, 2, 8, 100, block_size=16, num_kv_heads=1, group=2, head_dim=16, dtype=torch.float32
+    )
     plan = AttentionPlan(case.query, case.kv_cache, case.meta, case.scale)
     with pytest.raises(ValueError, match="planned layout"):
         plan.run(case.query[1:], case.kv_cache)
@@ -86,8 +88,17 @@ def test_a_plan_refuses_a_layer_of_another_shape(rng):
 @pytest.mark.parametrize("decodes", [0, 1, 200])
 @gpu
 def test_gpu_a_plan_replays_every_layer_of_a_step(rng, decodes):
-    case = mixed_case(rng, decodes, 300, 3000, block_size=32, num_kv_heads=2, group=4,
-                      head_dim=128, dtype=torch.bfloat16)  # fmt: skip
+    case = mixed_case(
+        rng,
+        decodes,
+        300,
+        3000,
+        block_size=32,
+        num_kv_heads=2,
+        group=4,
+        head_dim=128,
+        dtype=torch.bfloat16,
+    )
     check_plan_replays(case, 4)
 
 

@@ -151,9 +151,14 @@ def check(case: Case, config: KernelConfig | None = None) -> None:
 def test_mixed_batch(rng, dtype, block_size, group, head_dim):
     subseqs = random_subseqs(rng, rng.randint(1, 5), max_query=80, max_context=300)
     case = make_case(
-        rng, subseqs, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim,
+        rng,
+        subseqs,
+        block_size=block_size,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
         dtype=dtype,
-    )  # fmt: skip
+    )
     check(case)
 
 
@@ -203,8 +208,9 @@ def test_decodes_take_one_tile_per_sub_sequence(rng, split):
         rng, subseqs, block_size=16, num_kv_heads=2, group=4, head_dim=16, dtype=torch.float32
     )
     config = KernelConfig(16, 32, 4, 2, kv_split_len=split)
-    (launch,) = AttentionPlan(case.query, case.kv_cache, case.meta, case.scale,
-                              config=config).launches  # fmt: skip
+    (launch,) = AttentionPlan(
+        case.query, case.kv_cache, case.meta, case.scale, config=config
+    ).launches
     assert launch.grid[:2] == (2, len(subseqs)) and launch.options["SINGLE"]
     assert launch.options["BLOCK_Q"] == 1
     check(case, config)
@@ -230,9 +236,14 @@ def test_mixed_step_runs_decodes_on_their_own_tiles(rng):
 
 def test_dispatch_runs_triton(rng):
     case = make_case(
-        rng, [SubSeq(0, 3, 20)], block_size=16, num_kv_heads=1, group=2, head_dim=16,
+        rng,
+        [SubSeq(0, 3, 20)],
+        block_size=16,
+        num_kv_heads=1,
+        group=2,
+        head_dim=16,
         dtype=torch.float32,
-    )  # fmt: skip
+    )
     out = paged_attention(
         case.query, case.kv_cache, case.meta, case.scale, impl=AttentionImpl.TRITON
     )
@@ -284,9 +295,14 @@ def test_gpu_mixed_batch(rng, dtype, block_size, group, head_dim):
     subseqs += prefix_recompute(rng, 100, 2300)
     rng.shuffle(subseqs)
     case = make_case(
-        rng, subseqs, block_size=block_size, num_kv_heads=rng.choice([1, 2, 8]), group=group,
-        head_dim=head_dim, dtype=dtype,
-    )  # fmt: skip
+        rng,
+        subseqs,
+        block_size=block_size,
+        num_kv_heads=rng.choice([1, 2, 8]),
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
     check(case)
 
 

@@ -93,8 +93,9 @@ def rank_main(rank: int, world_size: int, backend: str, store: str, out: str) ->
     device = torch.device(f"cuda:{rank}" if backend == "nccl" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
-                            world_size=world_size)  # fmt: skip
+    dist.init_process_group(
+        backend, init_method=f"file://{store}", rank=rank, world_size=world_size
+    )
     torch.manual_seed(rank)  # unseeded draws differ by rank unless the runner shares them
     try:
         shard = TensorShard(rank, world_size)
@@ -119,8 +120,7 @@ def run_ranks(
     os.environ.update(NCCL_ENV)  # the GPU machines keep NVLink multicast off
     os.environ[ALL_REDUCE_ENV] = all_reduce  # the ranks inherit it
     try:
-        mp.spawn(rank_main, (world_size, backend, str(tmp / "store"), str(tmp)),
-                 nprocs=world_size)  # fmt: skip
+        mp.spawn(rank_main, (world_size, backend, str(tmp / "store"), str(tmp)), nprocs=world_size)
     finally:
         del os.environ[ALL_REDUCE_ENV]
     return {

@@ -102,9 +102,12 @@ def test_row_parallel_bias_is_added_once() -> None:
 
 @pytest.mark.parametrize(
     ("name", "ranks", "what"),
-    [("tiny-qwen3", 2, "1 KV heads"), ("llama2-13b-gqa10", 4, "10 KV heads"),
-     ("tiny-llama", 8, "2 KV heads")],
-)  # fmt: skip
+    [
+        ("tiny-qwen3", 2, "1 KV heads"),
+        ("llama2-13b-gqa10", 4, "10 KV heads"),
+        ("tiny-llama", 8, "2 KV heads"),
+    ],
+)
 def test_heads_that_do_not_divide_are_a_clear_error(name: str, ranks: int, what: str) -> None:
     model = build_model(PRESETS[name], "meta", torch.float32)
     with pytest.raises(ValueError, match=f"{what} do not divide over {ranks} tensor-parallel"):
@@ -112,8 +115,9 @@ def test_heads_that_do_not_divide_are_a_clear_error(name: str, ranks: int, what:
 
 
 def test_a_split_model_is_not_split_again() -> None:
-    model = shard_model(build_model(PRESETS["tiny-llama"], "meta", torch.float32),
-                        TensorShard(0, 2))  # fmt: skip
+    model = shard_model(
+        build_model(PRESETS["tiny-llama"], "meta", torch.float32), TensorShard(0, 2)
+    )
     with pytest.raises(ValueError, match="split over ranks already"):
         shard_model(model, TensorShard(0, 2))
 
@@ -134,11 +138,21 @@ def test_a_preset_loaded_by_rank_has_the_weights_of_the_whole_one_split(name: st
 def _checkpoint(kind: str, folder: Path) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig, OPTConfig
 
-    common = dict(vocab_size=301, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=128)  # fmt: skip
+    common = dict(
+        vocab_size=301,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+    )
     if kind == "llama":  # GQA, a bias on every linear layer, an odd vocabulary, its own head
-        config: Any = LlamaConfig(**common, intermediate_size=112, num_key_value_heads=2,
-                                  attention_bias=True, mlp_bias=True)  # fmt: skip
+        config: Any = LlamaConfig(
+            **common,
+            intermediate_size=112,
+            num_key_value_heads=2,
+            attention_bias=True,
+            mlp_bias=True,
+        )
     else:
         config = OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64)
     model = AutoModelForCausalLM.from_config(config)

@@ -80,9 +80,19 @@ def serve_on_thread(
 
     async def main() -> None:
         with ConversationStore(data_dir) as store:
-            async with serving(built, store, url, max_waiting, None, shutdown_grace_s,
-                               step_channel, connect=connect, remote_text=remote_text,
-                               front=front, events=events) as service:  # fmt: skip
+            async with serving(
+                built,
+                store,
+                url,
+                max_waiting,
+                None,
+                shutdown_grace_s,
+                step_channel,
+                connect=connect,
+                remote_text=remote_text,
+                front=front,
+                events=events,
+            ) as service:
                 held.append((store.engine_id(), service))
                 ready.set()
                 await stop.wait()
@@ -113,9 +123,11 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def parse(text: str) -> Samples:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def scrape(url: str) -> Samples:

@@ -31,20 +31,51 @@ from tests.ops.serving import stateless_references
 pytestmark = pytest.mark.slow
 
 CHATS = [
-    ["What is the capital of France?", "And of Italy?", "Which of the two is bigger?",
-     "Name a river in each.", "Which is longer?"],
-    ["Give me a word that rhymes with cat.", "Another one?", "Use both in a sentence.",
-     "Now make it a question.", "Answer it."],
-    ["How many legs does a spider have?", "And an ant?", "Which has more?",
-     "Name another insect.", "How many legs does it have?"],
-]  # fmt: skip
+    [
+        "What is the capital of France?",
+        "And of Italy?",
+        "Which of the two is bigger?",
+        "Name a river in each.",
+        "Which is longer?",
+    ],
+    [
+        "Give me a word that rhymes with cat.",
+        "Another one?",
+        "Use both in a sentence.",
+        "Now make it a question.",
+        "Answer it.",
+    ],
+    [
+        "How many legs does a spider have?",
+        "And an ant?",
+        "Which has more?",
+        "Name another insect.",
+        "How many legs does it have?",
+    ],
+]
 MAX_TOKENS = 16
-OPTIONS = ["--model", "smollm2", "--gpu-cache-tokens", "320", "--cpu-cache-tokens", "512",
-           "--admission-reserve", "0", "--max-batch-tokens", "512",
-           "--cpu-threads", "1"]  # fmt: skip
+OPTIONS = [
+    "--model",
+    "smollm2",
+    "--gpu-cache-tokens",
+    "320",
+    "--cpu-cache-tokens",
+    "512",
+    "--admission-reserve",
+    "0",
+    "--max-batch-tokens",
+    "512",
+    "--cpu-threads",
+    "1",
+]
 # which line each actor prints once it serves
-READY = {"ingress": "ready on", "tokenizer": "ready on", "executor": "ready on",
-         "recompute-planner": "ready on", "scheduler": "serving on"}  # fmt: skip
+READY = {
+    "ingress": "ready on",
+    "tokenizer": "ready on",
+    "executor": "ready on",
+    "recompute-planner": "ready on",
+    "scheduler": "serving on",
+}
 # the executor and the scheduler first: the turns after them, on a warm cache again, meet the
 # CPU tier
 KILL_ORDER = ("executor", "scheduler", "recompute-planner", "tokenizer", "ingress")
@@ -65,9 +96,20 @@ class Actor:
         self.name = name
         # the scheduler renders nothing itself: the tokenizer actors do, in processes of their own
         tokenizers = ["--tokenizers", "1" if name == "tokenizer" else "0"]
-        command = [sys.executable, "-m", "pensieve.ops.cli", "actor", name, *OPTIONS,
-                   *tokenizers, "--nats-url", url, "--data-dir", str(data_dir),
-                   *extra]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "pensieve.ops.cli",
+            "actor",
+            name,
+            *OPTIONS,
+            *tokenizers,
+            "--nats-url",
+            url,
+            "--data-dir",
+            str(data_dir),
+            *extra,
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
@@ -283,14 +325,17 @@ def test_every_policy_gives_the_stateless_tokens_with_each_actor_in_its_own_proc
     too."""
     with EmbeddedNats() as server:
         url = server.url
-        front = [Actor(name, url, tmp_path) for name in ("ingress", "tokenizer",
-                                                          "recompute-planner")]  # fmt: skip
+        front = [
+            Actor(name, url, tmp_path) for name in ("ingress", "tokenizer", "recompute-planner")
+        ]
         try:
             for actor in front:
                 actor.wait_ready()
             for policy in ("pensieve", "lru", "gpu-only", "stateless"):
-                engine = [Actor(name, url, tmp_path, "--policy", policy)
-                          for name in ("executor", "scheduler")]  # fmt: skip
+                engine = [
+                    Actor(name, url, tmp_path, "--policy", policy)
+                    for name in ("executor", "scheduler")
+                ]
                 try:
                     for actor in engine:
                         actor.wait_ready()

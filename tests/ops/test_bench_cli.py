@@ -35,23 +35,66 @@ def test_a_rate_sweep_is_measured_tabled_and_plotted_beside_another(
     smollm2, smollm2_chat, sharegpt20, tmp_path, capsys
 ) -> None:
     built = assemble(EngineOptions(model="smollm2"), smollm2, smollm2_chat)
-    work = [str(sharegpt20), "--num-conversations", "3", "--max-turns", "2", "--max-tokens",
-            "4", "--ignore-eos"]  # fmt: skip
+    work = [
+        str(sharegpt20),
+        "--num-conversations",
+        "3",
+        "--max-turns",
+        "2",
+        "--max-tokens",
+        "4",
+        "--ignore-eos",
+    ]
     with EmbeddedNats() as server, serve_on_thread(built, tmp_path / "data", server.url):
         url = ["--nats-url", server.url]
         closed = ["bench", *url, *work, "--concurrency", "2", "--label", "closed"]
         assert main(closed) == 0
         assert "closed c=2" in capsys.readouterr().out
-        first = ["bench", *url, *work, "--rates", "2,8", "--think-time", "0.1", "--label",
-                 "first", "--json", str(tmp_path / "first.json")]  # fmt: skip
+        first = [
+            "bench",
+            *url,
+            *work,
+            "--rates",
+            "2,8",
+            "--think-time",
+            "0.1",
+            "--label",
+            "first",
+            "--json",
+            str(tmp_path / "first.json"),
+        ]
         assert main(first) == 0
-        second = ["bench", *url, *work, "--rates", "1,4", "--label", "second", "--json",
-                  str(tmp_path / "second.json"), "--plot", str(tmp_path / "rates.png"),
-                  "--compare", str(tmp_path / "first.json")]  # fmt: skip
+        second = [
+            "bench",
+            *url,
+            *work,
+            "--rates",
+            "1,4",
+            "--label",
+            "second",
+            "--json",
+            str(tmp_path / "second.json"),
+            "--plot",
+            str(tmp_path / "rates.png"),
+            "--compare",
+            str(tmp_path / "first.json"),
+        ]
         assert main(second) == 0
         # a timed run: conversations come again once all have come, warm-up turns don't count
-        few = ["bench", *url, str(sharegpt20), "--num-conversations", "2", "--max-turns", "2",
-               "--max-tokens", "4", "--ignore-eos", "--rates", "4"]  # fmt: skip
+        few = [
+            "bench",
+            *url,
+            str(sharegpt20),
+            "--num-conversations",
+            "2",
+            "--max-turns",
+            "2",
+            "--max-tokens",
+            "4",
+            "--ignore-eos",
+            "--rates",
+            "4",
+        ]
         timed = ["--duration", "4", "--warmup", "1", "--json", str(tmp_path / "timed.json")]
         assert main([*few, *timed]) == 0
         assert main([*few, "--warmup", "1"]) == 2  # a warm-up needs a duration
@@ -80,8 +123,15 @@ def test_a_rate_sweep_is_measured_tabled_and_plotted_beside_another(
     legend = picture[int(height * 0.85) :]
     assert coloured(legend, FIRST).any() and coloured(legend, SECOND).any()
     # the same picture again from the two sweeps' JSON, with no server to load
-    again = ["bench", "--replot", "--plot", str(tmp_path / "again.png"), "--compare",
-             str(tmp_path / "second.json"), str(tmp_path / "first.json")]  # fmt: skip
+    again = [
+        "bench",
+        "--replot",
+        "--plot",
+        str(tmp_path / "again.png"),
+        "--compare",
+        str(tmp_path / "second.json"),
+        str(tmp_path / "first.json"),
+    ]
     assert main(again) == 0
     assert np.array_equal(image.imread(tmp_path / "again.png"), picture)
     assert main(["bench", "--replot", "--plot", str(tmp_path / "none.png")]) == 2
@@ -106,10 +156,25 @@ def test_bench_drives_the_openai_api_and_reports_what_the_server_counted(
     metrics = f"http://127.0.0.1:{port}/metrics"
     with EmbeddedNats() as server, serve_on_thread(built, data_dir, server.url, front=front):
         before = scrape(metrics)
-        run = ["bench", "--http", f"http://127.0.0.1:{port}", str(sharegpt20),
-               "--num-conversations", "3", "--max-turns", "2", "--max-tokens", "4",
-               "--ignore-eos", "--concurrency", "2", "--label", "http", "--json",
-               str(tmp_path / "http.json")]  # fmt: skip
+        run = [
+            "bench",
+            "--http",
+            f"http://127.0.0.1:{port}",
+            str(sharegpt20),
+            "--num-conversations",
+            "3",
+            "--max-turns",
+            "2",
+            "--max-tokens",
+            "4",
+            "--ignore-eos",
+            "--concurrency",
+            "2",
+            "--label",
+            "http",
+            "--json",
+            str(tmp_path / "http.json"),
+        ]
         assert main(run) == 0
         after = scrape(metrics)
         refused = asyncio.run(bad_turn(f"http://127.0.0.1:{port}/v1"))

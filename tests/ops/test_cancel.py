@@ -20,8 +20,11 @@ from tests.ops.serving import serve_on_thread
 
 pytestmark = pytest.mark.slow
 
-LONG = {"message": "Count from one to one thousand in words.", "max_tokens": 400,
-        "ignore_eos": True}  # fmt: skip
+LONG = {
+    "message": "Count from one to one thousand in words.",
+    "max_tokens": 400,
+    "ignore_eos": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +45,7 @@ def test_a_cancel_message_ends_a_streamed_turn_and_the_conversation_goes_on(url)
         try:
             inbox = client.new_inbox()
             sub = await client.subscribe(inbox)
-            await client.publish(subjects.CHAT, orjson.dumps({**LONG, "stream": True}),
-                                 reply=inbox)  # fmt: skip
+            await client.publish(subjects.CHAT, orjson.dumps({**LONG, "stream": True}), reply=inbox)
             first = orjson.loads((await sub.next_msg(timeout=120)).data)
             conv = first["conversation_id"]  # a new conversation's deltas name it
             begin = time.monotonic()
@@ -126,8 +128,7 @@ def test_a_streamed_turn_whose_requester_goes_away_is_cancelled(url, leaving) ->
         try:
             inbox = client.new_inbox()
             sub = await client.subscribe(inbox)
-            await client.publish(subjects.CHAT, orjson.dumps({**LONG, "stream": True}),
-                                 reply=inbox)  # fmt: skip
+            await client.publish(subjects.CHAT, orjson.dumps({**LONG, "stream": True}), reply=inbox)
             delta = await sub.next_msg(timeout=120)
             # the probe rides as the delta's reply subject; a reader needs nothing of it
             assert "delta" in orjson.loads(delta.data)
@@ -146,8 +147,12 @@ def test_a_streamed_turn_whose_requester_goes_away_is_cancelled(url, leaving) ->
             assert 0 < turn["completion_tokens"] < LONG["max_tokens"]
             stats = await request(other, subjects.STATS, {})
             assert stats["turns_abandoned"] == abandoned + 1
-            after = {"conversation_id": conv, "message": "Stop.", "max_tokens": 3,
-                     "ignore_eos": True}  # fmt: skip
+            after = {
+                "conversation_id": conv,
+                "message": "Stop.",
+                "max_tokens": 3,
+                "ignore_eos": True,
+            }
             assert (await request(other, subjects.CHAT, after))["turn"] == 1
         finally:
             await client.close()

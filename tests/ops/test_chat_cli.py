@@ -19,8 +19,10 @@ from tests.ops.serving import serve_on_thread
 
 pytestmark = pytest.mark.slow
 
-TURN_LINE = re.compile(r"\[turn (\d+) of (\S+): (\d+) prompt tokens \(gpu (\d+), cpu (\d+), "
-                       r"recomputed (\d+)\), (\d+) completion tokens, (\w+)\]")  # fmt: skip
+TURN_LINE = re.compile(
+    r"\[turn (\d+) of (\S+): (\d+) prompt tokens \(gpu (\d+), cpu (\d+), "
+    r"recomputed (\d+)\), (\d+) completion tokens, (\w+)\]"
+)
 
 
 class Terminal:
@@ -30,8 +32,9 @@ class Terminal:
     def __init__(self, command: list[str]) -> None:
         self.master, slave = os.openpty()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave, env=env,
-                                     close_fds=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            command, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True
+        )
         os.close(slave)
         self.seen = ""
 
@@ -59,8 +62,16 @@ class Terminal:
 def test_two_turns_through_a_terminal(smollm2, smollm2_chat, tmp_path) -> None:
     built = assemble(EngineOptions(model="smollm2"), smollm2, smollm2_chat)
     with EmbeddedNats() as server, serve_on_thread(built, tmp_path, server.url) as (_, service):
-        command = [sys.executable, "-m", "pensieve.ops.cli", "chat", "--nats-url", server.url,
-                   "--max-tokens", "12"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "pensieve.ops.cli",
+            "chat",
+            "--nats-url",
+            server.url,
+            "--max-tokens",
+            "12",
+        ]
         terminal = Terminal(command)
         try:
             terminal.read_until("> ")

@@ -97,10 +97,19 @@ def test_a_long_conversation_is_read_in_pages_that_each_fit_one_message(service)
     conv_id, log = "c-long", []
     for number in range(40):
         record = TurnRecord(
-            turn=number, user_message=f"question {number}", assistant_text="é" * 30_000,
-            prompt_tokens=1, new_prompt_tokens=1, output_token_ids=(2,), finish_reason="length",
-            cached_gpu=0, cached_cpu=0, cached_recomputed=0, started_at=1.0, finished_at=2.0,
-        )  # fmt: skip
+            turn=number,
+            user_message=f"question {number}",
+            assistant_text="é" * 30_000,
+            prompt_tokens=1,
+            new_prompt_tokens=1,
+            output_token_ids=(2,),
+            finish_reason="length",
+            cached_gpu=0,
+            cached_cpu=0,
+            cached_recomputed=0,
+            started_at=1.0,
+            finished_at=2.0,
+        )
         service.store.commit_turn(conv_id, record, len(log), [3, 4])
         log += [3, 4]
     turns, cursor = [], None
@@ -152,8 +161,7 @@ def test_a_stop_string_ends_the_turn_at_the_same_token_however_late_its_text_com
     for delay in (0, 2, 5):
         first = late_turn(service, delay, **body, stop=[stop], stream=delay == 2)
         conv_id = first["conversation_id"]
-        second = late_turn(service, delay, conversation_id=conv_id, message=CHAT[1],
-                           max_tokens=12)  # fmt: skip
+        second = late_turn(service, delay, conversation_id=conv_id, message=CHAT[1], max_tokens=12)
         log = service.store.token_log(conv_id)
         runs.append((first, second, log))
     for first, second, log in runs:

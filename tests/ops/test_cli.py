@@ -119,8 +119,12 @@ def test_the_expiry_options_reach_the_server() -> None:
 
 
 def test_version() -> None:
-    done = subprocess.run([sys.executable, "-m", "pensieve.ops.cli", "--version"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "pensieve.ops.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and re.fullmatch(r"pensieve \S+\n", done.stdout), done
 
 
@@ -131,10 +135,22 @@ def test_a_taken_nats_port_is_a_clear_error_before_the_model_loads(tmp_path) -> 
         port = taken.getsockname()[1]
         begin = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", "smollm2",
-             "--data-dir", str(tmp_path), "--nats-port", str(port)],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pensieve.ops.cli",
+                "serve",
+                "--model",
+                "smollm2",
+                "--data-dir",
+                str(tmp_path),
+                "--nats-port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert_clean_error(done, f"port {port} is taken")
     assert "--nats-url" in done.stderr and "model smollm2 loaded" not in done.stderr
     assert time.monotonic() - begin < 60

@@ -44,22 +44,68 @@ GREEDY_PROMPT = "What is the capital of France?"
 GREEDY = {"message": GREEDY_PROMPT, "max_tokens": 24}
 INNOCENT = [
     {"message": text, "max_tokens": 16, "ignore_eos": True, "stream": True}
-    for text in ("Name three colours.", "Count from one to ten.", "What is a cat?",
-                 "Write a haiku about rain.")
-]  # fmt: skip
-SHARED = (subjects.CHAT, subjects.CONVERSATIONS_GET, subjects.CONVERSATIONS_LIST,
-          subjects.CONVERSATIONS_DELETE, subjects.STATS)  # fmt: skip
+    for text in (
+        "Name three colours.",
+        "Count from one to ten.",
+        "What is a cat?",
+        "Write a haiku about rain.",
+    )
+]
+SHARED = (
+    subjects.CHAT,
+    subjects.CONVERSATIONS_GET,
+    subjects.CONVERSATIONS_LIST,
+    subjects.CONVERSATIONS_DELETE,
+    subjects.STATS,
+)
 # pieces of text a chat template or a tokenizer may treat specially
-CONTROL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|>system\n", "\x00", "\r\n",
-           "\u202e", "{{ messages }}", "{% endfor %}", "assistant", GREEDY_PROMPT]  # fmt: skip
-EDGE_NUMBERS = [0, -1, MAX_TOKENS_LIMIT, MAX_TOKENS_LIMIT + 1, 2**63 - 1, 2**63, 2**64,
-                -(2**63) - 1, 10**400, 1e308, -1e308, -0.0, 5e-324, -5e-324, 1e-300,
-                1.0000000000000002]  # fmt: skip
+CONTROL = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|im_start|>system\n",
+    "\x00",
+    "\r\n",
+    "\u202e",
+    "{{ messages }}",
+    "{% endfor %}",
+    "assistant",
+    GREEDY_PROMPT,
+]
+EDGE_NUMBERS = [
+    0,
+    -1,
+    MAX_TOKENS_LIMIT,
+    MAX_TOKENS_LIMIT + 1,
+    2**63 - 1,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**400,
+    1e308,
+    -1e308,
+    -0.0,
+    5e-324,
+    -5e-324,
+    1e-300,
+    1.0000000000000002,
+]
 HEX = "0123456789abcdef"
 # what str.isdigit takes beyond 0-9: '²' (which int() refuses) first, then '٣' (which it reads)
 DIGITS = sorted((c for c in map(chr, range(128, 0x3000)) if c.isdigit()), key=str.isdecimal)
-CHAT_FIELDS = ["conversation_id", "message", "messages", "max_tokens", "temperature", "top_p",
-               "seed", "stop", "ignore_eos", "stream", "final"]  # fmt: skip
+CHAT_FIELDS = [
+    "conversation_id",
+    "message",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "stream",
+    "final",
+]
 
 
 @dataclass(frozen=True)
@@ -101,22 +147,31 @@ def huge_texts() -> st.SearchStrategy[str]:
 def hostile() -> st.SearchStrategy[Any]:
     """A value of any JSON type (numbers at the edges of every range among them)."""
     return st.one_of(
-        st.sampled_from(EDGE_NUMBERS), st.none(), st.booleans(), st.integers(),
-        st.floats(allow_nan=False, allow_infinity=False), texts(),
-        st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(),
-                                                             max_size=2),
-    )  # fmt: skip
+        st.sampled_from(EDGE_NUMBERS),
+        st.none(),
+        st.booleans(),
+        st.integers(),
+        st.floats(allow_nan=False, allow_infinity=False),
+        texts(),
+        st.lists(st.integers(), max_size=3),
+        st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+    )
 
 
 def conversation_ids(engine_id: str, known: list[str]) -> st.SearchStrategy[Any]:
     hexes = st.text(HEX, min_size=1, max_size=16)
     return mixed(
-        st.sampled_from(known), st.none(), texts(), hostile(),
+        st.sampled_from(known),
+        st.none(),
+        texts(),
+        hostile(),
         st.builds(lambda h: f"c-{engine_id}-{h}", hexes),  # this engine's, never made
-        st.builds(lambda e: f"c-{e}-0123456789abcdef",  # an engine that is not running
-                  st.text(HEX, min_size=8, max_size=8)),
+        st.builds(
+            lambda e: f"c-{e}-0123456789abcdef",  # an engine that is not running
+            st.text(HEX, min_size=8, max_size=8),
+        ),
         st.builds(lambda c, n: c * n, st.characters(), st.sampled_from([199, 200, 201])),
-    )  # fmt: skip
+    )
 
 
 def chats() -> st.SearchStrategy[list[Any]]:
@@ -132,9 +187,11 @@ def chats() -> st.SearchStrategy[list[Any]]:
     last = st.fixed_dictionaries({"role": st.just("user"), "content": texts()})
     chat = st.builds(lambda head, tail: [*head, tail], st.lists(said, max_size=3), last)
     return st.one_of(
-        chat, chat, st.lists(entry, max_size=4),
+        chat,
+        chat,
+        st.lists(entry, max_size=4),
         st.just([{"role": "user", "content": GREEDY_PROMPT}]),
-    )  # fmt: skip
+    )
 
 
 def chat_bodies(ids: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
@@ -144,18 +201,24 @@ def chat_bodies(ids: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]
     messages = st.fixed_dictionaries({"messages": chats()})
     both = st.fixed_dictionaries({"message": texts(), "messages": chats()})
     prompt = mixed(message, message, messages, messages, both)
-    temperature = st.one_of(st.sampled_from([0.0, -0.0, 5e-324, 1e-40, 1e-300, 1e308]),
-                            st.floats(0.0, 2.0))  # fmt: skip
+    temperature = st.one_of(
+        st.sampled_from([0.0, -0.0, 5e-324, 1e-40, 1e-300, 1e308]), st.floats(0.0, 2.0)
+    )
     top_p = st.one_of(st.sampled_from([1.0, 5e-324, 1e-300]), st.floats(0.0, 1.0, exclude_min=True))
     stop = st.one_of(texts(1), st.lists(texts(1), max_size=MAX_STOP_STRINGS + 1))
     fields = st.fixed_dictionaries(
         {"max_tokens": st.integers(1, MAX_STORM_TOKENS)},
         optional={
-            "conversation_id": ids, "temperature": temperature, "top_p": top_p,
-            "seed": st.one_of(st.none(), st.integers(0, 2**63 - 1)), "stop": stop,
-            "ignore_eos": st.booleans(), "stream": st.booleans(), "final": st.booleans(),
+            "conversation_id": ids,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": st.one_of(st.none(), st.integers(0, 2**63 - 1)),
+            "stop": stop,
+            "ignore_eos": st.booleans(),
+            "stream": st.booleans(),
+            "final": st.booleans(),
         },
-    )  # fmt: skip
+    )
     return st.builds(lambda a, b: {**a, **b}, fields, prompt)
 
 
@@ -187,21 +250,40 @@ def _changed(body: dict[str, Any], changes: list[tuple[str, tuple[Any] | None]])
 
 
 def raw_bodies(json_bodies: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
-    nested = st.sampled_from([
-        lambda n: b"[" * n + b"]" * n,
-        lambda n: b'{"a":' * n + b"1" + b"}" * n,
-        lambda n: b'{"message": "hi", "max_tokens": 1, "stop": ' + b"[" * n + b"]" * n + b"}",
-    ])  # fmt: skip
+    nested = st.sampled_from(
+        [
+            lambda n: b"[" * n + b"]" * n,
+            lambda n: b'{"a":' * n + b"1" + b"}" * n,
+            lambda n: b'{"message": "hi", "max_tokens": 1, "stop": ' + b"[" * n + b"]" * n + b"}",
+        ]
+    )
     return st.one_of(
         st.binary(max_size=64),
-        st.sampled_from([b"", b" \n", b"null", b"[]", b"1", b'"x"', b"\xff\xfe", b"{", b"\x00",
-                         b'{"message": "\xc3\x28", "max_tokens": 1}', b"NaN", b"Infinity"]),
+        st.sampled_from(
+            [
+                b"",
+                b" \n",
+                b"null",
+                b"[]",
+                b"1",
+                b'"x"',
+                b"\xff\xfe",
+                b"{",
+                b"\x00",
+                b'{"message": "\xc3\x28", "max_tokens": 1}',
+                b"NaN",
+                b"Infinity",
+            ]
+        ),
         st.builds(lambda f, n: f(n), nested, st.sampled_from([100, 1023, 1024, 1025, 100_000])),
         json_bodies.flatmap(lambda data: st.integers(1, len(data)).map(lambda n: data[:n])),
         st.builds(lambda b: b'{"max_tokens": 1, "message": "' + b + b'"}', st.binary(max_size=24)),
-        st.builds(lambda c, escaped: encoded({"max_tokens": 1, "message": c}, escaped),
-                  st.characters(categories=["Cs"]), st.booleans()),  # no UTF-8 holds a surrogate
-    )  # fmt: skip
+        st.builds(
+            lambda c, escaped: encoded({"max_tokens": 1, "message": c}, escaped),
+            st.characters(categories=["Cs"]),
+            st.booleans(),
+        ),  # no UTF-8 holds a surrogate
+    )
 
 
 def encoded(body: Any, ascii_only: bool) -> bytes:
@@ -216,25 +298,35 @@ def probes(engine_id: str, kept: list[str], doomed: list[str]) -> st.SearchStrat
     ids = conversation_ids(engine_id, kept)
     limit = mixed(st.integers(1, 1000), hostile())
     get_cursor = mixed(
-        st.text("0123456789", max_size=3), st.text(DIGITS, min_size=1, max_size=3), hostile(),
+        st.text("0123456789", max_size=3),
+        st.text(DIGITS, min_size=1, max_size=3),
+        hostile(),
         st.builds(lambda d, n: d * n, st.sampled_from("09"), st.sampled_from([20, 4301])),
-    )  # fmt: skip
+    )
     list_cursor = mixed(
-        st.text(HEX + "ABCDEF ", max_size=40), hostile(),
+        st.text(HEX + "ABCDEF ", max_size=40),
+        hostile(),
         st.builds(lambda n: "ab" * n, st.sampled_from([0, 16, 600, 100_000])),
-    )  # fmt: skip
+    )
     bodies = {
         subjects.CHAT: near(chat_bodies(ids), CHAT_FIELDS).map(cheap),
-        subjects.CONVERSATIONS_GET: near(st.fixed_dictionaries(
-            {"conversation_id": mixed(st.sampled_from(kept), ids), "cursor": get_cursor},
-            optional={"limit": limit}),
-            ["conversation_id", "cursor", "limit"]),
-        subjects.CONVERSATIONS_LIST: near(st.fixed_dictionaries(
-            {}, optional={"cursor": list_cursor, "limit": limit}), ["cursor", "limit"]),
-        subjects.CONVERSATIONS_DELETE: near(st.fixed_dictionaries(
-            {"conversation_id": conversation_ids(engine_id, doomed)}), ["conversation_id"]),
+        subjects.CONVERSATIONS_GET: near(
+            st.fixed_dictionaries(
+                {"conversation_id": mixed(st.sampled_from(kept), ids), "cursor": get_cursor},
+                optional={"limit": limit},
+            ),
+            ["conversation_id", "cursor", "limit"],
+        ),
+        subjects.CONVERSATIONS_LIST: near(
+            st.fixed_dictionaries({}, optional={"cursor": list_cursor, "limit": limit}),
+            ["cursor", "limit"],
+        ),
+        subjects.CONVERSATIONS_DELETE: near(
+            st.fixed_dictionaries({"conversation_id": conversation_ids(engine_id, doomed)}),
+            ["conversation_id"],
+        ),
         subjects.STATS: near(st.just({}), []),
-    }  # fmt: skip
+    }
     any_json = st.builds(encoded, st.one_of(*bodies.values(), hostile()), st.booleans())
     flood = st.fixed_dictionaries(
         {"message": huge_texts(), "max_tokens": st.integers(1, MAX_STORM_TOKENS)},
@@ -257,8 +349,14 @@ def generate(engine_id: str, kept: list[str], doomed: list[str], num: int) -> li
     """`num` probes, the same on every run (hypothesis is derandomized)."""
     found: list[Probe] = []
 
-    @settings(max_examples=num, derandomize=True, database=None, deadline=None,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=num,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(probes(engine_id, kept, doomed))
     def collect(probe: Probe) -> None:
         found.append(probe)
@@ -329,8 +427,10 @@ async def storm_beside_innocents(
     client = await nats.connect(url)
     try:
         started = [asyncio.Event() for _ in INNOCENT]
-        innocents = [asyncio.ensure_future(stream(client, body, event))
-                     for body, event in zip(INNOCENT, started, strict=True)]  # fmt: skip
+        innocents = [
+            asyncio.ensure_future(stream(client, body, event))
+            for body, event in zip(INNOCENT, started, strict=True)
+        ]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), TIMEOUT_S)
         began = time.monotonic()
         outcomes = await storm(client, probes)
@@ -366,8 +466,12 @@ def problem(outcome: Outcome, expected: Expected) -> str | None:
     *deltas, final = outcome.replies
     if isinstance(final, dict) and "error" in final:
         error = final["error"]
-        if not (isinstance(error, dict) and error.get("code") in ERROR_CODES
-                and isinstance(error.get("message"), str) and error["message"]):  # fmt: skip
+        if not (
+            isinstance(error, dict)
+            and error.get("code") in ERROR_CODES
+            and isinstance(error.get("message"), str)
+            and error["message"]
+        ):
             return "an error body without a known code and a message"
         if error["code"] == "internal" or outcome.error_header != error["code"]:
             return f"error {error['code']} (header {outcome.error_header})"
@@ -385,8 +489,15 @@ def _answers(kind: str, body: dict[str, Any], reply: Any, expected: Expected) ->
     if not isinstance(reply, dict):
         return False
     if kind == "get":
-        keys = {"conversation_id", "turns", "num_turns", "num_tokens", "busy", "ended",
-                "next_cursor"}  # fmt: skip
+        keys = {
+            "conversation_id",
+            "turns",
+            "num_turns",
+            "num_tokens",
+            "busy",
+            "ended",
+            "next_cursor",
+        }
         return set(reply) == keys and reply["conversation_id"] == body["conversation_id"]
     if kind == "list":
         keys = {"conversations", "next_cursor", "engine_id"}
@@ -400,11 +511,15 @@ def _chat_problem(
     body: dict[str, Any], deltas: list[Any], reply: Any, expected: Expected
 ) -> str | None:
     tokens = reply.get("token_ids") if isinstance(reply, dict) else None
-    if not (isinstance(tokens, list) and all(type(t) is int for t in tokens)
-            and 1 <= len(tokens) <= body["max_tokens"] and isinstance(reply.get("text"), str)
-            and reply.get("finish_reason") in ("stop", "length")
-            and reply.get("usage", {}).get("completion_tokens") == len(tokens)
-            and subjects.owner(reply.get("conversation_id")) == expected.engine_id):  # fmt: skip
+    if not (
+        isinstance(tokens, list)
+        and all(type(t) is int for t in tokens)
+        and 1 <= len(tokens) <= body["max_tokens"]
+        and isinstance(reply.get("text"), str)
+        and reply.get("finish_reason") in ("stop", "length")
+        and reply.get("usage", {}).get("completion_tokens") == len(tokens)
+        and subjects.owner(reply.get("conversation_id")) == expected.engine_id
+    ):
         return "a malformed chat reply"
     if body.get("stream"):
         if reply.get("done") is not True or "".join(d["delta"] for d in deltas) != reply["text"]:
@@ -422,15 +537,20 @@ def _greedy(body: dict[str, Any]) -> bool:
     keep more than the likeliest token of a distribution that is not flat."""
     prompt = body.get("message", body.get("messages"))
     temperature, top_p = body.get("temperature", 0.0), body.get("top_p", 1.0)
-    return (prompt in (GREEDY_PROMPT, [{"role": "user", "content": GREEDY_PROMPT}])
-            and body.get("conversation_id") is None and not body.get("stop")
-            and (temperature < 1e-38 or (top_p < 1e-30 and temperature <= 1.0)))  # fmt: skip
+    return (
+        prompt in (GREEDY_PROMPT, [{"role": "user", "content": GREEDY_PROMPT}])
+        and body.get("conversation_id") is None
+        and not body.get("stop")
+        and (temperature < 1e-38 or (top_p < 1e-30 and temperature <= 1.0))
+    )
 
 
 def describe(outcome: Outcome, problem: str) -> str:
     data = outcome.probe.data
-    return (f"{problem}: {str(outcome.replies[-1:])[:200]} for {outcome.probe.subject} <- "
-            f"{data[:100]!r} ({len(data)} bytes)")  # fmt: skip
+    return (
+        f"{problem}: {str(outcome.replies[-1:])[:200]} for {outcome.probe.subject} <- "
+        f"{data[:100]!r} ({len(data)} bytes)"
+    )
 
 
 # ---- the test ---------------------------------------------------------------------------------
@@ -446,8 +566,9 @@ def nats_url() -> Iterator[str]:
 def engine_id(smollm2, smollm2_chat, nats_url, tmp_path_factory) -> Iterator[str]:
     """One engine with small KV tiers (the storm's conversations push others to the CPU tier and
     out), its model behind the executor actor as between processes; yields its id."""
-    options = EngineOptions(model="smollm2", gpu_cache_tokens=2048, cpu_cache_tokens=2048,
-                            max_batch_tokens=512)  # fmt: skip
+    options = EngineOptions(
+        model="smollm2", gpu_cache_tokens=2048, cpu_cache_tokens=2048, max_batch_tokens=512
+    )
     built = assemble(options, smollm2, smollm2_chat)
     store = tmp_path_factory.mktemp("store")
     with serve_on_thread(built, store, nats_url, step_channel=StepChannel.NATS) as (own_id, _):
@@ -463,8 +584,10 @@ def test_a_storm_of_hostile_requests_gets_only_structured_errors_or_answers(
     alone = [ask(url, subjects.CHAT, body)[-1] for body in INNOCENT]
     assert len(before["token_ids"]) > MAX_STORM_TOKENS and not any("error" in r for r in alone)
     kept = [before["conversation_id"], *(r["conversation_id"] for r in alone)]
-    doomed = [ask(url, subjects.CHAT, {"message": "Hi", "max_tokens": 1})[-1]["conversation_id"]
-              for _ in range(2)]  # fmt: skip
+    doomed = [
+        ask(url, subjects.CHAT, {"message": "Hi", "max_tokens": 1})[-1]["conversation_id"]
+        for _ in range(2)
+    ]
     probes = generate(engine_id, kept, doomed, NUM_REQUESTS)
     assert len(probes) >= 1000
 

@@ -40,11 +40,28 @@ class Server:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.http_port, self.nats_port = free_port(), free_port()
-        command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", MODEL,
-                   "--data-dir", str(data_dir), "--nats-port", str(self.nats_port),
-                   "--http-port", str(self.http_port), "--gpu-cache-tokens", "256",
-                   "--cpu-cache-tokens", "256", "--admission-reserve", "0",
-                   "--log-level", "warning"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "pensieve.ops.cli",
+            "serve",
+            "--model",
+            MODEL,
+            "--data-dir",
+            str(data_dir),
+            "--nats-port",
+            str(self.nats_port),
+            "--http-port",
+            str(self.http_port),
+            "--gpu-cache-tokens",
+            "256",
+            "--cpu-cache-tokens",
+            "256",
+            "--admission-reserve",
+            "0",
+            "--log-level",
+            "warning",
+        ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
@@ -63,9 +80,22 @@ class Server:
         return f"http://127.0.0.1:{self.http_port}/v1"
 
     def tenant(self, name: str) -> dict[str, Any]:
-        done = subprocess.run([sys.executable, "-m", "pensieve.ops.cli", "tenant", "add", name,
-                               "--data-dir", str(self.data_dir)], capture_output=True,
-                              text=True, timeout=60, check=True)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pensieve.ops.cli",
+                "tenant",
+                "add",
+                name,
+                "--data-dir",
+                str(self.data_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         return dict(json.loads(done.stdout))
 
     def stop(self) -> int:
@@ -105,9 +135,12 @@ def ask(api: OpenAI, content: str, conv_id: str | None = None, **extra: Any) -> 
     """One whole reply and its conversation's id (from the response header)."""
     headers = {} if conv_id is None else {"X-Conversation-Id": conv_id}
     raw = api.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": content}], extra_headers=headers,
-        extra_body=extra, **GREEDY,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": content}],
+        extra_headers=headers,
+        extra_body=extra,
+        **GREEDY,
+    )
     return raw.parse(), raw.headers["X-Conversation-Id"]
 
 
@@ -117,9 +150,13 @@ def ask_streamed(
     """One streamed reply: its text, usage, token ids and the conversation named in the
     response header."""
     raw = api.chat.completions.with_raw_response.create(
-        model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True},
-        extra_body={"conversation_id": conv_id, **extra}, **GREEDY,
-    )  # fmt: skip
+        model=MODEL,
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"conversation_id": conv_id, **extra},
+        **GREEDY,
+    )
     text, usage, ids = "", None, []
     for chunk in raw.parse():
         if chunk.usage is not None:
@@ -140,11 +177,14 @@ def test_a_conversation_over_http_reuses_its_kv(server, alice) -> None:
     assert usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
     assert usage.prompt_tokens_details.cached_tokens > 0
     # a stateless client resends the whole chat: the same cache hit, the same reply
-    history = [{"role": "user", "content": CHAT[0]},
-               {"role": "assistant", "content": first.choices[0].message.content},
-               {"role": "user", "content": CHAT[1]}]  # fmt: skip
-    again = api.chat.completions.create(model=MODEL, messages=history, **GREEDY,
-                                        extra_body={"conversation_id": conv_id})  # fmt: skip
+    history = [
+        {"role": "user", "content": CHAT[0]},
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": CHAT[1]},
+    ]
+    again = api.chat.completions.create(
+        model=MODEL, messages=history, **GREEDY, extra_body={"conversation_id": conv_id}
+    )
     assert again.choices[0].message.content == text
     assert again.usage.prompt_tokens == usage.prompt_tokens
     assert again.usage.prompt_tokens_details.cached_tokens > 0
@@ -162,7 +202,8 @@ def test_a_client_that_names_no_conversation_still_hits_its_kv(server, alice, bo
     assert second.parse().usage.prompt_tokens_details.cached_tokens > 0
     # another tenant's identical chat is a conversation of its own, with nothing cached
     theirs = client(server, bob).chat.completions.with_raw_response.create(
-        model=MODEL, messages=chat, **GREEDY)  # fmt: skip
+        model=MODEL, messages=chat, **GREEDY
+    )
     assert theirs.headers["X-Conversation-Id"] != first.headers["X-Conversation-Id"]
     assert theirs.parse().usage.prompt_tokens_details.cached_tokens == 0
 
@@ -174,8 +215,10 @@ def test_a_client_that_names_no_conversation_still_hits_its_kv(server, alice, bo
 
     # the conversation gone, the chat goes on in a new one
     asyncio.run(delete(second.headers["X-Conversation-Id"]))
-    chat += [{"role": "assistant", "content": second.parse().choices[0].message.content},
-             {"role": "user", "content": "A third?"}]  # fmt: skip
+    chat += [
+        {"role": "assistant", "content": second.parse().choices[0].message.content},
+        {"role": "user", "content": "A third?"},
+    ]
     third = api.chat.completions.with_raw_response.create(model=MODEL, messages=chat, **GREEDY)
     assert third.headers["X-Conversation-Id"] != second.headers["X-Conversation-Id"]
     assert third.parse().choices[0].message.content
@@ -184,8 +227,9 @@ def test_a_client_that_names_no_conversation_still_hits_its_kv(server, alice, bo
 def test_greedy_tokens_equal_those_of_the_nats_api(server, alice) -> None:
     api = client(server, alice)
     whole, conv_id = ask(api, CHAT[0], **TOKEN_IDS)
-    text, _, streamed_ids, _ = ask_streamed(api, [{"role": "user", "content": CHAT[1]}],
-                                            conv_id, **TOKEN_IDS)  # fmt: skip
+    text, _, streamed_ids, _ = ask_streamed(
+        api, [{"role": "user", "content": CHAT[1]}], conv_id, **TOKEN_IDS
+    )
     over_http = [whole.choices[0].model_extra["token_ids"], streamed_ids]
 
     async def over_nats() -> list[dict[str, Any]]:
@@ -195,8 +239,11 @@ def test_greedy_tokens_equal_those_of_the_nats_api(server, alice) -> None:
             body: dict[str, Any] = {"message": CHAT[0], "max_tokens": GREEDY["max_tokens"]}
             for message in CHAT:
                 if replies:
-                    body = {**body, "message": message,
-                            "conversation_id": replies[0]["conversation_id"]}  # fmt: skip
+                    body = {
+                        **body,
+                        "message": message,
+                        "conversation_id": replies[0]["conversation_id"],
+                    }
                 answer = await nc.request(subjects.CHAT, orjson.dumps(body), timeout=120)
                 replies.append(orjson.loads(answer.data))
             return replies
@@ -215,9 +262,14 @@ def test_completions_of_a_raw_prompt_equal_those_of_the_nats_api(server, alice) 
     whole = api.completions.create(model=MODEL, prompt=prompt, extra_body=TOKEN_IDS, **GREEDY)
     assert whole.object == "text_completion" and whole.choices[0].text
     text, usage, ids = "", None, []
-    for chunk in api.completions.create(model=MODEL, prompt=prompt, stream=True,
-                                        stream_options={"include_usage": True},
-                                        extra_body=TOKEN_IDS, **GREEDY):  # fmt: skip
+    for chunk in api.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=TOKEN_IDS,
+        **GREEDY,
+    ):
         usage = chunk.usage or usage
         for choice in chunk.choices:
             text += choice.text
@@ -229,8 +281,11 @@ def test_completions_of_a_raw_prompt_equal_those_of_the_nats_api(server, alice) 
         nc = await nats.connect(**alice["nats"])
         try:
             body = {"prompt": prompt, "max_tokens": GREEDY["max_tokens"]}
-            return dict(orjson.loads((await nc.request(subjects.CHAT, orjson.dumps(body),
-                                                       timeout=120)).data))  # fmt: skip
+            return dict(
+                orjson.loads(
+                    (await nc.request(subjects.CHAT, orjson.dumps(body), timeout=120)).data
+                )
+            )
         finally:
             await nc.close()
 
@@ -258,8 +313,7 @@ def test_bad_requests_get_openai_errors_with_their_status(server, alice) -> None
     user = [{"role": "user", "content": "Hi"}]
 
     def create(**fields: Any) -> Any:
-        return lambda: api.chat.completions.create(**{"model": MODEL, "messages": user,
-                                                      **fields})  # fmt: skip
+        return lambda: api.chat.completions.create(**{"model": MODEL, "messages": user, **fields})
 
     status, body = error_of(create(model="gpt-4"))
     assert status == 404 and body["code"] == "model_not_found"
@@ -280,8 +334,11 @@ def test_bad_requests_get_openai_errors_with_their_status(server, alice) -> None
     status, body = error_of(lambda: nobody.models.list())
     assert status == 401 and body["code"] == "invalid_api_key"
     for path, data in (("/chat/completions", b"{not json"), ("/completions", b"{}")):
-        request = urllib.request.Request(server.base_url + path, data=data, headers={
-            "Authorization": f"Bearer {alice['http']['api_key']}"})  # fmt: skip
+        request = urllib.request.Request(
+            server.base_url + path,
+            data=data,
+            headers={"Authorization": f"Bearer {alice['http']['api_key']}"},
+        )
         with pytest.raises(urllib.error.HTTPError) as raised:
             urllib.request.urlopen(request, timeout=30)
         assert raised.value.code in (400, 404)
@@ -293,8 +350,11 @@ def test_a_tenants_key_does_not_reach_another_tenants_conversation(server, alice
     intruder = client(server, bob)
     status, body = error_of(lambda: ask(intruder, "Tell me everything", conv_id))
     assert status == 404 and body["code"] == "not_found"
-    history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi"},
-               {"role": "user", "content": "Mine now"}]  # fmt: skip
+    history = [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi"},
+        {"role": "user", "content": "Mine now"},
+    ]
     status, _ = error_of(lambda: ask_streamed(intruder, history, conv_id))
     assert status == 404
     # alice's conversation goes on as she left it
@@ -315,9 +375,13 @@ def test_models_health_and_version(server, alice) -> None:
 def test_a_client_that_leaves_a_stream_cancels_its_turn(server, alice) -> None:
     api = client(server, alice)
     raw = api.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "Count to a thousand."}], stream=True,
-        max_tokens=4000, temperature=0, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count to a thousand."}],
+        stream=True,
+        max_tokens=4000,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     conv_id = raw.headers["X-Conversation-Id"]
     stream = raw.parse()
     for _, _ in zip(range(3), stream, strict=False):  # the role, then text
@@ -329,8 +393,9 @@ def test_a_client_that_leaves_a_stream_cancels_its_turn(server, alice) -> None:
         try:
             body = orjson.dumps({"conversation_id": conv_id})
             for _ in range(300):
-                got = orjson.loads((await nc.request(subjects.CONVERSATIONS_GET, body,
-                                                     timeout=30)).data)  # fmt: skip
+                got = orjson.loads(
+                    (await nc.request(subjects.CONVERSATIONS_GET, body, timeout=30)).data
+                )
                 if got.get("turns") and not got["busy"]:  # a new one is stored at its end
                     return dict(got["turns"][-1])
                 await asyncio.sleep(0.1)

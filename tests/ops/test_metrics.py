@@ -34,18 +34,28 @@ def served(smollm2, smollm2_chat, tmp_path_factory) -> Iterator[dict[str, Any]]:
     """A served engine with small tiers (its history swaps and is dropped), the HTTP ingress
     and a metrics port, on a nats-server without accounts."""
     data_dir = tmp_path_factory.mktemp("data")
-    options = EngineOptions(model="smollm2", max_batch_tokens=512, gpu_cache_tokens=256,
-                            cpu_cache_tokens=256, admission_reserve=0.0)  # fmt: skip
+    options = EngineOptions(
+        model="smollm2",
+        max_batch_tokens=512,
+        gpu_cache_tokens=256,
+        cpu_cache_tokens=256,
+        admission_reserve=0.0,
+    )
     built = assemble(options, smollm2, smollm2_chat)
     http, metrics = free_port(), free_port()
-    front = Front(HttpConfig(http, model="smollm2"), ApiKeys(data_dir, required=False).tenant,
-                  metrics)  # fmt: skip
+    front = Front(
+        HttpConfig(http, model="smollm2"), ApiKeys(data_dir, required=False).tenant, metrics
+    )
     with (
         EmbeddedNats() as nats_server,
         serve_on_thread(built, data_dir, nats_server.url, front=front) as (engine_id, _),
     ):
-        yield {"http": f"http://127.0.0.1:{http}", "metrics": f"http://127.0.0.1:{metrics}",
-               "nats": nats_server.url, "engine_id": engine_id}  # fmt: skip
+        yield {
+            "http": f"http://127.0.0.1:{http}",
+            "metrics": f"http://127.0.0.1:{metrics}",
+            "nats": nats_server.url,
+            "engine_id": engine_id,
+        }
 
 
 async def converse(api: AsyncOpenAI, messages: list[str], usages: list[Any]) -> None:
@@ -53,10 +63,14 @@ async def converse(api: AsyncOpenAI, messages: list[str], usages: list[Any]) -> 
     conv_id = None
     for message in messages:
         raw = await api.chat.completions.with_raw_response.create(
-            model="smollm2", messages=[{"role": "user", "content": message}], stream=True,
-            max_tokens=MAX_TOKENS, temperature=0, stream_options={"include_usage": True},
+            model="smollm2",
+            messages=[{"role": "user", "content": message}],
+            stream=True,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True, **({"conversation_id": conv_id} if conv_id else {})},
-        )  # fmt: skip
+        )
         conv_id = raw.headers["X-Conversation-Id"]
         stream = raw.parse()
         if inspect.isawaitable(stream):  # openai 1.x: a coroutine
@@ -102,8 +116,12 @@ def test_counters_move_by_exactly_what_the_replies_usage_says(served, sharegpt20
     cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
     assert moved("prefix_cache_hits_total") == cached
     assert value(after, "request_success_total", finished_reason="length") == turns
-    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds",
-                      "e2e_request_latency_seconds", "request_queue_time_seconds"):  # fmt: skip
+    for histogram in (
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
         assert moved(f"{histogram}_count") == turns
         assert moved(f"{histogram}_sum") > 0 or histogram == "request_queue_time_seconds"
     # the engine's state: busy while the turns ran, idle after; its tiers full of history
@@ -127,7 +145,10 @@ def test_the_metrics_read_the_same_on_every_way_out(served) -> None:
             return await asyncio.to_thread(scrape, f"http://127.0.0.1:{actor.port}/metrics")
 
     counters = ("prompt_tokens_total", "generation_tokens_total", "prefix_cache_hits_total")
-    got = [scrape(served["http"] + "/metrics"), scrape(served["metrics"] + "/metrics"),
-           asyncio.run(from_the_bus())]  # fmt: skip
+    got = [
+        scrape(served["http"] + "/metrics"),
+        scrape(served["metrics"] + "/metrics"),
+        asyncio.run(from_the_bus()),
+    ]
     for name in counters:
         assert len({value(samples, name) for samples in got}) == 1, name

@@ -159,8 +159,10 @@ def test_a_tenant_sees_nothing_of_another_and_cannot_answer_for_the_service(
             refusals: list[Exception] = []
             b_client = await connect_tenant(bob, server.url, refusals)
             # bob listens everywhere it might overhear alice, or take her requests
-            spies = [await b_client.subscribe(subject) for subject in
-                     (">", CHAT, "pensieve.tenant.>", f"{alice['inbox_prefix']}.>")]  # fmt: skip
+            spies = [
+                await b_client.subscribe(subject)
+                for subject in (">", CHAT, "pensieve.tenant.>", f"{alice['inbox_prefix']}.>")
+            ]
             await b_client.flush()
             assert await ask(a_client) == [f"alice {part}".encode() for part in range(NUM_PARTS)]
             # ... and speaks where only the service, or alice, may
@@ -236,8 +238,9 @@ def test_a_removed_tenant_is_refused_and_a_rotated_one_takes_only_its_new_passwo
             pass
 
         try:
-            client = await nats.connect(**{**kwargs, "servers": [url]}, allow_reconnect=False,
-                                        error_cb=quiet)  # fmt: skip
+            client = await nats.connect(
+                **{**kwargs, "servers": [url]}, allow_reconnect=False, error_cb=quiet
+            )
         except nats.errors.Error as error:
             return "Authorization Violation" in str(error)
         await client.close()
@@ -327,8 +330,9 @@ async def logged_in(kwargs: dict[str, Any], url: str) -> Client:
 
     for _ in range(250):
         try:
-            return await nats.connect(**{**kwargs, "servers": [url]}, allow_reconnect=False,
-                                      error_cb=quiet)  # fmt: skip
+            return await nats.connect(
+                **{**kwargs, "servers": [url]}, allow_reconnect=False, error_cb=quiet
+            )
         except (nats.errors.Error, OSError):  # refused; a refusal can also reset the socket
             await asyncio.sleep(0.02)
     raise AssertionError("the tenant never logged in")
@@ -471,9 +475,24 @@ def test_credentials_come_from_flags_files_and_the_environment(tmp_path: Path) -
 
 def _self_signed(folder: Path, name: str, ip: str | None = None) -> tuple[Path, Path]:
     cert, key = folder / f"{name}.pem", folder / f"{name}.key"
-    command = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-               "-nodes", "-days", "1", "-subj", f"/CN={name}", "-keyout", str(key), "-out",
-               str(cert)]  # fmt: skip
+    command = [
+        "openssl",
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        str(key),
+        "-out",
+        str(cert),
+    ]
     if ip is not None:
         command += ["-addext", f"subjectAltName=IP:{ip}"]
     subprocess.run(command, check=True, capture_output=True, timeout=30)
@@ -485,9 +504,20 @@ def test_a_client_with_the_ca_and_a_client_certificate_connects_over_tls(tmp_pat
     server_cert, server_key = _self_signed(tmp_path, "server", ip="127.0.0.1")
     client_cert, client_key = _self_signed(tmp_path, "client")
     port = free_port()
-    command = [find_binary(), "-a", "127.0.0.1", "-p", str(port), "--tlsverify",
-               "--tlscert", str(server_cert), "--tlskey", str(server_key),
-               "--tlscacert", str(client_cert)]  # fmt: skip
+    command = [
+        find_binary(),
+        "-a",
+        "127.0.0.1",
+        "-p",
+        str(port),
+        "--tlsverify",
+        "--tlscert",
+        str(server_cert),
+        "--tlskey",
+        str(server_key),
+        "--tlscacert",
+        str(client_cert),
+    ]
     url = f"tls://127.0.0.1:{port}"
 
     async def go() -> None:

@@ -28,8 +28,15 @@ CHAT = ["What is the capital of France?", "And of Italy?", "Which of the two is 
 SMALL_TIERS = dict(gpu_cache_tokens=512, cpu_cache_tokens=256, admission_reserve=0.0)
 
 
-def run_replay(smollm2, chat, path: Path, policy: Policy, concurrency: int = 8,
-               data_dir: Path | None = None, **tiers) -> tuple[list[dict], object]:  # fmt: skip
+def run_replay(
+    smollm2,
+    chat,
+    path: Path,
+    policy: Policy,
+    concurrency: int = 8,
+    data_dir: Path | None = None,
+    **tiers,
+) -> tuple[list[dict], object]:
     options = EngineOptions(model="smollm2", policy=policy, max_batch_tokens=512, **tiers)
     built = assemble(options, smollm2, chat)
     out = io.BytesIO()
@@ -56,8 +63,17 @@ def three_turns(chat_file) -> list[dict]:
     """The 3-turn chat through the real command line, uninterrupted. Its lines go to stdout
     (`--out -`), which records how many objects were frozen out of garbage collection as each
     finished turn is written: the replay is serving then."""
-    argv = ["replay", str(chat_file), "--model", "smollm2", "--out", "-",
-            "--max-new-tokens", "40", "--emit-token-ids"]  # fmt: skip
+    argv = [
+        "replay",
+        str(chat_file),
+        "--model",
+        "smollm2",
+        "--out",
+        "-",
+        "--max-new-tokens",
+        "40",
+        "--emit-token-ids",
+    ]
     stdout = _FreezeRecordingStdout()
     saved, sys.stdout = sys.stdout, stdout  # type: ignore[assignment]
     try:
@@ -95,9 +111,13 @@ def stateless(smollm2, smollm2_chat, sharegpt20) -> list[dict]:
     """The reference: every turn re-prefilled, each step planned after the one before is
     applied; every other run here plans a step while the one before is in flight."""
     lines, _ = run_replay(
-        smollm2, smollm2_chat, sharegpt20, Policy.STATELESS, gpu_cache_tokens=16384,
+        smollm2,
+        smollm2_chat,
+        sharegpt20,
+        Policy.STATELESS,
+        gpu_cache_tokens=16384,
         overlap=False,
-    )  # fmt: skip
+    )
     return lines
 
 
@@ -128,9 +148,23 @@ def test_restart_continues_from_the_token_log(
     data_dir = tmp_path / "db"
     first = tmp_path / "first.jsonl"
     # a process that answers the first turn, commits it to LMDB and exits
-    cmd = [sys.executable, "-m", "pensieve.ops.cli", "replay", str(chat_file), "--model", "smollm2",
-           "--out", str(first), "--max-new-tokens", "40", "--max-turns", "1",
-           "--data-dir", str(data_dir)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pensieve.ops.cli",
+        "replay",
+        str(chat_file),
+        "--model",
+        "smollm2",
+        "--out",
+        str(first),
+        "--max-new-tokens",
+        "40",
+        "--max-turns",
+        "1",
+        "--data-dir",
+        str(data_dir),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     # a fresh engine on the same store continues with the turns not yet answered
@@ -243,13 +277,36 @@ def test_replay_over_two_tensor_parallel_ranks_gives_the_tokens_of_one(sharegpt2
     tokens, cached = {}, {}
     for ranks in (1, 2):
         out = tmp_path / f"ranks{ranks}.jsonl"
-        argv = ["replay", str(sharegpt20), "--model", "preset:tiny-llama", "--out", str(out),
-                "--num-conversations", "6", "--max-new-tokens", "24", "--concurrency", "6",
-                "--gpu-cache-tokens", "384", "--cpu-cache-tokens", "192",
-                "--admission-reserve", "0", "--cpu-threads", "1",
-                "--tensor-parallel", str(ranks)]  # fmt: skip
-        done = subprocess.run([sys.executable, "-m", "pensieve.ops.cli", *argv],
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        argv = [
+            "replay",
+            str(sharegpt20),
+            "--model",
+            "preset:tiny-llama",
+            "--out",
+            str(out),
+            "--num-conversations",
+            "6",
+            "--max-new-tokens",
+            "24",
+            "--concurrency",
+            "6",
+            "--gpu-cache-tokens",
+            "384",
+            "--cpu-cache-tokens",
+            "192",
+            "--admission-reserve",
+            "0",
+            "--cpu-threads",
+            "1",
+            "--tensor-parallel",
+            str(ranks),
+        ]
+        done = subprocess.run(
+            [sys.executable, "-m", "pensieve.ops.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr
         lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
         tokens[ranks] = tokens_by_turn(lines)

@@ -64,8 +64,7 @@ def running_server(
     options = EngineOptions(model="smollm2", max_batch_tokens=512, **TIERS)
     built = assemble(options, smollm2, chat)
     try:
-        with serve_on_thread(built, data_dir, url, max_waiting, shutdown_grace_s,
-                             StepChannel.NATS):  # fmt: skip
+        with serve_on_thread(built, data_dir, url, max_waiting, shutdown_grace_s, StepChannel.NATS):
             yield built
     finally:
         built.engine.kv.check_invariants()
@@ -349,8 +348,9 @@ def test_a_stats_request_that_is_not_an_object_is_refused(server) -> None:
 
 
 def test_streamed_deltas_add_up_to_the_reply(server, reference) -> None:
-    replies, _ = ask(server, subjects.CHAT, {"message": CHAT[0], "max_tokens": MAX_TOKENS,
-                                             "stream": True})  # fmt: skip
+    replies, _ = ask(
+        server, subjects.CHAT, {"message": CHAT[0], "max_tokens": MAX_TOKENS, "stream": True}
+    )
     *deltas, final = replies
     assert len(deltas) > 1 and final["done"] is True
     assert "".join(d["delta"] for d in deltas) == final["text"]
@@ -359,11 +359,14 @@ def test_streamed_deltas_add_up_to_the_reply(server, reference) -> None:
 
 def test_a_stateless_client_resending_its_history_hits_the_cache(server, reference) -> None:
     first = chat(server, message=CHAT[0], max_tokens=MAX_TOKENS)
-    history = [{"role": "user", "content": CHAT[0]},
-               {"role": "assistant", "content": first["text"]},
-               {"role": "user", "content": CHAT[1]}]  # fmt: skip
-    again = chat(server, conversation_id=first["conversation_id"], messages=history,
-                 max_tokens=MAX_TOKENS)  # fmt: skip
+    history = [
+        {"role": "user", "content": CHAT[0]},
+        {"role": "assistant", "content": first["text"]},
+        {"role": "user", "content": CHAT[1]},
+    ]
+    again = chat(
+        server, conversation_id=first["conversation_id"], messages=history, max_tokens=MAX_TOKENS
+    )
     assert again["token_ids"] == reference[1]
     assert sum(again["usage"]["cached_tokens"].values()) > 0
 
@@ -395,17 +398,24 @@ def test_a_raw_prompt_is_completed_as_transformers_completes_it(
     reference = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
-    want = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
-                              eos_token_id=2, pad_token_id=2)[0, len(ids) :].tolist()  # fmt: skip
+    want = reference.generate(
+        torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=2, pad_token_id=2
+    )[0, len(ids) :].tolist()
     assert by_text["token_ids"] == want
-    replies, headers = ask(server, subjects.CHAT, {"conversation_id": by_text["conversation_id"],
-                                                   "message": "And?"})  # fmt: skip
+    replies, headers = ask(
+        server, subjects.CHAT, {"conversation_id": by_text["conversation_id"], "message": "And?"}
+    )
     assert headers[ERROR_HEADER] and "ended" in replies[-1]["error"]["message"]
-    for body, why in (({"prompt": ""}, "non-empty"), ({"prompt": [1, "a"]}, "token ids"),
-                      ({"prompt": [10**9]}, "vocabulary"),
-                      ({"prompt": "x", "message": "y"}, "exactly one"),
-                      ({"prompt": "x", "conversation_id": by_ids["conversation_id"]},
-                       "continues no conversation")):  # fmt: skip
+    for body, why in (
+        ({"prompt": ""}, "non-empty"),
+        ({"prompt": [1, "a"]}, "token ids"),
+        ({"prompt": [10**9]}, "vocabulary"),
+        ({"prompt": "x", "message": "y"}, "exactly one"),
+        (
+            {"prompt": "x", "conversation_id": by_ids["conversation_id"]},
+            "continues no conversation",
+        ),
+    ):
         replies, headers = ask(server, subjects.CHAT, body)
         assert why in replies[-1]["error"]["message"], (body, replies)
 
@@ -417,8 +427,9 @@ def test_a_stop_string_ends_the_reply_before_it(server) -> None:
     assert stop.strip(), full
     cut = chat(server, message=CHAT[0], max_tokens=MAX_TOKENS, stop=[stop])
     assert cut["text"] == full[: full.find(stop)] and cut["finish_reason"] == "stop"
-    assert len(cut["token_ids"]) < len(chat(server, message=CHAT[0],
-                                             max_tokens=MAX_TOKENS)["token_ids"])  # fmt: skip
+    assert len(cut["token_ids"]) < len(
+        chat(server, message=CHAT[0], max_tokens=MAX_TOKENS)["token_ids"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -456,8 +467,10 @@ def test_extreme_sampling_values_are_computed_and_hurt_no_other_turn(server, ref
     extreme += [{"temperature": 0.5, "top_p": 1e-300}, {"temperature": 1e-40, "top_p": 1e-300}]
     with ThreadPoolExecutor(len(extreme) + 1) as pool:
         innocent = pool.submit(chat, server, message=CHAT[0], max_tokens=MAX_TOKENS, stream=True)
-        replies = [pool.submit(chat, server, message=CHAT[0], max_tokens=8, seed=3, **sampling)
-                   for sampling in extreme]  # fmt: skip
+        replies = [
+            pool.submit(chat, server, message=CHAT[0], max_tokens=8, seed=3, **sampling)
+            for sampling in extreme
+        ]
         for reply in replies:
             assert reply.result()["token_ids"] == reference[0][:8]
         assert innocent.result()["token_ids"] == reference[0]
@@ -518,8 +531,9 @@ def test_stopping_with_streams_in_flight_answers_every_requester(
 
 def test_a_refused_turn_leaves_its_conversation_free_for_the_next(server) -> None:
     conv_id = chat(server, message=CHAT[0], max_tokens=4)["conversation_id"]
-    replies, headers = ask(server, subjects.CHAT, {"conversation_id": conv_id,
-                                                   "message": "tell me " * 9000})  # fmt: skip
+    replies, headers = ask(
+        server, subjects.CHAT, {"conversation_id": conv_id, "message": "tell me " * 9000}
+    )
     assert headers.get(ERROR_HEADER) == "too_long", replies
     again = chat(server, conversation_id=conv_id, message=CHAT[1], max_tokens=4)
     assert again["turn"] == 1
@@ -533,8 +547,10 @@ def test_conversations_are_listed_read_and_deleted(server) -> None:
     assert len(got[0]["turns"]) == 1 and got[0]["num_tokens"] > 0
     deleted, _ = ask(server, subjects.CONVERSATIONS_DELETE, {"conversation_id": conv_id})
     assert deleted[0] == {"conversation_id": conv_id, "deleted": True}
-    gone = [(subjects.CONVERSATIONS_GET, {"conversation_id": conv_id}),
-            (subjects.CHAT, {"conversation_id": conv_id, "message": "hi"})]  # fmt: skip
+    gone = [
+        (subjects.CONVERSATIONS_GET, {"conversation_id": conv_id}),
+        (subjects.CHAT, {"conversation_id": conv_id, "message": "hi"}),
+    ]
     for subject, body in gone:
         replies, headers = ask(server, subject, body)
         assert headers.get(ERROR_HEADER) == "not_found", replies
@@ -578,12 +594,14 @@ def test_reads_are_answered_while_the_engine_is_inside_a_step(
 
         runner.launch = held
         with ThreadPoolExecutor(1) as pool:
-            turn = pool.submit(chat, own.url, conversation_id=conv_id, message=CHAT[1],
-                               max_tokens=2)  # fmt: skip
+            turn = pool.submit(
+                chat, own.url, conversation_id=conv_id, message=CHAT[1], max_tokens=2
+            )
             assert entered.wait(30)
             listed, _ = ask(own.url, subjects.CONVERSATIONS_LIST, {}, timeout=10)
-            got, _ = ask(own.url, subjects.CONVERSATIONS_GET, {"conversation_id": conv_id},
-                         timeout=10)  # fmt: skip
+            got, _ = ask(
+                own.url, subjects.CONVERSATIONS_GET, {"conversation_id": conv_id}, timeout=10
+            )
             assert conv_id in listed[0]["conversations"] and got[0]["busy"] is True
             let_go.set()
             assert turn.result()["turn"] == 1
@@ -597,8 +615,12 @@ def test_a_restarted_server_continues_a_conversation_from_the_store(
         with running_server(smollm2, smollm2_chat, tmp_path, own.url):
             first = chat(own.url, message=CHAT[0], max_tokens=MAX_TOKENS)
         with running_server(smollm2, smollm2_chat, tmp_path, own.url):  # fresh, empty tiers
-            second = chat(own.url, conversation_id=first["conversation_id"], message=CHAT[1],
-                          max_tokens=MAX_TOKENS)  # fmt: skip
+            second = chat(
+                own.url,
+                conversation_id=first["conversation_id"],
+                message=CHAT[1],
+                max_tokens=MAX_TOKENS,
+            )
     assert first["token_ids"] == reference[0] and second["token_ids"] == reference[1]
     assert second["usage"]["cached_tokens"]["recomputed"] > 0  # the KV came from the token log
 
@@ -621,28 +643,41 @@ def test_two_engines_on_one_bus_keep_each_conversation_where_its_kv_is(
             servers.enter_context(running_server(smollm2, smollm2_chat, tmp_path / name, bus.url))
         owned = {}
         for engine_id in engine_ids:  # one conversation started on each engine
-            (first,), _ = ask(bus.url, subjects.engine_subject(engine_id, subjects.CHAT),
-                              {"message": CHAT[0], "max_tokens": MAX_TOKENS})  # fmt: skip
+            (first,), _ = ask(
+                bus.url,
+                subjects.engine_subject(engine_id, subjects.CHAT),
+                {"message": CHAT[0], "max_tokens": MAX_TOKENS},
+            )
             assert first["conversation_id"].startswith(f"c-{engine_id}-")
             assert first["token_ids"] == reference[0]
             owned[engine_id] = first["conversation_id"]
         for turn in (1, 2):
             for engine_id, other in zip(engine_ids, reversed(engine_ids), strict=True):
-                body = {"conversation_id": owned[engine_id], "message": CHAT[turn],
-                        "max_tokens": MAX_TOKENS}  # fmt: skip
+                body = {
+                    "conversation_id": owned[engine_id],
+                    "message": CHAT[turn],
+                    "max_tokens": MAX_TOKENS,
+                }
                 subject = subjects.engine_subject(other, subjects.CHAT) if turn == 1 else None
                 replies, headers = ask(bus.url, subject or subjects.CHAT, body)
                 assert ERROR_HEADER not in headers, replies
                 assert replies[-1]["token_ids"] == reference[turn]
                 assert replies[-1]["usage"]["cached_tokens"]["gpu"] > 0
         for engine_id, other in zip(engine_ids, reversed(engine_ids), strict=True):
-            (stored,), _ = ask(bus.url, subjects.engine_subject(other, subjects.CONVERSATIONS_GET),
-                               {"conversation_id": owned[engine_id]})  # fmt: skip
+            (stored,), _ = ask(
+                bus.url,
+                subjects.engine_subject(other, subjects.CONVERSATIONS_GET),
+                {"conversation_id": owned[engine_id]},
+            )
             assert [t["message"] for t in stored["turns"]] == CHAT
-            (listed,), _ = ask(bus.url, subjects.engine_subject(engine_id,
-                               subjects.CONVERSATIONS_LIST), {})  # fmt: skip
-            assert listed == {"conversations": [owned[engine_id]], "next_cursor": None,
-                              "engine_id": engine_id}  # fmt: skip
+            (listed,), _ = ask(
+                bus.url, subjects.engine_subject(engine_id, subjects.CONVERSATIONS_LIST), {}
+            )
+            assert listed == {
+                "conversations": [owned[engine_id]],
+                "next_cursor": None,
+                "engine_id": engine_id,
+            }
 
 
 def test_a_conversation_whose_engine_is_not_running_is_answered_unavailable_at_once(
@@ -651,8 +686,10 @@ def test_a_conversation_whose_engine_is_not_running_is_answered_unavailable_at_o
     """Its id names an engine that is not on the bus: the request is refused at once instead of
     being forwarded to nobody (its requester would wait out its whole timeout)."""
     absent = subjects.new_conversation_id("0badc0de", "0123456789abcdef")
-    for subject, body in [(subjects.CHAT, {"conversation_id": absent, "message": "hi"}),
-                          (subjects.CONVERSATIONS_GET, {"conversation_id": absent})]:  # fmt: skip
+    for subject, body in [
+        (subjects.CHAT, {"conversation_id": absent, "message": "hi"}),
+        (subjects.CONVERSATIONS_GET, {"conversation_id": absent}),
+    ]:
         begin = time.monotonic()
         replies, headers = ask(server, subject, body, timeout=10)
         assert headers.get(ERROR_HEADER) == "unavailable", replies
@@ -681,14 +718,18 @@ def test_a_failed_engine_step_is_answered_and_the_conversations_go_on_unchanged(
             return launch(plan, feed)
 
         runner.launch = fail_once
-        body = {"conversation_id": first["conversation_id"], "message": CHAT[1],
-                "max_tokens": MAX_TOKENS}  # fmt: skip
+        body = {
+            "conversation_id": first["conversation_id"],
+            "message": CHAT[1],
+            "max_tokens": MAX_TOKENS,
+        }
         replies, headers = ask(own.url, subjects.CHAT, body)
         assert headers.get(ERROR_HEADER) == "internal" and failures, replies
         assert "injected step failure" in replies[-1]["error"]["message"]
         again = chat(own.url, **body)
-        later = chat(own.url, conversation_id=idle["conversation_id"], message=CHAT[1],
-                     max_tokens=MAX_TOKENS)  # fmt: skip
+        later = chat(
+            own.url, conversation_id=idle["conversation_id"], message=CHAT[1], max_tokens=MAX_TOKENS
+        )
     assert first["token_ids"] == idle["token_ids"] == reference[0]
     assert again["turn"] == 1 and again["token_ids"] == reference[1]
     assert later["token_ids"] == reference[1]
@@ -714,8 +755,9 @@ def test_an_engine_that_cannot_be_reset_refuses_turns_at_once(
 
         built.engine.runner.launch = broken_step
         built.engine.abort_all = broken_abort_all
-        replies = [ask(own.url, subjects.CHAT, {"message": CHAT[0], "max_tokens": 4})
-                   for _ in range(3)]  # fmt: skip
+        replies = [
+            ask(own.url, subjects.CHAT, {"message": CHAT[0], "max_tokens": 4}) for _ in range(3)
+        ]
         assert len(steps) == 1  # the engine stopped stepping after the failed reset
         for messages, headers in replies:
             assert headers.get(ERROR_HEADER) == "internal", messages
@@ -776,8 +818,11 @@ def test_the_server_rides_out_a_nats_restart_and_stops_while_nats_is_down(
         first_nats.__exit__(None, None, None)
         with EmbeddedNats(port) as second_nats:
             _wait_until_served(second_nats.url)
-            body = {"conversation_id": first["conversation_id"], "message": CHAT[1],
-                    "max_tokens": MAX_TOKENS}  # fmt: skip
+            body = {
+                "conversation_id": first["conversation_id"],
+                "message": CHAT[1],
+                "max_tokens": MAX_TOKENS,
+            }
             for _ in range(3):
                 replies, headers = ask(second_nats.url, subjects.CHAT, body)
                 if headers.get(ERROR_HEADER) != "unavailable":
@@ -806,9 +851,22 @@ def _serving_url(proc: subprocess.Popen[str]) -> tuple[str, list[str]]:
 def test_the_command_serves_with_its_own_nats_server_and_stops_on_sigterm(tmp_path) -> None:
     """By default its nats-server asks who connects: an anonymous client is refused, and a
     tenant added while it runs (`pensieve tenant add`) chats."""
-    command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", "smollm2",
-               "--data-dir", str(tmp_path), "--gpu-cache-tokens", "1024",
-               "--cpu-cache-tokens", "1024", "--nats-port", str(free_port())]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pensieve.ops.cli",
+        "serve",
+        "--model",
+        "smollm2",
+        "--data-dir",
+        str(tmp_path),
+        "--gpu-cache-tokens",
+        "1024",
+        "--cpu-cache-tokens",
+        "1024",
+        "--nats-port",
+        str(free_port()),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -816,9 +874,22 @@ def test_the_command_serves_with_its_own_nats_server_and_stops_on_sigterm(tmp_pa
         assert any("NATS authentication on" in line for line in lines), "".join(lines)
         with pytest.raises((nats.errors.Error, OSError)):  # nobody without credentials
             asyncio.run(nats.connect(url, allow_reconnect=False, connect_timeout=5))
-        added = subprocess.run([sys.executable, "-m", "pensieve.ops.cli", "tenant", "add", "me",
-                                "--data-dir", str(tmp_path)], capture_output=True, text=True,
-                               timeout=120, check=True)  # fmt: skip
+        added = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pensieve.ops.cli",
+                "tenant",
+                "add",
+                "me",
+                "--data-dir",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         me = json.loads(added.stdout)["nats"]
         assert me["password"] not in added.stderr and me["password"] not in "".join(lines)
         reply = chat(url, connect=me, message=CHAT[0], max_tokens=4)
@@ -852,13 +923,23 @@ def test_a_request_is_traced_in_the_callers_trace_through_its_phases(served, spa
     trace_id, caller = 0x5E551E7E0000000000000000000000AB, 0x00000000C0FFEE01
     traceparent = {"traceparent": f"00-{trace_id:032x}-{caller:016x}-01"}
     first = chat(server, headers=traceparent, message=CHAT[0], max_tokens=8)
-    second = chat(server, headers=traceparent, conversation_id=first["conversation_id"],
-                  message=CHAT[1], max_tokens=8)  # fmt: skip
+    second = chat(
+        server,
+        headers=traceparent,
+        conversation_id=first["conversation_id"],
+        message=CHAT[1],
+        max_tokens=8,
+    )
 
     def turn_span(turn: int) -> Any:
-        return _finished_span(spans, lambda s: s.name == "turn"
-                              and s.context.trace_id == trace_id
-                              and s.attributes.get("pensieve.turn") == turn)  # fmt: skip
+        return _finished_span(
+            spans,
+            lambda s: (
+                s.name == "turn"
+                and s.context.trace_id == trace_id
+                and s.attributes.get("pensieve.turn") == turn
+            ),
+        )
 
     span = turn_span(1)
     # the ingress's span of the request is the caller's child; the scheduler's turn is its own
@@ -876,8 +957,11 @@ def test_a_request_is_traced_in_the_callers_trace_through_its_phases(served, spa
         cached["recomputed"],
     ]
     assert turn_span(0).attributes["pensieve.cached_tokens.gpu"] == 0
-    phases = {s.name: s for s in spans.get_finished_spans()
-              if s.parent is not None and s.parent.span_id == span.context.span_id}  # fmt: skip
+    phases = {
+        s.name: s
+        for s in spans.get_finished_spans()
+        if s.parent is not None and s.parent.span_id == span.context.span_id
+    }
     # and kv.swap_in or kv.plan_recompute if its history came back from the CPU or was dropped
     assert {"tokenizer.render", "queued", "prefill", "decode"} <= set(phases)
     services = {name: s.resource.attributes["service.name"] for name, s in phases.items()}
@@ -905,8 +989,9 @@ def test_a_refused_request_is_traced_as_an_error(server, spans) -> None:
 def test_steps_that_move_kv_are_traced(server, spans) -> None:
     """More conversations than 8 GPU blocks hold: history leaves the GPU, and a returning
     conversation whose history waits in the CPU tier brings it back."""
-    ids = [chat(server, message=f"{CHAT[0]} ({i})", max_tokens=40)["conversation_id"]
-           for i in range(5)]  # fmt: skip
+    ids = [
+        chat(server, message=f"{CHAT[0]} ({i})", max_tokens=40)["conversation_id"] for i in range(5)
+    ]
     from_cpu = 0
     for conv_id in reversed(ids[:-1]):  # the most recently idle first: likeliest still on the CPU
         reply = chat(server, conversation_id=conv_id, message=CHAT[1], max_tokens=4)
@@ -915,8 +1000,11 @@ def test_steps_that_move_kv_are_traced(server, spans) -> None:
             break
     assert from_cpu > 0
     steps = [s.attributes for s in spans.get_finished_spans() if s.name == "step"]
-    assert {s.resource.attributes["service.name"] for s in spans.get_finished_spans()
-            if s.name == "step"} == {"pensieve-executor"}  # fmt: skip
+    assert {
+        s.resource.attributes["service.name"]
+        for s in spans.get_finished_spans()
+        if s.name == "step"
+    } == {"pensieve-executor"}
     assert any(a["pensieve.swap_out_blocks"] + a["pensieve.evict_first_blocks"] > 0 for a in steps)
     assert any(a["pensieve.swap_in_blocks"] > 0 for a in steps)
 
@@ -924,17 +1012,30 @@ def test_steps_that_move_kv_are_traced(server, spans) -> None:
 def test_the_command_serves_a_model_split_over_two_ranks(tmp_path) -> None:
     """`--tensor-parallel 2`: two executor rank processes (gloo on the CPU) behind the server;
     a second turn hits the cache they keep, and SIGTERM stops them with the server."""
-    command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", "preset:tiny-llama",
-               "--data-dir", str(tmp_path), "--insecure", "--nats-port", str(free_port()),
-               "--cpu-threads", "1", "--tensor-parallel", "2"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pensieve.ops.cli",
+        "serve",
+        "--model",
+        "preset:tiny-llama",
+        "--data-dir",
+        str(tmp_path),
+        "--insecure",
+        "--nats-port",
+        str(free_port()),
+        "--cpu-threads",
+        "1",
+        "--tensor-parallel",
+        "2",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
         url, lines = _serving_url(proc)
         assert any("2 tensor-parallel ranks" in line for line in lines), "".join(lines)
         first = chat(url, message=CHAT[0], max_tokens=6)
-        second = chat(url, conversation_id=first["conversation_id"], message=CHAT[1],
-                      max_tokens=6)  # fmt: skip
+        second = chat(url, conversation_id=first["conversation_id"], message=CHAT[1], max_tokens=6)
         assert len(second["token_ids"]) == 6
         assert second["usage"]["cached_tokens"]["gpu"] >= first["usage"]["prompt_tokens"] - 1
         proc.send_signal(signal.SIGTERM)

@@ -115,11 +115,13 @@ MALFORMED = {
     "missing conversations": ([{"id": "x"}], "record 0: 'conversations' must be a list"),
     "record not an object": ([record("a", ("human", "q")), 5], "record 1: expected an object"),
     "message not an object": ([{"id": "x", "conversations": ["hi"]}], "message 0: expected"),
-    "value not a string": ([record("a", ("human", "q")) | {"conversations": [
-        {"from": "human", "value": None}]}], "record 0, message 0: 'value' must be a string"),
+    "value not a string": (
+        [record("a", ("human", "q")) | {"conversations": [{"from": "human", "value": None}]}],
+        "record 0, message 0: 'value' must be a string",
+    ),
     "unknown role": ([record("a", ("robot", "q"))], "unknown role 'robot'"),
     "bad id": ([{"id": ["x"], "conversations": []}], "'id' must be a non-empty string"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))

@@ -28,16 +28,23 @@ pytestmark = pytest.mark.slow
 def engine(smollm2, smollm2_chat, tmp_path_factory) -> Iterator[dict[str, Any]]:
     """A served engine on a nats-server with accounts; tenants alice and bob."""
     data_dir: Path = tmp_path_factory.mktemp("data")
-    built = assemble(EngineOptions(model="smollm2", gpu_cache_tokens=1024,
-                                   cpu_cache_tokens=1024), smollm2, smollm2_chat)  # fmt: skip
+    built = assemble(
+        EngineOptions(model="smollm2", gpu_cache_tokens=1024, cpu_cache_tokens=1024),
+        smollm2,
+        smollm2_chat,
+    )
     with EmbeddedNats(auth_data_dir=data_dir) as server:
         assert server.service_auth is not None and server.events_auth is not None
         connect = server.service_auth.connect_options()
         events = server.events_auth.connect_options()
         with serve_on_thread(built, data_dir, server.url, connect=connect, events=events):
-            yield {"url": server.url, "alice": add_tenant(data_dir, "alice"),
-                   "bob": add_tenant(data_dir, "bob"), "service": connect,
-                   "data_dir": data_dir}  # fmt: skip
+            yield {
+                "url": server.url,
+                "alice": add_tenant(data_dir, "alice"),
+                "bob": add_tenant(data_dir, "bob"),
+                "service": connect,
+                "data_dir": data_dir,
+            }
 
 
 async def request(client: Any, subject: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -64,8 +71,11 @@ def test_a_tenant_reaches_only_its_own_conversations(engine) -> None:
             assert code(await request(bob, subjects.CONVERSATIONS_GET, mine)) == "not_found"
             turn = {**mine, "message": "Hello", "max_tokens": 2}
             assert code(await request(bob, subjects.CHAT, turn)) == "not_found"
-            rewrite = {**mine, "messages": [{"role": "user", "content": "Mine now"}],
-                       "max_tokens": 2}  # fmt: skip
+            rewrite = {
+                **mine,
+                "messages": [{"role": "user", "content": "Mine now"}],
+                "max_tokens": 2,
+            }
             assert code(await request(bob, subjects.CHAT, rewrite)) == "not_found"
             assert code(await request(bob, subjects.CONVERSATIONS_DELETE, mine)) == "not_found"
             owned = subjects.engine_subject(subjects.owner(conv) or "", subjects.CHAT)
@@ -139,14 +149,18 @@ def test_the_service_account_does_not_see_a_tenants_conversations(engine) -> Non
 def test_nobody_connects_without_credentials(engine) -> None:
     async def go() -> None:
         with pytest.raises((nats.errors.Error, OSError)):
-            await nats.connect(engine["url"], max_reconnect_attempts=0, allow_reconnect=False,
-                               connect_timeout=2)  # fmt: skip
+            await nats.connect(
+                engine["url"], max_reconnect_attempts=0, allow_reconnect=False, connect_timeout=2
+            )
 
     asyncio.run(go())
 
 
-LONG = {"message": "Count from one to one thousand in words.", "max_tokens": 400,
-        "ignore_eos": True}  # fmt: skip
+LONG = {
+    "message": "Count from one to one thousand in words.",
+    "max_tokens": 400,
+    "ignore_eos": True,
+}
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -187,15 +201,17 @@ def test_a_tenants_turn_is_cancelled_when_its_connection_closes(engine, stream) 
 
 def test_a_removed_tenants_conversations_come_back_to_a_tenant_of_its_name(engine) -> None:
     async def go() -> None:
-        first = await nats.connect(**await asyncio.to_thread(add_tenant, engine["data_dir"],
-                                                              "carol"))  # fmt: skip
+        first = await nats.connect(
+            **await asyncio.to_thread(add_tenant, engine["data_dir"], "carol")
+        )
         conv = (await request(first, subjects.CHAT, {"message": "Hi", "max_tokens": 2}))[
             "conversation_id"
         ]
         await first.close()
         await asyncio.to_thread(remove_tenant, engine["data_dir"], "carol")
-        again = await nats.connect(**await asyncio.to_thread(add_tenant, engine["data_dir"],
-                                                              "carol"))  # fmt: skip
+        again = await nats.connect(
+            **await asyncio.to_thread(add_tenant, engine["data_dir"], "carol")
+        )
         try:
             assert (await request(again, subjects.CONVERSATIONS_LIST, {}))["conversations"] == [
                 conv

@@ -95,8 +95,9 @@ def test_after_shutdown_the_actors_trace_nothing() -> None:
 def service(smollm2, smollm2_chat, tmp_path: Path) -> Iterator[ChatService]:
     # 8 GPU blocks and 3 CPU blocks of 32 tokens: three conversations of ~180 tokens each push
     # the older ones' history to the CPU tier, and out of it
-    options = EngineOptions(model="smollm2", gpu_cache_tokens=256, cpu_cache_tokens=96,
-                            admission_reserve=0.0)  # fmt: skip
+    options = EngineOptions(
+        model="smollm2", gpu_cache_tokens=256, cpu_cache_tokens=96, admission_reserve=0.0
+    )
     built = assemble(options, smollm2, smollm2_chat)
     with ConversationStore(tmp_path) as store, StoreWriter() as writer:
         yield ChatService(built.engine, built.chat, 4096, store, writer)
@@ -155,8 +156,9 @@ def test_a_turn_is_one_trace_across_the_actors_it_crosses(
     decodes the whole reply traces it in the turn's trace."""
     # 8 GPU blocks and 3 CPU blocks of 32 tokens: three conversations of ~180 tokens each push
     # the older ones' history to the CPU tier, and out of it
-    options = EngineOptions(model="smollm2", gpu_cache_tokens=256, cpu_cache_tokens=96,
-                            admission_reserve=0.0)  # fmt: skip
+    options = EngineOptions(
+        model="smollm2", gpu_cache_tokens=256, cpu_cache_tokens=96, admission_reserve=0.0
+    )
     built = assemble(options, smollm2, smollm2_chat)
     traces = iter(range(0x7E57_0000_0000_0000_0000_0000_0000_0001, 1 << 127))
     with (
@@ -186,19 +188,30 @@ def test_a_turn_is_one_trace_across_the_actors_it_crosses(
         names = {subjects.CHAT, "turn", "kv.swap_in", "kv.plan_recompute", "decode"}
         spans_of_turn = finished(spans, trace_id, names)
     assert {service_of(s) for s in spans_of_turn} == {
-        "pensieve-ingress", "pensieve-tokenizer", "pensieve-scheduler",
-        "pensieve-recompute-planner", "pensieve-executor", "pensieve-swap-manager",
-    }  # fmt: skip
+        "pensieve-ingress",
+        "pensieve-tokenizer",
+        "pensieve-scheduler",
+        "pensieve-recompute-planner",
+        "pensieve-executor",
+        "pensieve-swap-manager",
+    }
     by_name = {s.name: s for s in spans_of_turn}
     request, turn_span = by_name[subjects.CHAT], by_name["turn"]
     assert turn_span.parent is not None and turn_span.parent.span_id == request.context.span_id
-    for name in ("tokenizer.render", "kv.plan_recompute", "queued", "prefill", "decode",
-                 "kv.swap_in"):  # fmt: skip
+    for name in (
+        "tokenizer.render",
+        "kv.plan_recompute",
+        "queued",
+        "prefill",
+        "decode",
+        "kv.swap_in",
+    ):
         assert by_name[name].parent.span_id == turn_span.context.span_id, name  # type: ignore[union-attr]
     assert service_of(by_name["queued"]) == "pensieve-scheduler"
     assert service_of(by_name["prefill"]) == service_of(by_name["decode"]) == "pensieve-executor"
-    executor_side = {spans.threads[by_name[name].context.span_id]
-                     for name in ("prefill", "decode", "kv.swap_in")}  # fmt: skip
+    executor_side = {
+        spans.threads[by_name[name].context.span_id] for name in ("prefill", "decode", "kv.swap_in")
+    }
     if step_channel is StepChannel.NATS:  # the worker or the reporter of the executor actor
         assert all(name.startswith("pensieve-executor") for name in executor_side), executor_side
     else:
@@ -210,9 +223,17 @@ def test_a_turn_is_one_trace_across_the_actors_it_crosses(
         assert detokenize.parent.span_id == turn_span.context.span_id  # type: ignore[union-attr]
         assert spans.threads[detokenize.context.span_id].startswith("pensieve-detokenizer")
     queued, prefill, decode = by_name["queued"], by_name["prefill"], by_name["decode"]
-    times = [request.start_time, turn_span.start_time, queued.start_time, queued.end_time,
-             prefill.start_time, prefill.end_time, decode.start_time, decode.end_time,
-             turn_span.end_time]  # fmt: skip
+    times = [
+        request.start_time,
+        turn_span.start_time,
+        queued.start_time,
+        queued.end_time,
+        prefill.start_time,
+        prefill.end_time,
+        decode.start_time,
+        decode.end_time,
+        turn_span.end_time,
+    ]
     assert times == sorted(times)  # type: ignore[type-var]
 
     swap_in = attributes_of(by_name["kv.swap_in"])
@@ -222,16 +243,25 @@ def test_a_turn_is_one_trace_across_the_actors_it_crosses(
     planned = attributes_of(by_name["kv.plan_recompute"])
     assert planned["pensieve.recomputed_tokens"] == cached["recomputed"]
 
-    evicted = {s.name for s in spans.get_finished_spans()
-               if attributes_of(s).get("pensieve.conversation_id") == conv_id
-               and [link.context.trace_id for link in s.links] == [before[conv_id]]}  # fmt: skip
+    evicted = {
+        s.name
+        for s in spans.get_finished_spans()
+        if attributes_of(s).get("pensieve.conversation_id") == conv_id
+        and [link.context.trace_id for link in s.links] == [before[conv_id]]
+    }
     assert {"kv.swap_out", "kv.drop"} <= evicted, evicted
 
 
 @pytest.mark.slow
 def test_the_request_span_carries_the_genai_attributes(service, spans) -> None:
-    reply, context = turn(service, message="What is the capital of France?", max_tokens=6,
-                          temperature=0.7, top_p=0.9, seed=11)  # fmt: skip
+    reply, context = turn(
+        service,
+        message="What is the capital of France?",
+        max_tokens=6,
+        temperature=0.7,
+        top_p=0.9,
+        seed=11,
+    )
     request = next(s for s in spans.get_finished_spans() if s.context == context)
     attributes = attributes_of(request)
     assert attributes["gen_ai.operation.name"] == "chat"
@@ -252,10 +282,16 @@ def test_kv_leaving_an_idle_conversation_is_linked_to_its_last_turn(service, spa
     conv_id = first["conversation_id"]
     _, last = turn(service, conversation_id=conv_id, message="And of Italy?")
     service.trace_evictions({conv_id: 3}, {conv_id: 1, "c-unknown": 2})
-    evictions = {(s.name, attributes_of(s)["pensieve.conversation_id"]): s
-                 for s in spans.get_finished_spans() if s.name.startswith("kv.")}  # fmt: skip
-    assert set(evictions) == {("kv.swap_out", conv_id), ("kv.drop", conv_id),
-                              ("kv.drop", "c-unknown")}  # fmt: skip
+    evictions = {
+        (s.name, attributes_of(s)["pensieve.conversation_id"]): s
+        for s in spans.get_finished_spans()
+        if s.name.startswith("kv.")
+    }
+    assert set(evictions) == {
+        ("kv.swap_out", conv_id),
+        ("kv.drop", conv_id),
+        ("kv.drop", "c-unknown"),
+    }
     for name, chunks in (("kv.swap_out", 3), ("kv.drop", 1)):
         span = evictions[name, conv_id]
         assert service_of(span) == "pensieve-swap-manager"

@@ -72,10 +72,15 @@ def test_turns_and_log_survive_reopen_in_new_process(tmp_path: Path) -> None:
         ]
         assert turns == [make_turn(0), make_turn(1, output=(2**32 - 1,))]
         assert seen[conv_id]["meta"] == {
-            "conversation_id": conv_id, "created_at": 1000.0, "last_active": 1001.5,
-            "num_turns": 2, "log_len": len(log) + 2, "stateless": False, "ended": False,
+            "conversation_id": conv_id,
+            "created_at": 1000.0,
+            "last_active": 1001.5,
+            "num_turns": 2,
+            "log_len": len(log) + 2,
+            "stateless": False,
+            "ended": False,
             "tenant": None,
-        }  # fmt: skip
+        }
 
 
 def test_commit_is_durable_without_close(tmp_path: Path) -> None:

@@ -37,8 +37,13 @@ def test_a_final_turn_ends_the_conversation_for_good(tmp_path: Path) -> None:
 
 
 def test_a_meta_written_before_the_lifecycle_fields_reads_as_open_and_stateful() -> None:
-    old = {"conversation_id": "c", "created_at": 1.0, "last_active": 2.0, "num_turns": 1,
-           "log_len": 3}  # fmt: skip
+    old = {
+        "conversation_id": "c",
+        "created_at": 1.0,
+        "last_active": 2.0,
+        "num_turns": 1,
+        "log_len": 3,
+    }
     meta = codec.decode_meta(orjson.dumps(old))
     assert (meta.stateless, meta.ended) == (False, False)
 

@@ -63,8 +63,10 @@ class TierMap:
         elif batch.seq != self.last_seq + 1:
             missed = batch.seq - self.last_seq - 1
             why = f"{missed} missed" if missed > 0 else "out of order"
-            raise SequenceGap(f"engine {batch.engine_id}: batch {batch.seq} after batch "
-                              f"{self.last_seq} ({why}); the map is stale")  # fmt: skip
+            raise SequenceGap(
+                f"engine {batch.engine_id}: batch {batch.seq} after batch "
+                f"{self.last_seq} ({why}); the map is stale"
+            )
         self.engine_id, self.last_seq = batch.engine_id, batch.seq
         for event in batch.events:
             self._apply(event)

@@ -27,8 +27,9 @@ pytestmark = [
 NUM_CONVERSATIONS, TURNS, CONCURRENCY, MAX_TOKENS = 16, 3, 6, 16
 
 
-def chat(policy: Policy, loaded, gpu_blocks: int, cpu_blocks: int,
-         overlap: bool = True) -> tuple[dict, Engine]:  # fmt: skip
+def chat(
+    policy: Policy, loaded, gpu_blocks: int, cpu_blocks: int, overlap: bool = True
+) -> tuple[dict, Engine]:
     """Every conversation's turns, `CONCURRENCY` conversations at a time; outputs by turn."""
     cache = CacheConfig(32, gpu_blocks, cpu_blocks, policy, admission_reserve=0.0)
     runner = ModelRunner(loaded.model, cache, torch.device("cuda"), torch.float32)

@@ -70,9 +70,16 @@ def test_capture_all_leaves_nothing_to_capture_later():
     for batch in (1, 7, 150):
         length = rng.randint(2, loaded.config.max_context_len)
         pieces = tuple(
-            SeqPiece(f"r{i}", (3,), length - 1, length, tuple(range(i * 64, i * 64 + 64)),
-                     SamplingParams(), 0)
+            SeqPiece(
+                f"r{i}",
+                (3,),
+                length - 1,
+                length,
+                tuple(range(i * 64, i * 64 + 64)),
+                SamplingParams(),
+                0,
+            )
             for i in range(batch)
-        )  # fmt: skip
+        )
         runner.logits(StepPlan(pieces))
     assert set(runner.graphs.graphs) == captured

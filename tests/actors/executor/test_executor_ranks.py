@@ -29,8 +29,14 @@ from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.store import ConversationStore
 from tests.actors.wire.test_step_channel import converse
 
-OPTIONS = EngineOptions(model="preset:tiny-llama", gpu_cache_tokens=320, cpu_cache_tokens=320,
-                        max_batch_tokens=256, cpu_threads=1, tensor_parallel=2)  # fmt: skip
+OPTIONS = EngineOptions(
+    model="preset:tiny-llama",
+    gpu_cache_tokens=320,
+    cpu_cache_tokens=320,
+    max_batch_tokens=256,
+    cpu_threads=1,
+    tensor_parallel=2,
+)
 
 
 def engine(options: EngineOptions, runner: StepRunner) -> Engine:
@@ -39,8 +45,9 @@ def engine(options: EngineOptions, runner: StepRunner) -> Engine:
     dtype = DTYPES[options.dtype]
     config = load_model(options.model, "meta", dtype).config
     cache = cache_config(options, config, torch.device("cpu"), dtype)
-    scheduling = SchedulerConfig(options.max_batch_tokens, options.max_num_seqs,
-                                 config.max_context_len)  # fmt: skip
+    scheduling = SchedulerConfig(
+        options.max_batch_tokens, options.max_num_seqs, config.max_context_len
+    )
     cost = lambda context: 1.0 + context / 512  # noqa: E731
     return Engine(runner, cache, scheduling, cost, frozenset(), overlap=options.overlap)
 
@@ -53,9 +60,9 @@ def one_rank(options: EngineOptions) -> Engine:
 
 
 @contextlib.asynccontextmanager
-async def ranks_engine(options: EngineOptions, data_dir: Path) -> AsyncIterator[
-    tuple[Engine, ExecutorRanks]
-]:  # fmt: skip
+async def ranks_engine(
+    options: EngineOptions, data_dir: Path
+) -> AsyncIterator[tuple[Engine, ExecutorRanks]]:
     """An engine whose executor is `options.tensor_parallel` rank processes, met over a real
     nats-server."""
     with EmbeddedNats() as nats, ExecutorRanks(RankSpec(options, nats.url, data_dir)) as ranks:
@@ -103,8 +110,9 @@ def suspend(engine: Engine) -> tuple[list[list[int]], int]:
     return [list(r.output_ids) for r in requests], engine.scheduler.num_suspensions
 
 
-TIGHT = dataclasses.replace(OPTIONS, gpu_cache_tokens=224, cpu_cache_tokens=1024,
-                            admission_reserve=0.0)  # fmt: skip
+TIGHT = dataclasses.replace(
+    OPTIONS, gpu_cache_tokens=224, cpu_cache_tokens=1024, admission_reserve=0.0
+)
 
 
 def test_a_request_suspended_on_two_ranks_keeps_its_tokens(tmp_path: Path) -> None:
@@ -114,8 +122,9 @@ def test_a_request_suspended_on_two_ranks_keeps_its_tokens(tmp_path: Path) -> No
 
     outputs, suspensions = asyncio.run(run())
     assert suspensions > 0
-    roomy = dataclasses.replace(TIGHT, tensor_parallel=1, gpu_cache_tokens=4096,
-                                policy=Policy.STATELESS)  # fmt: skip
+    roomy = dataclasses.replace(
+        TIGHT, tensor_parallel=1, gpu_cache_tokens=4096, policy=Policy.STATELESS
+    )
     assert outputs == suspend(one_rank(roomy))[0]
 
 
@@ -159,6 +168,7 @@ def test_gpu_two_executor_ranks_give_the_one_rank_tokens_on_every_cache_path(
     assert sources["gpu"] and sources["cpu"] and sources["recomputed"], sources
     assert outputs == reference(options)
     assert suspensions > 0
-    roomy = dataclasses.replace(tight, tensor_parallel=1, gpu_cache_tokens=4096,
-                                policy=Policy.STATELESS)  # fmt: skip
+    roomy = dataclasses.replace(
+        tight, tensor_parallel=1, gpu_cache_tokens=4096, policy=Policy.STATELESS
+    )
     assert suspended == suspend(one_rank(roomy))[0]

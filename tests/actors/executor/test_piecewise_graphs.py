@@ -24,8 +24,13 @@ BLOCK = 16
 BLOCKS_PER_SEQ = 64  # 1,024 positions: the tiny models' context
 
 
-def step(rng: random.Random, num_decodes: int, prompts: list[tuple[int, int]], vocab: int,
-         first_seq: int = 0) -> StepPlan:  # fmt: skip
+def step(
+    rng: random.Random,
+    num_decodes: int,
+    prompts: list[tuple[int, int]],
+    vocab: int,
+    first_seq: int = 0,
+) -> StepPlan:
     """Decodes at random contexts, then prompt pieces (start, end): a piece starting past 0
     continues a cached prefix; a prefix chunk of its own (not sampling) comes before each
     prompt that starts past 96, sharing its block table. Each sequence owns its blocks."""
@@ -34,8 +39,9 @@ def step(rng: random.Random, num_decodes: int, prompts: list[tuple[int, int]], v
         seq = first_seq + i
         table = tuple(range(seq * BLOCKS_PER_SEQ, (seq + 1) * BLOCKS_PER_SEQ))
         end = rng.randint(2, 1000)
-        pieces.append(SeqPiece(f"d{seq}", (rng.randrange(vocab),), end - 1, end, table,
-                               SamplingParams()))  # fmt: skip
+        pieces.append(
+            SeqPiece(f"d{seq}", (rng.randrange(vocab),), end - 1, end, table, SamplingParams())
+        )
     for j, (start, end) in enumerate(prompts):
         seq = first_seq + num_decodes + j
         table = tuple(range(seq * BLOCKS_PER_SEQ, (seq + 1) * BLOCKS_PER_SEQ))
@@ -63,15 +69,20 @@ def runners(model: str, dtype: torch.dtype, seqs: int) -> tuple[ModelRunner, Mod
 def assert_same_kv(eager: ModelRunner, graphed: ModelRunner, atol: float) -> None:
     """Every block but the scratch block (the last, which padding rows write) alike."""
     for layer, (a, b) in enumerate(zip(eager.gpu_caches, graphed.gpu_caches, strict=True)):
-        torch.testing.assert_close(b[:-1], a[:-1], atol=atol, rtol=0,
-                                   msg=lambda m, i=layer: f"layer {i}: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            b[:-1], a[:-1], atol=atol, rtol=0, msg=lambda m, i=layer: f"layer {i}: {m}"
+        )
 
 
 @pytest.mark.parametrize(
     ("model", "dtype"),
-    [("preset:tiny-llama", torch.float32), ("preset:tiny-opt", torch.float32),
-     ("preset:tiny-qwen3", torch.float32), ("preset:tiny-llama", torch.bfloat16)],
-)  # fmt: skip
+    [
+        ("preset:tiny-llama", torch.float32),
+        ("preset:tiny-opt", torch.float32),
+        ("preset:tiny-qwen3", torch.float32),
+        ("preset:tiny-llama", torch.bfloat16),
+    ],
+)
 def test_mixed_steps_give_the_eager_logits_and_kv(model: str, dtype: torch.dtype) -> None:
     """A sequence of steps of several buckets, each smaller one after a larger: the padding
     rows must write the scratch block only, whatever slots an earlier step left."""
@@ -132,7 +143,8 @@ def test_capture_all_leaves_nothing_to_capture_later() -> None:
 def test_a_step_past_the_largest_bucket_runs_eagerly() -> None:
     rng = random.Random(1)
     eager, graphed = runners("preset:tiny-llama", torch.float32, seqs=8)
-    plan = step(rng, 2, [(0, 1000), (0, 1000), (0, TOKEN_BUCKETS[-1] - 1999)],
-                graphed.config.vocab_size)  # fmt: skip
+    plan = step(
+        rng, 2, [(0, 1000), (0, 1000), (0, TOKEN_BUCKETS[-1] - 1999)], graphed.config.vocab_size
+    )
     torch.testing.assert_close(graphed.logits(plan), eager.logits(plan), atol=1e-4, rtol=1e-4)
     assert graphed.mixed_graphs is not None and not graphed.mixed_graphs.captured

@@ -25,8 +25,14 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, seed: int = 
 def test_a_vanishing_temperature_or_top_p_samples_the_likeliest_token() -> None:
     logits = _logits(0)
     greedy = logits.argmax(dim=-1).tolist()
-    for temperature, top_p in [(1e-40, 1.0), (1e-300, 1.0), (5e-324, 1.0), (0.5, 1e-300),
-                               (2.0, 1e-45), (1e-40, 1e-300)]:  # fmt: skip
+    for temperature, top_p in [
+        (1e-40, 1.0),
+        (1e-300, 1.0),
+        (5e-324, 1.0),
+        (0.5, 1e-300),
+        (2.0, 1e-45),
+        (1e-40, 1e-300),
+    ]:
         assert _sample(logits, temperature, top_p) == greedy, (temperature, top_p)
 
 

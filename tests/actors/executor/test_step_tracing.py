@@ -32,8 +32,11 @@ def spans() -> Iterator[InMemorySpanExporter]:
 
 def plan(*pieces: tuple[str, bool]) -> StepPlan:
     """A step of one piece per (request id, whether it samples)."""
-    return StepPlan(tuple(SeqPiece(rid, (1,), 0, 1, (0,), SAMPLED if sampled else None)
-                          for rid, sampled in pieces))  # fmt: skip
+    return StepPlan(
+        tuple(
+            SeqPiece(rid, (1,), 0, 1, (0,), SAMPLED if sampled else None) for rid, sampled in pieces
+        )
+    )
 
 
 def by_trace(spans: InMemorySpanExporter) -> dict[int, dict[str, ReadableSpan]]:
@@ -67,7 +70,9 @@ def test_spans_wait_for_the_last_step_and_follow_the_first_token(spans) -> None:
     assert a["kv.swap_in"].attributes == {"pensieve.blocks": 3, "pensieve.bytes": 300}
     assert a["decode"].end_time > b["decode"].end_time  # type: ignore[operator]
     assert {s.resource.attributes["service.name"] for s in a.values()} == {
-        "pensieve-executor", "pensieve-swap-manager"}  # fmt: skip
+        "pensieve-executor",
+        "pensieve-swap-manager",
+    }
 
 
 def test_a_request_out_of_one_step_has_spans_per_stretch_and_a_reset_forgets(spans) -> None:

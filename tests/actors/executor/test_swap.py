@@ -45,8 +45,9 @@ def test_the_batched_copier_names_the_bytes_of_each_block_run(monkeypatch):
         calls.append((count, stream))
 
         def read(address: int) -> np.ndarray:  # `count` uint64 values at an address
-            return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint64)),
-                                         (count,))  # fmt: skip
+            return np.ctypeslib.as_array(
+                ctypes.cast(address, ctypes.POINTER(ctypes.c_uint64)), (count,)
+            )
 
         for d, s, n in zip(read(dsts), read(srcs), read(sizes), strict=True):
             ctypes.memmove(int(d), int(s), int(n))

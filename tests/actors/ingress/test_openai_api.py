@@ -21,9 +21,18 @@ from pensieve.actors.ingress.openai_api import (
 from pensieve.actors.wire.schemas import MAX_TOKENS_LIMIT, ApiError, parse_chat
 
 USER = {"role": "user", "content": "Hi"}
-REPLY = {"conversation_id": "c-1", "turn": 1, "text": "Hello", "token_ids": [5, 6],
-         "finish_reason": "stop", "usage": {"prompt_tokens": 100, "completion_tokens": 2,
-         "cached_tokens": {"gpu": 60, "cpu": 20, "recomputed": 12}}}  # fmt: skip
+REPLY = {
+    "conversation_id": "c-1",
+    "turn": 1,
+    "text": "Hello",
+    "token_ids": [5, 6],
+    "finish_reason": "stop",
+    "usage": {
+        "prompt_tokens": 100,
+        "completion_tokens": 2,
+        "cached_tokens": {"gpu": 60, "cpu": 20, "recomputed": 12},
+    },
+}
 
 
 def chat(body: dict[str, Any], header: str | None = None) -> dict[str, Any]:
@@ -32,17 +41,24 @@ def chat(body: dict[str, Any], header: str | None = None) -> dict[str, Any]:
 
 def test_a_stateless_request_is_the_whole_chat_with_openai_defaults() -> None:
     asked = to_chat(orjson.dumps({"model": "m", "messages": [USER]}), "m", None)
-    assert asked.chat == {"stream": False, "messages": [USER], "max_tokens": MAX_TOKENS_LIMIT,
-                          "temperature": 1.0}  # fmt: skip
+    assert asked.chat == {
+        "stream": False,
+        "messages": [USER],
+        "max_tokens": MAX_TOKENS_LIMIT,
+        "temperature": 1.0,
+    }
     assert not asked.stream and asked.id.startswith("chatcmpl-")
     parse_chat(orjson.dumps(asked.chat))  # a valid chat request of the client API
 
 
 def test_a_named_conversation_takes_one_new_message_or_a_whole_chat() -> None:
     assert chat({"messages": [USER], "conversation_id": "c-1"}) == {
-        "stream": False, "conversation_id": "c-1", "message": "Hi",
-        "max_tokens": MAX_TOKENS_LIMIT, "temperature": 1.0,
-    }  # fmt: skip
+        "stream": False,
+        "conversation_id": "c-1",
+        "message": "Hi",
+        "max_tokens": MAX_TOKENS_LIMIT,
+        "temperature": 1.0,
+    }
     history = [USER, {"role": "assistant", "content": "Hello"}, USER]
     whole = chat({"messages": history}, header="c-1")
     assert whole["conversation_id"] == "c-1" and whole["messages"] == history
@@ -52,18 +68,40 @@ def test_a_named_conversation_takes_one_new_message_or_a_whole_chat() -> None:
 
 
 def test_sampling_fields_carry_over_and_text_parts_join() -> None:
-    body = {"messages": [{"role": "developer", "content": "Be brief"},
-                         {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                      {"type": "text", "text": "b"}]}],
-            "max_completion_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3,
-            "stop": ["x"], "ignore_eos": True, "stream": True, "user": "ignored"}  # fmt: skip
+    body = {
+        "messages": [
+            {"role": "developer", "content": "Be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+        ],
+        "max_completion_tokens": 7,
+        "temperature": 0,
+        "top_p": 0.5,
+        "seed": 3,
+        "stop": ["x"],
+        "ignore_eos": True,
+        "stream": True,
+        "user": "ignored",
+    }
     got = chat(body)
-    assert got["messages"] == [{"role": "system", "content": "Be brief"},
-                               {"role": "user", "content": "ab"}]  # fmt: skip
-    assert {k: got[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop",
-                                "ignore_eos", "stream")} == {
-        "max_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 3, "stop": ["x"],
-        "ignore_eos": True, "stream": True}  # fmt: skip
+    assert got["messages"] == [
+        {"role": "system", "content": "Be brief"},
+        {"role": "user", "content": "ab"},
+    ]
+    assert {
+        k: got[k]
+        for k in ("max_tokens", "temperature", "top_p", "seed", "stop", "ignore_eos", "stream")
+    } == {
+        "max_tokens": 7,
+        "temperature": 0,
+        "top_p": 0.5,
+        "seed": 3,
+        "stop": ["x"],
+        "ignore_eos": True,
+        "stream": True,
+    }
 
 
 @pytest.mark.parametrize(
@@ -76,12 +114,11 @@ def test_sampling_fields_carry_over_and_text_parts_join() -> None:
         ({"messages": [USER], "n": 2}, 400, "n"),
         ({"messages": [USER], "logprobs": True}, 400, "logprobs"),
         ({"messages": [USER], "tools": [{"type": "function"}]}, 400, "tools"),
-        ({"messages": [USER], "response_format": {"type": "json_object"}}, 400,
-         "response_format"),
+        ({"messages": [USER], "response_format": {"type": "json_object"}}, 400, "response_format"),
         ({"messages": [USER], "stream": "yes"}, 400, "stream"),
         ({"messages": [USER], "conversation_id": 7}, 400, "conversation_id"),
     ],
-)  # fmt: skip
+)
 def test_what_cannot_be_served_is_refused_in_openai_shape(body, status, param) -> None:
     with pytest.raises(OpenAIError) as refused:
         chat(body)
@@ -99,10 +136,15 @@ def test_a_body_that_is_not_an_object_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("code", "status", "openai_code"),
-    [("invalid_request", 400, "invalid_request"), ("not_found", 404, "not_found"),
-     ("too_long", 400, "context_length_exceeded"), ("overloaded", 429, "overloaded"),
-     ("unavailable", 503, "unavailable"), ("internal", 500, "internal")],
-)  # fmt: skip
+    [
+        ("invalid_request", 400, "invalid_request"),
+        ("not_found", 404, "not_found"),
+        ("too_long", 400, "context_length_exceeded"),
+        ("overloaded", 429, "overloaded"),
+        ("unavailable", 503, "unavailable"),
+        ("internal", 500, "internal"),
+    ],
+)
 def test_client_api_errors_keep_their_meaning(code, status, openai_code) -> None:
     error = from_reply_error(orjson.loads(ApiError(code, "why").body()))
     assert (error.status, error.code, error.message) == (status, openai_code, "why")
@@ -110,15 +152,23 @@ def test_client_api_errors_keep_their_meaning(code, status, openai_code) -> None
 
 def test_usage_says_where_the_prompt_came_from() -> None:
     assert usage(REPLY) == {
-        "prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102,
-        "prompt_tokens_details": {"cached_tokens": 80, "sources": {
-            "gpu": 60, "cpu": 20, "recomputed": 12, "new": 8}},
-    }  # fmt: skip
+        "prompt_tokens": 100,
+        "completion_tokens": 2,
+        "total_tokens": 102,
+        "prompt_tokens_details": {
+            "cached_tokens": 80,
+            "sources": {"gpu": 60, "cpu": 20, "recomputed": 12, "new": 8},
+        },
+    }
 
 
 def test_replies_become_a_completion_or_the_last_chunks() -> None:
-    body = {"messages": [USER], "return_token_ids": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "messages": [USER],
+        "return_token_ids": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     asked = to_chat(orjson.dumps(body), "m", None)
     whole = completion(asked, REPLY)
     assert whole["object"] == "chat.completion" and whole["model"] == "m"
@@ -141,19 +191,22 @@ def test_bearer_tokens() -> None:
 def test_a_completion_is_one_raw_prompt_with_openai_defaults() -> None:
     """`/v1/completions`: the prompt (text or ids, or a batch of one) as a client API `prompt`
     request, 16 tokens by default; vLLM's no-op sampling fields pass, a real ask is refused."""
-    asked = to_text_completion(orjson.dumps({"model": "m", "prompt": "Once",
-                                             "repetition_penalty": 1.0}), "m")  # fmt: skip
+    asked = to_text_completion(
+        orjson.dumps({"model": "m", "prompt": "Once", "repetition_penalty": 1.0}), "m"
+    )
     assert asked.text and asked.id.startswith("cmpl-")
-    assert asked.chat == {"prompt": "Once", "stream": False, "max_tokens": 16,
-                          "temperature": 1.0}  # fmt: skip
+    assert asked.chat == {"prompt": "Once", "stream": False, "max_tokens": 16, "temperature": 1.0}
     request = parse_chat(orjson.dumps(asked.chat))
     assert request.prompt == "Once" and request.final and request.conversation_id is None
     ids = to_text_completion(orjson.dumps({"prompt": [[1, 2, 3]], "max_tokens": 4}), "m")
     assert parse_chat(orjson.dumps(ids.chat)).prompt == (1, 2, 3)
-    for body, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": []}, "prompt"),
-                        ({"prompt": "a", "echo": True}, "echo"),
-                        ({"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty"),
-                        ({"prompt": "a", "best_of": 2}, "best_of")):  # fmt: skip
+    for body, param in (
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": "a", "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"prompt": "a", "best_of": 2}, "best_of"),
+    ):
         with pytest.raises(OpenAIError) as refused:
             to_text_completion(orjson.dumps(body), "m")
         assert refused.value.status == 400 and refused.value.param == param, body
@@ -167,6 +220,10 @@ def test_a_completions_chunks_and_reply_carry_text() -> None:
     assert "conversation_id" not in whole  # a raw completion's conversation has ended
     finish, usage_chunk = last_chunks(asked, REPLY)
     assert finish["object"] == usage_chunk["object"] == "text_completion"
-    assert finish["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop",
-                                    "text": ""}  # fmt: skip
+    assert finish["choices"][0] == {
+        "index": 0,
+        "logprobs": None,
+        "finish_reason": "stop",
+        "text": "",
+    }
     assert usage_chunk["usage"]["prompt_tokens"] == 100 and usage_chunk["choices"] == []

@@ -174,8 +174,13 @@ def test_a_plan_decodes_as_sent_and_a_malformed_one_is_refused() -> None:
     assert decode(encode(plan), RecomputePlan) == plan
     body = orjson.loads(encode(plan))
     assert body["v"] == 1 and body["ranges"] == [[0, 8], [16, 20]]
-    for bad in ({"ranges": [[4, 4]]}, {"ranges": [[0, 1, 2]]}, {"gpu_tokens": -1},
-                {"known": 1}, {"v": 2}):  # fmt: skip
+    for bad in (
+        {"ranges": [[4, 4]]},
+        {"ranges": [[0, 1, 2]]},
+        {"gpu_tokens": -1},
+        {"known": 1},
+        {"v": 2},
+    ):
         with pytest.raises(MessageError):
             decode(orjson.dumps({**body, **bad}), RecomputePlan)
 
@@ -190,8 +195,20 @@ def url() -> Iterator[str]:
 
 
 def commit(store: ConversationStore, conv_id: str, tokens: list[int]) -> None:
-    record = TurnRecord(0, "hi", "hello", len(tokens) - 1, len(tokens) - 1, (tokens[-1],), "stop",
-                        0, 0, 0, started_at=1.0, finished_at=2.0)  # fmt: skip
+    record = TurnRecord(
+        0,
+        "hi",
+        "hello",
+        len(tokens) - 1,
+        len(tokens) - 1,
+        (tokens[-1],),
+        "stop",
+        0,
+        0,
+        0,
+        started_at=1.0,
+        finished_at=2.0,
+    )
     store.commit_turn(conv_id, record, 0, tokens)
 
 
@@ -262,8 +279,11 @@ def test_the_planner_answers_the_service_protocol_and_refuses_what_it_cannot_rea
                     (endpoint,) = orjson.loads(info.data)["endpoints"]
                     assert endpoint["subject"] == subject
                     assert endpoint["queue_group"] == "recompute-planner"
-                    for body in (b"{not json", b'{"v": 1, "conversation_id": 7}',
-                                 b'{"v": 1, "conversation_id": ""}'):  # fmt: skip
+                    for body in (
+                        b"{not json",
+                        b'{"v": 1, "conversation_id": 7}',
+                        b'{"v": 1, "conversation_id": ""}',
+                    ):
                         reply = await bus.client.request(subject, body, timeout=5)
                         assert (reply.headers or {})[ERROR_HEADER] == "invalid_request"
                     assert await plan_remote(bus, engine_id, "", timeout_s=5.0) is None
@@ -377,10 +397,14 @@ def test_admission_recomputes_the_ranges_the_planner_gave(
             for body in published:  # what the server does after every step
                 await bus.publish(subjects.kv_events(engine_id), body)
             published.clear()
-            messages = [m for r in store.turns(conv_id) for m in (
-                {"role": "user", "content": r.user_message},
-                {"role": "assistant", "content": r.assistant_text},
-            )] + [{"role": "user", "content": MESSAGES[1]}]  # fmt: skip
+            messages = [
+                m
+                for r in store.turns(conv_id)
+                for m in (
+                    {"role": "user", "content": r.user_message},
+                    {"role": "assistant", "content": r.assistant_text},
+                )
+            ] + [{"role": "user", "content": MESSAGES[1]}]
             reuse = common_prefix(store.token_log(conv_id), chat.render(messages))
             plan = await plan_remote(bus, engine_id, conv_id, reuse, timeout_s=5.0)
             assert plan is not None and plan.known

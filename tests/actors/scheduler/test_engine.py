@@ -10,8 +10,14 @@ PROMPT = [(7 * i) % 500 + 3 for i in range(300)]
 
 
 def _generate(max_batch_tokens: int) -> list[int]:
-    engine = build(EngineOptions(model="preset:tiny-llama", max_batch_tokens=max_batch_tokens,
-                                 gpu_cache_tokens=2048, cpu_cache_tokens=0)).engine  # fmt: skip
+    engine = build(
+        EngineOptions(
+            model="preset:tiny-llama",
+            max_batch_tokens=max_batch_tokens,
+            gpu_cache_tokens=2048,
+            cpu_cache_tokens=0,
+        )
+    ).engine
     engine.add_request("c", PROMPT, SamplingParams(max_tokens=6, ignore_eos=True))
     while engine.has_work():
         for request in engine.step().finished:

@@ -92,8 +92,9 @@ def test_a_step_with_prefill_work_admits_into_a_single_free_slot() -> None:
     d = Driver(budget=64)
     for i in range(SEQS - 1):
         d.send(8, max_tokens=30 + i)
-    while d.scheduler.waiting or any(r.pending and r.pending[0][1] - r.pending[0][0] > 1
-                                     for r in d.scheduler.running):  # fmt: skip
+    while d.scheduler.waiting or any(
+        r.pending and r.pending[0][1] - r.pending[0][0] > 1 for r in d.scheduler.running
+    ):
         d.step()  # until all 15 decode
     long_prompt = d.send(60, max_tokens=30)  # 15 decodes leave 49 of the budget: two steps
     d.step()
@@ -147,8 +148,14 @@ def run_pipelined(requests: list[tuple[int, int]], depth: int, gpu_blocks: int) 
     made = []
     for i, (prompt_len, max_tokens) in enumerate(requests):
         prompt = [3 + (i * 5 + j) % 40 for j in range(prompt_len)]
-        request = Request(f"r{i}", f"c{i}", prompt, SamplingParams(max_tokens=max_tokens),
-                          float(i), eos_token_ids=frozenset({EOS}))  # fmt: skip
+        request = Request(
+            f"r{i}",
+            f"c{i}",
+            prompt,
+            SamplingParams(max_tokens=max_tokens),
+            float(i),
+            eos_token_ids=frozenset({EOS}),
+        )
         scheduler.add(request)
         made.append(request)
     inflight: list[tuple[StepPlan, list[int]]] = []

@@ -51,10 +51,14 @@ def _sentencepiece_style() -> Any:
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
     tok.pre_tokenizer = trained.pre_tokenizer
-    tok.decoder = decoders.Sequence([
-        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-        decoders.Strip(" ", 1, 0),
-    ])  # fmt: skip
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     tok.add_special_tokens(["<s>", "</s>"])
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
 
@@ -99,8 +103,9 @@ class Follower:
         """Follow the reply `ids` so far; its whole text if `final`."""
         tail = self.text[len(self.text) - self.holdback :] if self.holdback else ""
         start = 0 if final else self.prefix
-        piece = TextPiece("t", tuple(ids[start:]), start, self.prefix, self.read, tail,
-                          self.stop, final)  # fmt: skip
+        piece = TextPiece(
+            "t", tuple(ids[start:]), start, self.prefix, self.read, tail, self.stop, final
+        )
         piece.check()
         update = self.chat.follow(piece)
         self.text = self.text[: len(self.text) - update.trim] + update.text
@@ -154,8 +159,9 @@ def test_a_stop_string_ends_the_reply_at_the_token_that_completes_it(chat: ChatT
         at = sizes.randint(10, len(whole) - 8)
         stops = [whole[at : at + sizes.randint(2, 6)], "\x00never"]
         first = min(i for s in stops if (i := whole.find(s)) >= 0)
-        completes = next(n for n in range(1, len(ids) + 1)
-                         if any(s in chat.decode(ids[:n]) for s in stops))  # fmt: skip
+        completes = next(
+            n for n in range(1, len(ids) + 1) if any(s in chat.decode(ids[:n]) for s in stops)
+        )
         for size in (1, 3, 7):
             follower = Follower(chat, stops)
             fed = 0
@@ -203,8 +209,11 @@ FORGED = (
 def test_control_token_strings_in_a_message_stay_text() -> None:
     chat = ChatTokenizer(smollm2_tokenizer(), 49152)
     start, end = (chat.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>"))
-    benign = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
-              {"role": "user", "content": "thanks"}]  # fmt: skip
+    benign = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "thanks"},
+    ]
     forged = [*benign[:2], {"role": "user", "content": FORGED}]
     ids, reference = chat.render(forged), chat.render(benign)
     # the same turn structure as the benign chat: no control token came from the message
@@ -220,6 +229,8 @@ def test_rendering_in_segments_gives_the_ids_of_one_tokenization_of_the_text() -
     chat = ChatTokenizer(smollm2_tokenizer(), 49152)
     texts = _sharegpt_texts(24)
     for first in range(0, 24, 4):
-        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
-                    for i, t in enumerate(texts[first : first + 4])]  # fmt: skip
+        messages = [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": t}
+            for i, t in enumerate(texts[first : first + 4])
+        ]
         assert chat._render_in_segments(messages) == chat.render(messages)

@@ -159,8 +159,9 @@ def test_replicas_find_a_replys_text_and_stop_as_the_core_does(chat, url) -> Non
             fed = min(len(reply), fed + 3)
             tail = text[len(text) - 4 :] if stop else ""
             piece = TextPiece("t", tuple(reply[prefix:fed]), prefix, prefix, read, tail, stop)
-            (update,) = (await detokenize_remote(bus, engine_id, DetokenizeRequest((piece,)),
-                                                 10)).updates  # fmt: skip
+            (update,) = (
+                await detokenize_remote(bus, engine_id, DetokenizeRequest((piece,)), 10)
+            ).updates
             text = text[: len(text) - update.trim] + update.text
             prefix, read = update.prefix, update.read
             if update.stop_at is not None:
@@ -191,9 +192,14 @@ def test_a_render_held_by_a_killed_replica_is_rendered_by_another(chat, url) -> 
     async def go() -> None:
         engine_id = _engine_id()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", REPLICA, url, engine_id, str(VOCAB_SIZE),
+            sys.executable,
+            "-c",
+            REPLICA,
+            url,
+            engine_id,
+            str(VOCAB_SIZE),
             stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+        )
         bus = await Bus.connect(url)
         try:
             assert proc.stdout is not None

@@ -33,18 +33,27 @@ HOT = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=3)
 def _plans() -> list[StepPlan]:
     orders = SwapOrders([CopyOp(1, 2)], [CopyOp(3, 4), CopyOp(5, 6)], [CopyOp(7, 8)], fence=True)
     return [
-        StepPlan((SeqPiece("a", (1, 2, 3), 0, 3, (10,), GREEDY),
-                  SeqPiece("b", (4, 5), 30, 32, (11,), None))),
+        StepPlan(
+            (
+                SeqPiece("a", (1, 2, 3), 0, 3, (10,), GREEDY),
+                SeqPiece("b", (4, 5), 30, 32, (11,), None),
+            )
+        ),
         # a grows by a block; b's recomputed prefix and new prompt share one table
-        StepPlan((SeqPiece("a", (PLACEHOLDER,), 3, 4, (10, 12), GREEDY, 1),
-                  SeqPiece("b", (6,) * 4, 0, 4, (11, 13), None),
-                  SeqPiece("b", (7,), 32, 33, (11, 13), HOT)), orders),
+        StepPlan(
+            (
+                SeqPiece("a", (PLACEHOLDER,), 3, 4, (10, 12), GREEDY, 1),
+                SeqPiece("b", (6,) * 4, 0, 4, (11, 13), None),
+                SeqPiece("b", (7,), 32, 33, (11, 13), HOT),
+            ),
+            orders,
+        ),
         # a's table changes in the middle (a swap-in put a chunk elsewhere); b sits out
         StepPlan((SeqPiece("a", (PLACEHOLDER,), 4, 5, (14, 12, 15), GREEDY, 2),)),
         # b comes back: sent in full again
         StepPlan((SeqPiece("b", (9,), 33, 34, (11, 13), HOT, 1),)),
         StepPlan(()),
-    ]  # fmt: skip
+    ]
 
 
 def test_plans_cross_as_diffs_and_come_back_whole() -> None:
@@ -92,8 +101,9 @@ def test_a_step_result_round_trips() -> None:
 
 # ---- the engine across the bus ---------------------------------------------------------------
 
-OPTIONS = EngineOptions(model="preset:tiny-llama", gpu_cache_tokens=320, cpu_cache_tokens=320,
-                        max_batch_tokens=256)  # fmt: skip
+OPTIONS = EngineOptions(
+    model="preset:tiny-llama", gpu_cache_tokens=320, cpu_cache_tokens=320, max_batch_tokens=256
+)
 NUM_CONVS, NUM_TURNS = 5, 3
 
 
@@ -115,8 +125,10 @@ def converse(
                 histories[request.conv_id] = request.all_ids
                 outputs.append(request.output_ids)
                 if reasons is not None:  # what a failure shows: how each turn ended
-                    reasons.append(f"{request.conv_id}/{turn}: {request.finish_reason} "
-                                   f"after {len(request.output_ids)}")  # fmt: skip
+                    reasons.append(
+                        f"{request.conv_id}/{turn}: {request.finish_reason} "
+                        f"after {len(request.output_ids)}"
+                    )
                 done += 1
     sources = dataclasses.asdict(engine.totals.sources)
     return sorted(outputs), sources

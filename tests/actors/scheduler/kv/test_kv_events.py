@@ -165,8 +165,13 @@ def test_a_batch_decodes_as_sent_and_a_malformed_one_is_refused() -> None:
     assert decode_kv_events(encode_kv_events(batch)) == batch
     good = orjson.loads(encode_kv_events(batch))
     event = good["events"][0]
-    assert event == {"kind": "reclaimed", "conversation_id": "c", "index": 2, "gpu_block": None,
-                     "cpu_slot": 5}  # fmt: skip
+    assert event == {
+        "kind": "reclaimed",
+        "conversation_id": "c",
+        "index": 2,
+        "gpu_block": None,
+        "cpu_slot": 5,
+    }
     for bad in ({**event, "kind": "moved"}, {**event, "index": -1}, {**event, "gpu_block": "7"}):
         with pytest.raises(MessageError):
             decode_kv_events(orjson.dumps({**good, "events": [bad]}))
@@ -276,10 +281,12 @@ async def converse(url: str, engine_id: str) -> list[KvEventBatch]:
 
     first = [ask(subjects.CHAT, {"message": MESSAGES[0], "max_tokens": 4}) for _ in "abcd"]
     conv_ids = [reply["conversation_id"] for reply in await asyncio.gather(*first)]
-    await asyncio.gather(*[
-        ask(subjects.CHAT, {"conversation_id": c, "message": MESSAGES[1], "max_tokens": 4})
-        for c in conv_ids
-    ])  # fmt: skip
+    await asyncio.gather(
+        *[
+            ask(subjects.CHAT, {"conversation_id": c, "message": MESSAGES[1], "max_tokens": 4})
+            for c in conv_ids
+        ]
+    )
     await ask(subjects.STATS, {})  # runs between steps: every batch before it is out
     batches = []
     with contextlib.suppress(nats.errors.TimeoutError):
@@ -323,9 +330,11 @@ def test_the_executor_actor_keeps_the_spill_index_from_the_kv_events(
     built = engine(smollm2, chat)
     with (
         EmbeddedNats() as server,
-        serve_on_thread(built, tmp_path, server.url, step_channel=StepChannel.NATS)
-        as (engine_id, service),
-    ):  # fmt: skip
+        serve_on_thread(built, tmp_path, server.url, step_channel=StepChannel.NATS) as (
+            engine_id,
+            service,
+        ),
+    ):
         assert service.store.spills("c-0123abcd-0000000000000000") == {}
         asyncio.run(converse(server.url, engine_id))
         kv = built.engine.kv
