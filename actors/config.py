@@ -4,6 +4,8 @@ table of defaults that the CLI, the engine factory and the benchmarks all read."
 from __future__ import annotations
 
 import enum
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -12,6 +14,13 @@ class StepChannel(enum.Enum):
 
     NATS = "nats"  # step plans and tokens as messages to and from the executor actor
     DIRECT = "direct"  # the scheduler calls the model in its own thread (no executor actor)
+
+
+class AllReduce(enum.Enum):
+    """How tensor-parallel ranks sum the row-parallel layers' partial products."""
+
+    NCCL = "nccl"  # the process group's own all-reduce
+    PEER = "peer"  # symmetric memory on GPUs (one kernel reads every rank's share over NVLink)
 
 
 @dataclass(frozen=True)
@@ -34,9 +43,47 @@ class Defaults:
     # the NATS channel between threads of one process served 0.96x the tokens per second (they
     # share the interpreter lock), between processes 0.99-1.01x (see docs/benchmarks.md)
     step_channel: StepChannel = StepChannel.DIRECT
+    max_tokens: int = 256  # output tokens of a turn whose request names none
+    gpu_memory_fraction: float = 0.85  # of the free GPU memory, for the GPU tier
+    cpu_cache_gib: float = 8.0  # the CPU tier on a GPU machine (4x the GPU tier on a CPU one)
+    cpu_gpu_cache_tokens: int = 16384  # the "GPU" tier when the model runs on the CPU
+    # the executor's switches (see `ExecutorConfig`): on in serving, off only to compare
+    mixed_graphs: bool = True
+    fast_launch: bool = True
+    all_reduce: AllReduce = AllReduce.NCCL
 
 
 DEFAULTS = Defaults()
+
+# the environment variables that override `ExecutorConfig`'s defaults, read only here
+MIXED_GRAPHS_ENV = "PENSIEVE_MIXED_GRAPHS"  # "0": steps with prefill pieces run eagerly
+FAST_LAUNCH_ENV = "PENSIEVE_FAST_LAUNCH"  # "0": every Triton launch goes through Triton
+ALL_REDUCE_ENV = "PENSIEVE_ALL_REDUCE"  # "nccl" or "peer"
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """How the executor runs a step: steps with prefill pieces from CUDA graphs cut at attention
+    (`mixed_graphs`), Triton kernels launched through their compiled launchers (`fast_launch`),
+    and how tensor-parallel ranks sum (`all_reduce`). Benchmarks turn them off side by side."""
+
+    mixed_graphs: bool = DEFAULTS.mixed_graphs
+    fast_launch: bool = DEFAULTS.fast_launch
+    all_reduce: AllReduce = DEFAULTS.all_reduce
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> ExecutorConfig:
+        """The defaults, overridden where the environment sets PENSIEVE_MIXED_GRAPHS,
+        PENSIEVE_FAST_LAUNCH ("0": off) or PENSIEVE_ALL_REDUCE; ValueError for a mode unknown."""
+        mode = environ.get(ALL_REDUCE_ENV) or DEFAULTS.all_reduce.value
+        modes = [m.value for m in AllReduce]
+        if mode not in modes:
+            raise ValueError(f"{ALL_REDUCE_ENV}={mode!r}: one of {', '.join(modes)}")
+        return cls(
+            mixed_graphs=environ.get(MIXED_GRAPHS_ENV, "1") != "0",
+            fast_launch=environ.get(FAST_LAUNCH_ENV, "1") != "0",
+            all_reduce=AllReduce(mode),
+        )
 
 
 @dataclass(frozen=True)

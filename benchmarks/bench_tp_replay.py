@@ -30,12 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_workload import ConvSpec, build_workload, steady_closed_loop
-from pensieve.actors.config import Policy
-from pensieve.actors.executor.piecewise_graphs import ENABLED_ENV as MIXED_GRAPHS_ENV
+from pensieve.actors.config import ALL_REDUCE_ENV, MIXED_GRAPHS_ENV, Policy
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.wire.step import StepPlan
 from pensieve.models.loader import load_model
-from pensieve.models.tensor_parallel import ALL_REDUCE_ENV, ALL_REDUCE_MODES
+from pensieve.models.tensor_parallel import ALL_REDUCE_MODES
 from pensieve.ops.factory import DTYPES, EngineOptions
 from pensieve.ops.ranks_engine import ranks_engine
 from pensieve.ops.sharegpt import load_conversations

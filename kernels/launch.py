@@ -12,19 +12,27 @@ every tensor's dtype and whether its address is 16-byte aligned: at least as fin
 specialization, so a hit always names the kernel Triton would pick) and launches it through the
 compiled kernel's launcher directly. The first launch of a signature goes through Triton as usual
 (and compiles if needed). Under the interpreter (TRITON_INTERPRET=1) every launch goes through
-Triton. `PENSIEVE_FAST_LAUNCH=0` turns the shortcut off.
+Triton. `use_fast_launch(False)` turns the shortcut off (benchmarks compare both).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-_ENABLED = os.environ.get("PENSIEVE_FAST_LAUNCH", "1") != "0"
 _MAX_ENTRIES = 4096  # signatures remembered per kernel before the table starts over
+_KERNELS: list[FastKernel] = []  # every kernel wrapped, so the switch reaches those made already
+_enabled = True
+
+
+def use_fast_launch(enabled: bool) -> None:
+    """Launch every kernel through its compiled launcher (True, the default) or through Triton."""
+    global _enabled
+    _enabled = enabled
+    for kernel in _KERNELS:
+        kernel.enabled = enabled and kernel.launchable
 
 
 class FastKernel:
@@ -37,7 +45,9 @@ class FastKernel:
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
-        self.enabled = _ENABLED and hasattr(fn, "params")  # not under the interpreter
+        self.launchable = hasattr(fn, "params")  # not under the interpreter
+        self.enabled = _enabled and self.launchable
+        _KERNELS.append(self)
         params = list(getattr(fn, "params", ()))
         runtime = [p for p in params if not p.is_constexpr]
         constexprs = [p for p in params if p.is_constexpr]

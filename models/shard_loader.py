@@ -11,6 +11,7 @@ whole model. A GGUF file is read whole on the CPU, split there, and the share mo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -39,6 +40,10 @@ from pensieve.models.tensor_parallel import (
     shard_vocabulary,
     split_config,
 )
+
+
+def _rows(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    return tensor[start:stop]
 
 
 def load_shard(
@@ -121,11 +126,11 @@ class _Split:
                 start = r * per_rank
                 held = max(0, min(per_rank, self.config.vocab_size - start))
                 self.slots[name] = WeightSlot(slot.param, 0, held)
-                self.cuts[name] = lambda t, start=start, held=held: t[start : start + held]
+                self.cuts[name] = functools.partial(_rows, start=start, stop=start + held)
             elif params[slot.param].shape[0] * n == whole_rows[slot.param]:  # column-parallel
                 size = (slot.stop - slot.start) // n
                 self.slots[name] = WeightSlot(slot.param, slot.start // n, slot.start // n + size)
-                self.cuts[name] = lambda t, size=size: t[r * size : (r + 1) * size]
+                self.cuts[name] = functools.partial(_rows, start=r * size, stop=(r + 1) * size)
             else:  # the same on every rank
                 self.slots[name] = slot
 

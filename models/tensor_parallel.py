@@ -14,8 +14,8 @@ code never branches on it (gpt-fast's way). Megatron-LM's split, per layer:
 Norms, rotary tables and OPT's learned positions stay whole on every rank. The KV cache of a
 rank holds its KV heads of every block (`ModelConfig.kv_cache_shape`), so the scheduler's block
 tables and swap orders are the same for every rank. The collectives go through
-torch.distributed on whatever backend the group has: NCCL on GPUs, gloo on CPUs in tests. With
-PENSIEVE_ALL_REDUCE=peer, the row-parallel sums on GPUs go through symmetric memory instead
+torch.distributed on whatever backend the group has: NCCL on GPUs, gloo on CPUs in tests. With the
+"peer" mode, the row-parallel sums on GPUs go through symmetric memory instead
 (`AllReduce`): each rank stages its partial sum in a buffer every rank can read over NVLink, and
 one kernel adds them (no multicast).
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +46,6 @@ NCCL_ENV = {
 }
 # how the row-parallel layers sum their partial products: "nccl" (the process group's own
 # all-reduce) or "peer" (symmetric memory on GPUs, the group's own for what does not fit)
-ALL_REDUCE_ENV = "PENSIEVE_ALL_REDUCE"
 ALL_REDUCE_MODES = ("nccl", "peer")
 PEER_MAX_BYTES = 8 << 20  # the staging buffer: a decode step's sums fit many times over
 ONE_SHOT_MAX_BYTES = 2 << 20  # up to here each rank reads all the others' (one shot)
@@ -147,18 +145,12 @@ def reducer(group: Any) -> AllReduce:
     return _REDUCERS.setdefault(group, AllReduce(group))
 
 
-def all_reduce_mode() -> str:
-    """The mode PENSIEVE_ALL_REDUCE names (default "nccl"); ValueError for another."""
-    mode = os.environ.get(ALL_REDUCE_ENV, "nccl") or "nccl"
+def prepare_all_reduce(shard: TensorShard, device: torch.device, mode: str = "nccl") -> str:
+    """Set up the row-parallel sums of this rank in `mode` (one of ALL_REDUCE_MODES; every rank
+    of the group calls it at the same point, before capturing graphs); the mode in use."""
     if mode not in ALL_REDUCE_MODES:
-        raise ValueError(f"{ALL_REDUCE_ENV}={mode!r}: one of {', '.join(ALL_REDUCE_MODES)}")
-    return mode
-
-
-def prepare_all_reduce(shard: TensorShard, device: torch.device) -> str:
-    """Set up the row-parallel sums of this rank as PENSIEVE_ALL_REDUCE asks (every rank of the
-    group calls it at the same point, before capturing graphs); the mode in use."""
-    wanted = all_reduce_mode() == "peer" and device.type == "cuda" and shard.world_size > 1
+        raise ValueError(f"all-reduce mode {mode!r}: one of {', '.join(ALL_REDUCE_MODES)}")
+    wanted = mode == "peer" and device.type == "cuda" and shard.world_size > 1
     if wanted and reducer(shard.group).enable_peer(device):
         return "peer"
     return "nccl" if device.type == "cuda" else "gloo"
@@ -223,6 +215,7 @@ class GatheredLogits(nn.Module):
 def broadcast_from_first(tensor: torch.Tensor, shard: TensorShard) -> None:
     """Every rank's `tensor` becomes the first rank's (in place)."""
     group = shard.group if shard.group is not None else dist.group.WORLD
+    assert group is not None, "torch.distributed is not initialized"
     dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=shard.group)
 
 

@@ -20,6 +20,7 @@ from typing import Any, TextIO
 
 import orjson
 
+from pensieve.actors.config import DEFAULTS
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import Bus, ConnectOptions
 
@@ -31,7 +32,7 @@ Reader = Callable[[str], Awaitable[str | None]]  # a prompt -> the line typed (N
 class ChatOptions:
     url: str
     connect: ConnectOptions | None = None
-    max_tokens: int = 256
+    max_tokens: int = DEFAULTS.max_tokens
     temperature: float = 0.0
     timeout_s: float = 300.0  # silence after which a reply is given up
 
@@ -206,5 +207,5 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
     add_connection_args(parser)
-    parser.add_argument("--max-tokens", type=int, default=256, metavar="N")
+    parser.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens, metavar="N")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T")

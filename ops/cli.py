@@ -101,7 +101,7 @@ def _replay_parser(commands: Any) -> None:
     )
     work.add_argument(
         "--max-new-tokens",
-        default="256",
+        default=str(DEFAULTS.max_tokens),
         metavar="N",
         help="tokens per reply at most, or 'dataset' for the recorded reply's length",
     )
@@ -519,7 +519,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--gpu-cache-tokens",
         type=int,
         metavar="N",
-        help="GPU tier size (default: 85%% of the free GPU memory; 16384 tokens on CPU)",
+        help=f"GPU tier size (default: {DEFAULTS.gpu_memory_fraction * 100:.0f}%% of the free "
+        f"GPU memory; {DEFAULTS.cpu_gpu_cache_tokens} tokens on CPU)",
     )
     cache.add_argument(
         "--gpu-cache-gb", type=float, metavar="GB", help="GPU tier size in GiB instead"
@@ -528,7 +529,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--cpu-cache-tokens",
         type=int,
         metavar="N",
-        help="CPU tier size (default: 8 GiB; 4x the GPU tier on CPU; 0 with gpu-only/stateless)",
+        help=f"CPU tier size (default: {DEFAULTS.cpu_cache_gib:g} GiB; 4x the GPU tier on CPU; 0 "
+        "with gpu-only/stateless)",
     )
     cache.add_argument(
         "--cpu-cache-gb", type=float, metavar="GB", help="CPU tier size in GiB instead"

@@ -40,7 +40,7 @@ class EngineOptions:
     policy: Policy = Policy.PENSIEVE
     block_size: int = DEFAULTS.block_size
     gpu_cache_tokens: int | None = None  # None: most of the free GPU memory (16k tokens on CPU)
-    cpu_cache_tokens: int | None = None  # None: 8 GiB (4x the GPU tier on CPU)
+    cpu_cache_tokens: int | None = None  # None: DEFAULTS.cpu_cache_gib (4x the GPU tier on CPU)
     gpu_cache_gb: float | None = None
     cpu_cache_gb: float | None = None
     admission_reserve: float = DEFAULTS.admission_reserve
@@ -215,13 +215,14 @@ def cache_config(
     if gpu_tokens is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            gpu_tokens = int(free * 0.85) // per_block * options.block_size
+            gpu_tokens = int(free * DEFAULTS.gpu_memory_fraction) // per_block * options.block_size
         else:
-            gpu_tokens = 16384
+            gpu_tokens = DEFAULTS.cpu_gpu_cache_tokens
     cpu_tokens = _tokens(options.cpu_cache_tokens, options.cpu_cache_gb, per_block, options)
     if cpu_tokens is None:
+        host_bytes = int(DEFAULTS.cpu_cache_gib * GIB)
         cpu_tokens = (
-            4 * gpu_tokens if device.type == "cpu" else (8 * GIB) // per_block * options.block_size
+            4 * gpu_tokens if device.type == "cpu" else host_bytes // per_block * options.block_size
         )
     if options.policy in (Policy.GPU_ONLY, Policy.STATELESS):
         cpu_tokens = 0

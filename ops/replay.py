@@ -20,6 +20,7 @@ from typing import IO
 import orjson
 from tqdm import tqdm
 
+from pensieve.actors.config import DEFAULTS
 from pensieve.actors.scheduler.chat_service import commit_turn, turn_record
 from pensieve.actors.scheduler.request import FinishReason, Request, SamplingParams
 from pensieve.actors.tokenizer.chat_tokenizer import ChatMessage
@@ -34,7 +35,7 @@ class ContextTooLong(ValueError):
 
 @dataclass(frozen=True)
 class ReplayOptions:
-    max_new_tokens: int | None = 256  # None: the recorded reply's length
+    max_new_tokens: int | None = DEFAULTS.max_tokens  # None: the recorded reply's length
     ignore_eos: bool = False
     temperature: float = 0.0
     concurrency: int = 4

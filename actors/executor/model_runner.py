@@ -18,10 +18,10 @@ from typing import Protocol
 
 import torch
 
-from pensieve.actors.config import CacheConfig
+from pensieve.actors.config import CacheConfig, ExecutorConfig
 from pensieve.actors.executor.cuda_graphs import DecodeGraphs
 from pensieve.actors.executor.device_clock import DeviceClock, DeviceTime
-from pensieve.actors.executor.piecewise_graphs import PiecewiseGraphs, mixed_graphs_enabled
+from pensieve.actors.executor.piecewise_graphs import PiecewiseGraphs
 from pensieve.actors.executor.sampler import sample_async
 from pensieve.actors.executor.step_tracing import StepTracer
 from pensieve.actors.executor.swap import SwapEngine, SwapStats
@@ -29,6 +29,7 @@ from pensieve.actors.scheduler.request import PLACEHOLDER
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.step import SeqPiece, StepPlan
 from pensieve.kernels import AttentionImpl, AttentionMetadata, build_metadata
+from pensieve.kernels.launch import use_fast_launch
 from pensieve.kernels.metadata import upload
 from pensieve.models.attention import PagedAttention, allocate_kv_caches
 from pensieve.models.loader import CausalLM
@@ -150,7 +151,11 @@ class ModelRunner:
         swap_out_dma: bool = True,
         swap_batched: bool = True,
         shard: TensorShard | None = None,
+        switches: ExecutorConfig | None = None,
     ) -> None:
+        # None: the defaults, as the environment overrides them
+        self.switches = switches or ExecutorConfig.from_environment()
+        use_fast_launch(self.switches.fast_launch)
         self.model = model
         self.shard = shard  # this rank's part of a model split over ranks (None: all of it)
         self.config = model.config
@@ -187,9 +192,9 @@ class ModelRunner:
                 dtype,
                 device,
             )
-        # the row-parallel sums as PENSIEVE_ALL_REDUCE asks: set up on every rank here, before
-        # any graph is captured
-        self.all_reduce = None if shard is None else prepare_all_reduce(shard, device)
+        # the row-parallel sums: set up on every rank here, before any graph is captured
+        mode = self.switches.all_reduce.value
+        self.all_reduce = None if shard is None else prepare_all_reduce(shard, device, mode)
         self.graphs: DecodeGraphs | None = None
         self.mixed_graphs: PiecewiseGraphs | None = None
         if cuda_graphs and device.type == "cuda":
@@ -197,7 +202,8 @@ class ModelRunner:
 
     def renew_graphs(self) -> tuple[DecodeGraphs | None, PiecewiseGraphs | None]:
         """New, empty CUDA graphs: pure-decode steps in whole graphs, steps with prefill pieces
-        in graphs cut at attention (unless PENSIEVE_MIXED_GRAPHS=0); both use the scratch block.
+        in graphs cut at attention (unless `switches.mixed_graphs` is off); both use the scratch
+        block.
         Returns the graphs replaced: a benchmark that changes the model's kernels (`set_fused`)
         captures again, keeping the old graphs, and so their memory pools, alive."""
         old = self.graphs, self.mixed_graphs
@@ -213,7 +219,7 @@ class ModelRunner:
         )
         self.mixed_graphs = (
             PiecewiseGraphs(self.model, self.gpu_caches, c.num_gpu_blocks * c.block_size, self.impl)
-            if mixed_graphs_enabled()
+            if self.switches.mixed_graphs
             else None
         )
         return old

@@ -23,13 +23,12 @@ Every bucket's graphs share one memory pool: the buckets never run interleaved, 
 intermediates may reuse another's memory. The tensors that cross a cut (q_in, out, the step's
 inputs) are allocated once, outside the pool, at the largest bucket's size.
 
-`PENSIEVE_MIXED_GRAPHS=0` runs such steps eagerly instead (for side-by-side benchmarks).
+`ExecutorConfig.mixed_graphs` off runs such steps eagerly instead (for side-by-side benchmarks).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,16 +64,9 @@ TOKEN_BUCKETS = (
     1792,
     2048,
 )
-ENABLED_ENV = "PENSIEVE_MIXED_GRAPHS"
 # a capture here spans a whole forward: other threads of the process (the event loop, NCCL's
 # watchdog) may call the CUDA API meanwhile, which a process-wide capture would refuse
 CAPTURE_MODE = "thread_local"
-
-
-def mixed_graphs_enabled() -> bool:
-    """Whether steps with prefill pieces replay piecewise graphs (PENSIEVE_MIXED_GRAPHS, on
-    unless "0")."""
-    return os.environ.get(ENABLED_ENV, "1") != "0"
 
 
 @dataclass

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pensieve.actors.config import CacheConfig
+from pensieve.actors.config import ALL_REDUCE_ENV, CacheConfig
 from pensieve.actors.executor.model_runner import Launched, ModelRunner
 from pensieve.actors.scheduler.request import PLACEHOLDER, SamplingParams
 from pensieve.actors.wire.step import SeqPiece, StepPlan
 from pensieve.models import PRESETS, CausalLM, ModelConfig, build_model, init_random_
-from pensieve.models.tensor_parallel import ALL_REDUCE_ENV, NCCL_ENV, TensorShard, shard_model
+from pensieve.models.tensor_parallel import NCCL_ENV, TensorShard, shard_model
 
 # every layer kind: GQA, biases on every linear layer with an odd vocabulary (padded shards),
 # per-head QK-norm with a tied head, and OPT

@@ -14,10 +14,10 @@ import pytest
 import torch
 from tensor_parallel_ranks import CASES, one_rank, run_ranks
 
+from pensieve.actors.config import ALL_REDUCE_ENV, ExecutorConfig
 from pensieve.models import PRESETS, build_model, load_model
 from pensieve.models.shard_loader import load_shard
 from pensieve.models.tensor_parallel import (
-    ALL_REDUCE_ENV,
     RowParallelLinear,
     TensorShard,
     VocabParallelEmbedding,
@@ -66,10 +66,13 @@ def test_the_all_reduce_mode_is_checked_and_peer_sums_stay_on_gpus(
 ) -> None:
     monkeypatch.setenv(ALL_REDUCE_ENV, "ring")
     with pytest.raises(ValueError, match="PENSIEVE_ALL_REDUCE='ring': one of nccl, peer"):
-        prepare_all_reduce(TensorShard(0, 2), torch.device("cpu"))
+        ExecutorConfig.from_environment()
+    with pytest.raises(ValueError, match="all-reduce mode 'ring': one of nccl, peer"):
+        prepare_all_reduce(TensorShard(0, 2), torch.device("cpu"), "ring")
     # on CPUs the group's own all-reduce (gloo) sums, whatever is asked: no collective here
     monkeypatch.setenv(ALL_REDUCE_ENV, "peer")
-    assert prepare_all_reduce(TensorShard(0, 2), torch.device("cpu")) == "gloo"
+    mode = ExecutorConfig.from_environment().all_reduce.value
+    assert prepare_all_reduce(TensorShard(0, 2), torch.device("cpu"), mode) == "gloo"
     assert reducer(None).buffer is None
 
 
