@@ -39,9 +39,8 @@ class Defaults:
     tokenizers: int = 2  # tokenizer replicas `serve` starts (a queue group on the bus)
     conversation_ttl_s: float = 7 * 24 * 3600.0  # an idle conversation is deleted after this
     stateless_ttl_s: float = 3600.0  # ... or after this, if stateless-made or ended
-    # in one process the executor is called in-thread: measured on an H200 at 128 conversations,
-    # the NATS channel between threads of one process served 0.96x the tokens per second (they
-    # share the interpreter lock), between processes 0.99-1.01x (see docs/benchmarks.md)
+    # in one process the executor is called in-thread: threads of one process that pass plans
+    # over NATS share the interpreter lock and serve fewer tokens (docs/benchmarks.md)
     step_channel: StepChannel = StepChannel.DIRECT
     max_tokens: int = 256  # output tokens of a turn whose request names none
     gpu_memory_fraction: float = 0.85  # of the free GPU memory, for the GPU tier

