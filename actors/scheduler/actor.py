@@ -169,33 +169,31 @@ class ChatServer(Actor):
     async def stop(self, grace_s: float | None = None) -> None:
         """Draining stop: take no more requests, give those in hand `grace_s` (default: the
         actor's `grace_s`) to finish, answer what is left `unavailable` (every requester gets a
-        final message, nobody waits out a timeout), leave the bus, stop the engine thread."""
-        if not self._started:
-            return
-        self._started = False
+        final message, nobody waits out a timeout), stop the engine thread, leave the bus."""
+        await super().stop(self.grace_s if grace_s is None else grace_s)
+
+    async def teardown(self) -> None:
         if self._sweeping is not None:
             await self._sweeping.aclose()
-        if self._engine is not None:
-            await self._drain(self.grace_s if grace_s is None else grace_s)
         try:
-            await self.bus.close()
+            left = await self.bus.settle(0.0)
+            if self._engine is not None and left:
+                await self._close_turns(left)
             if self.events is not None:
                 await self.events.close()
         finally:  # off the event loop: a step in hand may need it to reach the executor
             if self._engine is not None:
                 await asyncio.to_thread(self._engine.stop)
 
-    async def _drain(self, grace_s: float) -> None:
-        await self.bus.stop_serving()
-        left = await self.bus.settle(grace_s)
-        if left:
-            logger.info(
-                "%d requests still running after %.0f s; answering them unavailable", left, grace_s
-            )
-            closed = ApiError("unavailable", "the server is shutting down; send the turn again")
-            with contextlib.suppress(ApiError):  # a broken engine answers every turn itself
-                await self._call(self.service.close, closed)
-            await self.bus.settle(CLOSE_REPLIES_S)  # their error replies go out
+    async def _close_turns(self, left: int) -> None:
+        """Answer the turns still in hand `unavailable`."""
+        logger.info(
+            "%d requests still running after the grace period; answering them unavailable", left
+        )
+        closed = ApiError("unavailable", "the server is shutting down; send the turn again")
+        with contextlib.suppress(ApiError):  # a broken engine answers every turn itself
+            await self._call(self.service.close, closed)
+        await self.bus.settle(CLOSE_REPLIES_S)  # their error replies go out
 
     def _publish_kv_events(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the engine thread: from now on each step's KV events go out on this engine's KV
