@@ -71,12 +71,13 @@ async def deployment(ctx: Context, entries: Sequence[Entry]) -> AsyncIterator[Co
 async def until_signal(
     ctx: Context, entries: Sequence[Entry], announce: Callable[[], None]
 ) -> None:
-    """Run `entries` until SIGINT or SIGTERM; `announce` tells the world once they serve."""
+    """Run `entries` until SIGINT or SIGTERM (one during the start stops them once they are
+    up); `announce` tells the world once they serve."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     async with deployment(ctx, entries):
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         announce()
         await stop.wait()
         logger.info("stopping: up to %.0f s for the turns in flight", ctx.serve.shutdown_grace_s)
@@ -224,6 +225,15 @@ def _ready(what: str, tail: str = "") -> Callable[[Context], str]:
     return lambda ctx: f"pensieve: {what} of engine {ctx.engine_id} ready on {ctx.nats}{tail}"
 
 
+def _tokenizers_ready(ctx: Context) -> str:
+    replicas = max(1, ctx.serve.tokenizers)
+    return _ready(f"{replicas} tokenizer replica(s)")(ctx)
+
+
+def _scheduler_ready(ctx: Context) -> str:
+    return f"pensieve: scheduler of engine {ctx.engine_id} serving on {ctx.nats}"
+
+
 def _http_config(ctx: Context) -> HttpConfig:
     if ctx.serve.http is None:
         raise ValueError("the HTTP ingress needs a port (--http-port)")
@@ -238,40 +248,25 @@ def _http_ready(ctx: Context) -> str:
     )
 
 
+def _metrics_ready(ctx: Context) -> str:
+    return f"pensieve: metrics on http://{ctx.serve.metrics_host}:{ctx.serve.metrics_port}/metrics"
+
+
+API = " (pensieve.v1.chat, pensieve.v1.conversations.*)"
+# every actor of an engine, by the name `pensieve actor NAME` runs it under
 ACTORS: dict[str, Entry] = {
     entry.name: entry
     for entry in (
-        Entry(
-            "ingress",
-            _ingress,
-            _ready("ingress", " (pensieve.v1.chat, pensieve.v1.conversations.*)"),
-        ),
+        Entry("ingress", _ingress, _ready("ingress", API)),
         Entry("http", _http, _http_ready),
-        Entry(
-            "tokenizer",
-            _tokenizers,
-            lambda ctx: (
-                f"pensieve: {max(1, ctx.serve.tokenizers)} tokenizer replica(s) of "
-                f"engine {ctx.engine_id} ready on {ctx.nats}"
-            ),
-        ),
-        Entry(
-            "scheduler",
-            _scheduler,
-            lambda ctx: f"pensieve: scheduler of engine {ctx.engine_id} serving on {ctx.nats}",
-        ),
+        Entry("tokenizer", _tokenizers, _tokenizers_ready),
+        Entry("scheduler", _scheduler, _scheduler_ready),
         Entry("recompute-planner", _recompute_planner, _ready("recompute planner")),
         Entry("executor", _executor, _ready("executor")),
     )
 }
 # not an actor: the scheduler's metrics on a port of their own, beside it
-METRICS = Entry(
-    "metrics",
-    _metrics,
-    lambda ctx: (
-        f"pensieve: metrics on http://{ctx.serve.metrics_host}:{ctx.serve.metrics_port}/metrics"
-    ),
-)
+METRICS = Entry("metrics", _metrics, _metrics_ready)
 
 
 def serve_plan(serve: ServeOptions) -> list[Entry]:
