@@ -143,7 +143,7 @@ def _serve_parser(commands: Any) -> None:
 
 
 def _actor_parser(commands: Any) -> None:
-    from pensieve.ops.actor_main import ACTOR_COMMANDS
+    from pensieve.ops.deploy import ACTORS
 
     actor = commands.add_parser(
         "actor",
@@ -158,7 +158,7 @@ def _actor_parser(commands: Any) -> None:
         "Each waits for the others.",
         formatter_class=HelpFormatter,
     )
-    actor.add_argument("name", choices=ACTOR_COMMANDS, help="which actor")
+    actor.add_argument("name", choices=list(ACTORS), help="which actor")
     _engine_args(actor)
     _server_args(actor)
     _nats_auth_args(actor, embedded=False)
@@ -712,8 +712,9 @@ def _nats_config(args: argparse.Namespace, started: float) -> int:
 
 def _serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from pensieve.actors.ingress.http_actor import HttpConfig
+    from pensieve.ops.context import ServeOptions
     from pensieve.ops.nats_auth import auth_data_dir, events_auth_from_args, nats_auth_from_args
-    from pensieve.ops.serve import ServeOptions, default_data_dir
+    from pensieve.ops.serve import default_data_dir
 
     data_dir = args.data_dir or default_data_dir()
     port = args.http_port

@@ -70,6 +70,41 @@ class Built:
 
 def build(options: EngineOptions) -> Built:
     """Load the model and its tokenizer, then assemble an engine around them; logs each phase."""
+    loaded = load_weights(options)
+    begin = time.perf_counter()
+    chat = ChatTokenizer(_tokenizer(options, loaded), loaded.config.vocab_size)
+    logger.info("tokenizer ready in %.1f s", time.perf_counter() - begin)
+    begin = time.perf_counter()
+    built = assemble(options, loaded, chat)
+    cache = built.engine.cache_config
+    logger.info(
+        "engine ready in %.1f s: policy %s, GPU tier %d tokens, CPU tier %d tokens",
+        time.perf_counter() - begin,
+        cache.policy.value,
+        cache.num_gpu_blocks * cache.block_size,
+        cache.num_cpu_blocks * cache.block_size,
+    )
+    return built
+
+
+def build_runner(options: EngineOptions) -> ModelRunner:
+    """What an executor process holds, and nothing else: the model on its device, the KV tiers
+    and their swap engine (`ModelRunner`); no scheduler, cache manager or tokenizer."""
+    loaded = load_weights(options)
+    begin = time.perf_counter()
+    runner = model_runner(options, loaded)
+    cache = runner.cache
+    logger.info(
+        "model runner ready in %.1f s: GPU tier %d tokens, CPU tier %d tokens",
+        time.perf_counter() - begin,
+        cache.num_gpu_blocks * cache.block_size,
+        cache.num_cpu_blocks * cache.block_size,
+    )
+    return runner
+
+
+def load_weights(options: EngineOptions) -> LoadedModel:
+    """The model of `options` on its device, in its dtype; logs what was loaded."""
     if options.dtype not in DTYPES:
         raise ValueError(f"unknown dtype {options.dtype!r}; choose from {', '.join(DTYPES)}")
     device = torch.device(options.device)
@@ -90,20 +125,7 @@ def build(options: EngineOptions) -> Built:
         options.dtype,
         device,
     )
-    begin = time.perf_counter()
-    chat = ChatTokenizer(_tokenizer(options, loaded), config.vocab_size)
-    logger.info("tokenizer ready in %.1f s", time.perf_counter() - begin)
-    begin = time.perf_counter()
-    built = assemble(options, loaded, chat)
-    cache = built.engine.cache_config
-    logger.info(
-        "engine ready in %.1f s: policy %s, GPU tier %d tokens, CPU tier %d tokens",
-        time.perf_counter() - begin,
-        cache.policy.value,
-        cache.num_gpu_blocks * cache.block_size,
-        cache.num_cpu_blocks * cache.block_size,
-    )
-    return built
+    return loaded
 
 
 def cpu_threads(options: EngineOptions) -> int | None:
@@ -122,11 +144,16 @@ def cpu_threads(options: EngineOptions) -> int | None:
 
 def assemble(options: EngineOptions, loaded: LoadedModel, chat: ChatTokenizer) -> Built:
     """A fresh engine (empty caches) around an already loaded model."""
+    runner = model_runner(options, loaded)
+    return _around(runner, runner.cache, options, loaded, chat)
+
+
+def model_runner(options: EngineOptions, loaded: LoadedModel) -> ModelRunner:
+    """A model runner (empty KV tiers, sized as `options` say) around an already loaded model."""
     device = next(loaded.model.parameters()).device
     dtype = DTYPES[options.dtype]
     cache = cache_config(options, loaded.config, device, dtype)
-    runner = ModelRunner(loaded.model, cache, device, dtype)
-    return _around(runner, cache, options, loaded, chat)
+    return ModelRunner(loaded.model, cache, device, dtype)
 
 
 def rank_runner(

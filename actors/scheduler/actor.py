@@ -1,50 +1,36 @@
-"""The async shell of the chat service: NATS subjects in, the engine on a thread of its own.
+"""The scheduler actor's async shell: NATS subjects in, the engine on a thread of its own.
 
-`EngineThread` owns the `ChatService` (and through it the engine, the scheduler and the cache):
-every call into it runs on that thread, between steps (or, for the tokenizer's answers, while a
-step waits for the device), so none of them needs a lock. The thread steps the engine while there
-is work and otherwise sleeps on its command queue.
-
-`ChatServer` is the scheduler actor's shell: it takes the client requests the ingress hands
-over (`actors/ingress/`) on the scheduler's internal subjects, has the chat template rendered by
-a tokenizer replica (`actors/tokenizer/actor.py`), hands the turn to the engine thread, and sends
-replies (or streamed deltas) straight to the client's inbox.
+`ChatServer` takes the client requests the ingress hands over (`actors/ingress/`) on the
+scheduler's internal subjects, has the chat template rendered by a tokenizer replica
+(`actors/tokenizer/actor.py`), hands the turn to the engine thread (`engine_thread.py`, which
+owns the `ChatService`), and sends replies (or streamed deltas) straight to the client's inbox.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import gc
 import logging
 import math
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import orjson
-import torch
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
-from pensieve.actors.executor.model_runner import Launch
+from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig
 from pensieve.actors.planner.actor import plan_remote
 from pensieve.actors.scheduler.chat_service import ChatService, Reservation
+from pensieve.actors.scheduler.engine_thread import EngineThread
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
+from pensieve.actors.scheduler.sweeper import sweeping
 from pensieve.actors.tokenizer.actor import RENDER_TIMEOUT_S, detokenize_remote, render_remote
 from pensieve.actors.wire import subjects, tracing
-from pensieve.actors.wire.bus import (
-    REQUESTER_HEADER,
-    TENANT_HEADER,
-    Bus,
-    Handler,
-    Incoming,
-    ServiceInfo,
-)
+from pensieve.actors.wire.actor import Actor
+from pensieve.actors.wire.bus import REQUESTER_HEADER, TENANT_HEADER, Bus, Handler, Incoming
 from pensieve.actors.wire.messages import DetokenizeRequest, KvEvent, encode_kv_events
 from pensieve.actors.wire.schemas import (
     CONVERSATION_FIELDS,
@@ -56,139 +42,13 @@ from pensieve.actors.wire.schemas import (
     parse_get,
     parse_list,
 )
-from pensieve.actors.wire.version import version
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_STOP = object()
-SNAPSHOT_EVERY_S = 0.1
 STATS_WAIT_S = 0.05  # how long a stats request waits for the engine thread, then its snapshot
-# how long the engine thread takes answers during a step before it waits on the step itself,
-# which checks that a remote executor still lives
-TAKE_TEXT_FOR_S = 1.0
 PROBE_EVERY_S = 0.5  # a streamed turn's deltas ask NATS whether its inbox is there this often
-
-
-class _StepDone:
-    """Queued when a remote step's tokens are in: the engine thread stops taking answers."""
-
-    def __init__(self, step: Launch) -> None:
-        self.step = step
-
-
-class EngineThread:
-    """The thread that steps the engine and runs the API calls queued to it.
-
-    On a CPU engine its PyTorch work runs on `cpu_threads` threads (see `ops.factory.cpu_threads`:
-    one core is left to the event loop, the tokenizer thread and NATS, because PyTorch's parallel
-    regions wait for their slowest thread whenever those run)."""
-
-    def __init__(self, service: ChatService, cpu_threads: int | None = None) -> None:
-        self.service = service
-        self.cpu_threads = cpu_threads
-        # the service's stats as of a recent step, for a stats request that finds the thread
-        # busy: it never waits for a step (refreshed at most every SNAPSHOT_EVERY_S)
-        self.snapshot: tuple[float, dict[str, Any]] = (time.monotonic(), service.stats())
-        self.stepping = False  # in a step now: a stats request takes the snapshot
-        service.metrics.follow_engine(lambda: self.snapshot[1])  # read at each scrape
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._deferred: collections.deque[Any] = collections.deque()  # taken out during a step
-        self._thread = threading.Thread(target=self._run, name="pensieve-engine", daemon=True)
-        self._thread.start()
-
-    def call(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
-        """Run `fn(*args)` on the engine thread, between two steps."""
-        future: Future[_T] = Future()
-        self._commands.put((fn, args, future, False))
-        return future
-
-    def call_text(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
-        """Run `fn(*args)`, which applies a tokenizer's answer, on the engine thread: between
-        two steps, or as soon as it comes while a remote step is in flight (see
-        `ChatService.take_text`)."""
-        future: Future[_T] = Future()
-        self._commands.put((fn, args, future, True))
-        return future
-
-    def stop(self) -> None:
-        self._commands.put(_STOP)
-        self._thread.join()
-
-    def _run(self) -> None:
-        if self.cpu_threads is not None:
-            torch.set_num_threads(self.cpu_threads)  # this thread's parallel regions
-        broken: ApiError | None = None  # set when a reset failed too: no more steps
-        stepped = False  # since the snapshot
-        while True:
-            busy = broken is None and self.service.has_work()
-            if stepped and not busy:  # idle from here: the snapshot is exact until it steps
-                self.snapshot, stepped = (time.monotonic(), self.service.stats()), False
-            try:
-                command = self._deferred.popleft() if self._deferred else None
-                command = command or self._commands.get(block=not busy)
-            except queue.Empty:
-                command = None
-            if isinstance(command, _StepDone):  # that wait ended already
-                continue
-            if command is _STOP:
-                self.service.fail_all(ApiError("internal", "the server is shutting down"))
-                return
-            if command is not None:
-                _run_command(command, broken)
-                continue  # take every queued command before the next step
-            try:
-                self.stepping = True
-                self.service.step()
-                self.stepping = False
-                stepped = True
-                if time.monotonic() - self.snapshot[0] > SNAPSHOT_EVERY_S:
-                    self.snapshot, stepped = (time.monotonic(), self.service.stats()), False
-            except Exception as error:
-                self.stepping = False
-                logger.exception("engine step failed; resetting the engine")
-                try:
-                    self.service.recover(error)
-                except Exception as failure:  # e.g. a device error that does not go away
-                    logger.exception("the engine could not be reset; it takes no more turns")
-                    broken = ApiError(
-                        "internal",
-                        f"the engine failed and could not be reset ({failure}); restart the server",
-                    )
-                    self.service.fail_all(broken)
-
-    def take_text(self, step: Launch) -> None:
-        """While `step` runs in a remote executor: apply the tokenizer's answers as they come
-        (an answer only touches turns whose tokens it was asked about); keep every other
-        command, in order, for after the step."""
-        if not step.when_done(lambda: self._commands.put(_StepDone(step))):
-            return
-        while True:
-            try:
-                command = self._commands.get(timeout=TAKE_TEXT_FOR_S)
-            except queue.Empty:
-                return
-            if isinstance(command, _StepDone):
-                if command.step is step:
-                    return
-            elif command is not _STOP and command[3]:
-                _run_command(command, None)
-            else:
-                self._deferred.append(command)
-                if command is _STOP:
-                    return
-
-
-def _run_command(command: tuple[Any, ...], broken: ApiError | None) -> None:
-    fn, args, future, _ = command
-    if not future.set_running_or_notify_cancel():  # its caller went away
-        return
-    try:
-        if broken is not None:
-            raise broken
-        future.set_result(fn(*args))
-    except BaseException as error:  # handed to the caller, who answers with it
-        future.set_exception(error)
+CLOSE_REPLIES_S = 5.0  # how long the `unavailable` answers of a stop get to go out
 
 
 class _Reply:
@@ -212,31 +72,51 @@ class _Reply:
         self._put("error", error)
 
 
-class ChatServer:
-    """With `remote_text`, reply tokens go to the tokenizer actor for their text; otherwise the
+class ChatServer(Actor):
+    """The engine thread (on `cpu_threads` PyTorch threads) runs while the actor does; the
+    expiry sweeper deletes conversations idle past their TTL (`expiry`).
+
+    With `remote_text`, reply tokens go to the tokenizer actor for their text; otherwise the
     engine thread finds it with the same core (`ChatService.detokenize`).
 
     A turn whose requester goes away is cancelled (`ChatService.abandon`). A streamed turn's
     deltas carry a probe as their reply subject (`Bus.on_no_responders`), at most every
     PROBE_EVERY_S: once nobody listens on its inbox, NATS says so. A tenant's inbox lies in
     another account, where NATS says nothing of the kind; there, with `events` (a connection
-    of the system account), the closing of the tenant's connection ends its turns, streamed
-    or not. A turn of the service's own account that is not streamed has no probe (any
-    message would be taken for its reply): its `timeout_s` bounds it."""
+    of the system account, which the actor closes when it stops), the closing of the tenant's
+    connection ends its turns, streamed or not. A turn of the service's own account that is
+    not streamed has no probe (any message would be taken for its reply): its `timeout_s`
+    bounds it."""
+
+    name: ClassVar[str] = "scheduler"
+    description: ClassVar[str] = (
+        "admission, the unified batch, KV accounting and eviction; plans every step"
+    )
 
     def __init__(
         self,
         bus: Bus,
-        engine: EngineThread,
         engine_id: str,
+        service: ChatService,
+        *,
+        cpu_threads: int | None = None,
         remote_text: bool = True,
         events: Bus | None = None,
+        expiry: ExpiryConfig = DEFAULT_EXPIRY,
+        grace_s: float = DEFAULTS.shutdown_grace_s,
     ) -> None:
-        self.bus = bus
-        self.events = events
+        super().__init__(bus, engine_id)
+        # one scheduler per engine: its service instance is the engine (the HTTP ingress's
+        # /health pings it by the engine id)
+        self.instance_id = engine_id
+        self.service = service
+        self.cpu_threads = cpu_threads
         self.remote_text = remote_text
-        self.engine = engine
-        self.engine_id = engine_id
+        self.events = events
+        self.expiry = expiry
+        self.grace_s = grace_s
+        self._engine: EngineThread | None = None
+        self._sweeping: contextlib.AsyncExitStack | None = None
         self._kv_stream = KvEventStream(engine_id)  # this process's KV event batches
         self._kv_sends: set[asyncio.Task[None]] = set()
         self._detokenizing: set[asyncio.Task[None]] = set()
@@ -245,23 +125,25 @@ class ChatServer:
         self._probed: dict[str, _Reply] = {}  # probe subject -> its turn's sink
         self._by_requester: dict[str, set[_Reply]] = {}  # tenant connection -> its turns
 
-    async def drain(self, grace_s: float) -> None:
-        """Stop taking requests, give those in hand `grace_s` to finish, then answer what is
-        left `unavailable`: every requester gets a final message, nobody waits out a timeout."""
-        await self.bus.stop_serving()
-        left = await self.bus.settle(grace_s)
-        if left:
-            logger.info(
-                "%d requests still running after %.0f s; answering them unavailable", left, grace_s
-            )
-            closed = ApiError("unavailable", "the server is shutting down; send the turn again")
-            with contextlib.suppress(ApiError):  # a broken engine answers every turn itself
-                await self._call(self.engine.service.close, closed)
-            await self.bus.settle(5.0)  # their error replies go out
+    @property
+    def engine(self) -> EngineThread:
+        """The thread that steps the engine (while the actor runs)."""
+        if self._engine is None:
+            raise ApiError("unavailable", "the scheduler is not running")
+        return self._engine
 
     async def start(self) -> None:
-        """Take the requests the ingress hands to this engine's scheduler (see
-        `actors/ingress/actor.py`), each answered to its client directly."""
+        """Start the engine thread, then take the requests the ingress hands to this engine's
+        scheduler (see `actors/ingress/actor.py`), each answered to its client directly; returns
+        once subscribed, so a request sent now is answered (idempotent)."""
+        try:
+            await super().start()
+        except BaseException:
+            await self.stop(0.0)
+            raise
+
+    async def setup(self) -> None:
+        self._engine = EngineThread(self.service, self.cpu_threads)
         await self._call(self._publish_kv_events, asyncio.get_running_loop())
         self._probes = await self.bus.on_no_responders(self._inbox_gone)
         if self.events is not None:
@@ -278,20 +160,40 @@ class ChatServer:
             "stats": self._stats,
         }
         for verb, handler in handlers.items():
-            subject = subjects.internal(self.engine_id, "scheduler", verb)
-            await self.bus.serve(subject, handler, queue="scheduler", handoff=True)
+            await self.bus.serve(self.subject(verb), handler, queue=self.name, handoff=True)
         # asked directly (not handed off) by an HTTP ingress in another process
-        metrics = subjects.internal(self.engine_id, "scheduler", "metrics")
-        await self.bus.serve(metrics, self._metrics, queue="scheduler")
-        await self.bus.advertise(
-            ServiceInfo(
-                subjects.actor_service("scheduler"),
-                self.engine_id,
-                version(),
-                "admission, the unified batch, KV accounting and eviction; plans every step",
-            )
+        await self.serve("metrics", self._metrics)
+        self._sweeping = contextlib.AsyncExitStack()
+        await self._sweeping.enter_async_context(sweeping(self.engine, self.expiry))
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Draining stop: take no more requests, give those in hand `grace_s` (default: the
+        actor's `grace_s`) to finish, answer what is left `unavailable` (every requester gets a
+        final message, nobody waits out a timeout), stop the engine thread, leave the bus."""
+        await super().stop(self.grace_s if grace_s is None else grace_s)
+
+    async def teardown(self) -> None:
+        if self._sweeping is not None:
+            await self._sweeping.aclose()
+        try:
+            left = await self.bus.settle(0.0)
+            if self._engine is not None and left:
+                await self._close_turns(left)
+            if self.events is not None:
+                await self.events.close()
+        finally:  # off the event loop: a step in hand may need it to reach the executor
+            if self._engine is not None:
+                await asyncio.to_thread(self._engine.stop)
+
+    async def _close_turns(self, left: int) -> None:
+        """Answer the turns still in hand `unavailable`."""
+        logger.info(
+            "%d requests still running after the grace period; answering them unavailable", left
         )
-        await self.bus.flush()  # started means subscribed: a request sent now is answered
+        closed = ApiError("unavailable", "the server is shutting down; send the turn again")
+        with contextlib.suppress(ApiError):  # a broken engine answers every turn itself
+            await self._call(self.service.close, closed)
+        await self.bus.settle(CLOSE_REPLIES_S)  # their error replies go out
 
     def _publish_kv_events(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the engine thread: from now on each step's KV events go out on this engine's KV
@@ -303,7 +205,7 @@ class ChatServer:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to send to
                 loop.call_soon_threadsafe(self._send_kv, body)
 
-        self.engine.service.publish_kv = publish
+        self.service.publish_kv = publish
 
     def _detokenize_remotely(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the engine thread: from now on the reply tokens go to this engine's tokenizer
@@ -313,8 +215,8 @@ class ChatServer:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to answer
                 loop.call_soon_threadsafe(self._send_text, request)
 
-        self.engine.service.detokenize = send
-        self.engine.service.take_text = self.engine.take_text
+        self.service.detokenize = send
+        self.service.take_text = self.engine.take_text
 
     def _send_text(self, request: DetokenizeRequest) -> None:
         task = asyncio.ensure_future(self._detokenize(request))
@@ -322,7 +224,7 @@ class ChatServer:
         task.add_done_callback(self._detokenizing.discard)
 
     async def _detokenize(self, request: DetokenizeRequest) -> None:
-        service = self.engine.service
+        service = self.service
         try:
             try:
                 reply = await detokenize_remote(self.bus, self.engine_id, request, RENDER_TIMEOUT_S)
@@ -370,7 +272,7 @@ class ChatServer:
 
     async def _run_turn(self, msg: Incoming, span: trace.Span, sink: _Reply, probe: str) -> None:
         request = parse_chat(msg.data)
-        service = self.engine.service
+        service = self.service
         reservation = await self._call(service.reserve, request, _tenant(msg))
         # rendered in a tokenizer replica (this engine's), not between two engine steps; the
         # recompute planner is asked meanwhile, for a conversation with history
@@ -443,39 +345,37 @@ class ChatServer:
     def _abandon(self, sink: _Reply) -> None:
         """Cancel the turn answering to `sink`; one not started yet is, once it starts."""
         sink.abandoned = True
-        self.engine.call(self.engine.service.abandon, sink)
+        self.engine.call(self.service.abandon, sink)
 
     async def _cancel(self, msg: Incoming) -> None:
         conv_id = conversation_id(load_fields(msg.data, CONVERSATION_FIELDS))
-        cancelled = await self._call(self.engine.service.cancel, conv_id, _tenant(msg))
+        cancelled = await self._call(self.service.cancel, conv_id, _tenant(msg))
         await msg.send(orjson.dumps({"conversation_id": conv_id, "cancelled": cancelled}))
 
     async def _get(self, msg: Incoming) -> None:
         conv_id, page = parse_get(msg.data)
         # off the engine thread: a read never waits for a step to end
-        got = await asyncio.to_thread(self.engine.service.get, conv_id, page, _tenant(msg))
+        got = await asyncio.to_thread(self.service.get, conv_id, page, _tenant(msg))
         await msg.send(orjson.dumps(got))
 
     async def _delete(self, msg: Incoming) -> None:
         conv_id = conversation_id(load_fields(msg.data, CONVERSATION_FIELDS))
-        written = await self._call(self.engine.service.delete, conv_id, _tenant(msg))
+        written = await self._call(self.service.delete, conv_id, _tenant(msg))
         await asyncio.wrap_future(written)
         await msg.send(orjson.dumps({"conversation_id": conv_id, "deleted": True}))
 
     async def _list(self, msg: Incoming) -> None:
-        listed = await asyncio.to_thread(
-            self.engine.service.list, parse_list(msg.data), _tenant(msg)
-        )
+        listed = await asyncio.to_thread(self.service.list, parse_list(msg.data), _tenant(msg))
         await msg.send(orjson.dumps({**listed, "engine_id": self.engine_id}))
 
     async def _metrics(self, msg: Incoming) -> None:
         """The Prometheus text of this engine's metrics (`actors/scheduler/metrics.py`)."""
-        await msg.send(self.engine.service.metrics.exposition())
+        await msg.send(self.service.metrics.exposition())
 
     async def _stats(self, msg: Incoming) -> None:
         load_fields(msg.data, NO_FIELDS)
         # between two steps: fresh, at once; during one: the snapshot, whatever the step's length
-        fresh = None if self.engine.stepping else self.engine.call(self.engine.service.stats)
+        fresh = None if self.engine.stepping else self.engine.call(self.service.stats)
         try:
             if fresh is None:
                 raise TimeoutError

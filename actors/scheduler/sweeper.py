@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from pensieve.actors.config import ExpiryConfig
-from pensieve.actors.scheduler.actor import EngineThread
+from pensieve.actors.scheduler.engine_thread import EngineThread
 
 logger = logging.getLogger(__name__)
 

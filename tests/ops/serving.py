@@ -15,13 +15,15 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from pensieve.actors.config import DEFAULTS, Policy, StepChannel
+from pensieve.actors.ingress.http_actor import HttpConfig
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.bus import ConnectOptions
 from pensieve.models.loader import LoadedModel
+from pensieve.ops.context import Context, Nats, ServeOptions
+from pensieve.ops.deploy import deployment, serve_plan
 from pensieve.ops.factory import Built, EngineOptions, assemble
 from pensieve.ops.replay import ReplayOptions, replay
-from pensieve.ops.serve import NO_FRONT, Front, serving
 from pensieve.ops.sharegpt import load_conversations
 from pensieve.store import ConversationStore
 from tests.event_loops import finish_tasks
@@ -69,31 +71,35 @@ def serve_on_thread(
     step_channel: StepChannel = DEFAULTS.step_channel,
     connect: ConnectOptions | None = None,
     remote_text: bool | None = None,
-    front: Front = NO_FRONT,
+    http: HttpConfig | None = None,
+    metrics_port: int | None = None,
     events: ConnectOptions | None = None,
 ) -> Iterator[tuple[str, ChatService]]:
-    """`serving()` on `url` from a thread with its own event loop; yields the engine id and the
-    chat service, and checks on leaving that the server stopped cleanly."""
+    """Every actor of `pensieve serve` (`serve_plan`) around `built` on `url`, from a thread
+    with its own event loop; yields the engine id and the chat service, and checks on leaving
+    that the server stopped cleanly. HTTP requests need no API key."""
+    options = ServeOptions(
+        data_dir,
+        max_waiting=max_waiting,
+        shutdown_grace_s=shutdown_grace_s,
+        step_channel=step_channel,
+        remote_text=remote_text,
+        http=http,
+        api_keys_required=False,
+        metrics_port=metrics_port,
+    )
     loop = asyncio.new_event_loop()
     ready, failed, held = threading.Event(), [], []
     stop = asyncio.Event()
 
     async def main() -> None:
         with ConversationStore(data_dir) as store:
-            async with serving(
-                built,
-                store,
-                url,
-                max_waiting,
-                None,
-                shutdown_grace_s,
-                step_channel,
-                connect=connect,
-                remote_text=remote_text,
-                front=front,
-                events=events,
-            ) as service:
-                held.append((store.engine_id(), service))
+            nats = Nats(url, connect, events)
+            context = Context(nats, store, built.options, options, built=built)
+            async with deployment(context, serve_plan(options)):
+                server = context.scheduler()
+                assert server is not None
+                held.append((store.engine_id(), server.service))
                 ready.set()
                 await stop.wait()
 

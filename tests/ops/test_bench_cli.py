@@ -12,12 +12,10 @@ import numpy as np
 import pytest
 
 from pensieve.actors.ingress.http_actor import HttpConfig
-from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.cli import main
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
 from pensieve.ops.openai_client import OpenAIChatClient
-from pensieve.ops.serve import Front
 from tests.ops.serving import scrape, serve_on_thread, value
 
 pytestmark = pytest.mark.slow
@@ -152,9 +150,9 @@ def test_bench_drives_the_openai_api_and_reports_what_the_server_counted(
     reported as over NATS; what it reports is what the server's metrics counted."""
     built = assemble(EngineOptions(model="smollm2"), smollm2, smollm2_chat)
     data_dir, port = tmp_path / "data", free_port()
-    front = Front(HttpConfig(port, model="smollm2"), ApiKeys(data_dir, required=False).tenant)
+    http = HttpConfig(port, model="smollm2")
     metrics = f"http://127.0.0.1:{port}/metrics"
-    with EmbeddedNats() as server, serve_on_thread(built, data_dir, server.url, front=front):
+    with EmbeddedNats() as server, serve_on_thread(built, data_dir, server.url, http=http):
         before = scrape(metrics)
         run = [
             "bench",

@@ -85,8 +85,8 @@ def test_every_option_explains_itself_and_shows_its_default() -> None:
 def test_the_defaults_come_from_one_table() -> None:
     from pensieve.actors.config import DEFAULTS, CacheConfig, SchedulerConfig
     from pensieve.ops.cli import build_parser
+    from pensieve.ops.context import ServeOptions
     from pensieve.ops.factory import EngineOptions
-    from pensieve.ops.serve import ServeOptions
 
     args = build_parser().parse_args(["serve", "--model", "smollm2"])
     options = EngineOptions(model="smollm2")

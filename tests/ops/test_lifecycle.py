@@ -16,14 +16,15 @@ import orjson
 import pytest
 
 from pensieve.actors.config import ExpiryConfig
-from pensieve.actors.scheduler.actor import EngineThread
 from pensieve.actors.scheduler.chat_service import ChatService
+from pensieve.actors.scheduler.engine_thread import EngineThread
 from pensieve.actors.scheduler.sweeper import Sweeper
 from pensieve.actors.wire.schemas import ApiError, parse_chat
 from pensieve.actors.wire.subjects import CHAT, CONVERSATIONS_GET
+from pensieve.ops.context import Context, Nats, ServeOptions
+from pensieve.ops.deploy import deployment, serve_plan
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats
-from pensieve.ops.serve import serving
 from pensieve.store import ConversationStore, StoreWriter
 from tests.ops.test_chat_service import turn
 from tests.ops.test_serve import ask, chat
@@ -162,7 +163,9 @@ def test_over_nats_a_final_conversation_is_refused_and_idle_ones_expire(
 
     async def main(url: str) -> None:
         with ConversationStore(tmp_path) as store:
-            async with serving(built, store, url, expiry=expiry):
+            options = ServeOptions(tmp_path, expiry=expiry)
+            context = Context(Nats(url), store, built.options, options, built=built)
+            async with deployment(context, serve_plan(options)):
                 ready.set()
                 await asyncio.to_thread(stop.wait)
 

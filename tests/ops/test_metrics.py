@@ -16,10 +16,8 @@ from openai import AsyncOpenAI
 
 from pensieve.actors.ingress.http_actor import HttpConfig, HttpIngressActor
 from pensieve.actors.wire.bus import Bus
-from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
-from pensieve.ops.serve import Front
 from pensieve.ops.sharegpt import human_turns, load_conversations
 from tests.ops.serving import Samples, scrape, serve_on_thread, value
 
@@ -43,12 +41,15 @@ def served(smollm2, smollm2_chat, tmp_path_factory) -> Iterator[dict[str, Any]]:
     )
     built = assemble(options, smollm2, smollm2_chat)
     http, metrics = free_port(), free_port()
-    front = Front(
-        HttpConfig(http, model="smollm2"), ApiKeys(data_dir, required=False).tenant, metrics
-    )
     with (
         EmbeddedNats() as nats_server,
-        serve_on_thread(built, data_dir, nats_server.url, front=front) as (engine_id, _),
+        serve_on_thread(
+            built,
+            data_dir,
+            nats_server.url,
+            http=HttpConfig(http, model="smollm2"),
+            metrics_port=metrics,
+        ) as (engine_id, _),
     ):
         yield {
             "http": f"http://127.0.0.1:{http}",

@@ -30,8 +30,8 @@ import torch
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pensieve.actors.config import DEFAULTS, StepChannel
-from pensieve.actors.scheduler.actor import EngineThread
 from pensieve.actors.scheduler.chat_service import ChatService
+from pensieve.actors.scheduler.engine_thread import EngineThread
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import ERROR_HEADER, Bus
 from pensieve.actors.wire.schemas import ERROR_STATUS, ApiError, parse_chat
