@@ -10,14 +10,50 @@ itself (`Engine.follow_kv_events`). Either way its writes go to a `StoreWriter` 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-from pensieve.actors.scheduler.kv.kv_events import SpillIndex
-from pensieve.actors.wire.messages import KvEvent, KvEventBatch
+from pensieve.actors.wire.messages import KvEvent, KvEventBatch, KvEventKind
 from pensieve.store import ConversationStore, StoreWriter
 from pensieve.store.spill_index import SpillIndexWriter
 
 logger = logging.getLogger(__name__)
+SpillChanges = dict[tuple[str, int], int | None]  # (conversation, chunk) -> CPU slot, None: gone
+
+
+class SpillIndex:
+    """Keeps the LMDB spill index (conversation, chunk -> CPU slot) equal to the CPU tier.
+
+    It mirrors what the index holds, so each batch of events becomes only the entries that
+    changed, which go to `write` (see `pensieve.store.spill_index.SpillIndexWriter`, which
+    applies them off the engine thread). The index starts empty, as the CPU tier does.
+    """
+
+    def __init__(self, write: Callable[[SpillChanges], None]) -> None:
+        self.write = write
+        self._held: dict[str, dict[int, int]] = {}
+
+    def apply(self, events: Iterable[KvEvent]) -> None:
+        changes: SpillChanges = {}
+        for event in events:
+            conv_id = event.conversation_id
+            held = self._held.setdefault(conv_id, {})
+            if event.kind is KvEventKind.REMOVED:
+                for index in [i for i in held if i >= event.index]:
+                    del held[index]
+                    changes[conv_id, index] = None
+            elif event.cpu_slot is None:
+                if held.pop(event.index, None) is not None:
+                    changes[conv_id, event.index] = None
+            elif held.get(event.index) != event.cpu_slot:
+                held[event.index] = changes[conv_id, event.index] = event.cpu_slot
+            if not held:
+                del self._held[conv_id]
+        if changes:
+            self.write(changes)
+
+    def entries(self) -> dict[str, dict[int, int]]:
+        """What the index holds once every write is applied: conversation -> chunk -> slot."""
+        return {conv_id: dict(held) for conv_id, held in self._held.items()}
 
 
 class SpillKeeper:

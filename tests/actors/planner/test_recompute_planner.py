@@ -20,7 +20,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from pensieve.actors.config import CacheConfig, Policy
-from pensieve.actors.planner.actor import RecomputePlanner, RecomputePlannerActor, plan_remote
+from pensieve.actors.planner.actor import RecomputePlannerActor, plan_remote
+from pensieve.actors.planner.recompute import RecomputePlanner
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.scheduler.kv.kv_cache import Acquired, ConversationKV
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream

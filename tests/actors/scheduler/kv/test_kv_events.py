@@ -22,15 +22,10 @@ import pytest
 import torch
 
 from pensieve.actors.config import CacheConfig, Policy, StepChannel
-from pensieve.actors.executor.spill_keeper import SpillKeeper
+from pensieve.actors.executor.spill_keeper import SpillIndex, SpillKeeper
+from pensieve.actors.planner.tier_map import SequenceGap, TierMap
 from pensieve.actors.scheduler.chat_service import ChatService
-from pensieve.actors.scheduler.kv.kv_events import (
-    KvEventStream,
-    SequenceGap,
-    SpillIndex,
-    TierMap,
-    snapshot,
-)
+from pensieve.actors.scheduler.kv.kv_events import KvEventStream
 from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import subjects
@@ -48,6 +43,7 @@ from pensieve.ops.factory import Built, EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.store import ConversationStore, StoreWriter
 from pensieve.store.spill_index import SpillIndexWriter
+from tests.actors.scheduler.kv.test_kv_manager import snapshot
 from tests.ops.serving import serve_on_thread
 
 # 8 GPU blocks and 4 CPU slots of 16 tokens; a first turn's prompt takes 3 blocks

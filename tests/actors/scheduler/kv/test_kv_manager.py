@@ -15,17 +15,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pensieve.actors.config import CacheConfig, Policy
+from pensieve.actors.executor.spill_keeper import SpillChanges, SpillIndex
+from pensieve.actors.planner.tier_map import TierMap, TierSnapshot
 from pensieve.actors.scheduler.kv.kv_cache import Chunk, SwapOrders, Tier
-from pensieve.actors.scheduler.kv.kv_events import (
-    KvEventStream,
-    SpillChanges,
-    SpillIndex,
-    TierMap,
-    snapshot,
-)
+from pensieve.actors.scheduler.kv.kv_events import KvEventStream
 from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager, OutOfBlocks
 
 BLOCK = 4
+
+
+def snapshot(kv: KVCacheManager) -> TierSnapshot:
+    """The cache manager's own map, in `TierMap.snapshot`'s form (to compare the two)."""
+    return {
+        conv.conv_id: tuple((chunk.gpu_block, chunk.cpu_slot) for chunk in conv.chunks)
+        for conv in kv.conversations.values()
+        if conv.chunks
+    }
 
 
 class Simulation:

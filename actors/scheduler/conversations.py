@@ -1,0 +1,242 @@
+"""The chat service's conversations: lookup, creation, deletion, listing and expiry (no I/O
+beyond the store's reads; deletes go through the store writer).
+
+A conversation in memory mirrors what the store has committed; one the store has and memory has
+not (after a restart) is loaded on its first turn. A conversation lives until it is deleted: by
+the client, or by `expire` once it has been idle past its TTL (`ExpiryConfig`). A final turn
+ends it: it takes no more turns, and can be read until it expires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+
+from pensieve.actors.config import ExpiryConfig
+from pensieve.actors.tokenizer.chat_tokenizer import ChatMessage
+from pensieve.actors.wire.schemas import MAX_PAGE, PAGE_BYTES, ApiError, ChatRequest, Page
+from pensieve.store import ConversationMeta, ConversationStore, StoreWriter
+
+FIRST_PAGE = Page(None, MAX_PAGE)
+
+
+@dataclass
+class Conversation:
+    conv_id: str
+    messages: list[ChatMessage]
+    log: list[int]  # the token log as committed (prompt and reply of every finished turn)
+    turns: int
+    busy: bool = False
+    stateless: bool = False  # made by a stateless request (see `ConversationMeta.stateless`)
+    ended: bool = False  # a final turn ended it
+    tenant: str | None = None  # only requests of this tenant reach it (None: the service's own)
+    # its last finished turn's request span, which a trace of its KV leaving later links to
+    last_span: trace.SpanContext = trace.INVALID_SPAN_CONTEXT
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A turn that holds its conversation but has no prompt yet (see `ChatService.reserve`)."""
+
+    request: ChatRequest
+    conv: Conversation
+    messages: list[ChatMessage]  # to render
+    new: bool  # a conversation this turn creates
+
+
+class Conversations:
+    """The conversations in memory (`by_id`) over the store's. `restore_kv` tells the engine
+    of a conversation loaded from the store (its id and token log); `forget_kv` drops a
+    conversation's KV. A request of a tenant reaches only that tenant's conversations: another's
+    is not_found, as one that does not exist."""
+
+    def __init__(
+        self,
+        store: ConversationStore,
+        writer: StoreWriter,
+        new_id: Callable[[], str],
+        restore_kv: Callable[[str, list[int]], None],
+        forget_kv: Callable[[str], None],
+    ) -> None:
+        self.store = store
+        self.writer = writer
+        self.new_id = new_id
+        self.restore_kv = restore_kv
+        self.forget_kv = forget_kv
+        self.by_id: dict[str, Conversation] = {}
+        self._deleting: set[str] = set()  # deleted here, not yet in the store
+
+    def claim(self, request: ChatRequest, tenant: str | None) -> Reservation:
+        """The turn's conversation, new or found, marked busy (no other turn may start on it),
+        with the messages to render; raises ApiError if it cannot take the turn."""
+        new = request.conversation_id is None
+        if new:
+            stateless = request.messages is not None or request.prompt is not None
+            conv = Conversation(self.new_id(), [], [], 0, stateless=stateless, tenant=tenant)
+        else:
+            conv = self._find(request.conversation_id or "", tenant)
+            if conv.busy:
+                raise ApiError(
+                    "invalid_request",
+                    f"conversation {conv.conv_id!r} has a turn "
+                    "in progress; send the next message after its reply",
+                )
+            if conv.ended:
+                raise ended(conv.conv_id)
+        if request.messages is not None:
+            messages = list(request.messages)
+        elif request.prompt is not None:  # stored as the turn's message: the text, if given
+            text = request.prompt if isinstance(request.prompt, str) else ""
+            messages = [{"role": "user", "content": text}]
+        else:
+            messages = [*conv.messages, {"role": "user", "content": request.message or ""}]
+        conv.busy = True
+        self.by_id[conv.conv_id] = conv
+        return Reservation(request, conv, messages, new)
+
+    def free(self, reservation: Reservation) -> None:
+        """The reserved turn will not run: its conversation is free again (gone, if new)."""
+        reservation.conv.busy = False
+        if reservation.new:
+            self.by_id.pop(reservation.conv.conv_id, None)
+
+    def in_memory(self, conv_id: str, tenant: str | None) -> Conversation | None:
+        """The tenant's conversation if memory has it; None if only the store has it. Raises
+        not_found if neither has it for this tenant."""
+        conv = self.by_id.get(conv_id)
+        if conv is None or conv.tenant != tenant:
+            meta = None if conv is not None else self.store.meta(conv_id)
+            if meta is None or meta.tenant != tenant:
+                raise not_found(conv_id)
+            return None
+        return conv
+
+    def get(
+        self, conv_id: str, page: Page = FIRST_PAGE, tenant: str | None = None
+    ) -> dict[str, Any]:
+        """The conversation's turns from turn `page.cursor` on, as many as fit in one answer
+        (`page.limit`, and PAGE_BYTES of text); `next_cursor` continues, None at the end.
+        Reads only the store and single values, so any thread may call it (as may `list`)."""
+        meta = None if conv_id in self._deleting else self.store.meta(conv_id)
+        if meta is None or meta.tenant != tenant:
+            raise not_found(conv_id)
+        records = self.store.turns(conv_id)
+        first = int(page.cursor or 0)
+        turns: list[dict[str, Any]] = []
+        size = 0
+        for r in records[first : first + page.limit]:
+            size += len(r.user_message.encode()) + len(r.assistant_text.encode()) + 200
+            if turns and size > PAGE_BYTES:
+                break
+            turns.append(
+                {
+                    "turn": r.turn,
+                    "message": r.user_message,
+                    "text": r.assistant_text,
+                    "finish_reason": r.finish_reason,
+                    "prompt_tokens": r.prompt_tokens,
+                    "completion_tokens": len(r.output_token_ids),
+                }
+            )
+        following = first + len(turns)
+        conv = self.by_id.get(conv_id)
+        busy = conv is not None and conv.busy
+        num_tokens = len(self.store.token_log(conv_id))
+        return {
+            "conversation_id": conv_id,
+            "turns": turns,
+            "num_tokens": num_tokens,
+            "num_turns": len(records),
+            "busy": busy,
+            "ended": meta.ended,
+            "next_cursor": str(following) if following < len(records) else None,
+        }
+
+    def delete(self, conv_id: str, tenant: str | None = None) -> Future[Any]:
+        """Forget the conversation everywhere; the future resolves once the store forgot it."""
+        conv = self.by_id.get(conv_id)
+        meta = self.store.meta(conv_id) if conv is None else None
+        owner = conv.tenant if conv is not None else meta.tenant if meta is not None else None
+        if (conv is None and meta is None) or owner != tenant:
+            raise not_found(conv_id)
+        if conv is not None and conv.busy:
+            raise ApiError("invalid_request", f"conversation {conv_id!r} has a turn in progress")
+        self.by_id.pop(conv_id, None)
+        self.forget_kv(conv_id)
+        # until the writer has deleted it, the store still holds it: no turn may load it again
+        self._deleting.add(conv_id)
+        deleted = self.writer.submit(self.store.delete, conv_id)
+        deleted.add_done_callback(lambda _: self._deleting.discard(conv_id))
+        return deleted
+
+    def expired(self, expiry: ExpiryConfig, now: float, limit: int) -> list[str]:
+        """Up to `limit` conversations idle past their TTL at `now`, as the store has them.
+        Reads only the store, so any thread may call it; `expire` then deletes them."""
+        return self.store.select(lambda meta: _is_expired(meta, expiry, now), limit)
+
+    def expire(
+        self, conv_ids: Sequence[str], expiry: ExpiryConfig, now: float
+    ) -> list[Future[Any]]:
+        """Delete those of `conv_ids` still idle past their TTL at `now`, as `delete` does; a
+        turn that started or finished since `expired` listed them keeps its conversation.
+        Returns the deletes' futures."""
+        deleted: list[Future[Any]] = []
+        for conv_id in conv_ids:
+            conv = self.by_id.get(conv_id)
+            if conv_id in self._deleting or (conv is not None and conv.busy):
+                continue
+            meta = self.store.meta(conv_id)  # not busy: no commit of it is pending
+            if meta is not None and _is_expired(meta, expiry, now):
+                deleted.append(self.delete(conv_id, meta.tenant))
+        return deleted
+
+    def list(self, page: Page = FIRST_PAGE, tenant: str | None = None) -> dict[str, Any]:
+        """`tenant`'s conversation ids in the store's order, `page.limit` at most after
+        `page.cursor`; `next_cursor` continues, None at the end."""
+        after = bytes.fromhex(page.cursor) if page.cursor else None
+        ids, last = self.store.list_page(after, page.limit, tenant)
+        return {"conversations": ids, "next_cursor": last.hex() if last else None}
+
+    def _find(self, conv_id: str, tenant: str | None) -> Conversation:
+        """The tenant's conversation, from memory or else loaded from the store."""
+        conv = self.by_id.get(conv_id)
+        if conv is not None:
+            if conv.tenant != tenant:
+                raise not_found(conv_id)
+            return conv
+        meta = None if conv_id in self._deleting else self.store.meta(conv_id)
+        if meta is None or meta.tenant != tenant:
+            raise not_found(conv_id)
+        if meta.ended:  # its KV is gone and stays gone
+            raise ended(conv_id)
+        records = self.store.turns(conv_id)
+        messages: list[ChatMessage] = []
+        for record in records:
+            messages.append({"role": "user", "content": record.user_message})
+            messages.append({"role": "assistant", "content": record.assistant_text})
+        log = self.store.token_log(conv_id)
+        self.restore_kv(conv_id, log)
+        return Conversation(
+            conv_id, messages, log, len(records), stateless=meta.stateless, tenant=meta.tenant
+        )
+
+
+def not_found(conv_id: str) -> ApiError:
+    """Also the answer for another tenant's conversation: its existence is not revealed."""
+    return ApiError("not_found", f"no conversation {conv_id!r}")
+
+
+def ended(conv_id: str) -> ApiError:
+    return ApiError(
+        "invalid_request",
+        f"conversation {conv_id!r} has ended (a final turn); "
+        "it can be read until it expires, and takes no more turns",
+    )
+
+
+def _is_expired(meta: ConversationMeta, expiry: ExpiryConfig, now: float) -> bool:
+    return now - meta.last_active > expiry.ttl_s(meta.stateless or meta.ended)

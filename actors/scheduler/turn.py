@@ -1,0 +1,52 @@
+"""A turn in flight: from its start on the engine to its reply (data only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from opentelemetry import trace
+
+from pensieve.actors.scheduler.conversations import Conversation
+from pensieve.actors.scheduler.request import Request
+from pensieve.actors.tokenizer.chat_tokenizer import ChatMessage
+from pensieve.actors.wire.schemas import ApiError
+
+
+class TurnSink(Protocol):
+    """Where a turn's output goes; called from the engine or store-writer thread."""
+
+    def delta(self, text: str) -> None: ...
+    def done(self, reply: dict[str, Any]) -> None: ...
+    def error(self, error: ApiError) -> None: ...
+
+
+@dataclass
+class Turn:
+    conv: Conversation
+    request: Request
+    messages: list[ChatMessage]  # this turn's chat, without the reply
+    sink: TurnSink
+    stream: bool
+    stop: tuple[str, ...]
+    started_at: float
+    span: trace.Span
+    followed: bool  # streamed or with stop strings: its text is found as its tokens come
+    final: bool = False  # the conversation ends with this turn
+    # when to end it early (time.monotonic()): its timeout, or at once once its requester
+    # cancelled it (None: it runs to its end)
+    cancel_at: float | None = None
+    # its text, found by the tokenizer actor: the text so far, where the last answer left off
+    # (`TextPiece`), how many output tokens were sent, whether a piece is out now
+    text: str = ""
+    prefix: int = 0
+    read: int = 0
+    fed: int = 0
+    asking: bool = False
+    sent: int = 0  # characters of text already streamed
+    ended: bool = False  # the engine is done with it: its final text is being found
+    whole: str | None = None  # the reply's final text
+    holdback: int = field(init=False)
+
+    def __post_init__(self) -> None:  # a streamed delta never reveals a stop string's beginning
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
