@@ -36,7 +36,7 @@ from pensieve.actors.ingress.http_actor import HttpIngressActor
 from pensieve.actors.planner.actor import RecomputePlannerActor
 from pensieve.actors.tokenizer.actor import tokenizer_replicas
 from pensieve.actors.wire.bus import Bus, ConnectOptions
-from pensieve.actors.wire.step_channel import connect_executor
+from pensieve.actors.scheduler.remote_runner import connect_executor
 from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import (

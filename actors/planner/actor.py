@@ -17,6 +17,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+import msgspec
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
@@ -122,7 +123,7 @@ class RecomputePlanner:
         )
         self.tier_map, self._seen = TierMap(), {}
         if ahead:
-            self.tier_map.apply(dataclasses.replace(batch, seq=1))  # an empty map, then these
+            self.tier_map.apply(msgspec.structs.replace(batch, seq=1))  # an empty map, then these
             self._note(batch)
         self.tier_map.last_seq = batch.seq  # the engine's numbering goes on from here
 

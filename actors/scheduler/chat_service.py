@@ -54,7 +54,7 @@ from pensieve.actors.wire.schemas import (
     chat_reply,
 )
 from pensieve.actors.wire.step import RequestTrace
-from pensieve.actors.wire.step_channel import ExecutorLost
+from pensieve.actors.wire.step_codec import ExecutorLost
 from pensieve.store import ConversationMeta, ConversationStore, StoreWriter, TurnRecord
 
 logger = logging.getLogger(__name__)
