@@ -46,6 +46,9 @@ class _OtherVersion(Message, frozen=True, tag=0):
 
 
 _ENCODER = msgspec.json.Encoder()
+# what decoding bytes that are no JSON raises: msgspec checks UTF-8 only as it reads a string,
+# and nests as deep as Python's recursion limit
+UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 
 
 @functools.cache
@@ -69,7 +72,7 @@ def decode(data: bytes, cls: type[_M]) -> _M:
         message = _decoder(cls).decode(data)
     except msgspec.ValidationError as error:
         raise _refusal(data, kind, str(error)) from None
-    except msgspec.DecodeError as error:
+    except UNREADABLE as error:
         raise MessageError(f"{kind}: not JSON ({error})") from None
     if not isinstance(message, cls):
         raise _refusal(data, kind, "")
@@ -81,7 +84,7 @@ def _refusal(data: bytes, kind: str, problem: str) -> MessageError:
     """Why a message of `kind` was refused: its version, when that is not this build's."""
     try:
         version = msgspec.json.decode(data, type=_Version).v
-    except msgspec.DecodeError:  # not an object: the decoder's own words say so
+    except UNREADABLE:  # not an object: the decoder's own words say so
         return MessageError(f"{kind}: {problem}")
     if version != VERSION:
         return MessageError(f"{kind}: schema version {version!r}, this build reads {VERSION}")

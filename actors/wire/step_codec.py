@@ -26,7 +26,7 @@ import msgspec
 from pensieve.actors.executor.swap import SwapStats
 from pensieve.actors.scheduler.kv.kv_cache import CopyOp, SwapOrders
 from pensieve.actors.scheduler.request import SamplingParams
-from pensieve.actors.wire.messages import Message, MessageError, decode
+from pensieve.actors.wire.messages import UNREADABLE, Message, MessageError, decode
 from pensieve.actors.wire.step import SeqPiece, StepPlan
 
 STEP_VERSION = 2  # the schema version of the plan and result arrays
@@ -121,7 +121,7 @@ class StepResult(msgspec.Struct, frozen=True, array_like=True, tag=STEP_VERSION)
     def decode(data: bytes) -> StepResult:
         try:
             return _RESULTS.decode(data)
-        except msgspec.DecodeError as error:
+        except UNREADABLE as error:
             raise _refusal(data, "StepResult", error, 0) from None
 
     def swap_stats(self) -> SwapStats:
@@ -164,7 +164,7 @@ def _refusal(data: bytes, kind: str, error: Exception, at: int) -> MessageError:
     when that is not this build's."""
     try:
         body = msgspec.json.decode(data)
-    except msgspec.DecodeError:
+    except UNREADABLE:
         return MessageError(f"{kind}: not JSON ({error})")
     version = None
     if isinstance(body, dict):
@@ -290,7 +290,7 @@ class PlanDecoder:
         """The step a message carries; None for a reset (after which nothing is known)."""
         try:
             message = _PLANS.decode(data)
-        except msgspec.DecodeError as error:
+        except UNREADABLE as error:
             self._known.clear()  # the scheduler resets after the failure this causes
             raise _refusal(data, "StepPlan", error, 1) from None
         if message.v != STEP_VERSION:
