@@ -34,9 +34,9 @@ from pensieve.actors.executor.model_runner import ModelRunner
 from pensieve.actors.ingress.actor import IngressActor
 from pensieve.actors.ingress.http_actor import HttpIngressActor
 from pensieve.actors.planner.actor import RecomputePlannerActor
+from pensieve.actors.scheduler.remote_runner import connect_executor
 from pensieve.actors.tokenizer.actor import tokenizer_replicas
 from pensieve.actors.wire.bus import Bus, ConnectOptions
-from pensieve.actors.scheduler.remote_runner import connect_executor
 from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import (

@@ -35,12 +35,12 @@ from pensieve.actors.ingress.http_actor import (
 from pensieve.actors.planner.actor import RecomputePlannerActor
 from pensieve.actors.scheduler.actor import ChatServer, EngineThread
 from pensieve.actors.scheduler.chat_service import ChatService
+from pensieve.actors.scheduler.remote_runner import connect_executor
 from pensieve.actors.scheduler.sweeper import sweeping
 from pensieve.actors.tokenizer.actor import tokenizer_replicas
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import Bus, ConnectOptions
-from pensieve.actors.scheduler.remote_runner import connect_executor
 from pensieve.models.loader import LoadedModel
 from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
@@ -221,8 +221,8 @@ async def executor_actor(
     store: ConversationStore | None = None,
 ) -> AsyncIterator[None]:
     """The model behind an executor actor on the bus; the engine steps it through the
-    per-step channel (`actors/scheduler/remote_runner.py`) until the context closes. With `store`, the
-    actor keeps the spill index there."""
+    per-step channel (`actors/scheduler/remote_runner.py`) until the context closes. With
+    `store`, the actor keeps the spill index there."""
     runner = built.engine.runner
     if not isinstance(runner, ModelRunner):
         raise TypeError("the engine's model already runs elsewhere")
