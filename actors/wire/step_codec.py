@@ -188,7 +188,7 @@ def reset_message() -> bytes:
 # ---- the codec -------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class _Known:
     """What the executor holds of one request: its block table and sampling parameters."""
 
@@ -198,7 +198,7 @@ class _Known:
 
 def _kept(old: tuple[int, ...], new: tuple[int, ...]) -> int:
     """How many leading blocks of `new` the executor's `old` table has already."""
-    if new[: len(old)] == old:
+    if new == old or new[: len(old)] == old:  # most steps: the same table, or one block more
         return len(old)
     count = 0
     for a, b in zip(old, new, strict=False):
@@ -313,7 +313,9 @@ class PlanDecoder:
             held = self._known.get(rid) or known.get(rid) or _Known()
             if diff.keep > len(held.table):
                 raise ValueError(f"{rid}: keeps {diff.keep} blocks of a table of {len(held.table)}")
-            table = held.table[: diff.keep] + diff.added
+            table = held.table if diff.keep == len(held.table) else held.table[: diff.keep]
+            if diff.added:
+                table += diff.added
             if diff.sampling is not None:
                 held = _Known(held.table, diff.sampling.params())  # ValueError: out of range
             elif diff.samples and held.sampling is None:
