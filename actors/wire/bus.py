@@ -290,10 +290,10 @@ class Bus:
     ) -> None:
         """Pass `request` (with `body` in place of its own, if given) to the endpoint on
         `subject` (served with `handoff`), which answers the requester directly; returns once
-        that endpoint has taken it. What it answers never
-        passes through here, so the requester keeps its answer if this process goes away.
-        Raises ConnectionError if nothing serves `subject`, TimeoutError if it does not take
-        the request within `timeout` s."""
+        that endpoint has taken it. What it answers never passes through here, so the
+        requester keeps its answer if this process goes away. Raises ConnectionError if
+        nothing serves `subject`, TimeoutError if it does not take the request within `timeout`
+        s."""
         headers = {**headers, REPLY_TO_HEADER: request.reply}
         try:
             data = request.data if body is None else body

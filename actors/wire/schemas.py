@@ -37,6 +37,7 @@ ErrorCode = Literal[
 ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 8
 MAX_TOKENS_LIMIT = 1 << 20
+DEFAULT_MAX_TOKENS = 256  # a chat turn's reply length when the request gives none
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_SEED = (1 << 63) - 1
 MAX_PROMPT_TOKEN = (1 << 31) - 1  # a token id past the model's vocabulary is refused later
@@ -83,7 +84,7 @@ class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # absent, not null: one of the three is given
     message: Annotated[str, NonEmptyText] | UnsetType = UNSET
     messages: Annotated[tuple[ChatTurn, ...], NonEmptyArray] | UnsetType = UNSET
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_LIMIT)] = 256
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_LIMIT)] = DEFAULT_MAX_TOKENS
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # 0: greedy
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
@@ -106,7 +107,7 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     conversation_id: str | None  # None: a new conversation
     message: str | None  # the next user message (stateful client)
     messages: tuple[ChatMessage, ...] | None  # the whole chat (stateless client)
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
