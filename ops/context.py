@@ -14,8 +14,8 @@ from typing import Any
 from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig, StepChannel
 from pensieve.actors.ingress.http_actor import HttpConfig
 from pensieve.actors.scheduler.actor import ChatServer
+from pensieve.actors.scheduler.remote_runner import connect_executor
 from pensieve.actors.wire.bus import Bus, ConnectOptions
-from pensieve.actors.wire.step_channel import connect_executor
 from pensieve.ops.factory import (
     Built,
     EngineOptions,

@@ -34,10 +34,10 @@ from pensieve.actors.ingress.http_actor import HttpConfig, HttpIngressActor, ser
 from pensieve.actors.planner.actor import RecomputePlannerActor
 from pensieve.actors.scheduler.actor import ChatServer
 from pensieve.actors.scheduler.chat_service import ChatService
+from pensieve.actors.scheduler.remote_runner import connect_executor
 from pensieve.actors.tokenizer.actor import tokenizer_replicas
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import Bus
-from pensieve.actors.wire.step_channel import connect_executor
 from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.context import Context, ServeOptions
 from pensieve.ops.factory import build_runner, freeze_start_up, load_config_only
@@ -116,7 +116,7 @@ async def _executor(ctx: Context) -> AsyncIterator[ExecutorActor | None]:
 @contextlib.asynccontextmanager
 async def _executor_beside(ctx: Context, runner: ModelRunner) -> AsyncIterator[ExecutorActor]:
     """The engine's own model behind an executor actor; the engine steps it through the
-    per-step channel (`actors/wire/step_channel.py`) while the context is open."""
+    per-step channel (`actors/wire/step_codec.py`) while the context is open."""
     engine = ctx.built_engine().engine
     bus = await ctx.nats.bus()
     async with ExecutorActor(bus, ctx.engine_id, runner, ctx.cpu_threads, ctx.store) as actor:

@@ -18,8 +18,8 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pensieve.actors.scheduler.remote_runner import RemoteRunner, connect_executor
 from pensieve.actors.wire.bus import Bus
-from pensieve.actors.wire.step_channel import RemoteRunner, connect_executor
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import Built, EngineOptions, assemble_remote, load_config_only
 from pensieve.ops.nats_auth import NatsAuth

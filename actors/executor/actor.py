@@ -38,7 +38,7 @@ from pensieve.actors.wire import subjects
 from pensieve.actors.wire.actor import Actor
 from pensieve.actors.wire.bus import Incoming
 from pensieve.actors.wire.messages import MessageError, decode_kv_events
-from pensieve.actors.wire.step_channel import (
+from pensieve.actors.wire.step_codec import (
     UNKNOWN_STEP,
     ExecutorInfo,
     PlanDecoder,

@@ -92,7 +92,8 @@ class Launch(Protocol):
 
 class StepRunner(Protocol):
     """What the engine asks of an executor: the model here (`ModelRunner`) or an executor actor
-    over the bus (`actors.step_channel.RemoteRunner`); the engine cannot tell them apart."""
+    over the bus (`actors.scheduler.remote_runner.RemoteRunner`); the engine cannot tell them
+    apart."""
 
     @property
     def block_bytes(self) -> int: ...

@@ -1,8 +1,9 @@
 """The ingress actor: the client API's front door (`pensieve.v1.*`, see `actors/wire/subjects.py`).
 
-For each request it checks the body against the contract (a bad one is answered here and never
-reaches the engine), sends a request for a conversation of another engine on to that engine, and
-hands the rest to its engine's scheduler (`Bus.hand_off`): the scheduler acknowledges the
+For each request it parses and checks the body against the contract, once (a bad one is
+answered here and never reaches the engine), sends a request for a conversation of another
+engine on to that engine, and hands the rest, as checked, to its engine's scheduler
+(`Bus.hand_off`), which reads it without checking it again: the scheduler acknowledges the
 request at once and answers the client itself, streamed deltas included. So an ingress that
 goes away loses nothing it already handed over, and several ingress replicas (one queue group)
 serve one engine.
@@ -18,9 +19,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
-import orjson
+import msgspec
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
@@ -35,14 +36,13 @@ from pensieve.actors.wire.bus import (
     requester,
 )
 from pensieve.actors.wire.schemas import (
-    CONVERSATION_FIELDS,
-    NO_FIELDS,
     ApiError,
-    conversation_id,
-    load_fields,
+    encode_body,
     parse_chat,
+    parse_conversation,
     parse_get,
     parse_list,
+    parse_stats,
 )
 from pensieve.actors.wire.version import version
 
@@ -51,22 +51,14 @@ logger = logging.getLogger(__name__)
 HANDOFF_TIMEOUT_S = 5.0  # a scheduler takes a request within milliseconds; silence means gone
 
 
-def _check_delete(data: bytes) -> object:  # and cancel: a conversation id alone
-    return conversation_id(load_fields(data, CONVERSATION_FIELDS))
-
-
-def _check_stats(data: bytes) -> object:
-    return load_fields(data, NO_FIELDS)
-
-
-# each client subject: the check of its body, and the scheduler verb that answers it
-ROUTES: dict[str, tuple[Callable[[bytes], object], str]] = {
+# each client subject: the parser of its body, and the scheduler verb that answers it
+ROUTES: dict[str, tuple[Callable[[bytes], msgspec.Struct], str]] = {
     subjects.CHAT: (parse_chat, "chat"),
-    subjects.CHAT_CANCEL: (_check_delete, "cancel"),
+    subjects.CHAT_CANCEL: (parse_conversation, "cancel"),
     subjects.CONVERSATIONS_GET: (parse_get, "get"),
-    subjects.CONVERSATIONS_DELETE: (_check_delete, "delete"),
+    subjects.CONVERSATIONS_DELETE: (parse_conversation, "delete"),
     subjects.CONVERSATIONS_LIST: (parse_list, "list"),
-    subjects.STATS: (_check_stats, "stats"),
+    subjects.STATS: (parse_stats, "stats"),
 }
 OWNED = (
     subjects.CHAT,
@@ -84,8 +76,6 @@ class IngressActor(Actor):
         """Answer the shared subjects (with every engine) and this engine's own."""
         for subject in ROUTES:
             handler = self._route(subject)
-            if subject in OWNED:
-                handler = self._owned(subject, handler)
             own = subjects.engine_subject(self.engine_id, subject)
             # a tenant's requests arrive on its own subjects (see `subjects.tenant_subject`)
             for delivered in (
@@ -105,71 +95,69 @@ class IngressActor(Actor):
             )
         )
 
-    def _owned(self, subject: str, handler: Handler) -> Handler:
-        """`handler` for requests whose conversation lives here; the others go on to the engine
-        that owns them (whose ingress never forwards them again)."""
+    def _route(self, subject: str) -> Handler:
+        """The handler of `subject`: its body parsed once, here; a request whose conversation
+        lives on another engine goes on to that engine (whose ingress never forwards it
+        again), the others to this engine's scheduler as checked."""
+        parse, verb = ROUTES[subject]
 
         async def route(msg: Incoming) -> None:
-            owner = subjects.owner(_conversation_id(msg.data))
-            if owner is None or owner == self.engine_id:
-                await handler(msg)
+            try:
+                request: msgspec.Struct | ApiError = parse(msg.data)
+            except ApiError as refused:  # refused in the request's span
+                request = refused
+            owner = subjects.owner(getattr(request, "conversation_id", None))
+            if subject in OWNED and owner is not None and owner != self.engine_id:
+                await self._forward(subject, msg, owner)
                 return
-            # a forwarded request nobody takes would leave its requester waiting out its
-            # timeout (NATS tells the forwarder, not the requester, that nobody answered)
-            if not await self.bus.answers(subjects.engine_ping(owner)):
-                raise ApiError(
-                    "unavailable",
-                    f"engine {owner}, which holds this "
-                    "conversation, is not running; retry when it is",
-                )
-            there = subjects.engine_subject(owner, subject)
-            tenant = subjects.tenant_of(msg.subject)
-            await msg.forward(there if tenant is None else subjects.tenant_subject(tenant, there))
+            await self._hand_to_scheduler(subject, verb, msg, request)
 
         return route
 
-    def _route(self, subject: str) -> Handler:
-        check, verb = ROUTES[subject]
-        scheduler = self.subject(verb, "scheduler")
+    async def _forward(self, subject: str, msg: Incoming, owner: str) -> None:
+        # a forwarded request nobody takes would leave its requester waiting out its
+        # timeout (NATS tells the forwarder, not the requester, that nobody answered)
+        if not await self.bus.answers(subjects.engine_ping(owner)):
+            raise ApiError(
+                "unavailable",
+                f"engine {owner}, which holds this conversation, is not running; retry when it is",
+            )
+        there = subjects.engine_subject(owner, subject)
+        tenant = subjects.tenant_of(msg.subject)
+        await msg.forward(there if tenant is None else subjects.tenant_subject(tenant, there))
+
+    async def _hand_to_scheduler(
+        self, subject: str, verb: str, msg: Incoming, request: msgspec.Struct | ApiError
+    ) -> None:
+        parent = propagate.extract(msg.headers)
         tracer = tracing.tracer("ingress")
-
-        async def hand_to_scheduler(msg: Incoming) -> None:
-            parent = propagate.extract(msg.headers)
-            with tracer.start_as_current_span(
-                subject, context=parent, kind=SpanKind.SERVER, record_exception=False
-            ) as span:
-                try:
-                    check(msg.data)  # a bad body goes no further
-                    headers: dict[str, str] = {}
-                    propagate.inject(headers)  # the scheduler's spans go under this one
-                    tenant = subjects.tenant_of(msg.subject)  # named by NATS, not the client
-                    if tenant is not None:
-                        span.set_attribute("pensieve.tenant", tenant)
-                        headers[TENANT_HEADER] = tenant
-                        # its connection, whose closing cancels its turn (nats-server's word)
-                        sender = requester(msg.headers)
-                        if sender is not None:
-                            headers[REQUESTER_HEADER] = sender
-                    await self.bus.hand_off(scheduler, msg, headers, HANDOFF_TIMEOUT_S)
-                except (ConnectionError, TimeoutError) as lost:
-                    logger.warning("%s", lost)
-                    error = ApiError(
-                        "unavailable",
-                        f"the scheduler of engine {self.engine_id} "
-                        "is not running; retry when it is",
-                    )
-                    tracing.record_refusal(span, error)
-                    raise error from None
-                except ApiError as error:
-                    tracing.record_refusal(span, error)
-                    raise
-
-        return hand_to_scheduler
-
-
-def _conversation_id(data: bytes) -> object:
-    try:
-        body: Any = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None  # the handler reports it
-    return body.get("conversation_id") if isinstance(body, dict) else None
+        with tracer.start_as_current_span(
+            subject, context=parent, kind=SpanKind.SERVER, record_exception=False
+        ) as span:
+            try:
+                if isinstance(request, ApiError):  # a bad body goes no further
+                    raise request
+                headers: dict[str, str] = {}
+                propagate.inject(headers)  # the scheduler's spans go under this one
+                tenant = subjects.tenant_of(msg.subject)  # named by NATS, not the client
+                if tenant is not None:
+                    span.set_attribute("pensieve.tenant", tenant)
+                    headers[TENANT_HEADER] = tenant
+                    # its connection, whose closing cancels its turn (nats-server's word)
+                    sender = requester(msg.headers)
+                    if sender is not None:
+                        headers[REQUESTER_HEADER] = sender
+                scheduler = self.subject(verb, "scheduler")
+                body = encode_body(request)
+                await self.bus.hand_off(scheduler, msg, headers, HANDOFF_TIMEOUT_S, body)
+            except (ConnectionError, TimeoutError) as lost:
+                logger.warning("%s", lost)
+                error = ApiError(
+                    "unavailable",
+                    f"the scheduler of engine {self.engine_id} is not running; retry when it is",
+                )
+                tracing.record_refusal(span, error)
+                raise error from None
+            except ApiError as error:
+                tracing.record_refusal(span, error)
+                raise

@@ -9,6 +9,8 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+import msgspec
+
 from pensieve.actors.planner.tier_map import SequenceGap, TierMap
 from pensieve.actors.scheduler.kv.kv_cache import Tier
 from pensieve.actors.wire.messages import KvEventBatch, KvEventKind, RecomputePlan
@@ -94,7 +96,7 @@ class RecomputePlanner:
         )
         self.tier_map, self._seen = TierMap(), {}
         if ahead:
-            self.tier_map.apply(dataclasses.replace(batch, seq=1))  # an empty map, then these
+            self.tier_map.apply(msgspec.structs.replace(batch, seq=1))  # an empty map, then these
             self._note(batch)
         self.tier_map.last_seq = batch.seq  # the engine's numbering goes on from here
 

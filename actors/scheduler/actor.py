@@ -33,14 +33,16 @@ from pensieve.actors.wire.actor import Actor
 from pensieve.actors.wire.bus import REQUESTER_HEADER, TENANT_HEADER, Bus, Handler, Incoming
 from pensieve.actors.wire.messages import DetokenizeRequest, KvEvent, encode_kv_events
 from pensieve.actors.wire.schemas import (
-    CONVERSATION_FIELDS,
-    NO_FIELDS,
     ApiError,
-    conversation_id,
-    load_fields,
-    parse_chat,
-    parse_get,
-    parse_list,
+    CancelReply,
+    ChatDelta,
+    ChatRequest,
+    ConversationRef,
+    DeleteReply,
+    GetRequest,
+    Page,
+    encode_body,
+    read_checked,
 )
 
 logger = logging.getLogger(__name__)
@@ -271,7 +273,7 @@ class ChatServer(Actor):
             await self._run_turn(msg, span, sink, probe)
 
     async def _run_turn(self, msg: Incoming, span: trace.Span, sink: _Reply, probe: str) -> None:
-        request = parse_chat(msg.data)
+        request = read_checked(msg.data, ChatRequest)  # checked by the ingress
         service = self.service
         reservation = await self._call(service.reserve, request, _tenant(msg))
         # rendered in a tokenizer replica (this engine's), not between two engine steps; the
@@ -304,7 +306,7 @@ class ChatServer(Actor):
                 asking = probe if now - probed_at >= PROBE_EVERY_S else ""
                 probed_at = now if asking else probed_at
                 # with the id: a new conversation's turn can be cancelled
-                delta = orjson.dumps({"delta": value, "conversation_id": conv_id})
+                delta = encode_body(ChatDelta(value, conv_id))
                 await msg.send(delta, probe=asking)
             elif kind == "error":
                 raise value
@@ -348,24 +350,26 @@ class ChatServer(Actor):
         self.engine.call(self.service.abandon, sink)
 
     async def _cancel(self, msg: Incoming) -> None:
-        conv_id = conversation_id(load_fields(msg.data, CONVERSATION_FIELDS))
+        conv_id = read_checked(msg.data, ConversationRef).conversation_id
         cancelled = await self._call(self.service.cancel, conv_id, _tenant(msg))
-        await msg.send(orjson.dumps({"conversation_id": conv_id, "cancelled": cancelled}))
+        await msg.send(encode_body(CancelReply(conv_id, cancelled)))
 
     async def _get(self, msg: Incoming) -> None:
-        conv_id, page = parse_get(msg.data)
+        request = read_checked(msg.data, GetRequest)
+        service, conv_id = self.service, request.conversation_id
         # off the engine thread: a read never waits for a step to end
-        got = await asyncio.to_thread(self.service.get, conv_id, page, _tenant(msg))
+        got = await asyncio.to_thread(service.get, conv_id, request.page, _tenant(msg))
         await msg.send(orjson.dumps(got))
 
     async def _delete(self, msg: Incoming) -> None:
-        conv_id = conversation_id(load_fields(msg.data, CONVERSATION_FIELDS))
+        conv_id = read_checked(msg.data, ConversationRef).conversation_id
         written = await self._call(self.service.delete, conv_id, _tenant(msg))
         await asyncio.wrap_future(written)
-        await msg.send(orjson.dumps({"conversation_id": conv_id, "deleted": True}))
+        await msg.send(encode_body(DeleteReply(conv_id, True)))
 
     async def _list(self, msg: Incoming) -> None:
-        listed = await asyncio.to_thread(self.service.list, parse_list(msg.data), _tenant(msg))
+        page = read_checked(msg.data, Page)
+        listed = await asyncio.to_thread(self.service.list, page, _tenant(msg))
         await msg.send(orjson.dumps({**listed, "engine_id": self.engine_id}))
 
     async def _metrics(self, msg: Incoming) -> None:
@@ -373,7 +377,7 @@ class ChatServer(Actor):
         await msg.send(self.service.metrics.exposition())
 
     async def _stats(self, msg: Incoming) -> None:
-        load_fields(msg.data, NO_FIELDS)
+        # (the ingress checked that its body has no fields)
         # between two steps: fresh, at once; during one: the snapshot, whatever the step's length
         fresh = None if self.engine.stepping else self.engine.call(self.service.stats)
         try:

@@ -45,7 +45,7 @@ from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.messages import DetokenizeReply, DetokenizeRequest, KvEvent
 from pensieve.actors.wire.schemas import ApiError, ChatRequest, Page
-from pensieve.actors.wire.step_channel import ExecutorLost
+from pensieve.actors.wire.step_codec import ExecutorLost
 from pensieve.store import ConversationStore, StoreWriter
 
 logger = logging.getLogger(__name__)

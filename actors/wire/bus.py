@@ -281,16 +281,23 @@ class Bus:
                 await sub.unsubscribe()
 
     async def hand_off(
-        self, subject: str, request: Incoming, headers: dict[str, str], timeout: float
+        self,
+        subject: str,
+        request: Incoming,
+        headers: dict[str, str],
+        timeout: float,
+        body: bytes | None = None,
     ) -> None:
-        """Pass `request` to the endpoint on `subject` (served with `handoff`), which answers
-        the requester directly; returns once that endpoint has taken it. What it answers never
-        passes through here, so the requester keeps its answer if this process goes away.
-        Raises ConnectionError if nothing serves `subject`, TimeoutError if it does not take
-        the request within `timeout` s."""
+        """Pass `request` (with `body` in place of its own, if given) to the endpoint on
+        `subject` (served with `handoff`), which answers the requester directly; returns once
+        that endpoint has taken it. What it answers never passes through here, so the
+        requester keeps its answer if this process goes away. Raises ConnectionError if
+        nothing serves `subject`, TimeoutError if it does not take the request within `timeout`
+        s."""
         headers = {**headers, REPLY_TO_HEADER: request.reply}
         try:
-            await self.client.request(subject, request.data, timeout=timeout, headers=headers)
+            data = request.data if body is None else body
+            await self.client.request(subject, data, timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError:
             raise ConnectionError(f"nothing answers on {subject}") from None
         except nats.errors.TimeoutError:

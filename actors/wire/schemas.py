@@ -1,16 +1,21 @@
-"""The client API's messages (`pensieve.v1.*`): parsing and validation of requests, reply bodies.
+"""The client API's messages (`pensieve.v1.*`): request and reply bodies as msgspec Structs, and
+the parsing of requests.
 
-Every body is a JSON object encoded with orjson. Bad input raises `ApiError` with one of the
-contract's codes and a message that says what is wrong; nothing here touches the engine.
+A request body is parsed once, by the ingress (`parse_chat`, `parse_get`, ...): its types and
+ranges are checked while it is decoded, then the rules that span fields. Bad input raises
+`ApiError` with one of the contract's codes and a message that says what is wrong. The ingress
+hands the checked request on as `encode_body` writes it, and the scheduler reads it back with
+`read_checked`, checking nothing again. The same types give the published JSON Schema
+(`actors/wire/json_schema.py`); nothing here touches the engine.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any
+import re
+from typing import Annotated, Any, Literal, TypeVar
 
-import orjson
+import msgspec
+from msgspec import UNSET, UnsetType
 
 from pensieve.actors.tokenizer.chat_tokenizer import ChatMessage
 from pensieve.store import validate_conversation_id
@@ -26,10 +31,21 @@ ERROR_STATUS = {
     "internal": 500,
 }
 ERROR_CODES = tuple(ERROR_STATUS)
+ErrorCode = Literal[
+    "invalid_request", "not_found", "too_long", "overloaded", "cancelled", "unavailable", "internal"
+]
 ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 8
 MAX_TOKENS_LIMIT = 1 << 20
+DEFAULT_MAX_TOKENS = 256  # a chat turn's reply length when the request gives none
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_SEED = (1 << 63) - 1
+MAX_PROMPT_TOKEN = (1 << 31) - 1  # a token id past the model's vocabulary is refused later
+MAX_PAGE = 1000  # items one `list` or `get` answer holds at most
+PAGE_BYTES = 512 << 10  # text one `get` answer holds at most (NATS's default payload: 1 MiB)
+
+_S = TypeVar("_S", bound=msgspec.Struct)
+_ENCODER = msgspec.json.Encoder()
 
 
 class ApiError(Exception):
@@ -42,15 +58,56 @@ class ApiError(Exception):
         self.message = message
 
     def body(self) -> bytes:
-        return orjson.dumps({"error": {"code": self.code, "message": self.message}})
+        return _ENCODER.encode(ErrorReply(ErrorBody(self.code, self.message)))  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True)
-class ChatRequest:
+# ---- requests --------------------------------------------------------------------------------
+
+NonEmptyArray = msgspec.Meta(extra_json_schema={"minItems": 1})
+NonEmptyText = msgspec.Meta(extra_json_schema={"minLength": 1})  # said after "exactly one"
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_PROMPT_TOKEN)]
+StopString = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class ChatTurn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`pensieve.v1.chat`: one turn. Exactly one of `message` (the next user message of
+    `conversation_id`, or of a new conversation), `messages` (the whole chat, ending with the
+    user's: a stateless client) or `prompt` (a raw completion: text encoded as it is, or token
+    ids; it continues no conversation and ends after the turn)."""
+
+    conversation_id: str | None = None  # absent: a new conversation; the reply returns its id
+    # absent, not null: one of the three is given
+    message: Annotated[str, NonEmptyText] | UnsetType = UNSET
+    messages: Annotated[tuple[ChatTurn, ...], NonEmptyArray] | UnsetType = UNSET
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_LIMIT)] = DEFAULT_MAX_TOKENS
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # 0: greedy
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
+    stop: (
+        StopString | Annotated[tuple[StopString, ...], msgspec.Meta(max_length=MAX_STOP_STRINGS)]
+    ) = ()
+    ignore_eos: bool = False
+    stream: bool = False  # deltas to the reply inbox, then the reply with "done": true
+    final: bool = False  # the conversation ends after this turn
+    timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
+    prompt: (
+        Annotated[str, NonEmptyText] | Annotated[tuple[TokenId, ...], NonEmptyArray] | UnsetType
+    ) = UNSET
+
+
+class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A chat turn as the ingress checked it: the stop strings a tuple, `messages` as the chat
+    template takes them, `final` set for a raw completion."""
+
     conversation_id: str | None  # None: a new conversation
     message: str | None  # the next user message (stateful client)
     messages: tuple[ChatMessage, ...] | None  # the whole chat (stateless client)
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -59,86 +116,184 @@ class ChatRequest:
     stream: bool = False
     final: bool = False  # the conversation ends after this turn
     timeout_s: float | None = None  # cancelled if not done this long after it arrived
-    # a raw completion instead of a chat: text the tokenizer encodes as it is (no chat template),
-    # or the prompt's token ids; its conversation ends after the turn
     prompt: str | tuple[int, ...] | None = None
 
 
-_CHAT_FIELDS = frozenset(
-    {
-        "conversation_id",
-        "message",
-        "messages",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "seed",
-        "stop",
-        "ignore_eos",
-        "stream",
-        "final",
-        "timeout_s",
-        "prompt",
-    }
-)
-MAX_PROMPT_TOKEN = (1 << 31) - 1  # a token id past the model's vocabulary is refused later
+class ConversationRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`pensieve.v1.conversations.delete` and `pensieve.v1.chat.cancel`."""
+
+    conversation_id: str
 
 
-def load_object(data: bytes) -> dict[str, Any]:
-    """The request body as a JSON object (an empty body is an empty object)."""
-    if not data.strip():
-        return {}
+class Page(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`pensieve.v1.conversations.list`, and which part of a listing to answer: after
+    `cursor` (a `next_cursor` of the page before), at most `limit` items."""
+
+    cursor: str | None = None
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGE)] = 100
+
+
+class GetRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`pensieve.v1.conversations.get`: the conversation's turns from turn number `cursor` (a
+    `next_cursor` of a get reply) on, at most `limit`."""
+
+    conversation_id: str
+    cursor: str | None = None
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGE)] = 100
+
+    @property
+    def page(self) -> Page:
+        return Page(self.cursor, self.limit)
+
+
+class StatsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`pensieve.v1.stats`: no fields."""
+
+
+# what a field must be, said in a refusal of a value the decoder did not take
+_RULES = {
+    "conversation_id": "'conversation_id' must be a string",
+    "message": "'message' must be a non-empty string",
+    "messages": "'messages' must be a non-empty array",
+    "max_tokens": f"'max_tokens' must be an integer in [1, {MAX_TOKENS_LIMIT}]",
+    "temperature": "'temperature' must be a number >= 0",
+    "top_p": "'top_p' must be a number in (0, 1]",
+    "seed": f"'seed' must be null or an integer in [0, {MAX_SEED}]",
+    "stop": f"'stop' must be up to {MAX_STOP_STRINGS} non-empty strings",
+    "ignore_eos": "'ignore_eos' must be true or false",
+    "stream": "'stream' must be true or false",
+    "final": "'final' must be true or false",
+    "timeout_s": f"'timeout_s' must be null or a number in (0, {MAX_TIMEOUT_S:.0f}]",
+    "prompt": "'prompt' must be a non-empty string or a non-empty array of token ids",
+    "cursor": "'cursor' must be a 'next_cursor' from a reply",
+    "limit": f"'limit' must be an integer in [1, {MAX_PAGE}]",
+}
+_AT = re.compile(r" - at `\$\.(\w+)(?:\[(\d+)\](?:\.(\w+))?)?")
+_FIELD = re.compile(r"(unknown|missing required) field `([^`]*)`")
+_KINDS = {"array": "an array", "str": "a string", "bool": "a boolean", "null": "null"}
+
+
+def _decode(data: bytes, cls: type[_S]) -> _S:
+    """The request body as `cls` (an empty body is an empty object)."""
     try:
-        body = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError("invalid_request", f"body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError("invalid_request", f"body must be a JSON object, not {_kind(body)}")
-    return body
+        return msgspec.json.decode(data if data.strip() else b"{}", type=cls)
+    except msgspec.ValidationError as error:
+        raise ApiError("invalid_request", _explain(str(error))) from None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise ApiError("invalid_request", f"body is not valid JSON: {error}") from None
 
 
-def load_fields(data: bytes, fields: frozenset[str]) -> dict[str, Any]:
-    """The request body as a JSON object with no field outside `fields`: a misspelt or
-    unsupported field is refused, never ignored (a `delete` must not run on a request it
-    misread)."""
-    body = load_object(data)
-    unknown = sorted(set(body) - fields)
-    if unknown:
-        raise ApiError("invalid_request", f"unknown field(s): {', '.join(unknown)}")
-    return body
+def _explain(problem: str) -> str:
+    """A refusal in the API's words, from the decoder's."""
+    at = _AT.search(problem)
+    if at is not None and at[2] is not None and at[1] == "messages":
+        if at[3] == "role":
+            return f"messages[{at[2]}].role must be one of {ROLES}"
+        if at[3] == "content":
+            return f"messages[{at[2]}].content must be a string"
+        return f"messages[{at[2]}] must be {{'role', 'content'}}"
+    if at is not None:
+        return _RULES.get(at[1], f"'{at[1]}': {problem}")
+    field = _FIELD.search(problem)
+    if field is not None and field[1] == "unknown":
+        return f"unknown field(s): {field[2]}"
+    if field is not None:
+        return f"'{field[2]}' is required"
+    kind = re.search(r"Expected `object`, got `(\w+)`", problem)
+    if kind is not None:
+        return f"body must be a JSON object, not {_KINDS.get(kind[1], 'a number')}"
+    return problem
 
 
-CONVERSATION_FIELDS = frozenset({"conversation_id"})  # conversations.delete
-NO_FIELDS: frozenset[str] = frozenset()  # stats
-MAX_PAGE = 1000  # items one `list` or `get` answer holds at most
-PAGE_BYTES = 512 << 10  # text one `get` answer holds at most (NATS's default payload: 1 MiB)
+def parse_chat(data: bytes) -> ChatRequest:
+    body = _decode(data, ChatBody)
+    conv_id = None if body.conversation_id is None else _conversation_id(body.conversation_id)
+    message = None if isinstance(body.message, UnsetType) else body.message
+    messages = None if isinstance(body.messages, UnsetType) else body.messages
+    prompt = None if isinstance(body.prompt, UnsetType) else body.prompt
+    if sum(value is not None for value in (message, messages, prompt)) != 1:
+        raise ApiError("invalid_request", "give exactly one of 'message', 'messages' or 'prompt'")
+    if message == "":
+        raise ApiError("invalid_request", _RULES["message"])
+    if prompt is not None and not prompt:
+        raise ApiError("invalid_request", _RULES["prompt"])
+    if prompt is not None and conv_id is not None:
+        raise ApiError(
+            "invalid_request", "a 'prompt' continues no conversation: leave out 'conversation_id'"
+        )
+    stop = (body.stop,) if isinstance(body.stop, str) else body.stop
+    return ChatRequest(
+        conversation_id=conv_id,
+        message=message,
+        messages=None if messages is None else _messages(messages),
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=stop,
+        ignore_eos=body.ignore_eos,
+        stream=body.stream,
+        final=body.final or prompt is not None,  # a raw completion is one turn
+        timeout_s=body.timeout_s,
+        prompt=prompt,
+    )
 
 
-@dataclass(frozen=True)
-class Page:
-    """Which part of a listing to answer: after `cursor`, at most `limit` items."""
+def _messages(turns: tuple[ChatTurn, ...]) -> tuple[ChatMessage, ...]:
+    if not turns:
+        raise ApiError("invalid_request", _RULES["messages"])
+    if turns[-1].role != "user":
+        raise ApiError("invalid_request", "the last of 'messages' must be the user's")
+    return tuple({"role": turn.role, "content": turn.content} for turn in turns)
 
-    cursor: str | None
-    limit: int
+
+def parse_conversation(data: bytes) -> ConversationRef:
+    """`conversations.delete` and `chat.cancel`: a conversation id alone."""
+    ref = _decode(data, ConversationRef)
+    _conversation_id(ref.conversation_id)
+    return ref
 
 
 def parse_list(data: bytes) -> Page:
     """`conversations.list`: `{"cursor": <next_cursor of the page before>, "limit": N}`."""
-    body = load_fields(data, frozenset({"cursor", "limit"}))
-    cursor = body.get("cursor")
-    if cursor is not None and not (isinstance(cursor, str) and _is_hex(cursor)):
+    page = _decode(data, Page)
+    if page.cursor is not None and not _is_hex(page.cursor):
         raise ApiError("invalid_request", "'cursor' must be a 'next_cursor' from a list reply")
-    return Page(cursor, _int(body, "limit", 100, 1, MAX_PAGE))
+    return page
 
 
-def parse_get(data: bytes) -> tuple[str, Page]:
+def parse_get(data: bytes) -> GetRequest:
     """`conversations.get`: `{"conversation_id", "cursor": <next_cursor>, "limit": N}`; the
     cursor is the number of the first turn to answer."""
-    body = load_fields(data, frozenset({"conversation_id", "cursor", "limit"}))
-    cursor = body.get("cursor")
-    if cursor is not None and not (isinstance(cursor, str) and _is_turn_number(cursor)):
+    request = _decode(data, GetRequest)
+    _conversation_id(request.conversation_id)
+    if request.cursor is not None and not _is_turn_number(request.cursor):
         raise ApiError("invalid_request", "'cursor' must be a 'next_cursor' from a get reply")
-    return conversation_id(body), Page(cursor, _int(body, "limit", 100, 1, MAX_PAGE))
+    return request
+
+
+def parse_stats(data: bytes) -> StatsRequest:
+    return _decode(data, StatsRequest)
+
+
+def encode_body(request: msgspec.Struct) -> bytes:
+    """A checked request, as the ingress hands it to the scheduler."""
+    return _ENCODER.encode(request)
+
+
+def read_checked(data: bytes, cls: type[_S]) -> _S:
+    """A request the ingress checked and encoded (`encode_body`): decoded, not checked again."""
+    try:
+        return msgspec.json.decode(data, type=cls)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
+        raise ApiError("invalid_request", f"not a request the ingress checked: {error}") from None
+
+
+def _conversation_id(value: str) -> str:
+    try:
+        return validate_conversation_id(value)
+    except ValueError as exc:
+        raise ApiError("invalid_request", str(exc)) from None
 
 
 def _is_turn_number(text: str) -> bool:
@@ -155,70 +310,62 @@ def _is_hex(text: str) -> bool:
     return bool(text)
 
 
-def parse_chat(data: bytes) -> ChatRequest:
-    body = load_fields(data, _CHAT_FIELDS)
-    conv_id = body.get("conversation_id")
-    if conv_id is not None:
-        conv_id = conversation_id(body)
-    given = [name for name in ("message", "messages", "prompt") if name in body]
-    if len(given) != 1:
-        raise ApiError("invalid_request", "give exactly one of 'message', 'messages' or 'prompt'")
-    message = messages = prompt = None
-    if given == ["message"]:
-        message = body["message"]
-        if not isinstance(message, str) or not message:
-            raise ApiError("invalid_request", "'message' must be a non-empty string")
-    elif given == ["messages"]:
-        messages = _messages(body["messages"])
-    else:
-        prompt = _prompt(body["prompt"])
-        if conv_id is not None:
-            raise ApiError(
-                "invalid_request",
-                "a 'prompt' continues no conversation: leave out 'conversation_id'",
-            )
-    return ChatRequest(
-        conversation_id=conv_id,
-        message=message,
-        messages=messages,
-        max_tokens=_int(body, "max_tokens", 256, 1, MAX_TOKENS_LIMIT),
-        temperature=_float(body, "temperature", 0.0, low=0.0),
-        top_p=_float(body, "top_p", 1.0, low=0.0, high=1.0, open_low=True),
-        seed=None if body.get("seed") is None else _int(body, "seed", 0, 0, (1 << 63) - 1),
-        stop=_stop(body.get("stop", [])),
-        ignore_eos=_bool(body, "ignore_eos"),
-        stream=_bool(body, "stream"),
-        final=_bool(body, "final") or prompt is not None,  # a raw completion is one turn
-        timeout_s=None
-        if body.get("timeout_s") is None
-        else _float(body, "timeout_s", 0.0, low=0.0, high=MAX_TIMEOUT_S, open_low=True),
-        prompt=prompt,
-    )
+# ---- replies ---------------------------------------------------------------------------------
 
 
-def _prompt(value: object) -> str | tuple[int, ...]:
-    """A raw completion's prompt: non-empty text, or a non-empty array of token ids."""
-    if isinstance(value, str) and value:
-        return value
-    if (
-        isinstance(value, list)
-        and value
-        and all(type(t) is int and 0 <= t <= MAX_PROMPT_TOKEN for t in value)
-    ):
-        return tuple(value)
-    raise ApiError(
-        "invalid_request", "'prompt' must be a non-empty string or a non-empty array of token ids"
-    )
+class CachedTokens(msgspec.Struct, frozen=True):
+    """Prompt tokens whose KV was found on the GPU or the CPU, or recomputed from the log."""
+
+    gpu: int
+    cpu: int
+    recomputed: int
 
 
-def conversation_id(body: dict[str, Any]) -> str:
-    """The body's `conversation_id`, validated (required)."""
-    if "conversation_id" not in body:
-        raise ApiError("invalid_request", "'conversation_id' is required")
-    try:
-        return validate_conversation_id(body["conversation_id"])
-    except ValueError as exc:
-        raise ApiError("invalid_request", str(exc)) from None
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: CachedTokens
+
+
+class ChatReply(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The answer to a chat turn (streamed: the last message, with `done`)."""
+
+    conversation_id: str
+    turn: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop", "length", "cancelled" or "abort"
+    usage: Usage
+    final: bool = False  # said only when true: the conversation has ended
+    done: bool = False  # said only when streamed
+
+
+class ChatDelta(msgspec.Struct, frozen=True):
+    """A streamed turn's new text; the id lets a new conversation's turn be cancelled."""
+
+    delta: str
+    conversation_id: str
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    code: ErrorCode
+    message: str
+
+
+class ErrorReply(msgspec.Struct, frozen=True):
+    """Any refusal; also in the NATS service error headers."""
+
+    error: ErrorBody
+
+
+class DeleteReply(msgspec.Struct, frozen=True):
+    conversation_id: str
+    deleted: bool
+
+
+class CancelReply(msgspec.Struct, frozen=True):
+    conversation_id: str
+    cancelled: bool  # False: no turn of it was running
 
 
 def chat_reply(
@@ -231,87 +378,8 @@ def chat_reply(
     cached: dict[str, int],
     final: bool = False,
 ) -> dict[str, Any]:
-    reply: dict[str, Any] = {
-        "conversation_id": conv_id,
-        "turn": turn,
-        "text": text,
-        "token_ids": token_ids,
-        "finish_reason": finish_reason,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(token_ids),
-            "cached_tokens": dict(cached),
-        },
-    }
-    if final:  # said only when true: other replies keep their shape
-        reply["final"] = True
-    return reply
-
-
-def _kind(value: object) -> str:
-    return {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), "a number"
-    )
-
-
-def _messages(value: object) -> tuple[ChatMessage, ...]:
-    if not isinstance(value, list) or not value:
-        raise ApiError("invalid_request", "'messages' must be a non-empty array")
-    out: list[ChatMessage] = []
-    for i, item in enumerate(value):
-        if not isinstance(item, dict) or set(item) != {"role", "content"}:
-            raise ApiError("invalid_request", f"messages[{i}] must be {{'role', 'content'}}")
-        role, content = item["role"], item["content"]
-        if role not in ROLES:
-            raise ApiError("invalid_request", f"messages[{i}].role must be one of {ROLES}")
-        if not isinstance(content, str):
-            raise ApiError("invalid_request", f"messages[{i}].content must be a string")
-        out.append({"role": role, "content": content})
-    if out[-1]["role"] != "user":
-        raise ApiError("invalid_request", "the last of 'messages' must be the user's")
-    return tuple(out)
-
-
-def _int(body: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
-    value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ApiError("invalid_request", f"'{key}' must be an integer in [{low}, {high}]")
-    return value
-
-
-def _float(
-    body: dict[str, Any],
-    key: str,
-    default: float,
-    low: float,
-    high: float = math.inf,
-    open_low: bool = False,
-) -> float:
-    value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError("invalid_request", f"'{key}' must be a number")
-    value = float(value)
-    if not (low < value if open_low else low <= value) or not value <= high:
-        raise ApiError("invalid_request", f"'{key}' is out of range: {value}")
-    return value
-
-
-def _bool(body: dict[str, Any], key: str) -> bool:
-    value = body.get(key, False)
-    if not isinstance(value, bool):
-        raise ApiError("invalid_request", f"'{key}' must be true or false")
-    return value
-
-
-def _stop(value: object) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
-    if (
-        not isinstance(value, list)
-        or len(value) > MAX_STOP_STRINGS
-        or not all(isinstance(s, str) and s for s in value)
-    ):
-        raise ApiError(
-            "invalid_request", f"'stop' must be up to {MAX_STOP_STRINGS} non-empty strings"
-        )
-    return tuple(value)
+    """A `ChatReply` as a dict (the scheduler adds `done` to a streamed one)."""
+    usage = Usage(prompt_tokens, len(token_ids), CachedTokens(**cached))
+    reply = ChatReply(conv_id, turn, text, token_ids, finish_reason, usage, final)
+    built: dict[str, Any] = msgspec.to_builtins(reply)
+    return built

@@ -19,15 +19,15 @@ from pensieve.actors.config import Policy, SchedulerConfig
 from pensieve.actors.executor.model_runner import ModelRunner, StepRunner
 from pensieve.actors.executor.swap import SwapStats
 from pensieve.actors.scheduler.engine import Engine
+from pensieve.actors.scheduler.remote_runner import ExecutorLost, connect_executor
 from pensieve.actors.scheduler.request import SamplingParams
 from pensieve.actors.wire.bus import Bus
-from pensieve.actors.wire.step_channel import ExecutorLost, connect_executor
 from pensieve.models.loader import load_model
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import DTYPES, EngineOptions, cache_config
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.store import ConversationStore
-from tests.actors.wire.test_step_channel import converse
+from tests.actors.scheduler.test_remote_runner import converse
 
 OPTIONS = EngineOptions(
     model="preset:tiny-llama",

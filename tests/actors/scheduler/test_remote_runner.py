@@ -1,105 +1,19 @@
-"""The per-step channel: plans survive the trip as diffs, and an engine whose executor is an
-actor across a real nats-server gives the tokens of the in-process engine on every cache path."""
+"""The per-step channel across a real nats-server: an engine whose executor is an actor gives
+the tokens of the in-process engine on every cache path, and a lost or unreadable plan fails
+its step instead of being waited for."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 
-import pytest
-
 from pensieve.actors.executor.actor import ExecutorActor
 from pensieve.actors.scheduler.engine import Engine
-from pensieve.actors.scheduler.kv.kv_cache import CopyOp, SwapOrders
-from pensieve.actors.scheduler.request import PLACEHOLDER, SamplingParams
+from pensieve.actors.scheduler.remote_runner import ExecutorLost, connect_executor
 from pensieve.actors.wire.bus import Bus
-from pensieve.actors.wire.messages import MessageError
-from pensieve.actors.wire.step import SeqPiece, StepPlan
-from pensieve.actors.wire.step_channel import (
-    ExecutorLost,
-    PlanDecoder,
-    PlanEncoder,
-    StepResult,
-    connect_executor,
-    reset_message,
-)
 from pensieve.ops.factory import EngineOptions, build
 from pensieve.ops.nats_server import EmbeddedNats
-
-GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-HOT = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=3)
-
-
-def _plans() -> list[StepPlan]:
-    orders = SwapOrders([CopyOp(1, 2)], [CopyOp(3, 4), CopyOp(5, 6)], [CopyOp(7, 8)], fence=True)
-    return [
-        StepPlan(
-            (
-                SeqPiece("a", (1, 2, 3), 0, 3, (10,), GREEDY),
-                SeqPiece("b", (4, 5), 30, 32, (11,), None),
-            )
-        ),
-        # a grows by a block; b's recomputed prefix and new prompt share one table
-        StepPlan(
-            (
-                SeqPiece("a", (PLACEHOLDER,), 3, 4, (10, 12), GREEDY, 1),
-                SeqPiece("b", (6,) * 4, 0, 4, (11, 13), None),
-                SeqPiece("b", (7,), 32, 33, (11, 13), HOT),
-            ),
-            orders,
-        ),
-        # a's table changes in the middle (a swap-in put a chunk elsewhere); b sits out
-        StepPlan((SeqPiece("a", (PLACEHOLDER,), 4, 5, (14, 12, 15), GREEDY, 2),)),
-        # b comes back: sent in full again
-        StepPlan((SeqPiece("b", (9,), 33, 34, (11, 13), HOT, 1),)),
-        StepPlan(()),
-    ]
-
-
-def test_plans_cross_as_diffs_and_come_back_whole() -> None:
-    encoder, decoder = PlanEncoder(), PlanDecoder()
-    sizes = []
-    for step, plan in enumerate(_plans(), start=1):
-        data = encoder.encode(step, plan, step - 1 or None)
-        sizes.append(len(data))
-        got = decoder.decode(data)
-        assert got is not None and got.plan == plan and got.step == step
-        assert got.feed == (step - 1 or None)
-    # after a step without it, a request goes in full; then its unchanged table is not sent
-    running = StepPlan((SeqPiece("a", (PLACEHOLDER,), 5, 6, (14, 12, 15), GREEDY, 3),))
-    first = encoder.encode(9, running, None)
-    assert b"[14,12,15]" in first and decoder.decode(first).plan == running  # type: ignore[union-attr]
-    again = encoder.encode(10, running, 9)
-    assert b"[14,12,15]" not in again and b"[8,0.0" not in again
-    assert decoder.decode(again).plan == running  # type: ignore[union-attr]
-
-
-def test_a_reset_forgets_on_both_sides() -> None:
-    encoder, decoder = PlanEncoder(), PlanDecoder()
-    plan = _plans()[0]
-    decoder.decode(encoder.encode(1, plan, None))
-    encoder.reset()
-    assert decoder.decode(reset_message()) is None
-    got = decoder.decode(encoder.encode(2, plan, None))
-    assert got is not None and got.plan == plan
-
-
-def test_a_diff_against_a_table_the_executor_lacks_is_refused() -> None:
-    encoder, decoder = PlanEncoder(), PlanDecoder()
-    encoder.encode(1, _plans()[0], None)  # never delivered
-    with pytest.raises(MessageError, match="keeps"):
-        decoder.decode(encoder.encode(2, _plans()[1], 1))
-    with pytest.raises(MessageError, match="version"):
-        decoder.decode(b'{"v": 99, "kind": "step"}')
-
-
-def test_a_step_result_round_trips() -> None:
-    result = StepResult(4, [1, 2], None, [1, 2, 3, 4, 0.5, 0.25])
-    assert StepResult.decode(result.encode()) == result
-    assert result.swap_stats().seconds_out == 0.25
-
-
-# ---- the engine across the bus ---------------------------------------------------------------
+from tests.actors.wire.test_step_codec import GREEDY, plans
 
 OPTIONS = EngineOptions(
     model="preset:tiny-llama", gpu_cache_tokens=320, cpu_cache_tokens=320, max_batch_tokens=256
@@ -190,7 +104,7 @@ def test_a_plan_the_executor_cannot_read_fails_the_steps_in_flight() -> None:
                 runner = await connect_executor(bus, "e3", timeout_s=10)
                 # the plan leaves as a message without its pieces
                 runner.encoder.encode = lambda *_: b'{"v": 1, "kind": "step"}'  # type: ignore[method-assign]
-                launched = runner.launch(_plans()[0])
+                launched = runner.launch(plans()[0])
                 try:
                     await asyncio.to_thread(launched.result)
                 except RuntimeError as error:
@@ -215,7 +129,7 @@ def test_a_plan_lost_on_the_way_is_noticed_instead_of_waited_for() -> None:
                 runner = await connect_executor(bus, "e4", timeout_s=10)
                 runner.check_every_s = 0.2
                 runner._post = lambda body: None  # type: ignore[method-assign]
-                launched = runner.launch(_plans()[0])
+                launched = runner.launch(plans()[0])
                 try:
                     await asyncio.to_thread(launched.result)
                 except ExecutorLost as error:
