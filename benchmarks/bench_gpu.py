@@ -63,13 +63,17 @@ from benchmarks.bench_workload import (
 )
 from pensieve.actors.config import DEFAULTS, CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.executor.model_runner import ModelRunner
-from pensieve.actors.executor.swap import SwapStats
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.kv.cost_model import CostModel
-from pensieve.actors.scheduler.kv.kv_cache import CopyOp, SwapOrders
 from pensieve.actors.scheduler.remote_runner import RemoteRunner
-from pensieve.actors.scheduler.request import SamplingParams
-from pensieve.actors.wire.step import SeqPiece, StepPlan
+from pensieve.actors.wire.step import (
+    CopyOp,
+    SamplingParams,
+    SeqPiece,
+    StepPlan,
+    SwapOrders,
+    SwapStats,
+)
 from pensieve.models.assets import smollm2_tokenizer
 from pensieve.models.llama import LlamaModel
 from pensieve.models.loader import LoadedModel, load_model

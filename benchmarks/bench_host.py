@@ -27,10 +27,11 @@ import time
 
 from pensieve.actors.config import DEFAULTS, CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager
-from pensieve.actors.scheduler.request import Request, SamplingParams
+from pensieve.actors.scheduler.request import Request
 from pensieve.actors.scheduler.scheduler import Scheduler
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.messages import DetokenizeReply, DetokenizeRequest, TextPiece
+from pensieve.actors.wire.step import SamplingParams
 
 STEP_S = 0.03  # simulated time per step (the H200's steady-state step is 25-45 ms)
 VOCAB = 32000

@@ -21,8 +21,7 @@ import time
 from typing import Any
 
 try:  # the channel's codec in actors/wire/step_codec.py
-    from pensieve.actors.scheduler.request import PLACEHOLDER, SamplingParams
-    from pensieve.actors.wire.step import SeqPiece, StepPlan
+    from pensieve.actors.wire.step import PLACEHOLDER, SamplingParams, SeqPiece, StepPlan
     from pensieve.actors.wire.step_codec import PlanDecoder, PlanEncoder, StepResult
 except ImportError:
     try:  # the codec and the scheduler's runner in one module

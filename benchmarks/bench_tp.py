@@ -39,8 +39,7 @@ import torch.multiprocessing as mp
 
 from pensieve.actors.config import ALL_REDUCE_ENV, CacheConfig, Policy
 from pensieve.actors.executor.model_runner import Launched, ModelRunner
-from pensieve.actors.scheduler.request import SamplingParams
-from pensieve.actors.wire.step import SeqPiece, StepPlan
+from pensieve.actors.wire.step import SamplingParams, SeqPiece, StepPlan
 from pensieve.models import load_model
 from pensieve.models.shard_loader import load_shard
 from pensieve.models.tensor_parallel import (  # NCCL_ENV: NVLink multicast stays off

@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pensieve.actors.scheduler.engine import Engine, StepTiming
-from pensieve.actors.scheduler.request import FinishReason, Request, SamplingParams, TokenSources
+from pensieve.actors.scheduler.request import FinishReason, Request, TokenSources
+from pensieve.actors.wire.step import SamplingParams
 from pensieve.kernels.compile_log import CompileLog
 from pensieve.ops.sharegpt import Conversation, Role, human_turns
 

@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 
 from pensieve.actors.config import DEFAULTS, CacheConfig, Policy, SchedulerConfig
-from pensieve.actors.executor.model_runner import ModelRunner, StepRunner
+from pensieve.actors.executor.model_runner import ModelRunner
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.kv.cost_model import CostModel
 from pensieve.actors.scheduler.remote_runner import RemoteRunner
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
+from pensieve.actors.wire.step import StepRunner
 from pensieve.models.config import ModelConfig
 from pensieve.models.loader import LoadedModel, ModelLoadError, load_model
 from pensieve.models.shard_loader import load_shard

@@ -21,9 +21,10 @@ import orjson
 from tqdm import tqdm
 
 from pensieve.actors.config import DEFAULTS
-from pensieve.actors.scheduler.request import FinishReason, Request, SamplingParams
+from pensieve.actors.scheduler.request import FinishReason, Request
 from pensieve.actors.scheduler.turn_commit import commit_turn, turn_record
-from pensieve.actors.tokenizer.chat_tokenizer import ChatMessage
+from pensieve.actors.wire.messages import ChatMessage
+from pensieve.actors.wire.step import SamplingParams
 from pensieve.ops.factory import Built
 from pensieve.ops.sharegpt import Conversation, HumanTurn, Role, human_turns
 from pensieve.store import ConversationStore, StoreWriter, TurnRecord

@@ -10,20 +10,9 @@ followed (the engine ran out of work) are not counted.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class DeviceTime:
-    busy_s: float = 0.0  # inside steps
-    idle_s: float = 0.0  # between a step and the next one it fed
-
-    @property
-    def idle_fraction(self) -> float:
-        total = self.busy_s + self.idle_s
-        return self.idle_s / total if total > 0 else 0.0
+from pensieve.actors.wire.step import DeviceTime
 
 
 class DeviceClock:

@@ -14,20 +14,18 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from pensieve.actors.config import CacheConfig, ExecutorConfig
 from pensieve.actors.executor.cuda_graphs import DecodeGraphs
-from pensieve.actors.executor.device_clock import DeviceClock, DeviceTime
+from pensieve.actors.executor.device_clock import DeviceClock
 from pensieve.actors.executor.piecewise_graphs import PiecewiseGraphs
 from pensieve.actors.executor.sampler import sample_async
 from pensieve.actors.executor.step_tracing import StepTracer
-from pensieve.actors.executor.swap import SwapEngine, SwapStats
-from pensieve.actors.scheduler.request import PLACEHOLDER
+from pensieve.actors.executor.swap import SwapEngine
 from pensieve.actors.wire import tracing
-from pensieve.actors.wire.step import SeqPiece, StepPlan
+from pensieve.actors.wire.step import PLACEHOLDER, DeviceTime, Launch, SeqPiece, StepPlan, SwapStats
 from pensieve.kernels import AttentionImpl, AttentionMetadata, build_metadata
 from pensieve.kernels.launch import use_fast_launch
 from pensieve.kernels.metadata import upload
@@ -72,46 +70,6 @@ class Launched:
 
     def when_done(self, callback: Callable[[], None]) -> bool:
         return False  # a CUDA event is polled, not awaited
-
-
-class Launch(Protocol):
-    """A step handed to an executor: its plan, and its sampled tokens once it has run."""
-
-    @property
-    def plan(self) -> StepPlan: ...
-
-    def result(self) -> list[int]:
-        """One sampled token per piece that samples, in plan order (waits for the step)."""
-        ...
-
-    def when_done(self, callback: Callable[[], None]) -> bool:
-        """Call `callback` (from any thread) once `result` would not wait; False if this
-        launch cannot tell, and never calls it."""
-        ...
-
-
-class StepRunner(Protocol):
-    """What the engine asks of an executor: the model here (`ModelRunner`) or an executor actor
-    over the bus (`actors.scheduler.remote_runner.RemoteRunner`); the engine cannot tell them
-    apart."""
-
-    @property
-    def block_bytes(self) -> int: ...
-
-    def launch(self, plan: StepPlan, feed: Launch | None = None) -> Launch:
-        """Issue the plan's copies and forward; `feed` is the step launched just before, whose
-        sampled tokens fill this plan's PLACEHOLDER positions."""
-        ...
-
-    def settle(self) -> None:
-        """Wait for every copy in flight and forget the steps launched (after a failed step)."""
-        ...
-
-    def swap_stats(self, wait: bool = True) -> SwapStats: ...
-
-    def device_time(self) -> DeviceTime:
-        """Device time in steps and idle between them (see `actors/executor/device_clock.py`)."""
-        ...
 
 
 def decodes_first(plan: StepPlan) -> StepPlan:

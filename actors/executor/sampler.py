@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pensieve.actors.scheduler.request import SamplingParams
+from pensieve.actors.wire.step import SamplingParams
 
 
 def sample_async(

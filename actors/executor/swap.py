@@ -22,19 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from pensieve.actors.executor.batch_copy import BatchCopier, LayerCopies
-from pensieve.actors.scheduler.kv.kv_cache import CopyOp, SwapOrders
+from pensieve.actors.wire.step import CopyOp, SwapOrders, SwapStats
 from pensieve.kernels.block_copy import copy_blocks
-
-
-@dataclass
-class SwapStats:
-    blocks_in: int = 0
-    blocks_out: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    seconds_in: float = 0.0
-    seconds_out: float = 0.0
-
 
 MIN_DMA_RUN = 8  # mean run length (blocks) from which plain DMA copies beat the copy kernel
 # grid caps of the copy kernel (see kernels/block_copy.py): an ahead-of-time swap-out runs beside

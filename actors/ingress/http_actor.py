@@ -38,7 +38,6 @@ from opentelemetry.trace import SpanKind
 from pensieve.actors.ingress import openai_api
 from pensieve.actors.ingress.chat_index import ChatIndex
 from pensieve.actors.ingress.openai_api import CONVERSATION_HEADER, Completion, OpenAIError
-from pensieve.actors.scheduler.metrics import CONTENT_TYPE
 from pensieve.actors.wire import subjects, tracing
 from pensieve.actors.wire.actor import Actor
 from pensieve.actors.wire.bus import Bus
@@ -266,7 +265,7 @@ class HttpIngressActor(Actor):
                     "server_error",
                     "unavailable",
                 ) from None
-        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=text, headers={"Content-Type": subjects.METRICS_CONTENT_TYPE})
 
 
 @contextlib.asynccontextmanager
@@ -274,7 +273,9 @@ async def serve_metrics(host: str, port: int, exposition: Exposition) -> AsyncIt
     """`GET /metrics` alone on `host:port`, while the context is open (`--metrics-port`)."""
 
     async def metrics(request: web.Request) -> web.StreamResponse:
-        return web.Response(body=exposition(), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(
+            body=exposition(), headers={"Content-Type": subjects.METRICS_CONTENT_TYPE}
+        )
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)

@@ -12,7 +12,6 @@ so a late or missing plan loses only the early warning.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from opentelemetry import propagate
@@ -22,8 +21,8 @@ from pensieve.actors.planner.recompute import RecomputePlanner
 from pensieve.actors.wire import subjects, tracing
 from pensieve.actors.wire.actor import Actor
 from pensieve.actors.wire.bus import Bus, Incoming
+from pensieve.actors.wire.calls import PLAN, RECOMPUTE_PLANNER
 from pensieve.actors.wire.messages import (
-    MessageError,
     RecomputePlan,
     RecomputePlanRequest,
     decode,
@@ -35,15 +34,12 @@ from pensieve.store import ConversationStore
 
 logger = logging.getLogger(__name__)
 
-PLAN = "plan"
-PLAN_TIMEOUT_S = 0.5  # what a caller gives one plan by default: it must never hold a turn up
-
 
 class RecomputePlannerActor(Actor):
     """The planner's shell: one engine's KV events in (a mailbox, in order), plans out (an
     endpoint, a task per request). Every replica follows the events itself."""
 
-    name = "recompute-planner"
+    name = RECOMPUTE_PLANNER
     description = "which positions of a turn's history must be recomputed (its dropped chunks)"
 
     def __init__(self, bus: Bus, engine_id: str, store: ConversationStore, block_size: int) -> None:
@@ -94,30 +90,3 @@ class RecomputePlannerActor(Actor):
         # planned after the read, from the freshest map
         num_positions = len(log) if request.num_positions is None else request.num_positions
         return self.planner.plan(request.conversation_id, log, num_positions, self.block_size)
-
-
-async def plan_remote(
-    bus: Bus,
-    engine_id: str,
-    conv_id: str,
-    num_positions: int | None = None,
-    timeout_s: float = PLAN_TIMEOUT_S,
-) -> RecomputePlan | None:
-    """Engine `engine_id`'s plan for the conversation's first `num_positions` positions (None:
-    its whole stored log), in the caller's trace. None if no planner answers within `timeout_s`
-    (none subscribed, or silence) or its answer is not a plan (an error, logged): the caller
-    goes on without one, it never waits longer."""
-    subject = subjects.internal(engine_id, RecomputePlannerActor.name, PLAN)
-    body = encode(RecomputePlanRequest(conv_id, num_positions))
-    headers: dict[str, str] = {}
-    propagate.inject(headers)  # W3C traceparent: the planner's span is the caller's child
-    try:
-        async with contextlib.aclosing(bus.ask(subject, body, timeout_s, headers)) as answer:
-            data = await anext(answer)
-    except (TimeoutError, ConnectionError):
-        return None
-    try:
-        return decode(data, RecomputePlan)
-    except MessageError:
-        logger.warning("the recompute planner of engine %s answered %r", engine_id, data[:200])
-        return None

@@ -12,8 +12,7 @@ from collections.abc import Sequence
 import msgspec
 
 from pensieve.actors.planner.tier_map import SequenceGap, TierMap
-from pensieve.actors.scheduler.kv.kv_cache import Tier
-from pensieve.actors.wire.messages import KvEventBatch, KvEventKind, RecomputePlan
+from pensieve.actors.wire.messages import KvEventBatch, KvEventKind, RecomputePlan, Tier
 
 logger = logging.getLogger(__name__)
 

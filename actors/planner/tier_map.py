@@ -7,8 +7,7 @@ whatever their kind. The recompute planner (`recompute.py`) plans from this map.
 
 from __future__ import annotations
 
-from pensieve.actors.scheduler.kv.kv_cache import Chunk, Tier
-from pensieve.actors.wire.messages import KvEvent, KvEventBatch, KvEventKind
+from pensieve.actors.wire.messages import KvEvent, KvEventBatch, KvEventKind, Tier, tier_of
 
 Location = tuple[int | None, int | None]  # a chunk's (GPU block, CPU slot); None: not there
 TierSnapshot = dict[str, tuple[Location, ...]]  # conversation -> its chunks' locations, in order
@@ -52,7 +51,7 @@ class TierMap:
 
     def tiers(self, conv_id: str) -> list[Tier]:
         """Each chunk's tier, as `ConversationKV.tiers` gives it on the engine."""
-        return [Chunk(gpu, cpu).tier for gpu, cpu in self._chunks.get(conv_id, ())]
+        return [tier_of(gpu, cpu) for gpu, cpu in self._chunks.get(conv_id, ())]
 
     def snapshot(self) -> TierSnapshot:
         return {conv_id: tuple(chunks) for conv_id, chunks in self._chunks.items()}

@@ -22,15 +22,19 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig
-from pensieve.actors.planner.actor import plan_remote
 from pensieve.actors.scheduler.chat_service import ChatService, Reservation
 from pensieve.actors.scheduler.engine_thread import EngineThread
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
 from pensieve.actors.scheduler.sweeper import sweeping
-from pensieve.actors.tokenizer.actor import RENDER_TIMEOUT_S, detokenize_remote, render_remote
 from pensieve.actors.wire import subjects, tracing
 from pensieve.actors.wire.actor import Actor
 from pensieve.actors.wire.bus import REQUESTER_HEADER, TENANT_HEADER, Bus, Handler, Incoming
+from pensieve.actors.wire.calls import (
+    RENDER_TIMEOUT_S,
+    detokenize_remote,
+    plan_remote,
+    render_remote,
+)
 from pensieve.actors.wire.messages import DetokenizeRequest, KvEvent, encode_kv_events
 from pensieve.actors.wire.schemas import (
     ApiError,

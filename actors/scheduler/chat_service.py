@@ -27,7 +27,6 @@ from typing import Any
 from opentelemetry import trace
 
 from pensieve.actors.config import ExpiryConfig
-from pensieve.actors.executor.model_runner import Launch
 from pensieve.actors.scheduler.conversations import (
     FIRST_PAGE,
     Conversation,
@@ -37,7 +36,7 @@ from pensieve.actors.scheduler.conversations import (
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.metrics import Metrics
 from pensieve.actors.scheduler.reply_text import ReplyText
-from pensieve.actors.scheduler.request import FinishReason, SamplingParams
+from pensieve.actors.scheduler.request import FinishReason
 from pensieve.actors.scheduler.turn import Turn, TurnSink
 from pensieve.actors.scheduler.turn_commit import TurnCommitter, turn_record
 from pensieve.actors.scheduler.turn_tracing import TurnTracer
@@ -45,6 +44,7 @@ from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.messages import DetokenizeReply, DetokenizeRequest, KvEvent
 from pensieve.actors.wire.schemas import ApiError, ChatRequest, Page
+from pensieve.actors.wire.step import Launch, SamplingParams
 from pensieve.actors.wire.step_codec import ExecutorLost
 from pensieve.store import ConversationStore, StoreWriter
 

@@ -17,7 +17,7 @@ from typing import Any
 from opentelemetry import trace
 
 from pensieve.actors.config import ExpiryConfig
-from pensieve.actors.tokenizer.chat_tokenizer import ChatMessage
+from pensieve.actors.wire.messages import ChatMessage
 from pensieve.actors.wire.schemas import MAX_PAGE, PAGE_BYTES, ApiError, ChatRequest, Page
 from pensieve.store import ConversationMeta, ConversationStore, StoreWriter
 

@@ -21,18 +21,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
-from pensieve.actors.executor.model_runner import Launch, StepRunner
-from pensieve.actors.executor.swap import SwapStats
 from pensieve.actors.scheduler.kv.kv_manager import CostFn, KVCacheManager
-from pensieve.actors.scheduler.request import (
-    Request,
-    SamplingParams,
-    TokenSources,
-)
+from pensieve.actors.scheduler.request import Request, TokenSources
 from pensieve.actors.scheduler.scheduler import Scheduler, StepOutcome
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.messages import KvEvent
-from pensieve.actors.wire.step import StepPlan, TraceContexts
+from pensieve.actors.wire.step import (
+    Launch,
+    SamplingParams,
+    StepPlan,
+    StepRunner,
+    SwapStats,
+    TraceContexts,
+)
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from pensieve.actors.executor.model_runner import Launch
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.wire.schemas import ApiError
+from pensieve.actors.wire.step import Launch
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from pensieve.actors.scheduler.request import Request
 from pensieve.actors.wire.messages import KvEvent, KvEventKind
 
 PREFIX = "pensieve:"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 SOURCES = ("gpu", "cpu", "recomputed", "new")
 # vLLM's buckets, so dashboards made for it read these the same way
 TTFT_BUCKETS = (
@@ -208,7 +207,7 @@ class Metrics:
         self._engine.stats = stats
 
     def exposition(self) -> bytes:
-        """Every metric in the Prometheus text format (`CONTENT_TYPE`)."""
+        """Every metric in the Prometheus text format (`subjects.METRICS_CONTENT_TYPE`)."""
         return generate_latest(self.registry)
 
 

@@ -17,11 +17,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from pensieve.actors.executor.device_clock import DeviceTime
-from pensieve.actors.executor.model_runner import Launch
-from pensieve.actors.executor.swap import SwapStats
 from pensieve.actors.wire import subjects
-from pensieve.actors.wire.step import StepPlan
+from pensieve.actors.wire.step import DeviceTime, Launch, StepPlan, SwapStats
 from pensieve.actors.wire.step_codec import (
     UNKNOWN_STEP,
     ExecutorInfo,

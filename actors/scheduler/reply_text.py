@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from pensieve.actors.executor.model_runner import Launch
 from pensieve.actors.scheduler.turn import Turn
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.messages import DetokenizeReply, DetokenizeRequest, TextPiece
+from pensieve.actors.wire.step import Launch
 
 logger = logging.getLogger(__name__)
 

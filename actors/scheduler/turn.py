@@ -9,7 +9,7 @@ from opentelemetry import trace
 
 from pensieve.actors.scheduler.conversations import Conversation
 from pensieve.actors.scheduler.request import Request
-from pensieve.actors.tokenizer.chat_tokenizer import ChatMessage
+from pensieve.actors.wire.messages import ChatMessage
 from pensieve.actors.wire.schemas import ApiError
 
 

@@ -20,12 +20,12 @@ from opentelemetry.context import Context
 
 from pensieve.actors.scheduler.conversations import Conversation
 from pensieve.actors.scheduler.engine import Engine
-from pensieve.actors.scheduler.request import Request, SamplingParams
+from pensieve.actors.scheduler.request import Request
 from pensieve.actors.scheduler.turn import Turn
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.messages import KvEvent, KvEventKind
 from pensieve.actors.wire.schemas import ChatRequest
-from pensieve.actors.wire.step import RequestTrace
+from pensieve.actors.wire.step import RequestTrace, SamplingParams
 from pensieve.store import TurnRecord
 
 

@@ -11,9 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pensieve.actors.wire.messages import TextPiece, TextUpdate
-
-ChatMessage = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
+from pensieve.actors.wire.messages import ChatMessage, TextPiece, TextUpdate
 
 
 @dataclass

@@ -17,6 +17,8 @@ import msgspec
 
 VERSION = 1
 
+ChatMessage = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
+
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
@@ -266,3 +268,17 @@ class RecomputePlan(Message, frozen=True):
     def check(self) -> None:
         if not all(start < end for start, end in self.ranges):
             raise MessageError("RecomputePlan: ranges must be [start, end] pairs, 0 <= start < end")
+
+
+class Tier(enum.Enum):
+    GPU = "gpu"
+    CPU = "cpu"
+    DROPPED = "dropped"
+
+
+def tier_of(gpu_block: int | None, cpu_slot: int | None) -> Tier:
+    """Where a chunk is: on the GPU if it has a block (a CPU slot as well: swapped out, its block
+    not yet reused), on the CPU if it has only a slot, dropped if it has neither."""
+    if gpu_block is not None:
+        return Tier.GPU
+    return Tier.CPU if cpu_slot is not None else Tier.DROPPED

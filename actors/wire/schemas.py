@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from pensieve.actors.tokenizer.chat_tokenizer import ChatMessage
+from pensieve.actors.wire.messages import ChatMessage
 from pensieve.store import validate_conversation_id
 
 # every error code, with the HTTP-like status the NATS service error header carries for it

@@ -1,16 +1,74 @@
-"""The data that crosses from the scheduler to the executor for one step (plain data only)."""
+"""The step protocol between the scheduler and an executor: what one step computes (`StepPlan`:
+its pieces, sampling parameters and swap orders), and what the engine asks of whatever runs it
+(`StepRunner`, `Launch`), whether the model is in this thread or an executor actor over the bus.
+Plain data only: the engine core reads this without importing torch."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from pensieve.actors.scheduler.kv.kv_cache import SwapOrders
-from pensieve.actors.scheduler.request import SamplingParams
+from pensieve.actors.config import DEFAULTS
 
 RequestTrace = tuple[str, int]  # a request's traceparent, and the blocks swapped in for it
 # request id -> its trace (None: not traced); see `actors/executor/step_tracing.py`
 TraceContexts = Callable[[str], RequestTrace | None]
+
+
+PLACEHOLDER = -1  # a position whose token an unfinished step is sampling (see `Request.inflight`)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = DEFAULTS.max_tokens
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class CopyOp:
+    gpu_block: int
+    cpu_slot: int
+
+
+@dataclass
+class SwapOrders:
+    """Copies the executor must issue for one step, in this order.
+
+    1. `evict_first`: GPU->CPU copies whose blocks are reused within this same step.
+    2. `swap_in`: CPU->GPU copies, issued layer by layer; layer i's attention waits only for them.
+    3. `swap_out`: ahead-of-time / suspension GPU->CPU copies; they start only after every
+       CPU->GPU copy of the step (swap-in has priority) and overlap the step's compute.
+    `fence`: a block reused this step was swapped out in an earlier step; that copy must finish
+    before this step writes into the block.
+    """
+
+    evict_first: list[CopyOp] = field(default_factory=list)
+    swap_in: list[CopyOp] = field(default_factory=list)
+    swap_out: list[CopyOp] = field(default_factory=list)
+    fence: bool = False
+
+    def is_empty(self) -> bool:
+        return not (self.evict_first or self.swap_in or self.swap_out)
 
 
 @dataclass(frozen=True)
@@ -40,3 +98,64 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(piece.end - piece.start for piece in self.pieces)
+
+
+@dataclass
+class SwapStats:
+    blocks_in: int = 0
+    blocks_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds_in: float = 0.0
+    seconds_out: float = 0.0
+
+
+@dataclass
+class DeviceTime:
+    busy_s: float = 0.0  # inside steps
+    idle_s: float = 0.0  # between a step and the next one it fed
+
+    @property
+    def idle_fraction(self) -> float:
+        total = self.busy_s + self.idle_s
+        return self.idle_s / total if total > 0 else 0.0
+
+
+class Launch(Protocol):
+    """A step handed to an executor: its plan, and its sampled tokens once it has run."""
+
+    @property
+    def plan(self) -> StepPlan: ...
+
+    def result(self) -> list[int]:
+        """One sampled token per piece that samples, in plan order (waits for the step)."""
+        ...
+
+    def when_done(self, callback: Callable[[], None]) -> bool:
+        """Call `callback` (from any thread) once `result` would not wait; False if this
+        launch cannot tell, and never calls it."""
+        ...
+
+
+class StepRunner(Protocol):
+    """What the engine asks of an executor: the model here (`ModelRunner`) or an executor actor
+    over the bus (`actors.scheduler.remote_runner.RemoteRunner`); the engine cannot tell them
+    apart."""
+
+    @property
+    def block_bytes(self) -> int: ...
+
+    def launch(self, plan: StepPlan, feed: Launch | None = None) -> Launch:
+        """Issue the plan's copies and forward; `feed` is the step launched just before, whose
+        sampled tokens fill this plan's PLACEHOLDER positions."""
+        ...
+
+    def settle(self) -> None:
+        """Wait for every copy in flight and forget the steps launched (after a failed step)."""
+        ...
+
+    def swap_stats(self, wait: bool = True) -> SwapStats: ...
+
+    def device_time(self) -> DeviceTime:
+        """Device time in steps and idle between them (see `actors/executor/device_clock.py`)."""
+        ...

@@ -23,11 +23,15 @@ from typing import Any
 
 import msgspec
 
-from pensieve.actors.executor.swap import SwapStats
-from pensieve.actors.scheduler.kv.kv_cache import CopyOp, SwapOrders
-from pensieve.actors.scheduler.request import SamplingParams
 from pensieve.actors.wire.messages import UNREADABLE, Message, MessageError, decode
-from pensieve.actors.wire.step import SeqPiece, StepPlan
+from pensieve.actors.wire.step import (
+    CopyOp,
+    SamplingParams,
+    SeqPiece,
+    StepPlan,
+    SwapOrders,
+    SwapStats,
+)
 
 STEP_VERSION = 2  # the schema version of the plan and result arrays
 UNKNOWN_STEP = 0  # the step of a result to a plan the executor could not read (steps start at 1)

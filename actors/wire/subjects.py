@@ -89,6 +89,10 @@ ACTORS = (
 )
 
 
+# the scheduler's `metrics` verb answers the Prometheus text format, version 0.0.4
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
 def internal(engine_id: str, actor: str, verb: str) -> str:
     """The subject on which `actor` of engine `engine_id` takes `verb` messages:
     pensieve.internal.<engine>.<actor>.<verb>."""

@@ -140,8 +140,7 @@ def test_gpu_model_logits_fused_against_torch_ops():
     """A whole forward (tiny Llama, bf16) with the fused kernels against the torch operations."""
     from pensieve.actors.config import CacheConfig
     from pensieve.actors.executor.model_runner import ModelRunner
-    from pensieve.actors.scheduler.request import SamplingParams
-    from pensieve.actors.wire.step import SeqPiece, StepPlan
+    from pensieve.actors.wire.step import SamplingParams, SeqPiece, StepPlan
     from pensieve.models.loader import load_model
 
     loaded = load_model("preset:tiny-llama", "cuda", torch.bfloat16, seed=0)

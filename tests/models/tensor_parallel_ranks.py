@@ -20,8 +20,7 @@ import torch.multiprocessing as mp
 
 from pensieve.actors.config import ALL_REDUCE_ENV, CacheConfig
 from pensieve.actors.executor.model_runner import Launched, ModelRunner
-from pensieve.actors.scheduler.request import PLACEHOLDER, SamplingParams
-from pensieve.actors.wire.step import SeqPiece, StepPlan
+from pensieve.actors.wire.step import PLACEHOLDER, SamplingParams, SeqPiece, StepPlan
 from pensieve.models import PRESETS, CausalLM, ModelConfig, build_model, init_random_
 from pensieve.models.tensor_parallel import NCCL_ENV, TensorShard, shard_model
 

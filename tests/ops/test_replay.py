@@ -236,7 +236,7 @@ def test_every_cache_path_gives_the_same_tokens(
 def test_suspension_under_decode_pressure_keeps_tokens(smollm2, smollm2_chat):
     """Two requests that fit when admitted but not when grown: the later one is suspended
     (swapped to the CPU tier, requeued) and still produces the same tokens."""
-    from pensieve.actors.scheduler.request import SamplingParams
+    from pensieve.actors.wire.step import SamplingParams
 
     prompts = [smollm2_chat.render([{"role": "user", "content": t}]) for t in CHAT[:2]]
     sampling = SamplingParams(max_tokens=96, ignore_eos=True)
@@ -260,7 +260,8 @@ def test_suspension_under_decode_pressure_keeps_tokens(smollm2, smollm2_chat):
 def test_a_turn_too_big_for_the_gpu_tier_is_reported_at_once(smollm2, smollm2_chat):
     """On an idle engine a turn that can never fit is rejected; the step that rejects it applies
     no tokens (nothing was in flight), and still reports it."""
-    from pensieve.actors.scheduler.request import FinishReason, SamplingParams
+    from pensieve.actors.scheduler.request import FinishReason
+    from pensieve.actors.wire.step import SamplingParams
 
     tiers = dict(gpu_cache_tokens=64, cpu_cache_tokens=64, admission_reserve=0.0)
     built = assemble(EngineOptions(model="smollm2", **tiers), smollm2, smollm2_chat)

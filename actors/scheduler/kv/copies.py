@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
-from pensieve.actors.scheduler.kv.kv_cache import Chunk, CopyOp, SwapOrders
+from pensieve.actors.scheduler.kv.kv_cache import Chunk
+from pensieve.actors.wire.step import CopyOp, SwapOrders
 
 
 class TierCopies:

@@ -17,7 +17,8 @@ import math
 from collections.abc import Callable, Iterator
 
 from pensieve.actors.config import CacheConfig, Policy
-from pensieve.actors.scheduler.kv.kv_cache import Chunk, ConversationKV, Tier
+from pensieve.actors.scheduler.kv.kv_cache import Chunk, ConversationKV
+from pensieve.actors.wire.messages import Tier
 
 # seconds to recompute one chunk whose last position attends to l positions (its retention cost)
 CostFn = Callable[[int], float]

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
-
-class Tier(enum.Enum):
-    GPU = "gpu"
-    CPU = "cpu"
-    DROPPED = "dropped"
+from pensieve.actors.wire.messages import Tier, tier_of
 
 
 @dataclass
@@ -25,11 +20,7 @@ class Chunk:
 
     @property
     def tier(self) -> Tier:
-        if self.gpu_block is not None:
-            return Tier.GPU
-        if self.cpu_slot is not None:
-            return Tier.CPU
-        return Tier.DROPPED
+        return tier_of(self.gpu_block, self.cpu_slot)
 
 
 @dataclass
@@ -62,33 +53,6 @@ class ConversationKV:
         if None in table:
             raise AssertionError(f"{self.conv_id}: block table asked for with chunks off the GPU")
         return table  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class CopyOp:
-    gpu_block: int
-    cpu_slot: int
-
-
-@dataclass
-class SwapOrders:
-    """Copies the executor must issue for one step, in this order.
-
-    1. `evict_first`: GPU->CPU copies whose blocks are reused within this same step.
-    2. `swap_in`: CPU->GPU copies, issued layer by layer; layer i's attention waits only for them.
-    3. `swap_out`: ahead-of-time / suspension GPU->CPU copies; they start only after every
-       CPU->GPU copy of the step (swap-in has priority) and overlap the step's compute.
-    `fence`: a block reused this step was swapped out in an earlier step; that copy must finish
-    before this step writes into the block.
-    """
-
-    evict_first: list[CopyOp] = field(default_factory=list)
-    swap_in: list[CopyOp] = field(default_factory=list)
-    swap_out: list[CopyOp] = field(default_factory=list)
-    fence: bool = False
-
-    def is_empty(self) -> bool:
-        return not (self.evict_first or self.swap_in or self.swap_out)
 
 
 @dataclass(frozen=True)

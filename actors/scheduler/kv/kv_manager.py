@@ -20,15 +20,10 @@ from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
 from pensieve.actors.scheduler.kv.copies import TierCopies
 from pensieve.actors.scheduler.kv.eviction import CostFn, EvictionOrder
-from pensieve.actors.scheduler.kv.kv_cache import (
-    Acquired,
-    Chunk,
-    ConversationKV,
-    SwapOrders,
-    Tier,
-)
+from pensieve.actors.scheduler.kv.kv_cache import Acquired, Chunk, ConversationKV
 from pensieve.actors.scheduler.kv.kv_events import ChunkEvents, Where
-from pensieve.actors.wire.messages import KvEvent, KvEventKind
+from pensieve.actors.wire.messages import KvEvent, KvEventKind, Tier
+from pensieve.actors.wire.step import SwapOrders
 
 
 class OutOfBlocks(Exception):

@@ -16,7 +16,8 @@ import torch
 from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.executor.model_runner import ModelRunner
 from pensieve.actors.scheduler.engine import Engine
-from pensieve.actors.scheduler.request import Request, SamplingParams
+from pensieve.actors.scheduler.request import Request
+from pensieve.actors.wire.step import SamplingParams
 from pensieve.models.loader import load_model
 
 pytestmark = [

@@ -9,8 +9,7 @@ import torch
 
 from pensieve.actors.config import CacheConfig
 from pensieve.actors.executor.model_runner import ModelRunner
-from pensieve.actors.scheduler.request import SamplingParams
-from pensieve.actors.wire.step import SeqPiece, StepPlan
+from pensieve.actors.wire.step import SamplingParams, SeqPiece, StepPlan
 from pensieve.models.loader import load_model
 
 pytestmark = [

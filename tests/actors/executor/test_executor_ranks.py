@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from pensieve.actors.config import Policy, SchedulerConfig
-from pensieve.actors.executor.model_runner import ModelRunner, StepRunner
-from pensieve.actors.executor.swap import SwapStats
+from pensieve.actors.executor.model_runner import ModelRunner
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.remote_runner import ExecutorLost, connect_executor
-from pensieve.actors.scheduler.request import SamplingParams
 from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.step import SamplingParams, StepRunner, SwapStats
 from pensieve.models.loader import load_model
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import DTYPES, EngineOptions, cache_config

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pensieve.actors.executor.sampler import sample_async
-from pensieve.actors.scheduler.request import SamplingParams
+from pensieve.actors.wire.step import SamplingParams
 
 VOCAB = 512
 

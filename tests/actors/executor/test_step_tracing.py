@@ -11,8 +11,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from pensieve.actors.executor.step_tracing import StepTracer
-from pensieve.actors.scheduler.request import SamplingParams
-from pensieve.actors.wire.step import SeqPiece, StepPlan
+from pensieve.actors.wire.step import SamplingParams, SeqPiece, StepPlan
 from pensieve.ops.telemetry import setup_tracing
 
 SAMPLED = SamplingParams()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pensieve.actors.executor.swap import SwapEngine, copy_runs
-from pensieve.actors.scheduler.kv.kv_cache import CopyOp
+from pensieve.actors.wire.step import CopyOp
 
 
 def test_copy_engine_copies_move_each_run_in_every_layer() -> None:

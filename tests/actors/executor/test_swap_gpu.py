@@ -7,7 +7,7 @@ import torch
 
 from pensieve.actors.executor.batch_copy import driver_entry_point
 from pensieve.actors.executor.swap import MIN_DMA_RUN, SwapEngine
-from pensieve.actors.scheduler.kv.kv_cache import CopyOp, SwapOrders
+from pensieve.actors.wire.step import CopyOp, SwapOrders
 
 pytestmark = [
     pytest.mark.gpu,

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from pensieve.actors.config import CacheConfig, Policy
-from pensieve.actors.planner.actor import RecomputePlannerActor, plan_remote
+from pensieve.actors.planner.actor import RecomputePlannerActor
 from pensieve.actors.planner.recompute import RecomputePlanner
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.scheduler.kv.kv_cache import Acquired, ConversationKV
@@ -30,6 +30,7 @@ from pensieve.actors.scheduler.request import common_prefix
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import ERROR_HEADER, Bus
+from pensieve.actors.wire.calls import plan_remote
 from pensieve.actors.wire.messages import (
     KvEvent,
     KvEventBatch,

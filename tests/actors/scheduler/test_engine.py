@@ -3,7 +3,7 @@ idle engine and gives the tokens of an unchunked run."""
 
 from __future__ import annotations
 
-from pensieve.actors.scheduler.request import SamplingParams
+from pensieve.actors.wire.step import SamplingParams
 from pensieve.ops.factory import EngineOptions, build
 
 PROMPT = [(7 * i) % 500 + 3 for i in range(300)]

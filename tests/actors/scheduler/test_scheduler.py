@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from pensieve.actors.config import CacheConfig, SchedulerConfig
 from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager
-from pensieve.actors.scheduler.request import PLACEHOLDER, Request, RequestStatus, SamplingParams
+from pensieve.actors.scheduler.request import Request, RequestStatus
 from pensieve.actors.scheduler.scheduler import Scheduler
-from pensieve.actors.wire.step import StepPlan
+from pensieve.actors.wire.step import PLACEHOLDER, SamplingParams, StepPlan
 
 SEQS = 16  # admit group: min(admit_batch, 16 // 8) = 2 with the default admit_batch
 

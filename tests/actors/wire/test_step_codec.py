@@ -8,10 +8,15 @@ import msgspec
 import orjson
 import pytest
 
-from pensieve.actors.scheduler.kv.kv_cache import CopyOp, SwapOrders
-from pensieve.actors.scheduler.request import PLACEHOLDER, SamplingParams
 from pensieve.actors.wire.messages import MessageError
-from pensieve.actors.wire.step import SeqPiece, StepPlan
+from pensieve.actors.wire.step import (
+    PLACEHOLDER,
+    CopyOp,
+    SamplingParams,
+    SeqPiece,
+    StepPlan,
+    SwapOrders,
+)
 from pensieve.actors.wire.step_codec import (
     STEP_VERSION,
     ExecutorInfo,
