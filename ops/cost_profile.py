@@ -38,7 +38,7 @@ from pensieve.kernels.fused import rope_write_kv
 from pensieve.models.attention import PagedAttention, allocate_kv_caches
 from pensieve.models.config import ModelConfig
 from pensieve.models.loader import CausalLM, load_model
-from pensieve.ops.cli import HelpFormatter
+from pensieve.ops.cli_options import HelpFormatter
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

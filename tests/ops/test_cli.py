@@ -108,14 +108,15 @@ def test_the_defaults_come_from_one_table() -> None:
 
 
 def test_the_expiry_options_reach_the_server() -> None:
-    from pensieve.ops.cli import _serve_options, build_parser
+    from pensieve.ops.cli import build_parser
+    from pensieve.ops.cli_options import serve_options
 
     argv = ["serve", "--model", "smollm2", "--conversation-ttl", "600", "--stateless-ttl", "30"]
-    expiry = _serve_options(build_parser().parse_args(argv)).expiry
+    expiry = serve_options(build_parser().parse_args(argv)).expiry
     assert (expiry.conversation_ttl_s, expiry.stateless_ttl_s) == (600, 30)
     assert expiry.sweep_interval_s == 3  # a tenth of the shorter TTL
     with pytest.raises(ValueError, match="--stateless-ttl"):
-        _serve_options(build_parser().parse_args([*argv, "--stateless-ttl", "0"]))
+        serve_options(build_parser().parse_args([*argv, "--stateless-ttl", "0"]))
 
 
 def test_version() -> None:

