@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
+import msgspec
 import orjson
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
@@ -363,7 +364,7 @@ class ChatServer(Actor):
         service, conv_id = self.service, request.conversation_id
         # off the engine thread: a read never waits for a step to end
         got = await asyncio.to_thread(service.get, conv_id, request.page, _tenant(msg))
-        await msg.send(orjson.dumps(got))
+        await msg.send(encode_body(got))
 
     async def _delete(self, msg: Incoming) -> None:
         conv_id = read_checked(msg.data, ConversationRef).conversation_id
@@ -374,7 +375,7 @@ class ChatServer(Actor):
     async def _list(self, msg: Incoming) -> None:
         page = read_checked(msg.data, Page)
         listed = await asyncio.to_thread(self.service.list, page, _tenant(msg))
-        await msg.send(orjson.dumps({**listed, "engine_id": self.engine_id}))
+        await msg.send(encode_body(msgspec.structs.replace(listed, engine_id=self.engine_id)))
 
     async def _metrics(self, msg: Incoming) -> None:
         """The Prometheus text of this engine's metrics (`actors/scheduler/metrics.py`)."""

@@ -43,7 +43,7 @@ from pensieve.actors.scheduler.turn_tracing import TurnTracer
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.messages import DetokenizeReply, DetokenizeRequest, KvEvent
-from pensieve.actors.wire.schemas import ApiError, ChatRequest, Page
+from pensieve.actors.wire.schemas import ApiError, ChatRequest, ConversationReply, ListReply, Page
 from pensieve.actors.wire.step import Launch, SamplingParams
 from pensieve.actors.wire.step_codec import ExecutorLost
 from pensieve.store import ConversationStore, StoreWriter
@@ -181,7 +181,7 @@ class ChatService:
 
     def get(
         self, conv_id: str, page: Page = FIRST_PAGE, tenant: str | None = None
-    ) -> dict[str, Any]:
+    ) -> ConversationReply:
         """The conversation's turns, a page at a time (`Conversations.get`); any thread."""
         return self.convs.get(conv_id, page, tenant)
 
@@ -199,7 +199,7 @@ class ChatService:
         """Delete those of `conv_ids` still idle past their TTL (`Conversations.expire`)."""
         return self.convs.expire(conv_ids, expiry, now)
 
-    def list(self, page: Page = FIRST_PAGE, tenant: str | None = None) -> dict[str, Any]:
+    def list(self, page: Page = FIRST_PAGE, tenant: str | None = None) -> ListReply:
         """`tenant`'s conversation ids, a page at a time (`Conversations.list`); any thread."""
         return self.convs.list(page, tenant)
 

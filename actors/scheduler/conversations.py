@@ -18,7 +18,16 @@ from opentelemetry import trace
 
 from pensieve.actors.config import ExpiryConfig
 from pensieve.actors.wire.messages import ChatMessage
-from pensieve.actors.wire.schemas import MAX_PAGE, PAGE_BYTES, ApiError, ChatRequest, Page
+from pensieve.actors.wire.schemas import (
+    MAX_PAGE,
+    PAGE_BYTES,
+    ApiError,
+    ChatRequest,
+    ConversationReply,
+    ListReply,
+    Page,
+    TurnSummary,
+)
 from pensieve.store import ConversationMeta, ConversationStore, StoreWriter
 
 FIRST_PAGE = Page(None, MAX_PAGE)
@@ -117,7 +126,7 @@ class Conversations:
 
     def get(
         self, conv_id: str, page: Page = FIRST_PAGE, tenant: str | None = None
-    ) -> dict[str, Any]:
+    ) -> ConversationReply:
         """The conversation's turns from turn `page.cursor` on, as many as fit in one answer
         (`page.limit`, and PAGE_BYTES of text); `next_cursor` continues, None at the end.
         Reads only the store and single values, so any thread may call it (as may `list`)."""
@@ -126,35 +135,30 @@ class Conversations:
             raise not_found(conv_id)
         records = self.store.turns(conv_id)
         first = int(page.cursor or 0)
-        turns: list[dict[str, Any]] = []
+        turns: list[TurnSummary] = []
         size = 0
         for r in records[first : first + page.limit]:
             size += len(r.user_message.encode()) + len(r.assistant_text.encode()) + 200
             if turns and size > PAGE_BYTES:
                 break
             turns.append(
-                {
-                    "turn": r.turn,
-                    "message": r.user_message,
-                    "text": r.assistant_text,
-                    "finish_reason": r.finish_reason,
-                    "prompt_tokens": r.prompt_tokens,
-                    "completion_tokens": len(r.output_token_ids),
-                }
+                TurnSummary(
+                    r.turn,
+                    r.user_message,
+                    r.assistant_text,
+                    r.finish_reason,
+                    r.prompt_tokens,
+                    len(r.output_token_ids),
+                )
             )
         following = first + len(turns)
         conv = self.by_id.get(conv_id)
         busy = conv is not None and conv.busy
         num_tokens = len(self.store.token_log(conv_id))
-        return {
-            "conversation_id": conv_id,
-            "turns": turns,
-            "num_tokens": num_tokens,
-            "num_turns": len(records),
-            "busy": busy,
-            "ended": meta.ended,
-            "next_cursor": str(following) if following < len(records) else None,
-        }
+        following_cursor = str(following) if following < len(records) else None
+        return ConversationReply(
+            conv_id, turns, num_tokens, len(records), busy, meta.ended, following_cursor
+        )
 
     def delete(self, conv_id: str, tenant: str | None = None) -> Future[Any]:
         """Forget the conversation everywhere; the future resolves once the store forgot it."""
@@ -194,12 +198,12 @@ class Conversations:
                 deleted.append(self.delete(conv_id, meta.tenant))
         return deleted
 
-    def list(self, page: Page = FIRST_PAGE, tenant: str | None = None) -> dict[str, Any]:
+    def list(self, page: Page = FIRST_PAGE, tenant: str | None = None) -> ListReply:
         """`tenant`'s conversation ids in the store's order, `page.limit` at most after
         `page.cursor`; `next_cursor` continues, None at the end."""
         after = bytes.fromhex(page.cursor) if page.cursor else None
         ids, last = self.store.list_page(after, page.limit, tenant)
-        return {"conversations": ids, "next_cursor": last.hex() if last else None}
+        return ListReply(ids, last.hex() if last else None)
 
     def _find(self, conv_id: str, tenant: str | None) -> Conversation:
         """The tenant's conversation, from memory or else loaded from the store."""

@@ -21,11 +21,14 @@ REQUESTS: dict[str, type[msgspec.Struct]] = {
     subjects.CONVERSATIONS_LIST: schemas.Page,
     subjects.STATS: schemas.StatsRequest,
 }
-# the declared answers: a chat turn's reply and streamed deltas, deletes, cancels and refusals
+# the declared answers: a chat turn's reply and streamed deltas, the conversations subjects',
+# cancels and refusals
 REPLIES: dict[str, type[msgspec.Struct]] = {
     "chat": schemas.ChatReply,
     "chat.delta": schemas.ChatDelta,
     "chat.cancel": schemas.CancelReply,
+    "conversations.get": schemas.ConversationReply,
+    "conversations.list": schemas.ListReply,
     "conversations.delete": schemas.DeleteReply,
     "error": schemas.ErrorReply,
 }

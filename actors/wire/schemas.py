@@ -276,9 +276,10 @@ def parse_stats(data: bytes) -> StatsRequest:
     return _decode(data, StatsRequest)
 
 
-def encode_body(request: msgspec.Struct) -> bytes:
-    """A checked request, as the ingress hands it to the scheduler."""
-    return _ENCODER.encode(request)
+def encode_body(body: msgspec.Struct) -> bytes:
+    """A body of the client API as JSON: a checked request as the ingress hands it to the
+    scheduler, or a reply."""
+    return _ENCODER.encode(body)
 
 
 def read_checked(data: bytes, cls: type[_S]) -> _S:
@@ -366,6 +367,39 @@ class DeleteReply(msgspec.Struct, frozen=True):
 class CancelReply(msgspec.Struct, frozen=True):
     conversation_id: str
     cancelled: bool  # False: no turn of it was running
+
+
+class TurnSummary(msgspec.Struct, frozen=True):
+    """One stored turn of a conversation, as `conversations.get` lists it."""
+
+    turn: int
+    message: str  # the user's
+    text: str  # the reply's
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ConversationReply(msgspec.Struct, frozen=True):
+    """`pensieve.v1.conversations.get`: a page of the conversation's turns; `next_cursor`
+    continues, None at the end."""
+
+    conversation_id: str
+    turns: list[TurnSummary]
+    num_tokens: int  # in its token log
+    num_turns: int
+    busy: bool  # a turn of it is running
+    ended: bool  # a final turn ended it
+    next_cursor: str | None
+
+
+class ListReply(msgspec.Struct, frozen=True):
+    """`pensieve.v1.conversations.list`: a page of the tenant's conversation ids, in the store's
+    order, from one engine; `next_cursor` continues, None at the end."""
+
+    conversations: list[str]
+    next_cursor: str | None
+    engine_id: str = ""
 
 
 def chat_reply(

@@ -88,8 +88,8 @@ def test_two_turns_through_a_terminal(smollm2, smollm2_chat, tmp_path) -> None:
             conv_id = first.group(2)
             assert second.group(2) == conv_id and [first[1], second[1]] == ["0", "1"]
             assert int(second.group(4)) > 0  # the second prompt's history was on the GPU
-            stored = service.get(conv_id)["turns"]
-            assert [streamed for _, streamed in replies] == [t["text"] for t in stored]
+            stored = service.get(conv_id).turns
+            assert [streamed for _, streamed in replies] == [t.text for t in stored]
             terminal.type("/history")
             history = terminal.read_until("> ")
             assert "you: What is the capital of France?" in history and "And of Italy?" in history

@@ -15,7 +15,7 @@ import pytest
 
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.wire.messages import DetokenizeReply, DetokenizeRequest
-from pensieve.actors.wire.schemas import ApiError, Page, parse_chat
+from pensieve.actors.wire.schemas import ApiError, Page, encode_body, parse_chat
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.store import ConversationStore, StoreWriter, TurnRecord
 
@@ -115,12 +115,12 @@ def test_a_long_conversation_is_read_in_pages_that_each_fit_one_message(service)
     turns, cursor = [], None
     while True:
         answer = service.get(conv_id, Page(cursor, 1000))
-        assert 0 < len(orjson.dumps(answer)) < 1 << 20
-        turns += [t["turn"] for t in answer["turns"]]
-        cursor = answer["next_cursor"]
+        assert 0 < len(encode_body(answer)) < 1 << 20
+        turns += [t.turn for t in answer.turns]
+        cursor = answer.next_cursor
         if cursor is None:
             break
-    assert turns == list(range(40)) and answer["num_turns"] == 40
+    assert turns == list(range(40)) and answer.num_turns == 40
 
 
 def late_turn(service: ChatService, delay: int, **body: Any) -> dict[str, Any]:

@@ -78,12 +78,12 @@ def test_a_final_turn_frees_the_kv_at_once_and_ends_the_conversation(
     refused = refusal(service, conversation_id=conv_id, message="One more thing")
     assert refused.code == "invalid_request" and "has ended" in refused.message
     got = service.get(conv_id)
-    assert got["ended"] is True and [t["message"] for t in got["turns"]] == ["Hello!", "Bye!"]
+    assert got.ended is True and [t.message for t in got.turns] == ["Hello!", "Bye!"]
     with StoreWriter() as writer:  # a restarted server refuses it too
         restarted = new_service(smollm2, smollm2_chat, store, writer)
         refused = refusal(restarted, conversation_id=conv_id, message="One more thing")
         assert refused.code == "invalid_request" and "has ended" in refused.message
-        assert restarted.engine.kv.get(conv_id) is None and restarted.get(conv_id)["ended"]
+        assert restarted.engine.kv.get(conv_id) is None and restarted.get(conv_id).ended
 
 
 def test_final_must_be_true_or_false() -> None:
