@@ -46,6 +46,22 @@ REQUEST_INFO_HEADER = "Nats-Request-Info"
 DISCONNECTS = "$SYS.ACCOUNT.*.DISCONNECT"  # the system account's event of a closed connection
 
 
+def check_fits(client: Client, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+    """ApiError("too_long") unless the message fits the server's `max_payload`, its headers
+    counted as nats-server counts them. A message that does not fit must never be sent:
+    nats-server answers it by closing the connection, and nats-py does not reconnect after."""
+    size = len(data)
+    if headers:  # "NATS/1.0\r\n", a "key: value\r\n" line each, "\r\n"
+        size += 12 + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
+    limit = client.max_payload
+    if size > limit:
+        raise ApiError(
+            "too_long",
+            f"a message of {size} bytes on {subject} would pass the NATS server's limit of "
+            f"{limit} bytes; send a shorter request",
+        )
+
+
 @dataclass
 class Incoming:
     data: bytes
@@ -61,6 +77,7 @@ class Incoming:
         `probe`, a subject of `Bus.on_no_responders`, as its reply subject, which a client
         reading the message ignores."""
         if self.reply:
+            check_fits(self._client, self.reply, body, headers)
             await self._client.publish(self.reply, body, reply=probe, headers=headers)
 
     async def send_error(self, error: ApiError) -> None:
@@ -75,6 +92,7 @@ class Incoming:
 
     async def forward(self, subject: str) -> None:
         """Hand the request on to `subject` as it came: the answer goes to the requester."""
+        check_fits(self._client, subject, self.data, self.headers)
         await self._client.publish(
             subject, self.data, reply=self.reply, headers=self.headers or None
         )
@@ -140,6 +158,7 @@ class Bus:
         self._tasks: set[asyncio.Task[None]] = set()  # requests in hand
         self._endpoint_subscriptions: list[Subscription] = []
         self.endpoints: dict[str, EndpointStats] = {}  # by subject
+        self.closing = False  # `close` was called: the connection's end is expected
 
     @classmethod
     async def connect(
@@ -152,12 +171,19 @@ class Bus:
         async def on_error(error: Exception) -> None:
             logger.warning("NATS at %s: %s: %s", url, type(error).__name__, error)
 
+        made: list[Bus] = []
+
+        async def on_closed() -> None:  # for good: nats-py reconnects only before this
+            if made and not made[0].closing:
+                logger.error("the NATS connection %r to %s closed; restart this process", name, url)
+
         given = options or ConnectOptions()
         client = await nats.connect(
             url,
             name=name,
             max_reconnect_attempts=-1,
             error_cb=on_error,
+            closed_cb=on_closed,
             user=given.user,
             password=given.password,
             token=given.token,
@@ -167,7 +193,8 @@ class Bus:
             tls=given.tls,
             inbox_prefix=given.inbox_prefix,
         )
-        return cls(client)
+        made.append(cls(client))
+        return made[0]
 
     async def serve(
         self, subject: str, handler: Handler, queue: str = "pensieve", handoff: bool = False
@@ -237,6 +264,7 @@ class Bus:
     async def publish(
         self, subject: str, body: bytes, headers: dict[str, str] | None = None
     ) -> None:
+        check_fits(self.client, subject, body, headers)
         await self.client.publish(subject, body, headers=headers)
 
     async def stop_serving(self) -> None:
@@ -263,6 +291,7 @@ class Bus:
         generator (`contextlib.aclosing`) so its reply subscription goes at once. Raises
         TimeoutError after `timeout` s without a message, ConnectionError if nothing answers
         on `subject`."""
+        check_fits(self.client, subject, body, headers)
         inbox = self.client.new_inbox()
         sub = await self.client.subscribe(inbox)
         try:
@@ -295,8 +324,9 @@ class Bus:
         nothing serves `subject`, TimeoutError if it does not take the request within `timeout`
         s."""
         headers = {**headers, REPLY_TO_HEADER: request.reply}
+        data = request.data if body is None else body
+        check_fits(self.client, subject, data, headers)
         try:
-            data = request.data if body is None else body
             await self.client.request(subject, data, timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError:
             raise ConnectionError(f"nothing answers on {subject}") from None
@@ -394,6 +424,7 @@ class Bus:
     async def close(self) -> None:
         """Stop handling requests and leave the bus: drain (let queued messages and replies go
         out) when connected; when NATS is down, just close, as there is nothing to drain to."""
+        self.closing = True
         for task in list(self._tasks):
             task.cancel()
         if self.client.is_connected:

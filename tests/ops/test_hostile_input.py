@@ -617,3 +617,29 @@ def test_a_storm_of_hostile_requests_gets_only_structured_errors_or_answers(
     assert not problems, f"{len(problems)} of {len(outcomes)} answers are wrong:\n" + "\n".join(
         problems[:10]
     )
+
+
+def test_a_body_at_the_payload_limit_is_refused_and_the_engine_stays_on_the_bus(
+    nats_url: str, engine_id: str
+) -> None:
+    """A chat body just under NATS's payload limit fits as the client sends it but not with
+    the headers the ingress adds when it hands it on; a message over the limit would make
+    nats-server close the sender's connection for good. It is refused, and the engine goes on."""
+
+    async def at_the_limit() -> list[list[Any]]:
+        client = await nats.connect(nats_url)
+        try:
+            limit, empty = client.max_payload, len(orjson.dumps({"message": "", "max_tokens": 1}))
+            answers = []
+            for slack in (1, 200, 3000):
+                body = orjson.dumps({"message": "x" * (limit - slack - empty), "max_tokens": 1})
+                assert len(body) == limit - slack
+                answers.append((await exchange(client, subjects.CHAT, body))[0])
+            return answers
+        finally:
+            await client.close()
+
+    for replies in asyncio.run(at_the_limit()):
+        assert replies[-1]["error"]["code"] == "too_long", replies[-1]
+    after = ask(nats_url, subjects.CHAT, GREEDY)[-1]
+    assert "error" not in after and after["token_ids"], after
