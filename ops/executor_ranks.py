@@ -246,6 +246,8 @@ class ExecutorRanks:
             except (mp.ProcessExitedException, mp.ProcessRaisedException) as error:
                 # join() has stopped the others
                 ended = str(error)
+            except TypeError:  # join() read the exit code of a rank not yet reaped (None)
+                continue
             if self._stopping.is_set():
                 return
             if not self._ready.is_set():
