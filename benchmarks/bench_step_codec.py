@@ -8,8 +8,8 @@ full), and the executor's `StepResult` of 256 tokens. Medians over many repetiti
 
     python3 -m benchmarks.bench_step_codec [--batch 256] [--blocks 64] [--reps 2000]
 
-It runs against any build of the channel (its modules were moved over time), so two builds
-compare side by side in one table each.
+It also runs against a build whose actors/ package is flat, so two builds compare side by side,
+in one table each.
 """
 
 from __future__ import annotations
@@ -20,27 +20,20 @@ import statistics
 import time
 from typing import Any
 
-try:  # the channel's codec in actors/wire/step_codec.py
+try:  # the codec in actors/wire/
     from pensieve.actors.wire.step import PLACEHOLDER, SamplingParams, SeqPiece, StepPlan
     from pensieve.actors.wire.step_codec import PlanDecoder, PlanEncoder, StepResult
-except ImportError:
-    try:  # the codec and the scheduler's runner in one module
-        from pensieve.actors.wire.step_channel import (  # type: ignore[no-redef]
-            PlanDecoder,
-            PlanEncoder,
-            StepResult,
-        )
-    except ImportError:  # a flat actors/ package
-        from pensieve.actors.request import (  # type: ignore[no-redef,import-not-found]
-            PLACEHOLDER,
-            SamplingParams,
-        )
-        from pensieve.actors.step import SeqPiece, StepPlan  # type: ignore[no-redef,import-not-found]
-        from pensieve.actors.step_channel import (  # type: ignore[no-redef,import-not-found]
-            PlanDecoder,
-            PlanEncoder,
-            StepResult,
-        )
+except ImportError:  # a build with a flat actors/ package, to compare side by side
+    from pensieve.actors.request import (  # type: ignore[no-redef,import-not-found]
+        PLACEHOLDER,
+        SamplingParams,
+    )
+    from pensieve.actors.step import SeqPiece, StepPlan  # type: ignore[no-redef,import-not-found]
+    from pensieve.actors.step_channel import (  # type: ignore[no-redef,import-not-found]
+        PlanDecoder,
+        PlanEncoder,
+        StepResult,
+    )
 
 BLOCK_SIZE = 32
 
