@@ -163,8 +163,16 @@ async def _scheduler(ctx: Context) -> AsyncIterator[ChatServer]:
 
     with StoreWriter() as writer:
         max_context = built.loaded.config.max_context_len
+        model = built.options.model if serve.http is None else serve.http.model
         service = ChatService(
-            built.engine, built.chat, max_context, ctx.store, writer, serve.max_waiting, new_id
+            built.engine,
+            built.chat,
+            max_context,
+            ctx.store,
+            writer,
+            serve.max_waiting,
+            new_id,
+            model=model,
         )
         remote_text = serve.tokenizers == 0 if serve.remote_text is None else serve.remote_text
         events = None

@@ -24,6 +24,7 @@ from pensieve.actors.executor.piecewise_graphs import PiecewiseGraphs
 from pensieve.actors.executor.sampler import sample_async
 from pensieve.actors.executor.step_tracing import StepTracer
 from pensieve.actors.executor.swap import SwapEngine
+from pensieve.actors.executor.swap_tracing import SwapTracer
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.step import PLACEHOLDER, DeviceTime, Launch, SeqPiece, StepPlan, SwapStats
 from pensieve.kernels import AttentionImpl, AttentionMetadata, build_metadata
@@ -43,12 +44,15 @@ class Launched:
     plan: StepPlan
     tokens: torch.Tensor  # [pieces that sample] long, on the device
     host: torch.Tensor  # its copy in (pinned) host memory
-    ready: torch.cuda.Event | None  # recorded after the copy; None: done already
+    # a timing event recorded after the copy (see `DeviceClock.waited`); None: done already
+    ready: torch.cuda.Event | None
     executed: StepPlan | None = None  # None: `plan` itself
     rows: dict[str, int] = field(init=False)  # request id -> its row of `tokens`
     # told when the tokens reach the host, with the step's number (None: not traced)
     tracer: StepTracer | None = field(default=None, init=False)
     trace_step: int = field(default=0, init=False)
+    # traces the copies done by then, of this step and those before (None: not traced)
+    swaps: SwapTracer | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         ran = self.plan if self.executed is None else self.executed
@@ -57,11 +61,18 @@ class Launched:
 
     def result(self) -> list[int]:
         """The sampled tokens in `plan`'s order (waits for the step)."""
+        swaps, self.swaps = self.swaps, None
         if self.ready is not None:
-            self.ready.synchronize()
+            if swaps is not None and swaps.clock is not None and not self.ready.query():
+                self.ready.synchronize()
+                swaps.clock.waited(self.ready)  # it completed just now
+            else:
+                self.ready.synchronize()
         if self.tracer is not None:
             self.tracer.done(self.trace_step)
             self.tracer = None
+        if swaps is not None:
+            swaps.collect()
         values: list[int] = self.host.tolist()
         if self.executed is None:
             return values
@@ -136,7 +147,9 @@ class ModelRunner:
             self.gpu_caches, self.cpu_caches, out_dma=swap_out_dma, batched=swap_batched
         )
         self.scale = self.config.attn_scale
-        self.tracer = StepTracer(self.block_bytes)  # fed only while tracing is on
+        # fed only while tracing is on
+        self.tracer = StepTracer()
+        self.swap_tracer = SwapTracer(self.block_bytes, self.clock)
         if device.type == "cuda" and impl is not AttentionImpl.TORCH:
             # every attention variant a step can launch, compiled now rather than mid-serving
             from pensieve.kernels.triton_attention import compile_variants
@@ -201,9 +214,14 @@ class ModelRunner:
     def settle(self) -> None:
         self.swap.settle()
         self.tracer.reset()
+        self.swap_tracer.reset()
 
     def swap_stats(self, wait: bool = True) -> SwapStats:
-        return self._every_rank(self.swap.collect_stats(wait=wait))
+        """The swap totals, with the copies done so far timed (`wait`: every copy issued); the
+        copies done are traced too, while tracing is on."""
+        stats = self._every_rank(self.swap.collect_stats(wait=wait))
+        self.swap_tracer.collect()
+        return stats
 
     def swap_totals(self) -> SwapStats:
         """The swap totals as last collected (`swap_stats`), without collecting."""
@@ -235,7 +253,8 @@ class ModelRunner:
 
         `feed`: the step issued just before, which samples the tokens this plan's PLACEHOLDER
         positions stand for. While tracing is on, a plan with trace contexts (`plan.traces`)
-        has its requests' phases traced (`StepTracer`), and a step that moves KV is a span."""
+        has its requests' phases traced (`StepTracer`) and its copies (`SwapTracer`), and a
+        step that moves KV is a span."""
         if feed is not None and not isinstance(feed, Launched):
             raise TypeError("a ModelRunner is fed only by its own launches")
         if not tracing.enabled():
@@ -259,6 +278,8 @@ class ModelRunner:
             launched = self._launch(plan, feed)
         if step is not None:
             launched.tracer, launched.trace_step = self.tracer, step
+        self.swap_tracer.issued(plan.copy_traces, self.swap.windows)
+        launched.swaps = self.swap_tracer
         return launched
 
     def _launch(self, plan: StepPlan, feed: Launched | None) -> Launched:
@@ -292,7 +313,7 @@ class ModelRunner:
         host.copy_(tokens, non_blocking=True)
         if self.clock is not None and began is not None:
             self.clock.end(began, continues=feed is not None)
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event(enable_timing=True)
         ready.record()
         return Launched(plan, tokens, host, ready, executed)
 

@@ -6,10 +6,10 @@ sides of the step channel forget it then). When a stretch ends, its spans go out
 request's trace:
 
     first step launched       first token on the host           last step's tokens on the host
-    |-------- prefill -------------|------------- decode ------------------|     executor
-    |-------- kv.swap_in ----------|    (if its admission swapped blocks in)       swap manager
+    |-------- prefill -------------|------------- decode ------------------|
 
 A turn that sits out a step (suspended, or left out of a full step) has one set per stretch.
+The copies of its KV are the swap manager's spans (`swap_tracing.py`).
 
 `launched` is called as each step is launched and `done` as its tokens reach the host, each in
 step order but possibly from two threads (the executor actor launches on one and waits on
@@ -26,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from pensieve.actors.wire import tracing
-from pensieve.actors.wire.step import RequestTrace, StepPlan, TraceContexts
+from pensieve.actors.wire.step import StepPlan, TraceContexts
 
 _RECENT_STEPS = 8  # done times kept: a stretch ends at most a step or two after its last step
 
@@ -34,7 +34,6 @@ _RECENT_STEPS = 8  # done times kept: a stretch ends at most a step or two after
 @dataclass
 class _Stretch:
     traceparent: str
-    swapped_in_blocks: int
     began_ns: int  # its first step launched (host clock, ns since the epoch)
     last_step: int = 0
     first_token_step: int | None = None  # the step that samples its first token here
@@ -42,10 +41,9 @@ class _Stretch:
 
 
 class StepTracer:
-    """Each request's stretches of steps, as prefill / decode / kv.swap_in spans."""
+    """Each request's stretches of steps, as prefill / decode spans."""
 
-    def __init__(self, block_bytes: int) -> None:
-        self.block_bytes = block_bytes
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._num_steps = 0  # steps launched, numbered from 1; never reset
         self._running: dict[str, _Stretch | None] = {}  # the last step's requests (None: untraced)
@@ -80,7 +78,7 @@ class StepTracer:
             self._running = running
             self._leaving += [s for s in before.values() if s is not None]
             ended = self._ended()
-        _emit(ended, self.block_bytes)
+        _emit(ended)
         return step
 
     def done(self, step: int) -> None:
@@ -94,7 +92,7 @@ class StepTracer:
                 del self._done_ns[next(iter(self._done_ns))]
             self._done_through = max(self._done_through, step)
             ended = self._ended()
-        _emit(ended, self.block_bytes)
+        _emit(ended)
 
     def reset(self) -> None:
         """Forget every request (after a failed step: their steps will never be done)."""
@@ -118,13 +116,11 @@ class StepTracer:
         return ended
 
 
-def _start(context: RequestTrace | None, now: int) -> _Stretch | None:
-    if context is None or not context[0]:
-        return None
-    return _Stretch(context[0], context[1], now)
+def _start(traceparent: str | None, now: int) -> _Stretch | None:
+    return _Stretch(traceparent, now) if traceparent else None
 
 
-def _emit(ended: list[tuple[_Stretch, int]], block_bytes: int) -> None:
+def _emit(ended: list[tuple[_Stretch, int]]) -> None:
     for stretch, end_ns in ended:
         parent = tracing.parent_context(stretch.traceparent)
         token_ns = stretch.first_token_ns
@@ -132,27 +128,8 @@ def _emit(ended: list[tuple[_Stretch, int]], block_bytes: int) -> None:
         _span(executor, "prefill", parent, stretch.began_ns, token_ns or end_ns)
         if token_ns is not None:
             _span(executor, "decode", parent, token_ns, end_ns)
-        blocks = stretch.swapped_in_blocks
-        if blocks:
-            # its copies go out with its first step and are done before its first token
-            moved = {"pensieve.blocks": blocks, "pensieve.bytes": blocks * block_bytes}
-            _span(
-                tracing.tracer("swap-manager"),
-                "kv.swap_in",
-                parent,
-                stretch.began_ns,
-                token_ns or end_ns,
-                moved,
-            )
 
 
-def _span(
-    tracer: trace.Tracer,
-    name: str,
-    parent: Context,
-    start_ns: int,
-    end_ns: int,
-    attributes: dict[str, int] | None = None,
-) -> None:
-    span = tracer.start_span(name, parent, attributes=attributes, start_time=start_ns)
+def _span(tracer: trace.Tracer, name: str, parent: Context, start_ns: int, end_ns: int) -> None:
+    span = tracer.start_span(name, parent, start_time=start_ns)
     span.end(end_time=max(start_ns, end_ns))

@@ -11,6 +11,11 @@ layer group on one stream (evict, then load, in each): layer i computes as soon 
 blocks are saved and loaded, so neither stalls the whole step up front. Swap-in has priority
 over ahead-of-time swap-out: no swap-out of the step starts before its CPU->GPU copies are done.
 On a machine without a GPU both tiers are ordinary memory and the same copies run in order.
+
+When each kind of copy of the latest step ran is in `windows` (see `swap_tracing.py`): on CUDA
+the timing events around the copies on their stream (the evict-first copies and the swap-ins of
+a step share one window, as they are issued between each other's layers), on the host the host
+clock around them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pensieve.actors.executor.batch_copy import BatchCopier, LayerCopies
-from pensieve.actors.wire.step import CopyOp, SwapOrders, SwapStats
+from pensieve.actors.wire.step import CopyKind, CopyOp, SwapOrders, SwapStats
 from pensieve.kernels.block_copy import copy_blocks
 
 MIN_DMA_RUN = 8  # mean run length (blocks) from which plain DMA copies beat the copy kernel
@@ -33,6 +38,20 @@ OUT_PROGRAMS = 16
 IN_PROGRAMS = 32
 HIGHEST_PRIORITY = -64  # CUDA maps it to the device's highest stream priority
 GROUP_LAYERS = 4  # layers per driver call of a pipelined swap-in, after the first few
+
+
+@dataclass(frozen=True)
+class CopyWindow:
+    """When some copies of a step ran: the host clock around copies the host made itself (ns
+    since the epoch), or the timing events recorded around them on their copy stream."""
+
+    start_ns: int = 0
+    end_ns: int = 0
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def done(self) -> bool:
+        """Whether the copies are done (asks the device, never waits)."""
+        return self.events is None or self.events[1].query()
 
 
 def copy_runs(ops: list[CopyOp]) -> list[tuple[int, int, int]]:
@@ -98,6 +117,7 @@ class SwapEngine:
         self._deferred: tuple[list[CopyOp], torch.cuda.Event, torch.cuda.Event | None] | None
         self._deferred = None
         self._timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.windows: dict[CopyKind, CopyWindow] = {}  # of the step issued last, by kind
         self.zero_copy = False
         self._views: tuple[list[tuple[torch.Tensor, ...]], list[tuple[torch.Tensor, ...]]] | None
         self._views = None
@@ -125,12 +145,13 @@ class SwapEngine:
         self._layer_events = None
         self._waited = None
         self._deferred = None
+        self.windows = {}
         if orders.is_empty() and not orders.fence:
             return
         if not self.cuda:
-            self._copy_out(orders.evict_first, None)
-            self._copy_in_all_layers(orders.swap_in)
-            self._copy_out(orders.swap_out, None)
+            self._host_timed(CopyKind.EVICT_FIRST, self._copy_out, orders.evict_first, None)
+            self._host_timed(CopyKind.SWAP_IN, self._copy_in_all_layers, orders.swap_in)
+            self._host_timed(CopyKind.SWAP_OUT, self._copy_out, orders.swap_out, None)
             return
         compute = torch.cuda.current_stream()
         if orders.evict_first or orders.swap_in:
@@ -140,8 +161,10 @@ class SwapEngine:
             self.in_stream.wait_stream(self.out_stream)
             with torch.cuda.stream(self.in_stream):
                 direction = "in" if orders.swap_in else "out"
+                kinds = [CopyKind.EVICT_FIRST] if orders.evict_first else []
+                kinds += [CopyKind.SWAP_IN] if orders.swap_in else []
                 self._layer_events = self._timed(
-                    direction, self._copy_by_layer, orders.evict_first, orders.swap_in
+                    direction, kinds, self._copy_by_layer, orders.evict_first, orders.swap_in
                 )
         elif orders.fence:
             compute.wait_stream(self.out_stream)
@@ -163,7 +186,7 @@ class SwapEngine:
         if after is not None:
             self.out_stream.wait_event(after)
         with torch.cuda.stream(self.out_stream):
-            self._timed("out", self._copy_out, ops, OUT_PROGRAMS, self.out_dma)
+            self._timed("out", [CopyKind.SWAP_OUT], self._copy_out, ops, OUT_PROGRAMS, self.out_dma)
 
     def settle(self) -> None:
         """Wait for every copy issued so far and forget the step's layer events (after a step
@@ -211,19 +234,35 @@ class SwapEngine:
 
     # ---- copies --------------------------------------------------------------------------
 
-    def _timed(self, direction: str, fn, *args):  # type: ignore[no-untyped-def]
-        """Run fn(*args) between two timing events on the current stream (args not empty)."""
+    def _timed(self, direction: str, kinds: list[CopyKind], fn, *args):  # type: ignore[no-untyped-def]
+        """Run fn(*args) between two timing events on the current stream (args not empty): the
+        window of the copies of `kinds`."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         result = fn(*args)
         end.record()
         self._timings.append((direction, start, end))
+        window = CopyWindow(events=(start, end))
+        for kind in kinds:
+            self.windows[kind] = window
         return result
+
+    def _host_timed(self, kind: CopyKind, fn, ops: list[CopyOp], *args) -> None:  # type: ignore[no-untyped-def]
+        """Run fn(ops, *args), copies the host makes itself, on the host clock."""
+        if not ops:
+            return
+        start_ns, begin = time.time_ns(), time.perf_counter_ns()
+        fn(ops, *args)
+        took = time.perf_counter_ns() - begin
+        self.windows[kind] = CopyWindow(start_ns, start_ns + took)
+        if kind is CopyKind.SWAP_IN:
+            self.stats.seconds_in += took / 1e9
+        else:
+            self.stats.seconds_out += took / 1e9
 
     def _copy_out(self, ops: list[CopyOp], max_programs: int | None, dma: bool = False) -> None:
         if not ops:
             return
-        begin = time.perf_counter()
         runs = copy_runs(ops)
         if self.batch is not None:
             self.batch.copy(range(len(self.gpu_caches)), runs, to_gpu=False)
@@ -239,8 +278,6 @@ class SwapEngine:
                     cpu[c : c + n].copy_(gpu[g : g + n])
         self.stats.blocks_out += len(ops)
         self.stats.bytes_out += len(ops) * self.block_bytes
-        if not self.cuda:
-            self.stats.seconds_out += time.perf_counter() - begin
 
     def _copy_by_layer(self, evict: list[CopyOp], swap_in: list[CopyOp]) -> list[torch.cuda.Event]:
         """Per group of layers (`layer_groups`): save the evicted blocks, then load the
@@ -326,15 +363,11 @@ class SwapEngine:
         return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
 
     def _copy_in_all_layers(self, ops: list[CopyOp]) -> None:
-        if not ops:
-            return
-        begin = time.perf_counter()
         for gpu, cpu in zip(self.gpu_caches, self.cpu_caches, strict=True):
             for g, c, n in copy_runs(ops):
                 gpu[g : g + n].copy_(cpu[c : c + n])
         self.stats.blocks_in += len(ops)
         self.stats.bytes_in += len(ops) * self.block_bytes
-        self.stats.seconds_in += time.perf_counter() - begin
 
 
 @dataclass

@@ -63,7 +63,9 @@ class ChatService:
         new_id: Callable[[], str] = lambda: f"c-{uuid.uuid4().hex[:16]}",
         publish_kv: Callable[[list[KvEvent]], None] | None = None,
         metrics: Metrics | None = None,
+        model: str = "",
     ) -> None:
+        """`model`: the name the engine's model is served under, for the turns' spans."""
         self.engine = engine
         self.chat = chat
         self.max_context = max_context
@@ -83,9 +85,9 @@ class ChatService:
         self.convs = Conversations(store, writer, new_id, engine.restore, self._forget_kv)
         self.text = ReplyText(chat, self.turns, self._stop_at, self._complete)
         self.commits = TurnCommitter(store, writer, self.metrics)
-        self.tracer = TurnTracer(self.turns, self.convs.by_id, engine)
-        # the executor traces each turn's phases in its trace, which it learns from here
-        self.engine.trace_requests(self.tracer.context)
+        self.tracer = TurnTracer(self.turns, self.convs.by_id, engine, model)
+        # the executor traces each turn's phases and copies in its trace, learnt from here
+        self.engine.trace_requests(self.tracer.context, self.tracer.copy_contexts)
         self.engine.while_waiting = self.text.while_waiting
         self.engine.take_kv_events()  # recording starts now, while the cache is empty
 
@@ -221,6 +223,10 @@ class ChatService:
     def step(self) -> None:
         outcome = self.engine.step()
         self._pass_kv_events()
+        for suspension in outcome.suspended:
+            suspended = self.turns.get(suspension.request.request_id)
+            if suspended is not None:
+                self.tracer.suspended(suspended, suspension)
         asked = []
         for request in outcome.finished:
             turn = self.turns.get(request.request_id)
@@ -308,11 +314,9 @@ class ChatService:
             turn.conv.busy = False
             turn.sink.error(error)
 
-    def trace_evictions(
-        self, conv_ids_swapped_out: dict[str, int], conv_ids_dropped: dict[str, int]
-    ) -> None:
-        """Trace chunks of idle conversations leaving the GPU (`TurnTracer.evictions`)."""
-        self.tracer.evictions(conv_ids_swapped_out, conv_ids_dropped)
+    def trace_drops(self, conv_ids_dropped: dict[str, int]) -> None:
+        """Trace chunks of idle conversations leaving the cache (`TurnTracer.drops`)."""
+        self.tracer.drops(conv_ids_dropped)
 
     # ---- internals -----------------------------------------------------------------------
 

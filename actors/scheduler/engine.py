@@ -27,10 +27,13 @@ from pensieve.actors.scheduler.scheduler import Scheduler, StepOutcome
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.messages import KvEvent
 from pensieve.actors.wire.step import (
+    ConversationTraces,
+    CopyTrace,
     Launch,
     SamplingParams,
     StepPlan,
     StepRunner,
+    SwapOrders,
     SwapStats,
     TraceContexts,
 )
@@ -101,6 +104,7 @@ class Engine:
         # is given the step waited for, and may return before or after that step is done)
         self.while_waiting: Callable[[Launch], None] | None = None
         self._traces: TraceContexts | None = None  # see `trace_requests`
+        self._copy_traces: ConversationTraces | None = None
         self._kv_follower: Callable[[list[KvEvent]], None] | None = None
 
     def add_request(
@@ -163,10 +167,15 @@ class Engine:
         spill index of a swap manager in this thread, where no event plane reaches it."""
         self._kv_follower = follower
 
-    def trace_requests(self, contexts: TraceContexts | None) -> None:
+    def trace_requests(
+        self, contexts: TraceContexts | None, conversations: ConversationTraces | None = None
+    ) -> None:
         """While tracing is on, the executor traces each request's phases under the trace that
-        `contexts` gives for it; it asks when the request first comes to it (None: no one)."""
+        `contexts` gives for it; it asks when the request first comes to it (None: no one).
+        Each step's copies are traced there too, under the traces `conversations` gives for
+        the conversations whose chunks they move (`CopyTrace`)."""
         self._traces = contexts
+        self._copy_traces = conversations
 
     def restore(self, conv_id: str, token_log: list[int]) -> None:
         """Adopt a conversation known only from its token log (after a restart): all of its KV
@@ -321,13 +330,29 @@ class Engine:
 
     def _with_rejected(self, outcome: StepOutcome) -> StepOutcome:
         """The outcome, with the requests admission rejected since the last step among the
-        finished ones (also when no step was applied: nothing else would report them)."""
-        rejected, self.scheduler.rejected = self.scheduler.rejected, []
-        if rejected:
-            return StepOutcome(outcome.new_tokens, outcome.finished + rejected)
+        finished ones, and the requests suspended since then (also when no step was applied:
+        nothing else would report them)."""
+        scheduler = self.scheduler
+        rejected, scheduler.rejected = scheduler.rejected, []
+        suspended, scheduler.suspended = scheduler.suspended, []
+        if rejected or suspended:
+            return StepOutcome(outcome.new_tokens, outcome.finished + rejected, suspended)
         return outcome
 
     def _launch(self, plan: StepPlan) -> Launch:
         if self._traces is not None and tracing.enabled():  # the executor traces its phases
-            plan = dataclasses.replace(plan, traces=self._traces)
+            copies = self._trace_copies(plan.orders)
+            plan = dataclasses.replace(plan, traces=self._traces, copy_traces=copies)
         return self.runner.launch(plan, self._inflight)
+
+    def _trace_copies(self, orders: SwapOrders) -> tuple[CopyTrace, ...]:
+        """The step's copies by kind and conversation, with the trace each goes in."""
+        if self._copy_traces is None or orders.is_empty():
+            return ()
+        owners = self.kv.copy_owners(orders)
+        traces = self._copy_traces({c for counts in owners.values() for c in counts})
+        return tuple(
+            CopyTrace(kind, conv_id, num, *traces.get(conv_id, ("", "")))
+            for kind, counts in owners.items()
+            for conv_id, num in counts.items()
+        )

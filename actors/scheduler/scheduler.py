@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pensieve.actors.config import SchedulerConfig
 from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager, OutOfBlocks
@@ -29,9 +29,20 @@ from pensieve.actors.wire.step import SeqPiece, StepPlan
 
 
 @dataclass(frozen=True)
+class Suspension:
+    """A running request pushed off the GPU to make room (it waits to be admitted again)."""
+
+    request: Request
+    at: float  # when, on the engine's clock
+    num_positions: int  # the positions it keeps, to bring back when it is readmitted
+    swapped_out_blocks: int  # blocks copied to the CPU tier for it now
+
+
+@dataclass(frozen=True)
 class StepOutcome:
     new_tokens: dict[str, int]  # request_id -> token sampled this step
     finished: list[Request]
+    suspended: list[Suspension] = field(default_factory=list)  # since the step before
 
 
 class Scheduler:
@@ -44,6 +55,7 @@ class Scheduler:
         self.num_suspensions = 0
         self.recompute_plans = {"foreseen": 0, "differed": 0}
         self.rejected: list[Request] = []  # drained by the engine
+        self.suspended: list[Suspension] = []  # drained by the engine
         self.live: dict[str, Request] = {}  # unfinished requests, waiting or running
 
     def add(self, request: Request) -> None:
@@ -234,7 +246,10 @@ class Scheduler:
 
     def _suspend(self, request: Request, now: float) -> None:
         conv = self.kv.conversations[request.conv_id]
-        request.swapped_out_blocks += self.kv.suspend(conv, request.first_pending, now)
+        kept = request.first_pending
+        copied = self.kv.suspend(conv, kept, now)
+        request.swapped_out_blocks += copied
+        self.suspended.append(Suspension(request, now, kept, copied))
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         request.pending = []  # an in-flight token is applied while it waits

@@ -5,15 +5,19 @@ Plain data only: the engine core reads this without importing torch."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pensieve.actors.config import DEFAULTS
 
-RequestTrace = tuple[str, int]  # a request's traceparent, and the blocks swapped in for it
-# request id -> its trace (None: not traced); see `actors/executor/step_tracing.py`
-TraceContexts = Callable[[str], RequestTrace | None]
+# request id -> the traceparent of its turn's span (None: not traced); see
+# `actors/executor/step_tracing.py`
+TraceContexts = Callable[[str], str | None]
+# conversation ids -> for each, (the traceparent of its turn in flight, of its last turn's
+# span): "" where it has none; see `CopyTrace`
+ConversationTraces = Callable[[Collection[str]], dict[str, tuple[str, str]]]
 
 
 PLACEHOLDER = -1  # a position whose token an unfinished step is sampling (see `Request.inflight`)
@@ -71,6 +75,28 @@ class SwapOrders:
         return not (self.evict_first or self.swap_in or self.swap_out)
 
 
+class CopyKind(enum.Enum):
+    """Which of a step's `SwapOrders` lists a copy is in."""
+
+    EVICT_FIRST = "evict_first"
+    SWAP_IN = "swap_in"
+    SWAP_OUT = "swap_out"
+
+
+@dataclass(frozen=True)
+class CopyTrace:
+    """The copies of one kind in a step that move one conversation's chunks, as the executor
+    traces them once they are done: in the trace of the conversation's turn in flight
+    (`parent`, a W3C traceparent), else in a trace of their own linked to its last turn
+    (`link`; "" for none)."""
+
+    kind: CopyKind
+    conversation_id: str
+    num_blocks: int
+    parent: str = ""
+    link: str = ""
+
+
 @dataclass(frozen=True)
 class SeqPiece:
     """Positions [start, end) of one request, computed in this step.
@@ -94,6 +120,8 @@ class StepPlan:
     orders: SwapOrders = field(default_factory=SwapOrders)
     # where the executor finds the trace of a request new to it (None: the step is not traced)
     traces: TraceContexts | None = field(default=None, compare=False)
+    # whose chunks the orders move, while tracing is on (the executor traces the copies)
+    copy_traces: tuple[CopyTrace, ...] = field(default=(), compare=False)
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,9 @@ import msgspec
 
 from pensieve.actors.wire.messages import UNREADABLE, Message, MessageError, decode
 from pensieve.actors.wire.step import (
+    CopyKind,
     CopyOp,
+    CopyTrace,
     SamplingParams,
     SeqPiece,
     StepPlan,
@@ -33,7 +35,7 @@ from pensieve.actors.wire.step import (
     SwapStats,
 )
 
-STEP_VERSION = 2  # the schema version of the plan and result arrays
+STEP_VERSION = 3  # the schema version of the plan and result arrays
 UNKNOWN_STEP = 0  # the step of a result to a plan the executor could not read (steps start at 1)
 
 
@@ -87,10 +89,24 @@ class Orders(msgspec.Struct, frozen=True, array_like=True):
     fence: bool
 
 
+class Copies(msgspec.Struct, frozen=True, array_like=True):
+    """A `CopyTrace`: whose chunks some of the step's copies move, and the trace they go in."""
+
+    kind: CopyKind
+    conversation_id: str
+    num_blocks: int
+    parent: str
+    link: str
+
+    def trace(self) -> CopyTrace:
+        return CopyTrace(self.kind, self.conversation_id, self.num_blocks, self.parent, self.link)
+
+
 class PlanMessage(msgspec.Struct, frozen=True, array_like=True, tag="step"):
     """Step `step`, planned for the executor incarnation `to`; `feed`: the step whose sampled
     tokens fill this plan's placeholders (None: it has none). `traces`: request id ->
-    (traceparent, blocks swapped in for it), of the traced requests new to the executor."""
+    traceparent, of the traced requests new to the executor; `copies`: whose chunks the
+    orders move, while tracing is on."""
 
     v: int
     to: str
@@ -98,7 +114,8 @@ class PlanMessage(msgspec.Struct, frozen=True, array_like=True, tag="step"):
     feed: int | None
     pieces: list[PieceDiff]
     orders: Orders
-    traces: dict[str, tuple[str, int]] = {}
+    traces: dict[str, str] = {}
+    copies: list[Copies] = []
 
 
 class ResetMessage(msgspec.Struct, frozen=True, array_like=True, tag="reset"):
@@ -242,7 +259,7 @@ class PlanEncoder:
         placeholders (None: it has none)."""
         known, self._known = self._known, {}
         pieces: list[PieceDiff] = []
-        traces: dict[str, tuple[str, int]] = {}  # of the requests new to the executor, if traced
+        traces: dict[str, str] = {}  # of the requests new to the executor, if traced
         for piece in plan.pieces:
             rid = piece.request_id
             held = self._known.get(rid) or known.get(rid)
@@ -270,9 +287,12 @@ class PlanEncoder:
                 )
             )
             self._known[rid] = _Known(piece.block_table, held.sampling)
-        message = PlanMessage(
-            STEP_VERSION, self.target, step, feed, pieces, _orders(plan.orders), traces
-        )
+        copies = [
+            Copies(c.kind, c.conversation_id, c.num_blocks, c.parent, c.link)
+            for c in plan.copy_traces
+        ]
+        orders = _orders(plan.orders)
+        message = PlanMessage(STEP_VERSION, self.target, step, feed, pieces, orders, traces, copies)
         return _ENCODER.encode(message)
 
 
@@ -339,5 +359,6 @@ class PlanDecoder:
             orders.fence,
         )
         traces: dict[str, Any] = message.traces
-        plan = StepPlan(tuple(pieces), swaps, traces.get)
+        copies = tuple(c.trace() for c in message.copies)
+        plan = StepPlan(tuple(pieces), swaps, traces.get, copies)
         return StepMessage(message.to, message.step, message.feed, plan)

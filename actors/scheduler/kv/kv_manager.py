@@ -16,6 +16,8 @@ subscriber to the KV event plane can follow each conversation's chunks from tier
 
 from __future__ import annotations
 
+from collections import Counter
+
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
 from pensieve.actors.scheduler.kv.copies import TierCopies
@@ -23,7 +25,7 @@ from pensieve.actors.scheduler.kv.eviction import CostFn, EvictionOrder
 from pensieve.actors.scheduler.kv.kv_cache import Acquired, Chunk, ConversationKV
 from pensieve.actors.scheduler.kv.kv_events import ChunkEvents, Where
 from pensieve.actors.wire.messages import KvEvent, KvEventKind, Tier
-from pensieve.actors.wire.step import SwapOrders
+from pensieve.actors.wire.step import CopyKind, CopyOp, SwapOrders
 
 
 class OutOfBlocks(Exception):
@@ -96,6 +98,20 @@ class KVCacheManager:
     def take_orders(self) -> SwapOrders:
         """The copies decided since the last call; blocks swapped out now become reusable."""
         return self.copies.take_orders()
+
+    def copy_owners(self, orders: SwapOrders) -> dict[CopyKind, Counter[str]]:
+        """Whose chunks the copies of `orders` move, by kind: conversation id -> copies. Ask
+        right after `take_orders`: every CPU slot they name is still its chunk's."""
+        where = self.events.cpu_where
+
+        def owners(ops: list[CopyOp]) -> Counter[str]:
+            return Counter(where[op.cpu_slot][0] for op in ops if op.cpu_slot in where)
+
+        return {
+            CopyKind.EVICT_FIRST: owners(orders.evict_first),
+            CopyKind.SWAP_IN: owners(orders.swap_in),
+            CopyKind.SWAP_OUT: owners(orders.swap_out),
+        }
 
     def take_events(self) -> list[KvEvent]:
         """The chunk events since the last call, in order. Recording starts with the first call

@@ -1,6 +1,6 @@
 """The executor's spans of a request: one prefill and one decode per stretch of steps it runs in,
-a swap-in when its admission brought blocks back, all in the request's trace; written once its
-last step's tokens are on the host, whichever of launching and waiting comes first."""
+in the request's trace; written once its last step's tokens are on the host, whichever of
+launching and waiting comes first."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pensieve.ops.telemetry import setup_tracing
 SAMPLED = SamplingParams()
 TRACE_A = f"00-{0xA:032x}-{0x1:016x}-01"
 TRACE_B = f"00-{0xB:032x}-{0x2:016x}-01"
-CONTEXTS = {"a": (TRACE_A, 3), "b": (TRACE_B, 0)}
+CONTEXTS = {"a": TRACE_A, "b": TRACE_B}
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def by_trace(spans: InMemorySpanExporter) -> dict[int, dict[str, ReadableSpan]]:
 
 
 def test_spans_wait_for_the_last_step_and_follow_the_first_token(spans) -> None:
-    tracer = StepTracer(block_bytes=100)
+    tracer = StepTracer()
     # as the engine steps one ahead: launch N+1, then wait for N
     one = tracer.launched(plan(("a", False), ("b", True)), CONTEXTS.get)  # a's prompt chunk
     two = tracer.launched(plan(("a", True), ("b", True)), CONTEXTS.get)
@@ -55,7 +55,7 @@ def test_spans_wait_for_the_last_step_and_follow_the_first_token(spans) -> None:
     assert spans.get_finished_spans() == ()  # its last step is still running
     tracer.done(two)
     b = by_trace(spans)[0xB]
-    assert set(b) == {"prefill", "decode"}  # nothing swapped in for it
+    assert set(b) == {"prefill", "decode"}
     assert b["prefill"].end_time == b["decode"].start_time  # its first token, after step one
     assert b["decode"].end_time is not None and b["decode"].end_time >= b["prefill"].end_time
     assert b["prefill"].parent is not None and b["prefill"].parent.span_id == 0x2
@@ -63,19 +63,14 @@ def test_spans_wait_for_the_last_step_and_follow_the_first_token(spans) -> None:
     tracer.done(three)
     tracer.done(four)
     a = by_trace(spans)[0xA]
-    assert set(a) == {"prefill", "decode", "kv.swap_in"}
-    assert a["prefill"].start_time == a["kv.swap_in"].start_time
-    assert a["prefill"].end_time == a["kv.swap_in"].end_time == a["decode"].start_time
-    assert a["kv.swap_in"].attributes == {"pensieve.blocks": 3, "pensieve.bytes": 300}
+    assert set(a) == {"prefill", "decode"}
+    assert a["prefill"].end_time == a["decode"].start_time
     assert a["decode"].end_time > b["decode"].end_time  # type: ignore[operator]
-    assert {s.resource.attributes["service.name"] for s in a.values()} == {
-        "pensieve-executor",
-        "pensieve-swap-manager",
-    }
+    assert {s.resource.attributes["service.name"] for s in a.values()} == {"pensieve-executor"}
 
 
 def test_a_request_out_of_one_step_has_spans_per_stretch_and_a_reset_forgets(spans) -> None:
-    tracer = StepTracer(block_bytes=100)
+    tracer = StepTracer()
     for pieces in ([("b", True)], [], [("b", True)], []):
         tracer.done(tracer.launched(plan(*pieces), CONTEXTS.get))
     assert [s.name for s in spans.get_finished_spans()] == ["prefill", "decode"] * 2
