@@ -1,8 +1,9 @@
 """Tracing: every actor under a service name of its own, one trace per turn with a span from each
-actor the turn crosses, the GenAI semantic-convention attributes on the turn's span, and a
-conversation's KV leaving linked to its last turn. The turns run on the real SmolLM2, through
-the actors on a real nats-server or a `ChatService` alone, with tiers small enough that history
-leaves the GPU."""
+actor the turn crosses, the GenAI semantic-convention attributes on the turn's span, a turn's
+suspensions as events on it, the copies of KV as spans as long as the copies, written where
+they run, and a conversation's KV leaving linked to its last turn. The turns run on the real
+SmolLM2, through the actors on a real nats-server or a `ChatService` alone, with tiers small
+enough that history leaves the GPU."""
 
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ def attributes_of(span: ReadableSpan) -> dict[str, Any]:
     return dict(span.attributes or {})
 
 
+def duration_s(span: ReadableSpan) -> float:
+    assert span.start_time is not None and span.end_time is not None
+    return (span.end_time - span.start_time) / 1e9
+
+
 def test_each_actor_traces_under_its_own_service(spans) -> None:
     for actor in subjects.ACTORS:
         tracing.tracer(actor).start_span(f"{actor} work").end()
@@ -100,7 +106,7 @@ def service(smollm2, smollm2_chat, tmp_path: Path) -> Iterator[ChatService]:
     )
     built = assemble(options, smollm2, smollm2_chat)
     with ConversationStore(tmp_path) as store, StoreWriter() as writer:
-        yield ChatService(built.engine, built.chat, 4096, store, writer)
+        yield ChatService(built.engine, built.chat, 4096, store, writer, model="smollm2")
 
 
 def turn(service: ChatService, **body: Any) -> tuple[dict[str, Any], trace.SpanContext]:
@@ -236,20 +242,36 @@ def test_a_turn_is_one_trace_across_the_actors_it_crosses(
     ]
     assert times == sorted(times)  # type: ignore[type-var]
 
+    assert service_of(by_name["kv.swap_in"]) == "pensieve-swap-manager"
+    assert 0 < duration_s(by_name["kv.swap_in"]) < duration_s(prefill)  # the copies alone
     swap_in = attributes_of(by_name["kv.swap_in"])
     block = built.engine.cache_config.block_size
     assert swap_in["pensieve.blocks"] * block >= cached["cpu"] > 0
     assert swap_in["pensieve.bytes"] == swap_in["pensieve.blocks"] * built.engine.block_bytes
+    assert swap_in["pensieve.conversation_id"] == conv_id
     planned = attributes_of(by_name["kv.plan_recompute"])
     assert planned["pensieve.recomputed_tokens"] == cached["recomputed"]
 
-    evicted = {
-        s.name
+    evicted = [
+        s
         for s in spans.get_finished_spans()
         if attributes_of(s).get("pensieve.conversation_id") == conv_id
         and [link.context.trace_id for link in s.links] == [before[conv_id]]
-    }
-    assert {"kv.swap_out", "kv.drop"} <= evicted, evicted
+    ]
+    assert {"kv.swap_out", "kv.drop"} <= {s.name for s in evicted}, evicted
+    # the copies are the swap manager's, written where they ran and as long as they took; a
+    # drop moves nothing: the scheduler's cache manager decided it
+    for span in evicted:
+        if span.name == "kv.swap_out":
+            assert service_of(span) == "pensieve-swap-manager"
+            assert duration_s(span) > 0
+            thread = spans.threads[span.context.span_id]
+            if step_channel is StepChannel.NATS:
+                assert thread.startswith("pensieve-executor"), thread
+            else:
+                assert thread == "pensieve-engine"
+        else:
+            assert service_of(span) == "pensieve-scheduler"
 
 
 @pytest.mark.slow
@@ -266,6 +288,7 @@ def test_the_request_span_carries_the_genai_attributes(service, spans) -> None:
     attributes = attributes_of(request)
     assert attributes["gen_ai.operation.name"] == "chat"
     assert attributes["gen_ai.provider.name"] == "pensieve"
+    assert attributes["gen_ai.request.model"] == attributes["gen_ai.response.model"] == "smollm2"
     assert attributes["gen_ai.conversation.id"] == reply["conversation_id"]
     assert attributes["gen_ai.request.max_tokens"] == 6
     assert attributes["gen_ai.request.temperature"] == 0.7
@@ -277,25 +300,117 @@ def test_the_request_span_carries_the_genai_attributes(service, spans) -> None:
 
 
 @pytest.mark.slow
-def test_kv_leaving_an_idle_conversation_is_linked_to_its_last_turn(service, spans) -> None:
+def test_kv_copied_out_of_an_idle_conversation_is_timed_and_linked_to_its_last_turn(
+    service, spans
+) -> None:
+    first, last = turn(service, message=f"(0) {LONG}")
+    conv_id = first["conversation_id"]
+    for i in (1, 2):  # their KV pushes the first conversation's history out of the GPU
+        turn(service, message=f"({i}) {LONG}")
+    copied = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name == "kv.swap_out" and attributes_of(s)["pensieve.conversation_id"] == conv_id
+    ]
+    assert copied
+    for span in copied:
+        assert service_of(span) == "pensieve-swap-manager"
+        assert span.parent is None and span.context.trace_id != last.trace_id  # a trace of its own
+        linked = [(link.context.trace_id, link.context.span_id) for link in span.links]
+        assert linked == [(last.trace_id, last.span_id)]
+        assert duration_s(span) > 0  # the copies' own time
+        blocks = attributes_of(span)["pensieve.blocks"]
+        assert attributes_of(span)["pensieve.bytes"] == blocks * service.engine.block_bytes > 0
+
+
+@pytest.mark.slow
+def test_kv_dropped_from_an_idle_conversation_is_linked_to_its_last_turn(service, spans) -> None:
     first, _ = turn(service, message="What is the capital of France?")
     conv_id = first["conversation_id"]
     _, last = turn(service, conversation_id=conv_id, message="And of Italy?")
-    service.trace_evictions({conv_id: 3}, {conv_id: 1, "c-unknown": 2})
-    evictions = {
-        (s.name, attributes_of(s)["pensieve.conversation_id"]): s
+    service.trace_drops({conv_id: 1, "c-unknown": 2})
+    drops = {
+        attributes_of(s)["pensieve.conversation_id"]: s
         for s in spans.get_finished_spans()
-        if s.name.startswith("kv.")
+        if s.name == "kv.drop"
     }
-    assert set(evictions) == {
-        ("kv.swap_out", conv_id),
-        ("kv.drop", conv_id),
-        ("kv.drop", "c-unknown"),
-    }
-    for name, chunks in (("kv.swap_out", 3), ("kv.drop", 1)):
-        span = evictions[name, conv_id]
-        assert service_of(span) == "pensieve-swap-manager"
-        assert span.parent is None and span.context.trace_id != last.trace_id  # a trace of its own
-        assert [link.context for link in span.links] == [last]
-        assert attributes_of(span)["pensieve.chunks"] == chunks
-    assert evictions["kv.drop", "c-unknown"].links == ()  # no turn of it seen here
+    assert set(drops) == {conv_id, "c-unknown"}
+    span = drops[conv_id]
+    assert service_of(span) == "pensieve-scheduler"
+    assert span.parent is None and span.context.trace_id != last.trace_id  # a trace of its own
+    assert [link.context for link in span.links] == [last]
+    assert attributes_of(span)["pensieve.chunks"] == 1
+    assert drops["c-unknown"].links == ()  # no turn of it seen here
+
+
+@pytest.mark.slow
+def test_a_suspended_turn_has_an_event_and_its_copies_are_spans_in_its_trace(
+    smollm2, smollm2_chat, tmp_path, spans
+) -> None:
+    """Two turns that outgrow the GPU tier together: the later one is suspended (its KV copied
+    to the CPU tier) and resumes (copied back). Its span holds the suspension as an event, and
+    its trace the copies, each span as long as the host took to copy (what the swap totals
+    count)."""
+    # 7 GPU blocks of 32 tokens: two short turns fit, but not their replies (5 blocks each)
+    options = EngineOptions(
+        model="smollm2", gpu_cache_tokens=224, cpu_cache_tokens=256, admission_reserve=0.0
+    )
+    built = assemble(options, smollm2, smollm2_chat)
+    with ConversationStore(tmp_path) as store, StoreWriter() as writer:
+        service = ChatService(built.engine, built.chat, 4096, store, writer, model="smollm2")
+        ingress = tracing.tracer("ingress")
+        sinks, contexts = [], []
+        for message in ("What is the capital of France?", "And of Italy?"):
+            body = {"message": message, "max_tokens": 96, "ignore_eos": True}
+            reservation = service.reserve(parse_chat(orjson.dumps(body)))
+            span = ingress.start_span(subjects.CHAT, kind=SpanKind.SERVER)
+            sinks.append(Sink())
+            service.start(reservation, service.chat.render(reservation.messages), sinks[-1], span)
+            contexts.append(span)
+        while service.has_work():
+            service.step()
+        for sink, span in zip(sinks, contexts, strict=True):
+            assert sink.settled.wait(30) and sink.reply is not None
+            span.end()
+        swaps = built.engine.swap_stats()
+    assert built.engine.num_suspensions >= 1
+    finished_spans = spans.get_finished_spans()
+    suspended = [
+        s
+        for s in finished_spans
+        if s.name == subjects.CHAT and attributes_of(s)["pensieve.suspensions"]
+    ]
+    assert len(suspended) == 1
+    (request,) = suspended
+    assert attributes_of(request)["gen_ai.request.model"] == "smollm2"
+    events = [e for e in request.events if e.name == "suspended"]
+    assert len(events) == attributes_of(request)["pensieve.suspensions"]
+    copied_out = sum(int((e.attributes or {})["pensieve.swapped_out_blocks"]) for e in events)
+    assert (
+        copied_out
+        == attributes_of(request)["pensieve.swapped_out_bytes"] // built.engine.block_bytes
+    )
+    assert copied_out > 0
+    assert all(request.start_time < e.timestamp < request.end_time for e in events)  # type: ignore[operator]
+    in_turn = [
+        s
+        for s in finished_spans
+        if s.parent is not None and s.parent.span_id == request.context.span_id
+    ]
+    out = [s for s in in_turn if s.name == "kv.swap_out"]
+    back = [s for s in in_turn if s.name == "kv.swap_in"]
+    assert out and back
+    assert sum(attributes_of(s)["pensieve.blocks"] for s in out) == copied_out
+    assert all(attributes_of(s)["pensieve.evict_first"] for s in out)
+    assert all(duration_s(s) > 0 for s in out + back)
+    assert events[0].timestamp <= min(s.start_time for s in out)  # type: ignore[operator]
+    assert max(s.end_time for s in out) <= min(s.start_time for s in back)  # type: ignore[operator]
+    # every copy of the run is a span as long as the host took to make it (one window per
+    # kind and step, shared by the conversations whose chunks it moved)
+    windows: dict[str, set[tuple[int, int]]] = {"kv.swap_in": set(), "kv.swap_out": set()}
+    for span in finished_spans:
+        if span.name in windows:
+            windows[span.name].add((span.start_time, span.end_time))  # type: ignore[arg-type]
+    took = {name: sum(end - start for start, end in w) / 1e9 for name, w in windows.items()}
+    assert took["kv.swap_in"] == pytest.approx(swaps.seconds_in, abs=1e-5)
+    assert took["kv.swap_out"] == pytest.approx(swaps.seconds_out, abs=1e-5)
