@@ -77,9 +77,9 @@ class HttpConfig:
 
     def __post_init__(self) -> None:
         if not self.read_timeout_s > 0:
-            raise ValueError(f"the HTTP read timeout must be > 0 s, got {self.read_timeout_s}")
+            raise ValueError(f"--http-read-timeout must be > 0, got {self.read_timeout_s}")
         if self.max_connections < 1:
-            raise ValueError(f"the HTTP connections must be >= 1, got {self.max_connections}")
+            raise ValueError(f"--http-max-connections must be >= 1, got {self.max_connections}")
 
 
 class HttpIngressActor(Actor):

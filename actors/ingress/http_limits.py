@@ -136,8 +136,8 @@ class ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         error = kwargs.get("exc_info")
         if isinstance(error, HttpProcessingError):
             kwargs["exc_info"] = None
-            level = max(logging.DEBUG, min(level, logging.WARNING))
-            super().log(level, f"{msg}: %s", *args, error.message or type(error).__name__, **kwargs)
+            reason = error.message or type(error).__name__
+            super().log(min(level, logging.WARNING), f"{msg}: %s", *args, reason, **kwargs)
         elif isinstance(error, ConnectionError | asyncio.CancelledError):
             kwargs["exc_info"] = None
             super().log(min(level, logging.INFO), f"{msg}: the client went away", *args, **kwargs)
