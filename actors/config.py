@@ -39,6 +39,8 @@ class Defaults:
     tokenizers: int = 2  # tokenizer replicas `serve` starts (a queue group on the bus)
     conversation_ttl_s: float = 7 * 24 * 3600.0  # an idle conversation is deleted after this
     stateless_ttl_s: float = 3600.0  # ... or after this, if stateless-made or ended
+    http_read_timeout_s: float = 15.0  # for an HTTP request's headers, then its body
+    http_max_connections: int = 1024  # HTTP connections open at once
     # in one process the executor is called in-thread: threads of one process that pass plans
     # over NATS share the interpreter lock and serve fewer tokens (docs/benchmarks.md)
     step_channel: StepChannel = StepChannel.DIRECT

@@ -118,6 +118,21 @@ def server_args(p: argparse.ArgumentParser) -> None:
         help="address the HTTP port listens on (0.0.0.0: every interface)",
     )
     http.add_argument(
+        "--http-read-timeout",
+        type=float,
+        default=DEFAULTS.http_read_timeout_s,
+        metavar="S",
+        help="seconds a request's headers, and then its body, get to arrive; a connection idle "
+        "this long is closed",
+    )
+    http.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=DEFAULTS.http_max_connections,
+        metavar="N",
+        help="HTTP connections open at once; one more is answered 503 and closed",
+    )
+    http.add_argument(
         "--served-model-name",
         metavar="NAME",
         help="the model's name in the HTTP API (default: the --model argument)",
@@ -332,6 +347,8 @@ def serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
             args.http_host,
             args.served_model_name or args.model,
             shutdown_grace_s=args.shutdown_grace,
+            read_timeout_s=args.http_read_timeout,
+            max_connections=args.http_max_connections,
         )
     )
     return ServeOptions(

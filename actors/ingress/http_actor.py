@@ -14,6 +14,12 @@ requests), so the NATS ingress checks, scopes and forwards it as any other: tena
 matter of NATS subjects, and no tenant's key reaches another's conversations. The hop costs one
 NATS message per turn; the streamed deltas come from the scheduler straight to this actor.
 
+Every turn is streamed on the bus, a whole reply too (its deltas are read and dropped here):
+the first delta names the turn's conversation, so a turn whose client goes away, streamed or
+not, is cancelled at once (`pensieve.v1.chat.cancel`), its conversation kept as after any
+cancel. What a client may hold of the server (time to send a request, connections) is bounded
+in `actors/ingress/http_limits.py`.
+
 The server is aiohttp: asyncio-native, so it shares the event loop and the bus connection of
 the other actors of a process, starts and drains as an async context manager, streams responses
 without a thread per request, and is one well-kept dependency with no server of its own to run.
@@ -35,12 +41,15 @@ from aiohttp import web
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
+from pensieve.actors.config import DEFAULTS
 from pensieve.actors.ingress import openai_api
 from pensieve.actors.ingress.chat_index import ChatIndex
+from pensieve.actors.ingress.http_limits import CappedSite, read_body, server_options
 from pensieve.actors.ingress.openai_api import CONVERSATION_HEADER, Completion, OpenAIError
 from pensieve.actors.wire import subjects, tracing
 from pensieve.actors.wire.actor import Actor
 from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.schemas import ApiError
 from pensieve.actors.wire.version import version
 
 logger = logging.getLogger(__name__)
@@ -62,6 +71,15 @@ class HttpConfig:
     timeout_s: float = 600.0  # silence within an answer after which the request fails
     shutdown_grace_s: float = 20.0  # requests in flight get this long when it stops
     max_model_len: int | None = None  # the model's context, told by /v1/models (None: unknown)
+    # a request's headers, then its body, must arrive within this; an idle connection closes
+    read_timeout_s: float = DEFAULTS.http_read_timeout_s
+    max_connections: int = DEFAULTS.http_max_connections  # one more is answered 503, closed
+
+    def __post_init__(self) -> None:
+        if not self.read_timeout_s > 0:
+            raise ValueError(f"--http-read-timeout must be > 0, got {self.read_timeout_s}")
+        if self.max_connections < 1:
+            raise ValueError(f"--http-max-connections must be >= 1, got {self.max_connections}")
 
 
 class HttpIngressActor(Actor):
@@ -85,6 +103,7 @@ class HttpIngressActor(Actor):
         self.port: int | None = None  # the one bound (config.port 0: any free port)
         self.index = ChatIndex()  # the conversations stateless clients' chats continue
         self._runner: web.AppRunner | None = None
+        self._abandoned: set[asyncio.Task[None]] = set()  # turns being cancelled
 
     async def setup(self) -> None:
         app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_BODY_BYTES)
@@ -94,17 +113,23 @@ class HttpIngressActor(Actor):
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
+        config = self.config
         self._runner = web.AppRunner(
-            app, access_log=None, shutdown_timeout=self.config.shutdown_grace_s
+            app,
+            access_log=None,
+            shutdown_timeout=config.shutdown_grace_s,
+            **server_options(config.read_timeout_s),
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
+        await CappedSite(self._runner, config.host, config.port, config.max_connections).start()
         self.port = self._runner.addresses[0][1]
 
     async def teardown(self) -> None:
         if self._runner is not None:  # stops listening, then lets requests in flight finish
             await self._runner.cleanup()
+        for task in self._abandoned:  # the bus goes next: their cancels cannot be sent
+            task.cancel()
+        await asyncio.gather(*self._abandoned, return_exceptions=True)
 
     def _tenant(self, request: web.Request) -> str | None:
         return self.authenticate(openai_api.bearer_token(request.headers.get("Authorization")))
@@ -112,13 +137,16 @@ class HttpIngressActor(Actor):
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
         asked = openai_api.to_chat(
-            await request.read(), self.config.model, request.headers.get(CONVERSATION_HEADER)
+            await read_body(request, self.config.read_timeout_s),
+            self.config.model,
+            request.headers.get(CONVERSATION_HEADER),
         )
         return await self._answer(request, asked, tenant, "POST /v1/chat/completions")
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         tenant = self._tenant(request)
-        asked = openai_api.to_text_completion(await request.read(), self.config.model)
+        body = await read_body(request, self.config.read_timeout_s)
+        asked = openai_api.to_text_completion(body, self.config.model)
         return await self._answer(request, asked, tenant, "POST /v1/completions")
 
     async def _answer(
@@ -127,19 +155,24 @@ class HttpIngressActor(Actor):
         tracer = tracing.tracer("http-ingress")
         with tracer.start_as_current_span(name, kind=SpanKind.SERVER):
             first, answer = await self._first(asked, tenant)
-            async with aclosing(answer) as messages:
+            try:
                 if not asked.stream:
-                    self._remember(asked, tenant, first)
-                    return _json(openai_api.completion(asked, first), first["conversation_id"])
-                return await self._stream(request, asked, first, messages, tenant)
+                    reply = await self._last(first, answer)
+                    self._remember(asked, tenant, reply)
+                    return _json(openai_api.completion(asked, reply), reply["conversation_id"])
+                return await self._stream(request, asked, first, answer, tenant)
+            except (asyncio.CancelledError, ConnectionError):  # the client went away
+                self._abandon(answer, tenant)
+                raise
+            finally:
+                if not answer.abandoned:  # else the task that cancels the turn closes it
+                    await answer.close()
 
-    async def _first(
-        self, asked: Completion, tenant: str | None
-    ) -> tuple[dict[str, Any], AsyncGenerator[bytes, None]]:
+    async def _first(self, asked: Completion, tenant: str | None) -> tuple[dict[str, Any], _Answer]:
         """Send the request; its answer's first message, and the answer (to close). A
         stateless chat that continues a known conversation goes to it (`chat_index.py`);
         if that one is busy or gone, the chat starts a new conversation instead."""
-        chat = asked.chat
+        chat = {**asked.chat, "stream": True}  # see the module: the first delta names the turn
         guess = None
         if "messages" in chat and "conversation_id" not in chat:
             guess = self.index.find(tenant, chat["messages"])
@@ -147,20 +180,32 @@ class HttpIngressActor(Actor):
         propagate.inject(headers)  # the NATS ingress's span goes under this one
         tries = [{**chat, "conversation_id": guess}] if guess else []
         for body in [*tries, chat]:
-            answer = self.bus.ask(
-                _as_tenant(tenant, subjects.CHAT),
-                orjson.dumps(body),
-                self.config.timeout_s,
-                headers,
+            answer = _Answer(
+                self.bus.ask(
+                    _as_tenant(tenant, subjects.CHAT),
+                    orjson.dumps(body),
+                    self.config.timeout_s,
+                    headers,
+                )
             )
             try:
                 return await self._next(answer), answer
+            except asyncio.CancelledError:
+                self._abandon(answer, tenant)
+                raise
             except BaseException as error:
-                await answer.aclose()
+                await answer.close()
                 guessed = body is not chat
                 if not (guessed and isinstance(error, OpenAIError) and error.code in _GUESS_MISSED):
                     raise
         raise AssertionError("unreachable: the last try returns or raises")
+
+    async def _last(self, first: dict[str, Any], answer: _Answer) -> dict[str, Any]:
+        """The whole reply: the answer's last message (its deltas dropped)."""
+        message = first
+        while "delta" in message:
+            message = await self._next(answer)
+        return message
 
     def _remember(self, asked: Completion, tenant: str | None, reply: dict[str, Any]) -> None:
         """A whole chat answered: the next request that continues it finds its conversation."""
@@ -174,43 +219,39 @@ class HttpIngressActor(Actor):
         request: web.Request,
         asked: Completion,
         first: dict[str, Any],
-        messages: AsyncIterator[bytes],
+        answer: _Answer,
         tenant: str | None,
     ) -> web.StreamResponse:
         """Stream the reply from its first message on: whatever fails before it is answered
         with its status code, what fails after it as an error event."""
-        conv_id = str(first["conversation_id"])
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
-                CONVERSATION_HEADER: conv_id,
+                CONVERSATION_HEADER: str(first["conversation_id"]),
             }
         )
         message = first
+        await response.prepare(request)
+        for opening in openai_api.first_chunks(asked):
+            await response.write(openai_api.event(opening))
         try:
-            await response.prepare(request)
-            for opening in openai_api.first_chunks(asked):
-                await response.write(openai_api.event(opening))
-            try:
-                while "delta" in message:
-                    delta = openai_api.chunk(asked, message["delta"])
-                    await response.write(openai_api.event(delta))
-                    message = await self._next(messages)
-                self._remember(asked, tenant, message)
-                for last in openai_api.last_chunks(asked, message):
-                    await response.write(openai_api.event(last))
-            except OpenAIError as error:
-                await response.write(openai_api.event(error.body()))
-            await response.write(openai_api.DONE)
-            await response.write_eof()
-        except ConnectionResetError:  # the client went away: so does its turn
-            await self._cancel(conv_id, tenant)
+            while "delta" in message:
+                delta = openai_api.chunk(asked, message["delta"])
+                await response.write(openai_api.event(delta))
+                message = await self._next(answer)
+            self._remember(asked, tenant, message)
+            for last in openai_api.last_chunks(asked, message):
+                await response.write(openai_api.event(last))
+        except OpenAIError as error:
+            await response.write(openai_api.event(error.body()))
+        await response.write(openai_api.DONE)
+        await response.write_eof()
         return response
 
-    async def _next(self, messages: AsyncIterator[bytes]) -> dict[str, Any]:
+    async def _next(self, answer: _Answer) -> dict[str, Any]:
         try:
-            message: dict[str, Any] = orjson.loads(await anext(messages))
+            message = await answer.next()
         except TimeoutError:
             raise OpenAIError(
                 504, f"no answer in {self.config.timeout_s:.0f} s", "server_error", "timeout"
@@ -222,14 +263,35 @@ class HttpIngressActor(Actor):
                 "server_error",
                 "unavailable",
             ) from None
+        except ApiError as refused:  # a request the bus cannot carry (too large for NATS)
+            raise openai_api.from_api_error(refused) from None
         if "error" in message:
             raise openai_api.from_reply_error(message)
         return message
 
-    async def _cancel(self, conv_id: str, tenant: str | None) -> None:
-        subject = _as_tenant(tenant, subjects.CHAT_CANCEL)
-        with contextlib.suppress(Exception):  # best effort: the turn ends at its limit anyway
-            await self.bus.publish(subject, orjson.dumps({"conversation_id": conv_id}))
+    def _abandon(self, answer: _Answer, tenant: str | None) -> None:
+        """The client went away: cancel its turn, once a message of the answer names it."""
+        if not answer.abandoned and not answer.finished:
+            answer.abandoned = True
+            task = asyncio.ensure_future(self._cancel(answer, tenant))
+            self._abandoned.add(task)
+            task.add_done_callback(self._abandoned.discard)
+
+    async def _cancel(self, answer: _Answer, tenant: str | None) -> None:
+        try:
+            conv_id = answer.conv_id
+            if conv_id is None:  # a new conversation: its first delta names it
+                with contextlib.suppress(Exception):
+                    message = await answer.next()
+                    conv_id = message.get("conversation_id") if "delta" in message else None
+            if conv_id is not None:
+                subject = _as_tenant(tenant, subjects.CHAT_CANCEL)
+                body = orjson.dumps({"conversation_id": conv_id})
+                with contextlib.suppress(Exception):  # best effort: it ends at its limit anyway
+                    await self.bus.publish(subject, body)
+                logger.debug("%s: its HTTP client went away; cancelled", conv_id)
+        finally:
+            await answer.close()
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
         self._tenant(request)
@@ -268,6 +330,47 @@ class HttpIngressActor(Actor):
         return web.Response(body=text, headers={"Content-Type": subjects.METRICS_CONTENT_TYPE})
 
 
+class _Answer:
+    """A turn's answer on the bus (`Bus.ask`), read so that a reader cancelled (its client
+    gone) loses nothing: the read it waited on goes on, for `HttpIngressActor._cancel`."""
+
+    def __init__(self, messages: AsyncGenerator[bytes, None]) -> None:
+        self._messages = messages
+        self._reading: asyncio.Task[bytes] | None = None
+        self.conv_id: str | None = None  # once a message named it
+        self.finished = False  # its last message read: the turn has ended
+        self.abandoned = False  # its client went away: the cancelling task closes it
+
+    async def next(self) -> dict[str, Any]:
+        """The next message, decoded."""
+        if self._reading is None:
+            self._reading = asyncio.ensure_future(_read(self._messages))
+        reading = self._reading
+        try:
+            data = await asyncio.shield(reading)  # cancelled: the read goes on
+        finally:
+            if reading.done():
+                self._reading = None
+        message: dict[str, Any] = orjson.loads(data)
+        named = message.get("conversation_id")
+        self.conv_id = named if isinstance(named, str) else self.conv_id
+        self.finished = "delta" not in message
+        return message
+
+    async def close(self) -> None:
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            reading.cancel()
+            await asyncio.wait([reading])
+            if not reading.cancelled():
+                reading.exception()  # taken: a read that failed after its client left
+        await self._messages.aclose()
+
+
+async def _read(messages: AsyncIterator[bytes]) -> bytes:
+    return await anext(messages)
+
+
 @contextlib.asynccontextmanager
 async def serve_metrics(host: str, port: int, exposition: Exposition) -> AsyncIterator[None]:
     """`GET /metrics` alone on `host:port`, while the context is open (`--metrics-port`)."""
@@ -302,9 +405,16 @@ def _json(body: dict[str, Any], conv_id: str | None = None) -> web.Response:
 async def _openai_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Every error in OpenAI's shape, with its status code."""
+    """Every error in OpenAI's shape, with its status code; a client gone, one line of log."""
     try:
         return await handler(request)
+    except asyncio.CancelledError:
+        gone = request.transport is None  # else the server is stopping
+        logger.info("%s %s: %s", request.method, request.path, _ended(gone))
+        raise
+    except ConnectionError:  # a write found the client gone: nobody reads an answer
+        logger.info("%s %s: %s", request.method, request.path, _ended(True))
+        return web.Response(status=499)
     except OpenAIError as error:
         return web.Response(
             status=error.status, body=orjson.dumps(error.body()), content_type="application/json"
@@ -325,3 +435,7 @@ async def _openai_errors(
         return web.Response(
             status=500, body=orjson.dumps(shaped.body()), content_type="application/json"
         )
+
+
+def _ended(client_gone: bool) -> str:
+    return "the client went away" if client_gone else "cut short: the server is stopping"

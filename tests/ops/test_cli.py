@@ -119,6 +119,23 @@ def test_the_expiry_options_reach_the_server() -> None:
         serve_options(build_parser().parse_args([*argv, "--stateless-ttl", "0"]))
 
 
+def test_the_http_limits_reach_the_server() -> None:
+    from pensieve.actors.config import DEFAULTS
+    from pensieve.ops.cli import build_parser
+    from pensieve.ops.cli_options import serve_options
+
+    argv = ["serve", "--model", "smollm2", "--http-port", "8000"]
+    http = serve_options(build_parser().parse_args(argv)).http
+    assert http is not None and http.read_timeout_s == DEFAULTS.http_read_timeout_s
+    assert http.max_connections == DEFAULTS.http_max_connections
+    limited = [*argv, "--http-read-timeout", "2.5", "--http-max-connections", "7"]
+    http = serve_options(build_parser().parse_args(limited)).http
+    assert http is not None and (http.read_timeout_s, http.max_connections) == (2.5, 7)
+    for flag, bad in (("--http-read-timeout", "0"), ("--http-max-connections", "0")):
+        with pytest.raises(ValueError, match=flag):
+            serve_options(build_parser().parse_args([*argv, flag, bad]))
+
+
 def test_version() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "pensieve.ops.cli", "--version"],

@@ -7,17 +7,24 @@ wrong conversation ids, bad `messages`), and raw bytes (invalid UTF-8, truncated
 JSON, bodies that are not objects). Each must be answered with a structured error or a well-formed
 answer, while four innocent streamed turns run beside the storm and give the tokens they give
 alone, and a greedy prompt gives the same tokens after the storm as before it.
+
+Over HTTP, connections are the weapon: slow-loris clients, a flood of connections past the cap
+and uploads given up half way, beside a slice of the storm; innocent streamed turns go on and
+give the tokens they give alone, and each abuser is cut off or refused within its bounds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import nats
 import orjson
 import pytest
@@ -26,11 +33,12 @@ from hypothesis import strategies as st
 from nats.aio.client import Client
 
 from pensieve.actors.config import StepChannel
+from pensieve.actors.ingress.http_actor import HttpConfig
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import ERROR_HEADER
 from pensieve.actors.wire.schemas import ERROR_CODES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, ROLES
 from pensieve.ops.factory import EngineOptions, assemble
-from pensieve.ops.nats_server import EmbeddedNats
+from pensieve.ops.nats_server import EmbeddedNats, free_port
 from tests.ops.serving import serve_on_thread
 
 pytestmark = pytest.mark.slow
@@ -563,7 +571,12 @@ def nats_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def engine_id(smollm2, smollm2_chat, nats_url, tmp_path_factory) -> Iterator[str]:
+def http_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def engine_id(smollm2, smollm2_chat, nats_url, http_port, tmp_path_factory) -> Iterator[str]:
     """One engine with small KV tiers (the storm's conversations push others to the CPU tier and
     out), its model behind the executor actor as between processes; yields its id."""
     options = EngineOptions(
@@ -571,7 +584,11 @@ def engine_id(smollm2, smollm2_chat, nats_url, tmp_path_factory) -> Iterator[str
     )
     built = assemble(options, smollm2, smollm2_chat)
     store = tmp_path_factory.mktemp("store")
-    with serve_on_thread(built, store, nats_url, step_channel=StepChannel.NATS) as (own_id, _):
+    http = HttpConfig(http_port, model="smollm2", **HTTP_LIMITS)
+    with serve_on_thread(built, store, nats_url, step_channel=StepChannel.NATS, http=http) as (
+        own_id,
+        _,
+    ):
         yield own_id
     built.engine.kv.check_invariants()
 
@@ -643,3 +660,177 @@ def test_a_body_at_the_payload_limit_is_refused_and_the_engine_stays_on_the_bus(
         assert replies[-1]["error"]["code"] == "too_long", replies[-1]
     after = ask(nats_url, subjects.CHAT, GREEDY)[-1]
     assert "error" not in after and after["token_ids"], after
+
+
+# ---- HTTP connection abuse --------------------------------------------------------------------
+
+HTTP_LIMITS: dict[str, Any] = {"read_timeout_s": 1.0, "max_connections": 32}
+NUM_LORISES = 8  # a header a byte at a time
+NUM_SLOW_BODIES = 4  # the headers at once, the body a byte at a time
+NUM_ABORTED = 8  # half a body, then the connection dropped
+NUM_FLOOD = 48  # idle connections opened at once: past the cap with the others
+NUM_STORM_SLICE = 48  # of the generated probes, over NATS meanwhile
+CHAT_PATH = "/v1/chat/completions"
+
+
+def http_innocent(text: str, stream: bool) -> dict[str, Any]:
+    messages = [{"role": "user", "content": text}]
+    return {
+        "messages": messages,
+        "max_tokens": 16,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+async def http_text(session: aiohttp.ClientSession, url: str, text: str) -> str:
+    async with session.post(url + CHAT_PATH, json=http_innocent(text, False)) as response:
+        assert response.status == 200, await response.text()
+        return str((await response.json())["choices"][0]["message"]["content"])
+
+
+async def http_stream(url: str, text: str, started: asyncio.Event) -> tuple[int, str, float]:
+    """One streamed turn on a connection of its own: its number of chunks, its text, and when
+    it ended."""
+    chunks, said = 0, ""
+    body = http_innocent(text, True)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + CHAT_PATH, json=body) as response,
+    ):
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            started.set()
+            chunks += 1
+            for choice in orjson.loads(line[len(b"data: ") :])["choices"]:
+                said += choice["delta"].get("content") or ""
+    return chunks, said, time.monotonic()
+
+
+async def held_until_closed(
+    port: int, sent: bytes, dribbled: bytes = b"", every_s: float = 0.2
+) -> tuple[float, bytes]:
+    """A connection that sends `sent`, then `dribbled` a byte at a time; how long until the
+    server closed it (from when it opened), and what the server sent."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    begin = time.monotonic()
+
+    async def send() -> None:
+        with contextlib.suppress(ConnectionError):
+            writer.write(sent)
+            for byte in dribbled:
+                await asyncio.sleep(every_s)
+                writer.write(bytes([byte]))
+                await writer.drain()
+
+    sending = asyncio.ensure_future(send())
+    got = b""
+    try:
+        with contextlib.suppress(ConnectionError):
+            while chunk := await asyncio.wait_for(reader.read(65536), 30):
+                got += chunk
+        return time.monotonic() - begin, got
+    finally:
+        sending.cancel()
+        writer.close()
+
+
+async def aborted_upload(port: int) -> None:
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = f"POST {CHAT_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n"
+    writer.write(head.encode() + b'{"messages": [' + b" " * 20_000)
+    await writer.drain()
+    await asyncio.sleep(0.1)
+    writer.transport.abort()
+
+
+async def http_abuse(port: int) -> dict[str, list[tuple[float, bytes]]]:
+    """Every kind of connection abuse at once; what each abuser saw."""
+    loris_head = f"POST {CHAT_PATH} HTTP/1.1\r\nHost: x\r\nX-Slow: {'a' * 100}\r\n\r\n".encode()
+    slow_head = f"POST {CHAT_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n".encode()
+    lorises = [held_until_closed(port, b"", loris_head) for _ in range(NUM_LORISES)]
+    bodies = [held_until_closed(port, slow_head, b" " * 500) for _ in range(NUM_SLOW_BODIES)]
+    aborted = [aborted_upload(port) for _ in range(NUM_ABORTED)]
+    held = asyncio.gather(*lorises, *bodies, *aborted)
+    await asyncio.sleep(0.3)  # they hold their connections: now the flood
+    flood = await asyncio.gather(*(held_until_closed(port, b"") for _ in range(NUM_FLOOD)))
+    seen = await held
+    return {
+        "lorises": seen[:NUM_LORISES],
+        "slow bodies": seen[NUM_LORISES : NUM_LORISES + NUM_SLOW_BODIES],
+        "flood": flood,
+    }
+
+
+async def http_abuse_beside_innocents(
+    nats_url: str, port: int, probes: list[Probe]
+) -> tuple[
+    float, list[tuple[int, str, float]], dict[str, list[tuple[float, bytes]]], list[Outcome]
+]:
+    url = f"http://127.0.0.1:{port}"
+    texts = [body["message"] for body in INNOCENT]
+    started = [asyncio.Event() for _ in texts]
+    innocents = asyncio.gather(
+        *(http_stream(url, t, e) for t, e in zip(texts, started, strict=True))
+    )
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), TIMEOUT_S)
+    began = time.monotonic()
+    client = await nats.connect(nats_url)
+    try:
+        seen, outcomes = await asyncio.gather(http_abuse(port), storm(client, probes))
+    finally:
+        await client.close()
+    return began, await innocents, seen, outcomes
+
+
+def test_http_connection_abuse_beside_innocent_turns_and_the_storm(
+    nats_url: str, engine_id: str, http_port: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    url = f"http://127.0.0.1:{http_port}"
+
+    async def alone() -> list[str]:  # each on a connection of its own, all at once
+        async with aiohttp.ClientSession() as session:
+            return list(
+                await asyncio.gather(*(http_text(session, url, b["message"]) for b in INNOCENT))
+            )
+
+    references = asyncio.run(alone())
+    made = [ask(nats_url, subjects.CHAT, {"message": "Hi", "max_tokens": 1}) for _ in range(2)]
+    kept, doomed = ([reply[-1]["conversation_id"]] for reply in made)
+    probes = generate(engine_id, kept, doomed, NUM_STORM_SLICE)
+    began, innocents, seen, outcomes = asyncio.run(
+        http_abuse_beside_innocents(nats_url, http_port, probes)
+    )
+
+    for (chunks, said, ended), reference in zip(innocents, references, strict=True):
+        assert ended > began and chunks > 2 and said == reference
+    timeout_s = HTTP_LIMITS["read_timeout_s"]
+    for closed_after_s, sent in seen["lorises"]:
+        assert timeout_s * 0.9 <= closed_after_s < timeout_s + 3 and sent == b""
+    for closed_after_s, sent in seen["slow bodies"]:
+        assert closed_after_s < timeout_s * 2 + 3 and sent.startswith(b"HTTP/1.1 408"), sent
+    refused = [(t, sent) for t, sent in seen["flood"] if sent.startswith(b"HTTP/1.1 503")]
+    let_in = [t for t, sent in seen["flood"] if not sent]  # idle until the read timeout
+    assert len(refused) + len(let_in) == NUM_FLOOD and refused and let_in
+    assert all(t < 2.0 for t, _ in refused) and all(t < timeout_s + 3 for t in let_in)
+
+    # answered after as before, and no client's doing is a server error
+    async def after() -> str:
+        async with aiohttp.ClientSession() as session:
+            return await http_text(session, url, INNOCENT[0]["message"])
+
+    assert asyncio.run(after()) == references[0]
+    expected = Expected(engine_id, ask(nats_url, subjects.CHAT, GREEDY)[-1]["token_ids"])
+    problems = [describe(o, p) for o in outcomes if (p := problem(o, expected))]
+    assert not problems, "\n".join(problems[:10])
+    http_logs = [
+        r for r in caplog.records if r.name.startswith(("aiohttp", "pensieve.actors.ingress.http"))
+    ]
+    assert not [r for r in http_logs if r.exc_info or r.levelno >= logging.ERROR], [
+        (r.name, r.getMessage()) for r in http_logs if r.levelno >= logging.ERROR
+    ]
+    assert sum("went away" in r.getMessage() for r in http_logs) >= NUM_ABORTED

@@ -23,6 +23,7 @@ import orjson
 import pytest
 from openai import OpenAI
 
+from pensieve.actors.ingress.http_actor import MAX_BODY_BYTES
 from pensieve.actors.wire import subjects
 from pensieve.ops.nats_server import free_port
 
@@ -405,3 +406,96 @@ def test_a_client_that_leaves_a_stream_cancels_its_turn(server, alice) -> None:
 
     turn = asyncio.run(last_turn())
     assert turn["finish_reason"] == "cancelled" and turn["completion_tokens"] < 4000
+
+
+async def stats_of(nc: Any) -> dict[str, Any]:
+    return dict(orjson.loads((await nc.request(subjects.STATS, b"{}", timeout=30)).data))
+
+
+def test_a_client_that_leaves_before_its_whole_reply_cancels_its_turn(server, alice) -> None:
+    """Not streamed: the turn ends within a second of the client closing its connection,
+    committed as cancelled with what it generated, and the conversation goes on from it."""
+    body = orjson.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Count to a thousand."}],
+            "max_tokens": 4000,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    )
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {alice['http']['api_key']}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+
+    async def go() -> tuple[float, list[str]]:
+        nc = await nats.connect(**alice["nats"])
+        try:
+            listed = {"limit": 1000}
+            before = orjson.loads(
+                (await nc.request(subjects.CONVERSATIONS_LIST, orjson.dumps(listed), 30)).data
+            )
+            _, writer = await asyncio.open_connection("127.0.0.1", server.http_port)
+            writer.write(head.encode() + body)
+            while (await stats_of(nc))["requests"]["running"] == 0:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # it generates
+            writer.close()  # the client leaves
+            begin = time.monotonic()
+            while True:
+                stats = await stats_of(nc)
+                idle = stats["turns_in_flight"] == stats["requests"]["running"] == 0
+                if idle or time.monotonic() - begin > 30:
+                    break
+                await asyncio.sleep(0.05)
+            took = time.monotonic() - begin
+            after = orjson.loads(
+                (await nc.request(subjects.CONVERSATIONS_LIST, orjson.dumps(listed), 30)).data
+            )
+            return took, sorted(set(after["conversations"]) - set(before["conversations"]))
+        finally:
+            await nc.close()
+
+    took, made = asyncio.run(go())
+    assert took < 1.0
+    (conv_id,) = made
+
+    async def turns() -> list[dict[str, Any]]:
+        nc = await nats.connect(**alice["nats"])
+        try:
+            got = await nc.request(
+                subjects.CONVERSATIONS_GET, orjson.dumps({"conversation_id": conv_id}), 30
+            )
+            return list(orjson.loads(got.data)["turns"])
+        finally:
+            await nc.close()
+
+    (turn,) = asyncio.run(turns())
+    assert turn["finish_reason"] == "cancelled" and 0 < turn["completion_tokens"] < 4000
+    # the conversation goes on from the cancelled turn, its KV reused
+    reply, named = ask(client(server, alice), "Stop.", conv_id)
+    assert named == conv_id and reply.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_a_body_near_the_size_limit_is_refused_and_the_next_request_answered(server, alice) -> None:
+    """A body under the HTTP limit (1 MiB) that does not fit a NATS message once the ingress
+    adds its fields is refused as too long, in OpenAI's shape; the engine stays on the bus."""
+    key = alice["http"]["api_key"]
+    empty = len(orjson.dumps({"messages": [{"role": "user", "content": ""}], "temperature": 0}))
+    for slack in (1, 200, 3000):
+        content = "x" * (MAX_BODY_BYTES - slack - empty)
+        data = orjson.dumps({"messages": [{"role": "user", "content": content}], "temperature": 0})
+        assert len(data) == MAX_BODY_BYTES - slack
+        request = urllib.request.Request(
+            server.base_url + "/chat/completions",
+            data=data,
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(request, timeout=60)
+        error = json.loads(raised.value.read())["error"]
+        assert raised.value.code == 400 and error["code"] == "context_length_exceeded", error
+        assert error["type"] == "invalid_request_error" and error["message"]
+    reply, _ = ask(client(server, alice), CHAT[0])
+    assert reply.choices[0].message.content
