@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -109,6 +110,7 @@ def config_of(args: argparse.Namespace) -> AgenticConfig:
     )
 
 
+@functools.lru_cache(maxsize=2)  # one process that benches again reads it once
 def chat_tokenizer(spec: str) -> ChatTokenizer:
     """The tokenizer `--tokenizer` names, with its chat template."""
     if spec == "smollm2":
