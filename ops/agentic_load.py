@@ -18,7 +18,7 @@ import enum
 import random
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,11 +114,12 @@ async def run_open(
 
     async def arrivals() -> None:
         started = []
-        for session in workload.sessions:
+        for index, session in enumerate(workload.sessions):
+            if index:
+                await asyncio.sleep(draw.expovariate(rate))
             started.append(
                 asyncio.ensure_future(_session(chat, workload, session, options, outcome))
             )
-            await asyncio.sleep(draw.expovariate(rate))
         await asyncio.gather(*started)
 
     summary = await _measured(chat, outcome, options, [arrivals()])
@@ -126,8 +127,13 @@ async def run_open(
 
 
 async def _measured(
-    chat: ChatClient, outcome: Outcome, options: AgenticOptions, work: Any
+    chat: ChatClient,
+    outcome: Outcome,
+    options: AgenticOptions,
+    work: list[Coroutine[Any, Any, None]],
 ) -> dict[str, Any]:
+    """Run `work` to its end; the summary of `outcome`, with what the engine counted meanwhile
+    (over NATS)."""
     before = None if chat.bus is None else await server_stats(chat.bus)
     begin = time.perf_counter()
     await asyncio.gather(*work)

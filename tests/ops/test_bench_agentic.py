@@ -9,7 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+from matplotlib import image
 
 from pensieve.actors.ingress.http_actor import HttpConfig
 from pensieve.ops.agentic import AgenticConfig, Corpus, Span, corpus_chars, generate
@@ -20,6 +22,15 @@ from pensieve.ops.nats_server import EmbeddedNats, free_port
 from tests.ops.serving import scrape, serve_on_thread, value
 
 pytestmark = pytest.mark.slow
+
+# matplotlib's first two line colours, as 0-1 RGB
+FIRST, SECOND = (0x1F / 255, 0x77 / 255, 0xB4 / 255), (0xFF / 255, 0x7F / 255, 0x0E / 255)
+
+
+def coloured(picture: np.ndarray, rgb: tuple[float, float, float]) -> np.ndarray:
+    """Which pixels are (nearly) `rgb`."""
+    return np.all(np.abs(picture[..., :3] - np.array(rgb)) < 0.08, axis=-1)
+
 
 TINY = AgenticConfig(
     num_sessions=2,
@@ -92,9 +103,10 @@ def test_agentic_sessions_over_nats_closed_and_open_loop(
             str(tmp_path / "a.png"),
         ]
         assert main(closed) == 0
-        assert main([*args, "--rates", "5", "--json", str(tmp_path / "open.json")]) == 0
+        opened = [*args[:-1], "open", "--rates", "5", "--json", str(tmp_path / "open.json")]
+        assert main(opened) == 0
     table = capsys.readouterr().out
-    assert "nats c=2" in table and "nats 5/s" in table
+    assert "nats c=2" in table and "open 5/s" in table
     found = json.loads(out.read_text())
     assert found["workload"] == "agentic" and found["label"] == "nats"
     generated = found["generated"]
@@ -112,8 +124,16 @@ def test_agentic_sessions_over_nats_closed_and_open_loop(
         assert {**run["cached_tokens"], "new": run["new_prompt_tokens"]} == sources
     assert [r["concurrency"] for r in found["runs"]] == [2]
     assert (tmp_path / "a.png").stat().st_size > 10_000
+    # both sweeps in each of the four panels, each in its colour
     again = ["bench", "agentic", "--replot", "--plot", str(tmp_path / "b.png"), "--compare"]
     assert main([*again, str(out), str(tmp_path / "open.json")]) == 0
+    picture = image.imread(tmp_path / "b.png")
+    height, width = picture.shape[:2]
+    plots = picture[: int(height * 0.93)]  # the panels, without the legend under them
+    for top in (0, plots.shape[0] // 2):
+        for left in (0, width // 2):
+            panel = plots[top : top + plots.shape[0] // 2, left : left + width // 2]
+            assert coloured(panel, FIRST).sum() > 40 and coloured(panel, SECOND).sum() > 40
 
 
 def test_agentic_sessions_over_http_resend_their_history_and_hit_the_cache(
