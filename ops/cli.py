@@ -197,7 +197,7 @@ def _chat(args: argparse.Namespace, started: float) -> int:
 
 
 def _bench_parser(commands: Any) -> None:
-    from pensieve.ops.agentic_bench import add_agentic_args
+    from pensieve.ops.agentic_cli import add_agentic_args
     from pensieve.ops.sweep import add_bench_args
 
     bench = _client_parser(
@@ -216,7 +216,7 @@ def _bench_parser(commands: Any) -> None:
 
 
 def _bench(args: argparse.Namespace, started: float) -> int:
-    from pensieve.ops.agentic_bench import AGENTIC, bench_agentic, replot_agentic
+    from pensieve.ops.agentic_cli import AGENTIC, bench_agentic, replot_agentic
     from pensieve.ops.sweep import bench, replot
 
     if args.conversations == AGENTIC:

@@ -10,7 +10,7 @@ import pytest
 
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.ops.agentic import AgenticConfig, Corpus, Span, corpus_chars, generate
-from pensieve.ops.agentic_bench import AGENTIC, chat_tokenizer, config_of
+from pensieve.ops.agentic_cli import AGENTIC, chat_tokenizer, config_of
 from pensieve.ops.agentic_load import Outcome, Slo, TurnResult, summarize
 from pensieve.ops.cli import build_parser
 from pensieve.ops.sharegpt import Role, load_conversations, write_jsonl

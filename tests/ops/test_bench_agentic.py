@@ -15,7 +15,7 @@ from matplotlib import image
 
 from pensieve.actors.ingress.http_actor import HttpConfig
 from pensieve.ops.agentic import AgenticConfig, Corpus, Span, corpus_chars, generate
-from pensieve.ops.agentic_bench import chat_tokenizer
+from pensieve.ops.agentic_cli import chat_tokenizer
 from pensieve.ops.cli import main
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
