@@ -197,6 +197,7 @@ def _chat(args: argparse.Namespace, started: float) -> int:
 
 
 def _bench_parser(commands: Any) -> None:
+    from pensieve.ops.agentic_cli import add_agentic_args
     from pensieve.ops.sweep import add_bench_args
 
     bench = _client_parser(
@@ -206,15 +207,22 @@ def _bench_parser(commands: Any) -> None:
         "Send real conversations to a running server over NATS (or, with --http, over the "
         "OpenAI API), closed loop or at Poisson arrival rates, and report what it served: a "
         "table, JSON, and with --plot normalized latency and time to first token against the "
-        "request rate.",
+        "request rate. `pensieve bench agentic`: generated coding-agent sessions (a shared "
+        "system prompt, tool results, short replies, tool time between turns) instead.",
     )
     add_bench_args(bench)
+    add_agentic_args(bench)
     bench.set_defaults(run=_bench)
 
 
 def _bench(args: argparse.Namespace, started: float) -> int:
+    from pensieve.ops.agentic_cli import AGENTIC, bench_agentic, replot_agentic
     from pensieve.ops.sweep import bench, replot
 
+    if args.conversations == AGENTIC:
+        if args.replot:
+            return replot_agentic(args)
+        return bench_agentic(args, *_client_connection(args))
     if args.replot:
         return replot(args)
     return bench(args, *_client_connection(args))

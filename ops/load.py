@@ -150,7 +150,7 @@ async def run_load(
     }
     after = await _stats(chat)
     if before is not None and after is not None and before["engine_id"] == after["engine_id"]:
-        summary["server"] = _server_moved(before, after)
+        summary["server"] = server_moved(before, after)
     return summary
 
 
@@ -189,7 +189,7 @@ async def run_poisson(
         summary["window_s"] = [window.warmup_s, window.duration_s]
     after = await _stats(chat)
     if before is not None and after is not None and before["engine_id"] == after["engine_id"]:
-        summary["server"] = _server_moved(before, after)
+        summary["server"] = server_moved(before, after)
     return summary
 
 
@@ -241,7 +241,7 @@ async def server_stats(bus: Bus, fresh_within_s: float = 2.0) -> dict[str, Any] 
         await asyncio.sleep(0.01)
 
 
-def _server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+def server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What the engine did during the load, by its own totals: requests finished, suspensions,
     prompt tokens by source, and swaps in each direction with their rate over the device time
     the copies took. With one engine on the bus and no other client, its prompt sources add up

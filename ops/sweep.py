@@ -47,7 +47,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "conversations",
         nargs="?",
         default="sharegpt",
-        help="a conversations file (JSON Lines), or 'sharegpt'",
+        help="a conversations file (JSON Lines), 'sharegpt', or 'agentic' for generated agent "
+        "sessions (see their options below)",
     )
     add_connection_args(parser)
     parser.add_argument(
@@ -62,16 +63,22 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         help="with --http: the model to ask for (default: the one listed)",
     )
     load = parser.add_argument_group("load")
-    load.add_argument("--num-conversations", type=int, default=32, metavar="N")
+    load.add_argument(
+        "--num-conversations",
+        "--sessions",
+        type=int,
+        default=32,
+        metavar="N",
+        help="conversations, or agentic sessions",
+    )
     load.add_argument("--max-turns", type=int, default=3, metavar="N")
     load.add_argument("--max-tokens", type=int, default=128, metavar="N")
     load.add_argument("--ignore-eos", action="store_true", help="every reply max-tokens long")
     load.add_argument(
         "--concurrency",
-        type=int,
-        default=8,
-        metavar="N",
-        help="closed loop: N conversations at once (without --rates)",
+        default="8",
+        metavar="N,N,...",
+        help="closed loop: one run with N conversations at once for each N (without --rates)",
     )
     load.add_argument(
         "--rates",
@@ -126,6 +133,19 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def parse_counts(text: str) -> list[int]:
+    """`--concurrency`: positive integers separated by commas."""
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--concurrency must be integers separated by commas, got {text!r}"
+        ) from None
+    if not all(c >= 1 for c in counts):
+        raise ValueError("--concurrency must be >= 1")
+    return counts
+
+
 def parse_rates(text: str | None) -> list[float]:
     if text is None:
         return []
@@ -149,7 +169,7 @@ class Server:
     model: str | None = None
 
 
-async def _connect(server: Server) -> tuple[ChatClient, Any]:
+async def connect(server: Server) -> tuple[ChatClient, Any]:
     """The load's client, and what closes it."""
     if server.http is not None:
         from pensieve.ops.openai_client import OpenAIChatClient, base_url
@@ -172,20 +192,24 @@ async def sweep(
     seed: int,
     window: Window | None = None,
     on_run: Callable[[list[dict[str, Any]]], None] | None = None,
+    concurrencies: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
-    """One run per rate (one closed-loop run without rates), each with a progress bar;
-    `on_run` gets the runs so far after each one (a sweep cut short keeps what it measured)."""
-    client, close = await _connect(server)
+    """One run per rate (without rates, one closed-loop run per concurrency, by default
+    `options.concurrency`), each with a progress bar; `on_run` gets the runs so far after each
+    one (a sweep cut short keeps what it measured)."""
+    client, close = await connect(server)
     total: int | None = None  # with a window: as many as arrive in it
     if window is None:
         total = sum(len(list(human_turns(c))[: options.max_turns]) for c in conversations)
     runs = []
     try:
-        chosen: list[float | None] = [*rates] if rates else [None]
-        for rate in chosen:
-            name = f"{rate:g}/s" if rate is not None else f"c={options.concurrency}"
+        closed = [dataclasses.replace(options, concurrency=c) for c in concurrencies]
+        chosen: list[tuple[float | None, LoadOptions]] = [(r, options) for r in rates]
+        chosen = chosen or [(None, o) for o in closed or [options]]
+        for rate, run in chosen:
+            name = f"{rate:g}/s" if rate is not None else f"c={run.concurrency}"
             with tqdm(total=total, desc=name, unit="turn", leave=False) as bar:
-                told = dataclasses.replace(options, on_turn=lambda: bar.update(1))
+                told = dataclasses.replace(run, on_turn=lambda: bar.update(1))
                 if rate is None:
                     runs.append(await run_load(client, conversations, told))
                 else:
@@ -276,6 +300,15 @@ def replot(args: argparse.Namespace) -> int:
     return 0
 
 
+def server_of(args: argparse.Namespace, url: str, connect: ConnectOptions | None) -> Server:
+    """Where the bench's options send the load."""
+    if args.http is None:
+        return Server(url, connect)
+    from pensieve.ops.openai_client import api_key
+
+    return Server(url, None, args.http, api_key(args.tenant), args.model)
+
+
 def bench(args: argparse.Namespace, url: str, connect: ConnectOptions | None) -> int:
     rates = parse_rates(args.rates)
     window = None
@@ -285,22 +318,29 @@ def bench(args: argparse.Namespace, url: str, connect: ConnectOptions | None) ->
         window = Window(args.duration, args.warmup)
     elif args.warmup:
         raise ValueError("--warmup needs --duration")
+    concurrencies = parse_counts(args.concurrency)
     conversations = load_conversations(args.conversations, args.num_conversations)
     options = LoadOptions(
-        args.concurrency, args.max_turns, args.max_tokens, args.ignore_eos, probe_every_s=0.0
+        concurrencies[0], args.max_turns, args.max_tokens, args.ignore_eos, probe_every_s=0.0
     )
-    server = Server(url, connect)
-    if args.http is not None:
-        from pensieve.ops.openai_client import api_key
-
-        server = Server(url, None, args.http, api_key(args.tenant), args.model)
+    server = server_of(args, url, connect)
 
     def save(runs: list[dict[str, Any]]) -> None:
         if args.json is not None:
             args.json.write_text(json.dumps({"label": args.label, "runs": runs}, indent=1))
 
     runs = asyncio.run(
-        sweep(server, conversations, options, rates, args.think_time, args.seed, window, save)
+        sweep(
+            server,
+            conversations,
+            options,
+            rates,
+            args.think_time,
+            args.seed,
+            window,
+            save,
+            concurrencies,
+        )
     )
     print(table(args.label, runs))
     if args.plot is not None:

