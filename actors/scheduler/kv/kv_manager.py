@@ -8,7 +8,9 @@ The manager decides which chunk lives where; the executor moves the bytes it is 
   - a chunk may hold a live GPU block and a CPU copy at once ("backed"): a full chunk's KV never
     changes, so the copy made when it was last swapped out stays valid after it comes back. Its
     next eviction from the GPU then copies nothing, and the CPU tier gives up a backed copy
-    (which loses nothing) before it drops any chunk that lives only on the CPU.
+    (which loses nothing) before it drops any chunk;
+  - each eviction takes the lowest-ranked chunk at that moment (`eviction.py`), so a conversation
+    is evicted from its leading end: what it has dropped is a leading run of its chunks.
 
 Every change of a chunk's place is recorded as a `KvEvent` (see `take_events`), so that a
 subscriber to the KV event plane can follow each conversation's chunks from tier to tier.
@@ -21,7 +23,7 @@ from collections import Counter
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
 from pensieve.actors.scheduler.kv.copies import TierCopies
-from pensieve.actors.scheduler.kv.eviction import CostFn, EvictionOrder
+from pensieve.actors.scheduler.kv.eviction import Candidate, CostFn, EvictionOrder
 from pensieve.actors.scheduler.kv.kv_cache import Acquired, Chunk, ConversationKV
 from pensieve.actors.scheduler.kv.kv_events import ChunkEvents, Where
 from pensieve.actors.wire.messages import KvEvent, KvEventKind, Tier
@@ -261,16 +263,18 @@ class KVCacheManager:
             return 0
         if not self.eviction.swap_out_due(now, self.num_free_gpu):
             return 0
-        for value, conv, chunk in self.eviction.gpu_candidates(now):
+        for candidate in self.eviction.gpu_candidates(now):
             if self.num_free_gpu >= target:
                 break
+            conv, chunk = candidate.conv, candidate.chunk
             if chunk.cpu_slot is not None:  # backed: its CPU copy is valid, nothing to copy
                 if self.copies.reclaim_backed(chunk):
                     where = self.events.gpu_where[chunk.gpu_block]  # type: ignore[index]
                     self.events.emit(KvEventKind.SWAPPED_OUT, where, chunk)
+                    self.eviction.joined_cpu(conv, candidate.index)
                     moved += 1
                 continue
-            slot = self._take_cpu_slot(value, now)
+            slot = self._take_cpu_slot(candidate, now, ahead=True)
             if slot is None:
                 self.eviction.swap_out_blocked(now, self.num_free_gpu)
                 break
@@ -300,20 +304,23 @@ class KVCacheManager:
         """Swapped out, its GPU block kept until reused."""
         return self.copies.reclaiming(chunk)
 
-    def _slot_for_eviction(self, chunk: Chunk, value: float | None, now: float) -> int | None:
+    def _slot_for_eviction(
+        self, chunk: Chunk, candidate: Candidate | None, now: float
+    ) -> int | None:
         """Where an evicted chunk's KV goes: its valid CPU copy, a new slot, or nowhere."""
         if chunk.cpu_slot is not None:
             return chunk.cpu_slot
-        return self._take_cpu_slot(value, now) if self.cpu.capacity else None
+        return self._take_cpu_slot(candidate, now) if self.cpu.capacity else None
 
     def _ensure_free_gpu(self, needed: int, now: float) -> None:
         """Evict on demand (lowest value first) until `needed` blocks can be taken."""
         if self.gpu.num_free + self.copies.num_reclaimable >= needed:
             return
-        for value, conv, chunk in self.eviction.gpu_candidates(now):
+        for candidate in self.eviction.gpu_candidates(now):
             if self.gpu.num_free + self.copies.num_reclaimable >= needed:
                 return
-            self._evict_now(conv, chunk, self._slot_for_eviction(chunk, value, now))
+            chunk = candidate.chunk
+            self._evict_now(candidate.conv, chunk, self._slot_for_eviction(chunk, candidate, now))
         if self.gpu.num_free + self.copies.num_reclaimable < needed:
             raise OutOfBlocks(f"need {needed} GPU blocks, {self.gpu.num_free} free")
 
@@ -350,10 +357,15 @@ class KVCacheManager:
         self.events.emit(
             KvEventKind.DROPPED if slot is None else KvEventKind.SWAPPED_OUT, where, chunk
         )
+        if slot is not None:
+            self.eviction.joined_cpu(conv, where[1])
         return copied
 
-    def _take_cpu_slot(self, value: float | None, now: float) -> int | None:
-        """A free CPU slot, dropping lower-valued CPU chunks if needed (any, if value is None)."""
+    def _take_cpu_slot(
+        self, candidate: Candidate | None, now: float, ahead: bool = False
+    ) -> int | None:
+        """A free CPU slot for `candidate`, dropping a CPU chunk that goes before it if needed
+        (any, if None); `ahead`: for a swap-out that could wait (see `cpu_victim`)."""
         slot = self.cpu.allocate()
         if slot is not None:
             return slot
@@ -362,7 +374,7 @@ class KVCacheManager:
             slot, chunk = backed
             self.events.emit(KvEventKind.CPU_FREED, self.events.cpu_where[slot], chunk)
             return slot
-        chunk = self.eviction.cpu_victim(value, now)
+        chunk = self.eviction.cpu_victim(candidate, now, ahead=ahead)
         if chunk is None:
             return None
         where = self.events.cpu_where[chunk.cpu_slot]  # type: ignore[index]
@@ -373,8 +385,9 @@ class KVCacheManager:
     def _swap_out(self, conv: ConversationKV, chunk: Chunk, slot: int) -> None:
         self.copies.swap_out(chunk, slot)
         conv.maybe_on_cpu = True
-        self.events.cpu_where[slot] = self.events.gpu_where[chunk.gpu_block]  # type: ignore[index]
-        self.events.emit(KvEventKind.SWAPPED_OUT, self.events.cpu_where[slot], chunk)
+        where = self.events.cpu_where[slot] = self.events.gpu_where[chunk.gpu_block]  # type: ignore[index]
+        self.events.emit(KvEventKind.SWAPPED_OUT, where, chunk)
+        self.eviction.joined_cpu(conv, where[1])
 
     def _drop(self, chunk: Chunk) -> None:
         if chunk.gpu_block is not None:

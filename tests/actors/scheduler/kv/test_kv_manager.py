@@ -20,7 +20,7 @@ from pensieve.actors.planner.tier_map import TierMap, TierSnapshot
 from pensieve.actors.scheduler.kv.kv_cache import Chunk
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
 from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager, OutOfBlocks
-from pensieve.actors.wire.messages import Tier
+from pensieve.actors.wire.messages import KvEvent, Tier
 from pensieve.actors.wire.step import SwapOrders
 
 BLOCK = 4
@@ -35,6 +35,24 @@ def snapshot(kv: KVCacheManager) -> TierSnapshot:
     }
 
 
+def place(kv: KVCacheManager, chunk: Chunk) -> int:
+    """0 dropped, 1 on the CPU tier (its GPU block, if any, waits for reuse), 2 live on the GPU."""
+    if chunk.gpu_block is not None and not kv._reclaiming(chunk):
+        return 2
+    return 1 if chunk.cpu_slot is not None else 0
+
+
+def assert_evicted_from_the_leading_end(kv: KVCacheManager) -> None:
+    """Within an idle conversation values grow with the chunk index, so what is dropped is a
+    leading run, and no chunk is on a lower tier than an earlier chunk of its own."""
+    for conv in kv.conversations.values():
+        if conv.pinned:
+            continue
+        computed = conv.chunks[: -(-conv.num_positions // BLOCK)]
+        places = [place(kv, chunk) for chunk in computed]
+        assert places == sorted(places), f"{conv.conv_id}: tiers {places} out of rank"
+
+
 class Simulation:
     def __init__(self, policy: Policy, num_gpu: int, num_cpu: int) -> None:
         config = CacheConfig(BLOCK, num_gpu, num_cpu, policy)
@@ -44,6 +62,7 @@ class Simulation:
         self.running: dict[str, int] = {}  # conv -> target positions
         self.now = 0.0
         self.kv.take_events()  # record from the start
+        self.last_events: list[KvEvent] = []  # those of the last check
         self.stream, self.tier_map = KvEventStream("sim"), TierMap()
         self.spilled: dict[tuple[str, int], int] = {}  # the spill index, as written
         self.spills = SpillIndex(self.write_spills)
@@ -78,7 +97,8 @@ class Simulation:
 
     def check(self) -> None:
         self.kv.check_invariants()
-        events = self.kv.take_events()
+        assert_evicted_from_the_leading_end(self.kv)
+        events = self.last_events = self.kv.take_events()
         self.tier_map.apply(self.stream.batch(events))
         assert self.tier_map.snapshot() == snapshot(self.kv)
         self.spills.apply(events)
