@@ -53,10 +53,11 @@ DISCONNECTS = "$SYS.ACCOUNT.*.DISCONNECT"  # the system account's event of a clo
 
 def check_fits(client: Client, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
     """ApiError("too_long") unless the message fits the server's `max_payload`, its headers
-    counted as nats-server counts them. A message that does not fit must never be sent:
-    nats-server answers it by closing the connection, and nats-py does not reconnect after."""
+    counted as nats-server counts them (an empty dict of headers still sends their first and
+    last line). A message that does not fit must never be sent: nats-server answers it by
+    closing the connection, and what was in flight on it is lost."""
     size = len(data)
-    if headers:  # "NATS/1.0\r\n", a "key: value\r\n" line each, "\r\n"
+    if headers is not None:  # "NATS/1.0\r\n", a "key: value\r\n" line each, "\r\n" (even none)
         size += 12 + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
     limit = client.max_payload
     if size > limit:
@@ -99,8 +100,9 @@ class Incoming:
     async def forward(self, subject: str) -> None:
         """Hand the request on to `subject` as it came: the answer goes to the requester."""
         client = self._bus.client
-        check_fits(client, subject, self.data, self.headers)
-        await client.publish(subject, self.data, reply=self.reply, headers=self.headers or None)
+        headers = self.headers or None
+        check_fits(client, subject, self.data, headers)
+        await client.publish(subject, self.data, reply=self.reply, headers=headers)
 
 
 Handler = Callable[[Incoming], Awaitable[None]]
@@ -269,6 +271,11 @@ class Bus:
             self._who,
             len(standing),
         )
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server takes, headers included (see `check_fits`)."""
+        return int(self.client.max_payload)
 
     async def _subscribe(self, standing: _Standing, endpoint: bool = False) -> None:
         """Subscribe, and keep the subscription across a connection made again."""

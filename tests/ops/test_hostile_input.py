@@ -12,10 +12,14 @@ alone, and a greedy prompt gives the same tokens after the storm as before it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -30,7 +34,7 @@ from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import ERROR_HEADER
 from pensieve.actors.wire.schemas import ERROR_CODES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, ROLES
 from pensieve.ops.factory import EngineOptions, assemble
-from pensieve.ops.nats_server import EmbeddedNats
+from pensieve.ops.nats_server import EmbeddedNats, find_binary, free_port
 from tests.ops.serving import serve_on_thread
 
 pytestmark = pytest.mark.slow
@@ -643,3 +647,88 @@ def test_a_body_at_the_payload_limit_is_refused_and_the_engine_stays_on_the_bus(
         assert replies[-1]["error"]["code"] == "too_long", replies[-1]
     after = ask(nats_url, subjects.CHAT, GREEDY)[-1]
     assert "error" not in after and after["token_ids"], after
+
+
+# ---- a conversation whose history passes the payload limit ------------------------------------
+
+SMALL_PAYLOAD = 16_384  # a server's max_payload that a history of the 8k-token model can pass
+
+
+@contextlib.contextmanager
+def nats_with_max_payload(limit: int, folder: Path) -> Iterator[str]:
+    """A real nats-server on loopback that takes messages of `limit` bytes at most."""
+    port = free_port()
+    config = folder / "nats-server.conf"
+    config.write_text(f"listen: 127.0.0.1:{port}\nmax_payload: {limit}\n")
+    with subprocess.Popen(
+        [
+            find_binary(),
+            "-c",
+            str(config),
+        ],
+        stderr=subprocess.DEVNULL,
+    ) as server:
+        try:
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline and server.poll() is None
+                    time.sleep(0.05)
+            yield f"nats://127.0.0.1:{port}"
+        finally:
+            server.terminate()
+
+
+def test_a_history_past_the_payload_limit_is_too_long_and_new_conversations_go_on(
+    smollm2, smollm2_chat, tmp_path
+) -> None:
+    """Every turn renders its conversation's whole history in one message to a tokenizer
+    replica; once the stored history passes what one message carries, each turn of that
+    conversation is refused as too_long, saying what to do (before: internal, as the message
+    could not be sent), and other conversations go on. The server's limit is small here, so
+    that the 8k-token model's history can pass it: runs of spaces take 64 bytes a token."""
+    built = assemble(EngineOptions(model="smollm2", gpu_cache_tokens=1024), smollm2, smollm2_chat)
+
+    async def go(url: str) -> None:
+        client = await nats.connect(url)
+        try:
+            assert client.max_payload == SMALL_PAYLOAD
+
+            async def turn(body: dict[str, Any]) -> dict[str, Any]:
+                reply = (await exchange(client, subjects.CHAT, orjson.dumps(body)))[0][-1]
+                assert isinstance(reply, dict)
+                return reply
+
+            said = "Say hi." + " " * (SMALL_PAYLOAD // 2)
+            first = await turn({"message": said, "max_tokens": 8, "ignore_eos": True})
+            conv, history = first["conversation_id"], [said, first["text"]]
+            # the longest message whose turn is still taken, found from above: the reply of
+            # that turn takes the stored history past the limit
+            spaces = SMALL_PAYLOAD - sum(len(t.encode()) for t in history)
+            while True:
+                message = "Go on." + " " * spaces
+                body = {"conversation_id": conv, "message": message, "max_tokens": 200}
+                reply = await turn({**body, "ignore_eos": True})
+                if "error" not in reply:
+                    break
+                assert reply["error"]["code"] == "too_long", reply
+                spaces -= 16
+            history += [message, reply["text"]]
+            assert sum(len(text.encode()) for text in history) > SMALL_PAYLOAD
+            for _ in range(2):  # every turn: the same clear answer
+                refused = await turn({"conversation_id": conv, "message": "Hi", "max_tokens": 1})
+                assert refused["error"]["code"] == "too_long", refused
+                assert "new conversation" in refused["error"]["message"], refused
+            fresh = await turn({"message": "Hi", "max_tokens": 2})
+            assert "error" not in fresh and len(fresh["token_ids"]) >= 1, fresh
+        finally:
+            await client.close()
+
+    with (
+        nats_with_max_payload(SMALL_PAYLOAD, tmp_path) as url,
+        serve_on_thread(built, tmp_path / "store", url),
+    ):
+        asyncio.run(go(url))

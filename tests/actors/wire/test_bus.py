@@ -7,8 +7,10 @@ import logging
 from contextlib import aclosing
 
 import nats
+import pytest
 
 from pensieve.actors.wire.bus import Bus, Incoming, ServiceInfo
+from pensieve.actors.wire.schemas import ApiError
 from pensieve.ops.nats_server import EmbeddedNats
 
 
@@ -122,3 +124,22 @@ def test_a_connection_the_server_closes_is_made_again_with_every_subscription(ca
     said = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert any(level == logging.ERROR and "was closed" in text for level, text in said), said
     assert any(level == logging.INFO and "is back" in text for level, text in said), said
+
+
+def test_a_message_that_would_pass_the_payload_limit_is_refused_before_it_is_sent() -> None:
+    """Headers count, even none: nats-py sends an empty dict of them as 12 bytes."""
+
+    async def go(url: str) -> None:
+        bus = await Bus.connect(url)
+        limit = bus.max_payload
+        for headers, size in (({}, limit - 12), ({"K": "v"}, limit - 18), (None, limit)):
+            with pytest.raises(ApiError) as refused:
+                await bus.publish("t.big", b"x" * (size + 1), headers)
+            assert refused.value.code == "too_long"
+            await bus.publish("t.big", b"x" * size, headers)  # fits exactly
+        await bus.flush()
+        assert bus.client.is_connected and bus.num_recoveries == 0
+        await bus.close()
+
+    with EmbeddedNats() as server:
+        asyncio.run(go(server.url))
