@@ -34,6 +34,7 @@ from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import ERROR_HEADER
 from pensieve.actors.wire.schemas import ERROR_CODES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, ROLES
 from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.nats_accounts import add_tenant
 from pensieve.ops.nats_server import EmbeddedNats, find_binary, free_port
 from tests.ops.serving import serve_on_thread
 
@@ -43,6 +44,7 @@ NUM_REQUESTS = 1200
 IN_FLIGHT = 32  # storm requests waiting for their answer at once
 TIMEOUT_S = 60.0  # for each message of an answer: the server must answer every request
 MAX_BODY = 900_000  # below NATS's default payload limit (1 MiB), which the client enforces
+PAYLOAD_LIMIT = 1 << 20  # nats-server's default max_payload
 MAX_STORM_TOKENS = 3  # a valid storm turn samples at most this many tokens
 GREEDY_PROMPT = "What is the capital of France?"
 GREEDY = {"message": GREEDY_PROMPT, "max_tokens": 24}
@@ -116,6 +118,7 @@ CHAT_FIELDS = [
 class Probe:
     subject: str
     data: bytes
+    expect: str | None = None  # the error code it must get (None: any but internal)
 
 
 @dataclass
@@ -253,6 +256,27 @@ def _changed(body: dict[str, Any], changes: list[tuple[str, tuple[Any] | None]])
     return body
 
 
+def histories_at_the_limit() -> st.SearchStrategy[bytes]:
+    """Chat bodies of a whole history (`messages`) at or just under the payload limit: a
+    conversation past what one message carries to the engine's actors (refused too_long by
+    the ingress, by the render's size or by its token count)."""
+
+    def body(slack: int, dense: bool, pad: str) -> bytes:
+        filler = " " if dense else pad
+        turns = [
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": GREEDY_PROMPT},
+        ]
+        empty = len(orjson.dumps({"messages": turns, "max_tokens": 1}))
+        size = PAYLOAD_LIMIT - slack - empty
+        turns[1]["content"] = (filler * size)[:size]
+        return orjson.dumps({"messages": turns, "max_tokens": 1})
+
+    slack = st.sampled_from([0, 1, 12, 64, 200, 3000, 50_000])
+    return st.builds(body, slack, st.booleans(), st.sampled_from("xa0="))
+
+
 def raw_bodies(json_bodies: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
     nested = st.sampled_from(
         [
@@ -341,12 +365,15 @@ def probes(engine_id: str, kept: list[str], doomed: list[str]) -> st.SearchStrat
     def probe(draw: st.DrawFn) -> Probe:
         shared = draw(st.sampled_from(SHARED))
         subject = draw(st.sampled_from([shared, subjects.engine_subject(engine_id, shared)]))
-        if shared == subjects.CHAT and draw(st.sampled_from(range(10))) == 0:
+        pick = draw(st.sampled_from(range(10))) if shared == subjects.CHAT else None
+        if pick == 0:
             return Probe(subject, encoded(draw(flood), ascii_only=False))
+        if pick == 1 and draw(st.sampled_from(range(4))) == 0:  # histories past the limit
+            return Probe(subject, draw(histories_at_the_limit()), "too_long")
         own = st.builds(encoded, bodies[shared], st.booleans())
         return Probe(subject, draw(mixed(own, own, any_json, raw_bodies(own))))
 
-    return probe().filter(lambda p: len(p.data) <= MAX_BODY)
+    return probe().filter(lambda p: len(p.data) <= (PAYLOAD_LIMIT if p.expect else MAX_BODY))
 
 
 def generate(engine_id: str, kept: list[str], doomed: list[str], num: int) -> list[Probe]:
@@ -468,6 +495,10 @@ def problem(outcome: Outcome, expected: Expected) -> str | None:
     if outcome.failure is not None:
         return outcome.failure
     *deltas, final = outcome.replies
+    if outcome.probe.expect is not None:
+        code = final.get("error", {}).get("code") if isinstance(final, dict) else None
+        if code != outcome.probe.expect:
+            return f"{code}, not {outcome.probe.expect}"
     if isinstance(final, dict) and "error" in final:
         error = final["error"]
         if not (
@@ -647,6 +678,72 @@ def test_a_body_at_the_payload_limit_is_refused_and_the_engine_stays_on_the_bus(
         assert replies[-1]["error"]["code"] == "too_long", replies[-1]
     after = ask(nats_url, subjects.CHAT, GREEDY)[-1]
     assert "error" not in after and after["token_ids"], after
+
+
+# ---- bodies at the payload limit, from a tenant and anonymously -------------------------------
+
+SLACKS = (0, 1, 12, 200, 3000)  # bytes under the limit
+
+
+def bodies_around_the_limit(limit: int) -> list[tuple[bytes, str]]:
+    """Chat bodies of `limit` - slack bytes, each with the error it must get: valid ones are
+    too_long (the ingress cannot hand them on with its headers, or the prompt passes the
+    context), a body that is not a request is invalid_request at any size."""
+    empty = len(orjson.dumps({"message": "", "max_tokens": 1}))
+    found = []
+    for slack in SLACKS:
+        body = orjson.dumps({"message": "x" * (limit - slack - empty), "max_tokens": 1})
+        found.append((body, "too_long"))
+        unknown = body.replace(b'"max_tokens"', b'"max_tokenz"')  # an unknown field
+        found.append((unknown, "invalid_request"))
+        found.append((body[:-1], "invalid_request"))  # truncated JSON
+    return found
+
+
+async def around_the_limit(connect: dict[str, Any]) -> None:
+    """Each body of `bodies_around_the_limit` gets its error on one connection, which stays
+    open, and an ordinary turn on it is answered after them."""
+    client = await nats.connect(**connect)
+    try:
+        for body, expected in bodies_around_the_limit(client.max_payload):
+            assert len(body) <= client.max_payload
+            replies, headers = await exchange(client, subjects.CHAT, body)
+            error = replies[-1]["error"]
+            assert error["code"] == headers[ERROR_HEADER] == expected, (len(body), error)
+            assert error["message"]
+        assert client.is_connected
+        after = (await exchange(client, subjects.CHAT, orjson.dumps(GREEDY)))[0][-1]
+        assert "error" not in after and after["token_ids"], after
+    finally:
+        await client.close()
+
+
+def test_bodies_around_the_payload_limit_get_clear_errors_anonymously(
+    nats_url: str, engine_id: str
+) -> None:
+    asyncio.run(around_the_limit({"servers": [nats_url]}))
+
+
+@pytest.fixture(scope="module")
+def tenant(smollm2, smollm2_chat, tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """An engine on a nats-server with accounts, as `pensieve serve` starts it; yields how
+    tenant alice connects."""
+    data_dir = tmp_path_factory.mktemp("tenants")
+    built = assemble(EngineOptions(model="smollm2", gpu_cache_tokens=1024), smollm2, smollm2_chat)
+    with EmbeddedNats(auth_data_dir=data_dir) as server:
+        assert server.service_auth is not None and server.events_auth is not None
+        connect = server.service_auth.connect_options()
+        events = server.events_auth.connect_options()
+        with serve_on_thread(built, data_dir, server.url, connect=connect, events=events):
+            yield add_tenant(data_dir, "alice")
+
+
+def test_bodies_around_the_payload_limit_get_clear_errors_from_a_tenant(
+    tenant: dict[str, Any],
+) -> None:
+    """A tenant's request reaches the service through its import, which adds a header of its
+    own (`Nats-Request-Info`): nothing the ingress passes on may pass the limit for that."""
+    asyncio.run(around_the_limit(tenant))
 
 
 # ---- a conversation whose history passes the payload limit ------------------------------------
