@@ -680,6 +680,35 @@ def test_a_body_at_the_payload_limit_is_refused_and_the_engine_stays_on_the_bus(
     assert "error" not in after and after["token_ids"], after
 
 
+# ---- requests for a conversation of an engine that is not running ------------------------------
+
+ABSENT = subjects.new_conversation_id("0badc0de", "0123456789abcdef")
+
+
+@pytest.mark.parametrize(
+    ("subject", "body"),
+    [
+        (subjects.CHAT, {"conversation_id": ABSENT, "message": "hi", "max_tokens": 0}),
+        (subjects.CHAT, {"conversation_id": ABSENT, "message": "hi", "colour": "red"}),
+        (subjects.CHAT, {"conversation_id": ABSENT, "message": "hi", "messages": []}),
+        (subjects.CHAT, {"conversation_id": ABSENT, "prompt": "hi"}),
+        (subjects.CHAT, {"conversation_id": ABSENT, "message": ""}),
+        (subjects.CHAT, {"conversation_id": ABSENT, "message": "hi", "top_p": 0}),
+        (subjects.CONVERSATIONS_GET, {"conversation_id": ABSENT, "cursor": "x"}),
+        (subjects.CONVERSATIONS_GET, {"conversation_id": ABSENT, "limit": 0}),
+        (subjects.CONVERSATIONS_DELETE, {"conversation_id": ABSENT, "cursor": "1"}),
+        (subjects.CHAT_CANCEL, {"conversation_id": ABSENT, "stream": True}),
+    ],
+)
+def test_an_invalid_request_naming_an_engine_that_is_not_running_is_invalid_request(
+    nats_url: str, engine_id: str, subject: str, body: dict[str, Any]
+) -> None:
+    """Checked before it is routed: what is wrong with it is said, whichever engine it names
+    (routed first, it was answered that the engine is not running)."""
+    (reply,) = ask(nats_url, subject, body)
+    assert reply["error"]["code"] == "invalid_request", reply
+
+
 # ---- bodies at the payload limit, from a tenant and anonymously -------------------------------
 
 SLACKS = (0, 1, 12, 200, 3000)  # bytes under the limit
