@@ -98,8 +98,8 @@ def nats_config_parser(commands: Any) -> None:
     config.add_argument(
         "--listen",
         metavar="HOST:PORT",
-        default=f"0.0.0.0:{DEFAULTS.nats_port}",
-        help="where the server listens",
+        default=f"127.0.0.1:{DEFAULTS.nats_port}",
+        help="where the server listens (0.0.0.0:PORT: every interface, as in a container)",
     )
     log_arg(config)
     config.set_defaults(run=_nats_config)
