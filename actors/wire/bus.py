@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import datetime
 import logging
 import re
@@ -32,6 +31,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from pensieve.actors.wire import discovery
+from pensieve.actors.wire.discovery import EndpointStats, ServiceInfo
 from pensieve.actors.wire.schemas import ERROR_STATUS, ApiError
 
 logger = logging.getLogger(__name__)
@@ -117,31 +118,6 @@ def requester(headers: dict[str, str]) -> str | None:
         return f"{info['server']}/{info['id']}"
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
-
-
-@dataclass(frozen=True)
-class ServiceInfo:
-    """Who answers on this bus, for NATS service discovery (one engine = one service id)."""
-
-    name: str
-    id: str
-    version: str
-    description: str
-
-
-@dataclass
-class EndpointStats:
-    name: str
-    subject: str
-    queue_group: str
-    num_requests: int = 0
-    num_errors: int = 0
-    last_error: str = ""
-    processing_time: int = 0  # ns, over all requests
-
-    def as_json(self) -> dict[str, object]:
-        average = self.processing_time // self.num_requests if self.num_requests else 0
-        return {**dataclasses.asdict(self), "average_processing_time": average, "data": None}
 
 
 @dataclass(frozen=True)
@@ -246,17 +222,7 @@ class Bus:
     async def _recover(self, reconnect: Connector) -> None:
         """Connect again (nats-py retries until the server answers) and make every standing
         subscription again on the new connection."""
-        pause = 0.1
-        while not self.closing:
-            try:
-                client = await reconnect()
-                break
-            except Exception as error:  # refused outright (nats-py gave up): try again
-                logger.warning("NATS %s: connecting again failed: %s", self._who, error)
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, 5.0)
-        else:
-            return
+        client = await reconnect()
         if self.closing:  # `close` came while connecting
             await client.close()
             return
@@ -266,11 +232,7 @@ class Bus:
             await one.make(client)
         await client.flush()
         self.num_recoveries += 1
-        logger.info(
-            "the NATS connection %s is back: %d subscriptions made again",
-            self._who,
-            len(standing),
-        )
+        logger.info("the NATS connection %s is back: %d subscriptions", self._who, len(standing))
 
     @property
     def max_payload(self) -> int:
@@ -437,50 +399,16 @@ class Bus:
         return True
 
     async def advertise(self, service: ServiceInfo) -> None:
-        """Answer the NATS service discovery protocol (`$SRV.PING|INFO|STATS[.name[.id]]`), so
-        `nats micro list|info|stats pensieve` show every engine with the endpoints above and
-        their request counts, errors and processing times.
-
-        nats-py's own `nats.micro` answers these too, but it also runs each endpoint's requests
-        one after another (its handler is awaited in the subscription's callback), which a
-        streamed turn of several seconds would hold up; so the endpoints stay ours and only the
-        discovery answers are written here."""
+        """Answer the NATS service discovery protocol for `service`, with the endpoints above
+        (see `actors/wire/discovery.py`)."""
         started = datetime.datetime.now(datetime.timezone.utc).isoformat()
-        identity = {
-            "name": service.name,
-            "id": service.id,
-            "version": service.version,
-            "metadata": {},
-        }
-
-        def body(kind: str) -> dict[str, object]:
-            reply: dict[str, object] = {"type": f"io.nats.micro.v1.{kind}_response", **identity}
-            if kind == "info":
-                reply["description"] = service.description
-                reply["endpoints"] = [
-                    {
-                        "name": e.name,
-                        "subject": e.subject,
-                        "queue_group": e.queue_group,
-                        "metadata": None,
-                    }
-                    for e in self.endpoints.values()
-                ]
-            elif kind == "stats":
-                reply["started"] = started
-                reply["endpoints"] = [e.as_json() for e in self.endpoints.values()]
-            return reply
-
-        for kind in ("ping", "info", "stats"):
+        for kind in discovery.KINDS:
 
             async def answer(msg: Msg, kind: str = kind) -> None:
-                await self.client.publish(msg.reply, orjson.dumps(body(kind)))
+                body = discovery.reply(kind, service, self.endpoints.values(), started)
+                await self.client.publish(msg.reply, orjson.dumps(body))
 
-            for subject in (
-                f"$SRV.{kind.upper()}",
-                f"$SRV.{kind.upper()}.{service.name}",
-                f"$SRV.{kind.upper()}.{service.name}.{service.id}",
-            ):
+            for subject in discovery.subjects(kind, service):
                 await self._subscribe(_Standing(subject, answer))
 
     async def _handle(
