@@ -98,8 +98,8 @@ def nats_config_parser(commands: Any) -> None:
     config.add_argument(
         "--listen",
         metavar="HOST:PORT",
-        default=f"0.0.0.0:{DEFAULTS.nats_port}",
-        help="where the server listens",
+        default=f"127.0.0.1:{DEFAULTS.nats_port}",
+        help="where the server listens (0.0.0.0:PORT: every interface, as in a container)",
     )
     log_arg(config)
     config.set_defaults(run=_nats_config)
@@ -137,12 +137,15 @@ def _tenant_add(args: argparse.Namespace, started: float) -> int:
 
 def _tenant_rotate(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.api_keys import new_api_key
-    from pensieve.ops.nats_accounts import rotate_tenant
+    from pensieve.ops.nats_accounts import check_tenant, rotate_tenant
     from pensieve.ops.serve import default_data_dir
 
     data_dir = args.data_dir or default_data_dir()
-    nats = rotate_tenant(data_dir, args.name, args.nats_url)
+    check_tenant(data_dir, args.name)
+    # the key first, as in `remove`: a failed NATS reload leaves no old key working (and the
+    # new one unprinted: run rotate again)
     http = {"api_key": new_api_key(data_dir, args.name, replace=True)}
+    nats = rotate_tenant(data_dir, args.name, args.nats_url)
     print(json.dumps({"tenant": args.name, "nats": nats, "http": http}), flush=True)
     return 0
 
@@ -153,8 +156,16 @@ def _tenant_remove(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.serve import default_data_dir
 
     data_dir = args.data_dir or default_data_dir()
-    remove_tenant(data_dir, args.name)
+    # the key first: a NATS reload that fails must not leave the HTTP API open to the tenant
     remove_api_key(data_dir, args.name)
+    try:
+        remove_tenant(data_dir, args.name)
+    except OSError as error:
+        raise OSError(
+            f"tenant {args.name}: its API key is refused and its NATS login is gone from "
+            f"{data_dir}, but the running nats-server did not take that ({error}); it takes "
+            "the login until it does: fix its configuration and restart it"
+        ) from None
     return 0
 
 

@@ -36,6 +36,8 @@ from pensieve.ops.nats_config import (
     RELOAD_USER,
     ServerConfig,
     Tenant,
+    hash_password,
+    is_password_hash,
     new_account,
     new_nkey,
 )
@@ -47,7 +49,9 @@ PID_FILE = "nats-server.pid"  # written by nats-server itself
 SERVICE_PASSWORD = "service.password"
 EVENTS_PASSWORD = "events.password"
 SPARE = "spare.account"  # the name of the account the next tenant takes (see `_reload`)
-TENANTS = "tenants"  # <name>.password or <name>.nkey (its public key), and <name>.account
+# <name>.password (the bcrypt hash of its password) or <name>.nkey (its public key), and
+# <name>.account
+TENANTS = "tenants"
 RELOAD_TIMEOUT_S = 10.0
 
 
@@ -102,9 +106,9 @@ def add_tenant(
         _private_dir(directory / TENANTS)
         _write_private(directory / TENANTS / f"{name}.account", _on_file(directory).spare)
         _write_private(directory / SPARE, new_account())
-        seed = _new_login(directory, name, auth)
+        secret = _new_login(directory, name, auth)
         config = _take(data_dir, directory, f"tenant {name} added")
-    return _connect_kwargs(config, name, servers, seed)
+    return _connect_kwargs(config, name, servers, secret)
 
 
 def rotate_tenant(data_dir: Path, name: str, servers: str | None = None) -> dict[str, Any]:
@@ -113,9 +117,9 @@ def rotate_tenant(data_dir: Path, name: str, servers: str | None = None) -> dict
     check_tenant_name(name)
     with _locked(data_dir) as directory:
         auth = TenantAuth(_existing(directory, name).suffix[1:])
-        seed = _new_login(directory, name, auth)
+        secret = _new_login(directory, name, auth)
         config = _take(data_dir, directory, f"tenant {name} has a new {auth.value}")
-    return _connect_kwargs(config, name, servers, seed)
+    return _connect_kwargs(config, name, servers, secret)
 
 
 def remove_tenant(data_dir: Path, name: str) -> None:
@@ -128,6 +132,13 @@ def remove_tenant(data_dir: Path, name: str) -> None:
         _existing(directory, name).unlink()
         (directory / TENANTS / f"{name}.account").unlink(missing_ok=True)
         _take(data_dir, directory, f"tenant {name} removed")
+
+
+def check_tenant(data_dir: Path, name: str) -> None:
+    """ValueError unless tenant `name` is on file."""
+    check_tenant_name(name)
+    with _locked(data_dir) as directory:
+        _existing(directory, name)
 
 
 def list_tenants(data_dir: Path) -> list[str]:
@@ -156,13 +167,14 @@ def running_pid(data_dir: Path) -> int | None:
     return pid if ours and os.fsencode(directory / CONFIG) in argv else None
 
 
-def _new_login(directory: Path, name: str, auth: TenantAuth) -> str | None:
-    """Write tenant `name`'s new password, or its new nkey's public key; returns the nkey's
-    seed, which is kept nowhere (None for a password)."""
+def _new_login(directory: Path, name: str, auth: TenantAuth) -> str:
+    """Write the bcrypt hash of tenant `name`'s new password, or its new nkey's public key;
+    returns the password or the nkey's seed, which is kept nowhere."""
     path = directory / TENANTS / f"{name}.{auth.value}"
     if auth is TenantAuth.PASSWORD:
-        _write_private(path, new_secret())
-        return None
+        password = new_secret()
+        _write_private(path, hash_password(password))
+        return password
     seed, public = new_nkey()
     _write_private(path, public)
     return seed
@@ -201,12 +213,12 @@ def _existing(directory: Path, name: str) -> Path:
 
 
 def _connect_kwargs(
-    config: ServerConfig, name: str, servers: str | None, seed: str | None
+    config: ServerConfig, name: str, servers: str | None, secret: str
 ) -> dict[str, Any]:
     (tenant,) = [t for t in config.tenants if t.name == name]
     host, port = config.address
     urls = servers.split(",") if servers else [f"nats://{host}:{port}"]
-    return tenant.connect_kwargs(urls, seed)
+    return tenant.connect_kwargs(urls, secret)
 
 
 def _reload(directory: Path, pid: int, config: ServerConfig) -> None:
@@ -240,13 +252,22 @@ def _apply(directory: Path, pid: int, config: ServerConfig) -> None:
     _write_private(directory / CONFIG, config.text())
     os.kill(pid, signal.SIGHUP)
     deadline = time.monotonic() + RELOAD_TIMEOUT_S
-    while not _logs_in(config.address, RELOAD_USER, config.marker):
+    while not _takes(config.address, RELOAD_USER, config.marker):
         if time.monotonic() > deadline:
             raise OSError(
                 f"nats-server (pid {pid}) did not take {directory / CONFIG} "
                 f"within {RELOAD_TIMEOUT_S:.0f} s: see its log"
             )
         time.sleep(0.02)
+
+
+def _takes(address: tuple[str, int], user: str, password: str) -> bool:
+    """Whether the server at `address` takes `user`'s `password` (False while nothing
+    listens there: a server that refused the reload may listen elsewhere)."""
+    try:
+        return _logs_in(address, user, password)
+    except OSError:
+        return False
 
 
 def _logs_in(address: tuple[str, int], user: str, password: str) -> bool:
@@ -291,14 +312,19 @@ def _on_file(directory: Path) -> ServerConfig:
 
 
 def _tenant_on_file(login: Path) -> Tenant:
-    """The tenant whose password or public key is at `login`, in the account it took when it
-    was added (one added before the spare accounts has none on file: its account is named as
-    its user)."""
+    """The tenant whose password's hash or public key is at `login`, in the account it took
+    when it was added (one added before the spare accounts has none on file: its account is
+    named as its user). A password kept in the clear (by an older version) is replaced by its
+    hash here, and keeps working."""
     account = login.with_suffix(".account")
     kept = read_secret(account) if account.exists() else ""
     if login.suffix == ".nkey":
         return Tenant(login.stem, nkey=read_secret(login), account=kept)
-    return Tenant(login.stem, read_secret(login), account=kept)
+    password = read_secret(login)
+    if not is_password_hash(password):
+        password = hash_password(password)
+        _write_private(login, password)
+    return Tenant(login.stem, password, account=kept)
 
 
 @contextlib.contextmanager

@@ -9,8 +9,9 @@ The nats-server that `pensieve serve` starts (unless --insecure) runs with accou
 
     service.password           the engine's actors: user `pensieve` of account `service`
     events.password            the scheduler's watch on closed connections (system account)
-    tenants/<name>.password    tenant <name>: user `tenant-<name>` (or <name>.nkey: its nkey's
-                               public key), in the account named in tenants/<name>.account
+    tenants/<name>.password    tenant <name>: the bcrypt hash of user `tenant-<name>`'s
+                               password (or <name>.nkey: its nkey's public key), in the
+                               account named in tenants/<name>.account
     spare.account              the empty account the next tenant takes
     nats-server.conf           generated from the files above (JSON, which nats-server reads;
                                its shape: ops/nats_config.py)

@@ -5,7 +5,8 @@ account's watcher, and the spare (ops/nats_accounts.py keeps them on file and re
     account system         user pensieve-events: hears of closed connections, and no more
     account reload         user pensieve-reload: nothing; its password changes with every
                            configuration written, so a login with it says a reload took
-    account <tenant's>     user tenant-<name> with a password, or an nkey: imports the API
+    account <tenant's>     user tenant-<name> with a password (its bcrypt hash: the server
+                           never sees the password itself), or an nkey: imports the API
     account <spare>        empty: the next tenant added takes it (see `nats_accounts._reload`)
 """
 
@@ -16,6 +17,8 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import bcrypt
 
 from pensieve.actors.wire.bus import DISCONNECTS
 from pensieve.actors.wire.subjects import PREFIX
@@ -29,15 +32,16 @@ TENANT_USER = "tenant-"  # + the tenant's name: its user's name (user names are 
 # the server forgets where the rest of the answer goes
 RESPONSE_THRESHOLD = "10m"
 NOTHING = {"publish": {"deny": [">"]}, "subscribe": {"deny": [">"]}}
+BCRYPT_COST = 11
 
 
 @dataclass(frozen=True)
 class Tenant:
-    """A tenant, who logs in with a password or with an nkey (whose public key alone the
-    server knows)."""
+    """A tenant, who logs in with a password (whose bcrypt hash alone the server knows) or with
+    an nkey (whose public key alone it knows)."""
 
     name: str
-    password: str = field(default="", repr=False)
+    password: str = field(default="", repr=False)  # a bcrypt hash (see `hash_password`)
     nkey: str = ""  # the public key of its nkey ("": it has a password)
     account: str = ""  # its NATS account's name (default: its user's)
     wired: bool = True  # False: its account and user only, not yet its import (see `_reload`)
@@ -76,13 +80,10 @@ class Tenant:
         imports = [{"service": api, "to": f"{PREFIX}.>", "share": True}] if self.wired else []
         return {"users": [{**login, "permissions": permissions}], "imports": imports}
 
-    def connect_kwargs(self, servers: list[str], seed: str | None = None) -> dict[str, Any]:
-        """The keyword arguments of nats-py's `nats.connect()` for this tenant (one with an
-        nkey: `seed`, its private seed, which is kept nowhere else)."""
-        if self.nkey:
-            login = {"nkeys_seed_str": seed}
-        else:
-            login = {"user": self.user, "password": self.password}
+    def connect_kwargs(self, servers: list[str], secret: str) -> dict[str, Any]:
+        """The keyword arguments of nats-py's `nats.connect()` for this tenant, whose `secret`
+        is its password or its nkey's private seed, neither kept anywhere."""
+        login = {"nkeys_seed_str": secret} if self.nkey else {"user": self.user, "password": secret}
         return {"servers": servers, **login, "inbox_prefix": self.inbox_prefix}
 
 
@@ -130,6 +131,16 @@ class ServerConfig:
         """Where a client on this host reaches the server."""
         host, _, port = self.listen.rpartition(":")
         return ("127.0.0.1" if host in ("", "0.0.0.0") else host, int(port))
+
+
+def hash_password(password: str) -> str:
+    """The bcrypt hash of `password`, which nats-server takes in place of the password itself
+    (a hash begins "$2"; cost 11, as `nats server passwd` makes them)."""
+    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=BCRYPT_COST)).decode()
+
+
+def is_password_hash(text: str) -> bool:
+    return text.startswith("$2")
 
 
 def new_account() -> str:

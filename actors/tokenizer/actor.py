@@ -136,11 +136,11 @@ class TokenizerActor(Actor):
                 f"holds {request.max_tokens + 1}",
             )
         # every id as decimal text with a separator: an upper bound on the answer's size
-        if len(ids) * 8 + 64 > self.bus.client.max_payload:
+        if len(ids) * 8 + 64 > self.bus.max_payload:
             raise ApiError(
                 "too_long",
                 f"the prompt has {len(ids)} tokens, more than one NATS "
-                f"message of {self.bus.client.max_payload} bytes carries",
+                f"message of {self.bus.max_payload} bytes carries",
             )
         return ids
 

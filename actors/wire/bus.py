@@ -5,13 +5,17 @@ task of its own, so a long turn never holds up the next request on the same subj
 that raises is answered with an `internal` error and logged, and the subscription keeps serving.
 Every endpoint counts its requests, errors and processing time, which `advertise` reports through
 the NATS service discovery protocol.
+
+nats-py reconnects by itself when the server goes away, but closes for good when the server
+ends the connection with an error (-ERR, a payload or protocol violation): then the bus connects
+again with the same options and makes every subscription it had again (endpoints, mailboxes,
+service discovery, probes), logging the close as an error and the recovery as info.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import datetime
 import logging
 import re
@@ -27,6 +31,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from pensieve.actors.wire import discovery
+from pensieve.actors.wire.discovery import EndpointStats, ServiceInfo
 from pensieve.actors.wire.schemas import ERROR_STATUS, ApiError
 
 logger = logging.getLogger(__name__)
@@ -48,10 +54,11 @@ DISCONNECTS = "$SYS.ACCOUNT.*.DISCONNECT"  # the system account's event of a clo
 
 def check_fits(client: Client, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
     """ApiError("too_long") unless the message fits the server's `max_payload`, its headers
-    counted as nats-server counts them. A message that does not fit must never be sent:
-    nats-server answers it by closing the connection, and nats-py does not reconnect after."""
+    counted as nats-server counts them (an empty dict of headers still sends their first and
+    last line). A message that does not fit must never be sent: nats-server answers it by
+    closing the connection, and what was in flight on it is lost."""
     size = len(data)
-    if headers:  # "NATS/1.0\r\n", a "key: value\r\n" line each, "\r\n"
+    if headers is not None:  # "NATS/1.0\r\n", a "key: value\r\n" line each, "\r\n" (even none)
         size += 12 + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
     limit = client.max_payload
     if size > limit:
@@ -67,7 +74,7 @@ class Incoming:
     data: bytes
     reply: str
     headers: dict[str, str]  # W3C trace context rides here ("traceparent")
-    _client: Client
+    _bus: Bus  # answers go out on its connection of the moment (a new one after a close)
     subject: str = ""  # where it was delivered (a tenant's requests name the tenant)
 
     async def send(
@@ -77,8 +84,9 @@ class Incoming:
         `probe`, a subject of `Bus.on_no_responders`, as its reply subject, which a client
         reading the message ignores."""
         if self.reply:
-            check_fits(self._client, self.reply, body, headers)
-            await self._client.publish(self.reply, body, reply=probe, headers=headers)
+            client = self._bus.client
+            check_fits(client, self.reply, body, headers)
+            await client.publish(self.reply, body, reply=probe, headers=headers)
 
     async def send_error(self, error: ApiError) -> None:
         """The error as a body and as headers: ours, and the NATS service protocol's, which
@@ -92,10 +100,10 @@ class Incoming:
 
     async def forward(self, subject: str) -> None:
         """Hand the request on to `subject` as it came: the answer goes to the requester."""
-        check_fits(self._client, subject, self.data, self.headers)
-        await self._client.publish(
-            subject, self.data, reply=self.reply, headers=self.headers or None
-        )
+        client = self._bus.client
+        headers = self.headers or None
+        check_fits(client, subject, self.data, headers)
+        await client.publish(subject, self.data, reply=self.reply, headers=headers)
 
 
 Handler = Callable[[Incoming], Awaitable[None]]
@@ -113,31 +121,6 @@ def requester(headers: dict[str, str]) -> str | None:
 
 
 @dataclass(frozen=True)
-class ServiceInfo:
-    """Who answers on this bus, for NATS service discovery (one engine = one service id)."""
-
-    name: str
-    id: str
-    version: str
-    description: str
-
-
-@dataclass
-class EndpointStats:
-    name: str
-    subject: str
-    queue_group: str
-    num_requests: int = 0
-    num_errors: int = 0
-    last_error: str = ""
-    processing_time: int = 0  # ns, over all requests
-
-    def as_json(self) -> dict[str, object]:
-        average = self.processing_time // self.num_requests if self.num_requests else 0
-        return {**dataclasses.asdict(self), "average_processing_time": average, "data": None}
-
-
-@dataclass(frozen=True)
 class ConnectOptions:
     """Who this process is to the NATS server, in nats-py's terms (`ops/nats_auth.py` builds it
     from flags and the environment); the defaults connect anonymously."""
@@ -152,13 +135,37 @@ class ConnectOptions:
     inbox_prefix: str = "_INBOX"  # a tenant may subscribe only below its own
 
 
+@dataclass
+class _Standing:
+    """A subscription the bus keeps: made again on a new connection (see `Bus._recover`)."""
+
+    subject: str
+    cb: Callable[[Msg], Awaitable[None]]
+    queue: str = ""
+    pending_msgs_limit: int = 512 * 1024  # nats-py's default
+    subscription: Subscription | None = None
+
+    async def make(self, client: Client) -> None:
+        self.subscription = await client.subscribe(
+            self.subject, queue=self.queue, cb=self.cb, pending_msgs_limit=self.pending_msgs_limit
+        )
+
+
+Connector = Callable[[], Awaitable[Client]]
+
+
 class Bus:
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, reconnect: Connector | None = None, who: str = "") -> None:
         self.client = client
+        self._reconnect = reconnect  # a new connection with the same options (None: no recovery)
+        self._who = who  # the connection's name and server, for the log
         self._tasks: set[asyncio.Task[None]] = set()  # requests in hand
-        self._endpoint_subscriptions: list[Subscription] = []
+        self._endpoints: list[_Standing] = []  # what `stop_serving` ends
+        self._others: list[_Standing] = []  # discovery, probes, events: until `close`
+        self._recovery: asyncio.Task[None] | None = None
         self.endpoints: dict[str, EndpointStats] = {}  # by subject
         self.closing = False  # `close` was called: the connection's end is expected
+        self.num_recoveries = 0  # connections made again after the server closed one
 
     @classmethod
     async def connect(
@@ -166,7 +173,7 @@ class Bus:
     ) -> Bus:
         """Connect as `options` says (anonymously without), retrying until the server answers
         (in a compose stack the engine may start before NATS does); each failed try is one log
-        line."""
+        line. A connection the server closes is made again (see the module's docstring)."""
 
         async def on_error(error: Exception) -> None:
             logger.warning("NATS at %s: %s: %s", url, type(error).__name__, error)
@@ -174,27 +181,68 @@ class Bus:
         made: list[Bus] = []
 
         async def on_closed() -> None:  # for good: nats-py reconnects only before this
-            if made and not made[0].closing:
-                logger.error("the NATS connection %r to %s closed; restart this process", name, url)
+            if made:
+                made[0]._on_closed()
 
         given = options or ConnectOptions()
-        client = await nats.connect(
-            url,
-            name=name,
-            max_reconnect_attempts=-1,
-            error_cb=on_error,
-            closed_cb=on_closed,
-            user=given.user,
-            password=given.password,
-            token=given.token,
-            nkeys_seed=given.nkeys_seed,
-            nkeys_seed_str=given.nkeys_seed_str,
-            user_credentials=given.user_credentials,
-            tls=given.tls,
-            inbox_prefix=given.inbox_prefix,
-        )
-        made.append(cls(client))
+
+        async def connect() -> Client:
+            return await nats.connect(
+                url,
+                name=name,
+                max_reconnect_attempts=-1,
+                error_cb=on_error,
+                closed_cb=on_closed,
+                user=given.user,
+                password=given.password,
+                token=given.token,
+                nkeys_seed=given.nkeys_seed,
+                nkeys_seed_str=given.nkeys_seed_str,
+                user_credentials=given.user_credentials,
+                tls=given.tls,
+                inbox_prefix=given.inbox_prefix,
+            )
+
+        made.append(cls(await connect(), connect, f"{name!r} to {url}"))
         return made[0]
+
+    def _on_closed(self) -> None:
+        """The connection closed for good: expected after `close`, otherwise made again."""
+        if self.closing or self._reconnect is None:
+            return
+        if self._recovery is not None and not self._recovery.done():
+            return
+        logger.error(
+            "the NATS connection %s was closed (%s); connecting again",
+            self._who,
+            self.client.last_error or "no error given",
+        )
+        self._recovery = asyncio.get_running_loop().create_task(self._recover(self._reconnect))
+
+    async def _recover(self, reconnect: Connector) -> None:
+        """Connect again (nats-py retries until the server answers) and make every standing
+        subscription again on the new connection."""
+        client = await reconnect()
+        if self.closing:  # `close` came while connecting
+            await client.close()
+            return
+        self.client = client
+        standing = [*self._endpoints, *self._others]
+        for one in standing:
+            await one.make(client)
+        await client.flush()
+        self.num_recoveries += 1
+        logger.info("the NATS connection %s is back: %d subscriptions", self._who, len(standing))
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server takes, headers included (see `check_fits`)."""
+        return int(self.client.max_payload)
+
+    async def _subscribe(self, standing: _Standing, endpoint: bool = False) -> None:
+        """Subscribe, and keep the subscription across a connection made again."""
+        await standing.make(self.client)
+        (self._endpoints if endpoint else self._others).append(standing)
 
     async def serve(
         self, subject: str, handler: Handler, queue: str = "pensieve", handoff: bool = False
@@ -210,9 +258,7 @@ class Bus:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-        self._endpoint_subscriptions.append(
-            await self.client.subscribe(subject, queue=queue, cb=on_message)
-        )
+        await self._subscribe(_Standing(subject, on_message, queue), endpoint=True)
 
     async def mailbox(
         self, subject: str, handler: Callable[[bytes, dict[str, str]], Awaitable[None]]
@@ -227,9 +273,7 @@ class Bus:
             except Exception:
                 logger.exception("mailbox %s: a message failed", subject)
 
-        self._endpoint_subscriptions.append(
-            await self.client.subscribe(subject, cb=on_message, pending_msgs_limit=1 << 20)
-        )
+        await self._subscribe(_Standing(subject, on_message, pending_msgs_limit=1 << 20), True)
 
     async def on_no_responders(self, gone: Callable[[str], None]) -> str:
         """A subject prefix of this connection's own, for probes: when a message sent with a
@@ -244,7 +288,7 @@ class Bus:
             if not msg.data and (msg.headers or {}).get("Status") == "503":
                 gone(msg.subject)
 
-        await self.client.subscribe(f"{prefix}.>", cb=on_status)
+        await self._subscribe(_Standing(f"{prefix}.>", on_status))
         return prefix
 
     async def on_disconnects(self, gone: Callable[[str], None]) -> None:
@@ -259,7 +303,7 @@ class Bus:
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 logger.warning("a disconnect event not understood: %r", msg.data[:200])
 
-        await self.client.subscribe(DISCONNECTS, cb=on_event)
+        await self._subscribe(_Standing(DISCONNECTS, on_event))
 
     async def publish(
         self, subject: str, body: bytes, headers: dict[str, str] | None = None
@@ -270,11 +314,12 @@ class Bus:
     async def stop_serving(self) -> None:
         """Take no more requests: the endpoints' subscriptions go (other engines of the queue
         group take what comes next); requests already in hand go on."""
-        subscriptions, self._endpoint_subscriptions = self._endpoint_subscriptions, []
+        endpoints, self._endpoints = self._endpoints, []
         if not self.client.is_connected:  # NATS is away: the server dropped them already
             return
-        for subscription in subscriptions:
-            await subscription.unsubscribe()
+        for endpoint in endpoints:
+            if endpoint.subscription is not None:
+                await endpoint.subscription.unsubscribe()
 
     async def settle(self, timeout: float) -> int:
         """Wait up to `timeout` s for the requests in hand to be answered; how many are not."""
@@ -290,12 +335,16 @@ class Bus:
         (a streamed answer has several); the caller stops when it has the last, and closes the
         generator (`contextlib.aclosing`) so its reply subscription goes at once. Raises
         TimeoutError after `timeout` s without a message, ConnectionError if nothing answers
-        on `subject`."""
-        check_fits(self.client, subject, body, headers)
-        inbox = self.client.new_inbox()
-        sub = await self.client.subscribe(inbox)
+        on `subject` or the connection is closed (until the bus has made it again)."""
+        client = self.client
+        check_fits(client, subject, body, headers)
+        inbox = client.new_inbox()
         try:
-            await self.client.publish(subject, body, reply=inbox, headers=headers)
+            sub = await client.subscribe(inbox)
+        except nats.errors.ConnectionClosedError:
+            raise ConnectionError(f"{subject} not asked: the NATS connection is closed") from None
+        try:
+            await client.publish(subject, body, reply=inbox, headers=headers)
             while True:
                 try:
                     msg = await sub.next_msg(timeout=timeout)
@@ -304,6 +353,8 @@ class Bus:
                 if not msg.data and (msg.headers or {}).get("Status") == "503":
                     raise ConnectionError(f"nothing answers on {subject}")
                 yield msg.data
+        except nats.errors.ConnectionClosedError:
+            raise ConnectionError(f"the NATS connection closed while asking {subject}") from None
         finally:  # on a connection going away its subscriptions go with it
             closing = (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)
             with contextlib.suppress(*closing):
@@ -330,6 +381,8 @@ class Bus:
             await self.client.request(subject, data, timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError:
             raise ConnectionError(f"nothing answers on {subject}") from None
+        except nats.errors.ConnectionClosedError:
+            raise ConnectionError(f"{subject} not reached: the NATS connection is closed") from None
         except nats.errors.TimeoutError:
             raise TimeoutError(f"{subject} did not take the request in {timeout} s") from None
 
@@ -337,56 +390,26 @@ class Bus:
         """Whether something answers a request on `subject` within `timeout` s."""
         try:
             await self.client.request(subject, b"", timeout=timeout)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        except (
+            nats.errors.NoRespondersError,
+            nats.errors.TimeoutError,
+            nats.errors.ConnectionClosedError,
+        ):
             return False
         return True
 
     async def advertise(self, service: ServiceInfo) -> None:
-        """Answer the NATS service discovery protocol (`$SRV.PING|INFO|STATS[.name[.id]]`), so
-        `nats micro list|info|stats pensieve` show every engine with the endpoints above and
-        their request counts, errors and processing times.
-
-        nats-py's own `nats.micro` answers these too, but it also runs each endpoint's requests
-        one after another (its handler is awaited in the subscription's callback), which a
-        streamed turn of several seconds would hold up; so the endpoints stay ours and only the
-        discovery answers are written here."""
+        """Answer the NATS service discovery protocol for `service`, with the endpoints above
+        (see `actors/wire/discovery.py`)."""
         started = datetime.datetime.now(datetime.timezone.utc).isoformat()
-        identity = {
-            "name": service.name,
-            "id": service.id,
-            "version": service.version,
-            "metadata": {},
-        }
-
-        def body(kind: str) -> dict[str, object]:
-            reply: dict[str, object] = {"type": f"io.nats.micro.v1.{kind}_response", **identity}
-            if kind == "info":
-                reply["description"] = service.description
-                reply["endpoints"] = [
-                    {
-                        "name": e.name,
-                        "subject": e.subject,
-                        "queue_group": e.queue_group,
-                        "metadata": None,
-                    }
-                    for e in self.endpoints.values()
-                ]
-            elif kind == "stats":
-                reply["started"] = started
-                reply["endpoints"] = [e.as_json() for e in self.endpoints.values()]
-            return reply
-
-        for kind in ("ping", "info", "stats"):
+        for kind in discovery.KINDS:
 
             async def answer(msg: Msg, kind: str = kind) -> None:
-                await self.client.publish(msg.reply, orjson.dumps(body(kind)))
+                body = discovery.reply(kind, service, self.endpoints.values(), started)
+                await self.client.publish(msg.reply, orjson.dumps(body))
 
-            for subject in (
-                f"$SRV.{kind.upper()}",
-                f"$SRV.{kind.upper()}.{service.name}",
-                f"$SRV.{kind.upper()}.{service.name}.{service.id}",
-            ):
-                await self.client.subscribe(subject, cb=answer)
+            for subject in discovery.subjects(kind, service):
+                await self._subscribe(_Standing(subject, answer))
 
     async def _handle(
         self, handler: Handler, msg: Msg, stats: EndpointStats, handoff: bool
@@ -397,7 +420,7 @@ class Bus:
             reply = headers.pop(REPLY_TO_HEADER, "")
             if msg.reply:  # taken: from here the requester hears from this handler
                 await self.client.publish(msg.reply, b"")
-        incoming = Incoming(msg.data, reply, headers, self.client, msg.subject)
+        incoming = Incoming(msg.data, reply, headers, self, msg.subject)
         stats.num_requests += 1
         begin = time.perf_counter_ns()
         error: ApiError | None = None
@@ -425,6 +448,8 @@ class Bus:
         """Stop handling requests and leave the bus: drain (let queued messages and replies go
         out) when connected; when NATS is down, just close, as there is nothing to drain to."""
         self.closing = True
+        if self._recovery is not None:
+            self._recovery.cancel()
         for task in list(self._tasks):
             task.cancel()
         if self.client.is_connected:

@@ -59,9 +59,22 @@ async def render_remote(
     """The prompt token ids of `messages` (or of a raw `prompt`, encoded as it is, given with
     no messages), rendered by one of engine `engine_id`'s tokenizer replicas, in the caller's
     trace (resent as `_ask_replica` says). A template that refuses the messages:
-    ApiError("invalid_request"); a prompt over `max_tokens`: ApiError("too_long")."""
+    ApiError("invalid_request"); a prompt over `max_tokens`, or messages that one NATS message
+    cannot carry to the tokenizer (a conversation's whole history goes each turn):
+    ApiError("too_long")."""
     body = RenderRequest(tuple(messages), max_tokens, prompt).encode()
-    answer = await _ask_replica(bus, engine_id, RENDER, body, timeout)
+    try:
+        answer = await _ask_replica(bus, engine_id, RENDER, body, timeout)
+    except ApiError as refused:
+        if refused.code != "too_long":  # (raised here only by the bus, before sending)
+            raise
+        raise ApiError(
+            "too_long",
+            f"the turn's messages (a conversation's history with the new one) take {len(body)} "
+            f"bytes, more than one NATS message carries to the tokenizer ({bus.max_payload} "
+            "bytes, headers included): start a new conversation, or send fewer or shorter "
+            "messages",
+        ) from None
     try:
         return decode(answer, RenderReply).token_ids
     except MessageError as unreadable:  # an error body has no version: is it one?

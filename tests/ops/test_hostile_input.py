@@ -19,9 +19,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -38,7 +41,8 @@ from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import ERROR_HEADER
 from pensieve.actors.wire.schemas import ERROR_CODES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, ROLES
 from pensieve.ops.factory import EngineOptions, assemble
-from pensieve.ops.nats_server import EmbeddedNats, free_port
+from pensieve.ops.nats_accounts import add_tenant
+from pensieve.ops.nats_server import EmbeddedNats, find_binary, free_port
 from tests.ops.serving import serve_on_thread
 
 pytestmark = pytest.mark.slow
@@ -47,6 +51,7 @@ NUM_REQUESTS = 1200
 IN_FLIGHT = 32  # storm requests waiting for their answer at once
 TIMEOUT_S = 60.0  # for each message of an answer: the server must answer every request
 MAX_BODY = 900_000  # below NATS's default payload limit (1 MiB), which the client enforces
+PAYLOAD_LIMIT = 1 << 20  # nats-server's default max_payload
 MAX_STORM_TOKENS = 3  # a valid storm turn samples at most this many tokens
 GREEDY_PROMPT = "What is the capital of France?"
 GREEDY = {"message": GREEDY_PROMPT, "max_tokens": 24}
@@ -120,6 +125,7 @@ CHAT_FIELDS = [
 class Probe:
     subject: str
     data: bytes
+    expect: str | None = None  # the error code it must get (None: any but internal)
 
 
 @dataclass
@@ -257,6 +263,27 @@ def _changed(body: dict[str, Any], changes: list[tuple[str, tuple[Any] | None]])
     return body
 
 
+def histories_at_the_limit() -> st.SearchStrategy[bytes]:
+    """Chat bodies of a whole history (`messages`) at or just under the payload limit: a
+    conversation past what one message carries to the engine's actors (refused too_long by
+    the ingress, by the render's size or by its token count)."""
+
+    def body(slack: int, dense: bool, pad: str) -> bytes:
+        filler = " " if dense else pad
+        turns = [
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": GREEDY_PROMPT},
+        ]
+        empty = len(orjson.dumps({"messages": turns, "max_tokens": 1}))
+        size = PAYLOAD_LIMIT - slack - empty
+        turns[1]["content"] = (filler * size)[:size]
+        return orjson.dumps({"messages": turns, "max_tokens": 1})
+
+    slack = st.sampled_from([0, 1, 12, 64, 200, 3000, 50_000])
+    return st.builds(body, slack, st.booleans(), st.sampled_from("xa0="))
+
+
 def raw_bodies(json_bodies: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
     nested = st.sampled_from(
         [
@@ -345,12 +372,15 @@ def probes(engine_id: str, kept: list[str], doomed: list[str]) -> st.SearchStrat
     def probe(draw: st.DrawFn) -> Probe:
         shared = draw(st.sampled_from(SHARED))
         subject = draw(st.sampled_from([shared, subjects.engine_subject(engine_id, shared)]))
-        if shared == subjects.CHAT and draw(st.sampled_from(range(10))) == 0:
+        pick = draw(st.sampled_from(range(10))) if shared == subjects.CHAT else None
+        if pick == 0:
             return Probe(subject, encoded(draw(flood), ascii_only=False))
+        if pick == 1 and draw(st.sampled_from(range(4))) == 0:  # histories past the limit
+            return Probe(subject, draw(histories_at_the_limit()), "too_long")
         own = st.builds(encoded, bodies[shared], st.booleans())
         return Probe(subject, draw(mixed(own, own, any_json, raw_bodies(own))))
 
-    return probe().filter(lambda p: len(p.data) <= MAX_BODY)
+    return probe().filter(lambda p: len(p.data) <= (PAYLOAD_LIMIT if p.expect else MAX_BODY))
 
 
 def generate(engine_id: str, kept: list[str], doomed: list[str], num: int) -> list[Probe]:
@@ -472,6 +502,10 @@ def problem(outcome: Outcome, expected: Expected) -> str | None:
     if outcome.failure is not None:
         return outcome.failure
     *deltas, final = outcome.replies
+    if outcome.probe.expect is not None:
+        code = final.get("error", {}).get("code") if isinstance(final, dict) else None
+        if code != outcome.probe.expect:
+            return f"{code}, not {outcome.probe.expect}"
     if isinstance(final, dict) and "error" in final:
         error = final["error"]
         if not (
@@ -834,3 +868,183 @@ def test_http_connection_abuse_beside_innocent_turns_and_the_storm(
         (r.name, r.getMessage()) for r in http_logs if r.levelno >= logging.ERROR
     ]
     assert sum("went away" in r.getMessage() for r in http_logs) >= NUM_ABORTED
+
+
+# ---- requests for a conversation of an engine that is not running ------------------------------
+
+ABSENT = subjects.new_conversation_id("0badc0de", "0123456789abcdef")
+
+
+@pytest.mark.parametrize(
+    ("subject", "body"),
+    [
+        (subjects.CHAT, {"conversation_id": ABSENT, "message": "hi", "max_tokens": 0}),
+        (subjects.CHAT, {"conversation_id": ABSENT, "message": "hi", "colour": "red"}),
+        (subjects.CHAT, {"conversation_id": ABSENT, "message": "hi", "messages": []}),
+        (subjects.CHAT, {"conversation_id": ABSENT, "prompt": "hi"}),
+        (subjects.CHAT, {"conversation_id": ABSENT, "message": ""}),
+        (subjects.CHAT, {"conversation_id": ABSENT, "message": "hi", "top_p": 0}),
+        (subjects.CONVERSATIONS_GET, {"conversation_id": ABSENT, "cursor": "x"}),
+        (subjects.CONVERSATIONS_GET, {"conversation_id": ABSENT, "limit": 0}),
+        (subjects.CONVERSATIONS_DELETE, {"conversation_id": ABSENT, "cursor": "1"}),
+        (subjects.CHAT_CANCEL, {"conversation_id": ABSENT, "stream": True}),
+    ],
+)
+def test_an_invalid_request_naming_an_engine_that_is_not_running_is_invalid_request(
+    nats_url: str, engine_id: str, subject: str, body: dict[str, Any]
+) -> None:
+    """Checked before it is routed: what is wrong with it is said, whichever engine it names
+    (routed first, it was answered that the engine is not running)."""
+    (reply,) = ask(nats_url, subject, body)
+    assert reply["error"]["code"] == "invalid_request", reply
+
+
+# ---- bodies at the payload limit, from a tenant and anonymously -------------------------------
+
+SLACKS = (0, 1, 12, 200, 3000)  # bytes under the limit
+
+
+def bodies_around_the_limit(limit: int) -> list[tuple[bytes, str]]:
+    """Chat bodies of `limit` - slack bytes, each with the error it must get: valid ones are
+    too_long (the ingress cannot hand them on with its headers, or the prompt passes the
+    context), a body that is not a request is invalid_request at any size."""
+    empty = len(orjson.dumps({"message": "", "max_tokens": 1}))
+    found = []
+    for slack in SLACKS:
+        body = orjson.dumps({"message": "x" * (limit - slack - empty), "max_tokens": 1})
+        found.append((body, "too_long"))
+        unknown = body.replace(b'"max_tokens"', b'"max_tokenz"')  # an unknown field
+        found.append((unknown, "invalid_request"))
+        found.append((body[:-1], "invalid_request"))  # truncated JSON
+    return found
+
+
+async def around_the_limit(connect: dict[str, Any]) -> None:
+    """Each body of `bodies_around_the_limit` gets its error on one connection, which stays
+    open, and an ordinary turn on it is answered after them."""
+    client = await nats.connect(**connect)
+    try:
+        for body, expected in bodies_around_the_limit(client.max_payload):
+            assert len(body) <= client.max_payload
+            replies, headers = await exchange(client, subjects.CHAT, body)
+            error = replies[-1]["error"]
+            assert error["code"] == headers[ERROR_HEADER] == expected, (len(body), error)
+            assert error["message"]
+        assert client.is_connected
+        after = (await exchange(client, subjects.CHAT, orjson.dumps(GREEDY)))[0][-1]
+        assert "error" not in after and after["token_ids"], after
+    finally:
+        await client.close()
+
+
+def test_bodies_around_the_payload_limit_get_clear_errors_anonymously(
+    nats_url: str, engine_id: str
+) -> None:
+    asyncio.run(around_the_limit({"servers": [nats_url]}))
+
+
+@pytest.fixture(scope="module")
+def tenant(smollm2, smollm2_chat, tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """An engine on a nats-server with accounts, as `pensieve serve` starts it; yields how
+    tenant alice connects."""
+    data_dir = tmp_path_factory.mktemp("tenants")
+    built = assemble(EngineOptions(model="smollm2", gpu_cache_tokens=1024), smollm2, smollm2_chat)
+    with EmbeddedNats(auth_data_dir=data_dir) as server:
+        assert server.service_auth is not None and server.events_auth is not None
+        connect = server.service_auth.connect_options()
+        events = server.events_auth.connect_options()
+        with serve_on_thread(built, data_dir, server.url, connect=connect, events=events):
+            yield add_tenant(data_dir, "alice")
+
+
+def test_bodies_around_the_payload_limit_get_clear_errors_from_a_tenant(
+    tenant: dict[str, Any],
+) -> None:
+    """A tenant's request reaches the service through its import, which adds a header of its
+    own (`Nats-Request-Info`): nothing the ingress passes on may pass the limit for that."""
+    asyncio.run(around_the_limit(tenant))
+
+
+# ---- a conversation whose history passes the payload limit ------------------------------------
+
+SMALL_PAYLOAD = 16_384  # a server's max_payload that a history of the 8k-token model can pass
+
+
+@contextlib.contextmanager
+def nats_with_max_payload(limit: int, folder: Path) -> Iterator[str]:
+    """A real nats-server on loopback that takes messages of `limit` bytes at most."""
+    port = free_port()
+    config = folder / "nats-server.conf"
+    config.write_text(f"listen: 127.0.0.1:{port}\nmax_payload: {limit}\n")
+    with subprocess.Popen(
+        [
+            find_binary(),
+            "-c",
+            str(config),
+        ],
+        stderr=subprocess.DEVNULL,
+    ) as server:
+        try:
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline and server.poll() is None
+                    time.sleep(0.05)
+            yield f"nats://127.0.0.1:{port}"
+        finally:
+            server.terminate()
+
+
+def test_a_history_past_the_payload_limit_is_too_long_and_new_conversations_go_on(
+    smollm2, smollm2_chat, tmp_path
+) -> None:
+    """Every turn renders its conversation's whole history in one message to a tokenizer
+    replica; once the stored history passes what one message carries, each turn of that
+    conversation is refused as too_long, saying what to do (before: internal, as the message
+    could not be sent), and other conversations go on. The server's limit is small here, so
+    that the 8k-token model's history can pass it: runs of spaces take 64 bytes a token."""
+    built = assemble(EngineOptions(model="smollm2", gpu_cache_tokens=1024), smollm2, smollm2_chat)
+
+    async def go(url: str) -> None:
+        client = await nats.connect(url)
+        try:
+            assert client.max_payload == SMALL_PAYLOAD
+
+            async def turn(body: dict[str, Any]) -> dict[str, Any]:
+                reply = (await exchange(client, subjects.CHAT, orjson.dumps(body)))[0][-1]
+                assert isinstance(reply, dict)
+                return reply
+
+            said = "Say hi." + " " * (SMALL_PAYLOAD // 2)
+            first = await turn({"message": said, "max_tokens": 8, "ignore_eos": True})
+            conv, history = first["conversation_id"], [said, first["text"]]
+            # the longest message whose turn is still taken, found from above: the reply of
+            # that turn takes the stored history past the limit
+            spaces = SMALL_PAYLOAD - sum(len(t.encode()) for t in history)
+            while True:
+                message = "Go on." + " " * spaces
+                body = {"conversation_id": conv, "message": message, "max_tokens": 200}
+                reply = await turn({**body, "ignore_eos": True})
+                if "error" not in reply:
+                    break
+                assert reply["error"]["code"] == "too_long", reply
+                spaces -= 16
+            history += [message, reply["text"]]
+            assert sum(len(text.encode()) for text in history) > SMALL_PAYLOAD
+            for _ in range(2):  # every turn: the same clear answer
+                refused = await turn({"conversation_id": conv, "message": "Hi", "max_tokens": 1})
+                assert refused["error"]["code"] == "too_long", refused
+                assert "new conversation" in refused["error"]["message"], refused
+            fresh = await turn({"message": "Hi", "max_tokens": 2})
+            assert "error" not in fresh and len(fresh["token_ids"]) >= 1, fresh
+        finally:
+            await client.close()
+
+    with (
+        nats_with_max_payload(SMALL_PAYLOAD, tmp_path) as url,
+        serve_on_thread(built, tmp_path / "store", url),
+    ):
+        asyncio.run(go(url))

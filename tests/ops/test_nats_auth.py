@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import bcrypt
 import nats
 import nats.errors
 import pytest
@@ -24,8 +25,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from pensieve.actors.config import DEFAULTS
+from pensieve.actors.ingress.openai_api import OpenAIError
 from pensieve.actors.wire.bus import REQUEST_INFO_HEADER, Bus, requester
 from pensieve.actors.wire.subjects import CHAT, CONVERSATIONS_GET
+from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.chat import tenant_options
 from pensieve.ops.cli import main
 from pensieve.ops.nats_accounts import (
@@ -547,3 +550,80 @@ def test_a_client_with_the_ca_and_a_client_certificate_connects_over_tls(tmp_pat
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+async def _refused(kwargs: dict[str, Any], url: str) -> bool:
+    """Whether the server at `url` refuses the login in `kwargs` (connect kwargs)."""
+
+    async def quiet(error: Exception) -> None:
+        pass
+
+    try:
+        client = await nats.connect(
+            **{**kwargs, "servers": [url]}, allow_reconnect=False, error_cb=quiet
+        )
+    except nats.errors.Error as error:
+        return "Authorization Violation" in str(error)
+    await client.close()
+    return False
+
+
+def test_a_tenant_password_is_kept_and_configured_only_as_its_bcrypt_hash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tenant gets its password once; the data dir and the server's configuration hold
+    its bcrypt hash, which nats-server checks it against. A password an older version kept in
+    the clear is hashed at the next change, and keeps working."""
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        alice = tenant_add(tmp_path, "alice", capsys)
+        bob = tenant_add(tmp_path, "bob", capsys)
+        kept = nats_dir(tmp_path) / "tenants" / "bob.password"
+        kept.write_text("an-older-clear-password\n")  # as an older version kept it
+        server.reload()
+        bob = {**bob, "password": "an-older-clear-password"}
+        config = json.loads((nats_dir(tmp_path) / "nats-server.conf").read_text())
+        users = [u for a in config["accounts"].values() for u in a.get("users", [])]
+        hashes = {u["user"]: u["password"] for u in users if u["user"].startswith("tenant-")}
+        assert set(hashes) == {"tenant-alice", "tenant-bob"}
+        for name, tenant in (("alice", alice), ("bob", bob)):
+            assert bcrypt.checkpw(tenant["password"].encode(), hashes[f"tenant-{name}"].encode())
+        files = b"".join(p.read_bytes() for p in nats_dir(tmp_path).rglob("*") if p.is_file())
+        assert alice["password"].encode() not in files
+        assert b"an-older-clear-password" not in files
+
+        async def go() -> None:
+            for tenant in (alice, bob):
+                client = await nats.connect(**{**tenant, "servers": [server.url]})
+                await client.flush()
+                await client.close()
+                assert await _refused({**tenant, "password": hashes[tenant["user"]]}, server.url)
+
+        asyncio.run(go())
+
+
+def test_a_tenant_removed_while_the_reload_fails_keeps_neither_its_key_nor_its_login(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tenant remove` revokes the HTTP API key before the NATS login: a nats-server that does
+    not take the new configuration (here: its listen address was edited, which it cannot
+    reload) fails the command, which says so, with the key refused already; once the server
+    runs from the data dir again, the login is refused as well."""
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        assert main(["tenant", "add", "alice", "--data-dir", str(tmp_path)]) == 0
+        printed = json.loads(capsys.readouterr().out)
+        alice, key = printed["nats"], printed["http"]["api_key"]
+        keys = ApiKeys(tmp_path)
+        assert keys.tenant(key) == "alice"
+        path = nats_dir(tmp_path) / "nats-server.conf"
+        edited = json.loads(path.read_text())
+        edited["listen"] = f"127.0.0.1:{free_port()}"
+        path.write_text(json.dumps(edited))
+        assert main(["tenant", "remove", "alice", "--data-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "API key is refused" in err and "did not take" in err, err
+        with pytest.raises(OpenAIError):
+            keys.tenant(key)
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        assert asyncio.run(_refused(alice, server.url))
+        with pytest.raises(OpenAIError):
+            ApiKeys(tmp_path).tenant(key)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 
 import nats
+import pytest
 
-from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.bus import Bus, Incoming, ServiceInfo
+from pensieve.actors.wire.schemas import ApiError
 from pensieve.ops.nats_server import EmbeddedNats
 
 
@@ -55,6 +58,88 @@ def test_an_answer_closed_after_its_connection_raises_nothing() -> None:
         await bus.client.close()  # (a drain would wait for the unread "two")
         await answer.aclose()
         await responder.close()
+
+    with EmbeddedNats() as server:
+        asyncio.run(go(server.url))
+
+
+async def _close_by_the_server(bus: Bus) -> None:
+    """Make nats-server end the bus's connection with an error: a message whose payload fits
+    the limit but whose headers take it over (nats-py counts the payload alone, the server both:
+    it answers -ERR 'Maximum Payload Violation', after which nats-py closes for good)."""
+    client = bus.client
+    body = b"x" * (client.max_payload - 16)
+    await client.publish("t.nowhere", body, headers={"Pad": "y" * 64})
+    for _ in range(200):
+        if client.is_closed:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the server did not close the connection")
+
+
+def test_a_connection_the_server_closes_is_made_again_with_every_subscription(caplog) -> None:
+    async def go(url: str) -> None:
+        bus = await Bus.connect(url, name="pensieve-test")
+
+        async def echo(msg: Incoming) -> None:
+            await msg.send(b"echo:" + msg.data)
+
+        seen: list[bytes] = []
+
+        async def note(data: bytes, headers: dict[str, str]) -> None:
+            seen.append(data)
+
+        await bus.serve("t.echo", echo)
+        await bus.mailbox("t.mail", note)
+        await bus.advertise(ServiceInfo("pensieve-test", "i1", "0", "a test service"))
+        await bus.flush()
+        client = await nats.connect(url)
+        assert (await client.request("t.echo", b"1", timeout=5)).data == b"echo:1"
+
+        closed = bus.client
+        await _close_by_the_server(bus)
+        for _ in range(250):  # made again
+            if bus.client is not closed and bus.client.is_connected:
+                break
+            await asyncio.sleep(0.02)
+        assert (await client.request("t.echo", b"2", timeout=5)).data == b"echo:2"
+        assert bus.num_recoveries == 1
+        await client.publish("t.mail", b"m")
+        ping = await client.request("$SRV.PING.pensieve-test", b"", timeout=5)
+        assert b'"id": "i1"' in ping.data or b'"id":"i1"' in ping.data
+        # an answer asked of the bus itself goes out on the new connection
+        async with aclosing(bus.ask("t.echo", b"3", timeout=5.0)) as answer:
+            assert await anext(answer) == b"echo:3"
+        await client.flush()
+        await asyncio.sleep(0.1)
+        assert seen == [b"m"]
+        await bus.close()
+        await asyncio.sleep(0.1)
+        assert bus.num_recoveries == 1  # its own close is not made again
+        await client.close()
+
+    caplog.set_level(logging.INFO, logger="pensieve.actors.wire.bus")
+    with EmbeddedNats() as server:
+        asyncio.run(go(server.url))
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert any(level == logging.ERROR and "was closed" in text for level, text in said), said
+    assert any(level == logging.INFO and "is back" in text for level, text in said), said
+
+
+def test_a_message_that_would_pass_the_payload_limit_is_refused_before_it_is_sent() -> None:
+    """Headers count, even none: nats-py sends an empty dict of them as 12 bytes."""
+
+    async def go(url: str) -> None:
+        bus = await Bus.connect(url)
+        limit = bus.max_payload
+        for headers, size in (({}, limit - 12), ({"K": "v"}, limit - 18), (None, limit)):
+            with pytest.raises(ApiError) as refused:
+                await bus.publish("t.big", b"x" * (size + 1), headers)
+            assert refused.value.code == "too_long"
+            await bus.publish("t.big", b"x" * size, headers)  # fits exactly
+        await bus.flush()
+        assert bus.client.is_connected and bus.num_recoveries == 0
+        await bus.close()
 
     with EmbeddedNats() as server:
         asyncio.run(go(server.url))
