@@ -79,12 +79,24 @@ class CappedSite(web.BaseSite):
         server = self._runner.server
         assert server is not None  # the runner is set up before a site is made
 
+        loop = asyncio.get_running_loop()
+        # connections accepted whose handler has not yet joined `server.connections`: the loop
+        # may accept a burst before any of them is made. The decrement is queued before the
+        # transport queues its `connection_made`, and nothing runs between the two.
+        accepted = 0
+
+        def made() -> None:
+            nonlocal accepted
+            accepted -= 1
+
         def protocol() -> asyncio.BaseProtocol:
-            if len(server.connections) >= self.max_connections:
+            nonlocal accepted
+            if len(server.connections) + accepted >= self.max_connections:
                 return _Refusal()
+            accepted += 1
+            loop.call_soon(made)
             return server()
 
-        loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             protocol, self.host, self.requested_port, backlog=self._backlog
         )
