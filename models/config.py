@@ -30,23 +30,31 @@ class RopeType(enum.Enum):
     DEFAULT = "default"
     LINEAR = "linear"
     LLAMA3 = "llama3"
+    # one divisor per frequency, as llama.cpp stores any such scaling in a GGUF (`rope_freqs`)
+    FREQ_FACTORS = "freq_factors"
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. `LLAMA3` uses all fields; `LINEAR` only `factor`."""
+    """RoPE frequency scaling. `LLAMA3` uses the first five fields; `LINEAR` only `factor`;
+    `FREQ_FACTORS` only `freq_factors` (head_dim / 2 of them)."""
 
     rope_type: RopeType
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.factor <= 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
         if self.rope_type is RopeType.LLAMA3 and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
+        if self.rope_type is RopeType.FREQ_FACTORS and not all(f > 0 for f in self.freq_factors):
+            raise ValueError("rope frequency factors must all be > 0")
+        if (self.rope_type is RopeType.FREQ_FACTORS) != bool(self.freq_factors):
+            raise ValueError("freq_factors go with rope_type FREQ_FACTORS, and only with it")
 
 
 # model_type values of Hugging Face configs that `from_hf` understands
@@ -109,6 +117,12 @@ class ModelConfig:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        factors = self.rope_scaling.freq_factors if self.rope_scaling else ()
+        if factors and len(factors) != self.head_dim // 2:
+            raise ValueError(
+                f"{len(factors)} rope frequency factors for head_dim {self.head_dim} "
+                f"(one per pair of dimensions: {self.head_dim // 2})"
+            )
         if not self.do_layer_norm_before:
             raise ValueError("do_layer_norm_before=False is an OPT option")
 
@@ -233,7 +247,10 @@ def _rope_from_hf(hf: Any) -> tuple[float, RopeScaling | None]:
             factor=float(scaling["factor"]),
             low_freq_factor=float(scaling["low_freq_factor"]),
             high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+            # transformers falls back to max_position_embeddings where this is left out
+            original_max_position_embeddings=int(
+                scaling.get("original_max_position_embeddings") or hf.max_position_embeddings
+            ),
         )
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
 

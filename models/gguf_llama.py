@@ -3,14 +3,19 @@ and a tokenizer, all from one `read_gguf` parse.
 
 transformers can do all three, but each of its entry points (AutoConfig, load_gguf_checkpoint,
 AutoTokenizer) parses the file again through its own private GGUF helpers. This module reads the
-plain llama layout only - the one llama.cpp writes for Llama 2/3 and SmolLM without rope scaling,
-biases or experts - and `supports()` says so; the loader sends every other file through
-transformers, as before. Where a file leaves a value out, the default is LlamaConfig's, so the
-two paths agree on every file both accept.
+plain llama layout only - the one llama.cpp writes for Llama 2/3/3.1 and SmolLM without biases or
+experts - and `supports()` says so; the loader sends every other file through transformers, as
+before. Where a file leaves a value out, the default is LlamaConfig's, so the two paths agree on
+every file both accept.
+
+RoPE scaling is read here and nowhere else (transformers ignores it in GGUF files): llama.cpp's
+converter stores Llama 3.1's "llama3" scaling as a `rope_freqs` tensor of per-frequency divisors,
+and linear scaling as `llama.rope.scaling.type` "linear" with its factor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from functools import lru_cache
 from types import SimpleNamespace
@@ -19,8 +24,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pensieve.models.config import ModelConfig
+from pensieve.models.config import ModelConfig, RopeScaling, RopeType
 from pensieve.models.gguf import GGUFFile
+
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency RoPE divisors
+# `llama.rope.scaling.type` values read here; any other stays with transformers
+_ROPE_SCALING_TYPES = ("none", "linear")
 
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PER_LAYER = {
@@ -60,20 +69,51 @@ def supports(gguf: GGUFFile) -> bool:
     """True when this module reads `gguf` exactly as transformers would.
 
     A "llama" file whose name says Mistral becomes a Mistral config in transformers (with its
-    sliding window), and rope scaling keys are ignored there, so both stay with transformers.
+    sliding window), so it stays with transformers; so does a rope scaling type other than
+    linear (which transformers ignores: see `has_rope_scaling`).
     """
     md = gguf.metadata
     if md.get("general.architecture") != "llama":
         return False
     if "mistral" in str(md.get("general.name", "")).lower():
         return False
-    if md.get("llama.rope.scaling.type", "none") != "none":
+    if md.get("llama.rope.scaling.type", "none") not in _ROPE_SCALING_TYPES:
         return False
     if any(f"llama.{key}" not in md for key in _REQUIRED):
         return False
     if "llama.vocab_size" not in md and "tokenizer.ggml.tokens" not in md:
         return False
-    return all(hf_name(name) is not None for name in gguf.tensors)
+    return all(hf_name(name) is not None or name == ROPE_FREQS for name in gguf.tensors)
+
+
+def has_rope_scaling(gguf: GGUFFile) -> bool:
+    """Whether the file scales RoPE, which transformers' GGUF loading would silently drop."""
+    scaling_type = gguf.metadata.get(
+        f"{gguf.metadata.get('general.architecture')}.rope.scaling.type"
+    )
+    return ROPE_FREQS in gguf.tensors or scaling_type not in (None, "none")
+
+
+def model_config(gguf: GGUFFile) -> ModelConfig:
+    """The file's ModelConfig: `hf_config`'s, with the RoPE scaling the file stores.
+    ValueError if the file's values are not a model we run."""
+    return dataclasses.replace(
+        ModelConfig.from_hf(hf_config(gguf)), rope_scaling=rope_scaling(gguf)
+    )
+
+
+def rope_scaling(gguf: GGUFFile) -> RopeScaling | None:
+    """RoPE scaling as llama.cpp applies it: each frequency divided by its `rope_freqs` factor
+    and by the linear factor, if the file has either."""
+    md = gguf.metadata
+    linear = 1.0
+    if md.get("llama.rope.scaling.type", "none") == "linear":
+        linear = float(md.get("llama.rope.scaling.factor", 1.0))
+    freqs = gguf.tensors.get(ROPE_FREQS)
+    if freqs is None:
+        return None if linear == 1.0 else RopeScaling(RopeType.LINEAR, factor=linear)
+    factors = freqs.dequantize().reshape(-1).astype(np.float64) * linear
+    return RopeScaling(RopeType.FREQ_FACTORS, freq_factors=tuple(float(f) for f in factors))
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -123,6 +163,8 @@ def llama_tensors(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, to
     half-split rotary layout to interleaved pairs; this undoes it, as transformers does.
     """
     for name, tensor in gguf.tensors.items():
+        if name == ROPE_FREQS:  # part of the config (`rope_scaling`), not a weight
+            continue
         target = hf_name(name)
         if target is None:
             raise ValueError(f"{gguf.path}: tensor {name} is not part of the llama layout")

@@ -55,6 +55,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return inv_freq
     if scaling.rope_type is RopeType.LINEAR:
         return inv_freq / scaling.factor
+    if scaling.rope_type is RopeType.FREQ_FACTORS:
+        return inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32, device="cpu")
     return _llama3_scale(inv_freq, scaling)
 
 

@@ -195,10 +195,18 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     except (GGUFError, OSError):
         parsed = None
     if parsed is not None and gguf_llama.supports(parsed):
-        config = _config_from_hf(gguf_llama.hf_config(parsed), path)
+        try:
+            config = gguf_llama.model_config(parsed)
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: {_first_line(e)}") from e
         model = build_model(config, device, dtype)
         load_weights(model, gguf_llama.llama_tensors(parsed, config), str(path))
         return LoadedModel(model, config, gguf_llama.load_tokenizer(parsed))
+    if parsed is not None and gguf_llama.has_rope_scaling(parsed):
+        raise ModelLoadError(
+            f"{path}: its RoPE scaling is not read here, and transformers would drop it "
+            "(positions would be wrong); only linear scaling and rope_freqs are supported"
+        )
 
     from transformers import AutoConfig, AutoTokenizer
 

@@ -5,7 +5,16 @@ The big ones have real shapes for speed measurements; the tiny ones keep CPU tes
 
 from __future__ import annotations
 
-from pensieve.models.config import Arch, ModelConfig
+from pensieve.models.config import Arch, ModelConfig, RopeScaling, RopeType
+
+# Llama 3.1's RoPE: trained at 8k, stretched to 128k by slowing the long wavelengths 8x
+_LLAMA31_ROPE = RopeScaling(
+    RopeType.LLAMA3,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 
 PRESETS: dict[str, ModelConfig] = {
     "llama2-13b-gqa10": ModelConfig(
@@ -38,6 +47,59 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=128000,
         eos_token_ids=(128001, 128009),
         name="llama3-8b",
+    ),
+    "llama3.1-8b": ModelConfig(
+        arch=Arch.LLAMA,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA31_ROPE,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+        name="llama3.1-8b",
+    ),
+    # Qwen3's configs say 40960 positions; the models' native context is 32768 (longer needs
+    # YaRN, which is not implemented)
+    "qwen3-8b": ModelConfig(
+        arch=Arch.LLAMA,
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        norm_eps=1e-6,
+        rope_theta=1000000.0,
+        qk_norm=True,
+        bos_token_id=151643,
+        eos_token_ids=(151645,),
+        name="qwen3-8b",
+    ),
+    "qwen3-32b": ModelConfig(
+        arch=Arch.LLAMA,
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_layers=64,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+        norm_eps=1e-6,
+        rope_theta=1000000.0,
+        qk_norm=True,
+        bos_token_id=151643,
+        eos_token_ids=(151645,),
+        name="qwen3-32b",
     ),
     "opt-13b": ModelConfig(
         arch=Arch.OPT,

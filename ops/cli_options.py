@@ -250,6 +250,14 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         help="tokens one step may process, prefill and decode together",
     )
     scheduler.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="tokens a conversation may reach, prompt and reply (default: the model's context, "
+        "cut to what the GPU tier holds); a longer prompt is refused 'too_long', a reply is cut "
+        "to the room left",
+    )
+    scheduler.add_argument(
         "--max-num-seqs",
         type=int,
         metavar="N",
@@ -320,6 +328,7 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         seed=args.seed,
         cpu_threads=positive(args.cpu_threads, "--cpu-threads"),
         tensor_parallel=args.tensor_parallel,
+        max_model_len=args.max_model_len,
     )
 
 

@@ -162,7 +162,7 @@ async def _scheduler(ctx: Context) -> AsyncIterator[ChatServer]:
         return subjects.new_conversation_id(engine_id, secrets.token_hex(8))
 
     with StoreWriter() as writer:
-        max_context = built.loaded.config.max_context_len
+        max_context = built.engine.max_model_len
         model = built.options.model if serve.http is None else serve.http.model
         service = ChatService(
             built.engine,

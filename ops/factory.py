@@ -55,10 +55,14 @@ class EngineOptions:
     cpu_threads: int | None = None  # PyTorch threads of a CPU engine; None: see `cpu_threads`
     # GPUs the model is split over (ops/executor_ranks.py): one executor process for each
     tensor_parallel: int = 1
+    # the longest conversation (prompt and reply) a turn may reach; None: see `context_limit`
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
             raise ValueError(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
 
 
 @dataclass
@@ -79,11 +83,13 @@ def build(options: EngineOptions) -> Built:
     built = assemble(options, loaded, chat)
     cache = built.engine.cache_config
     logger.info(
-        "engine ready in %.1f s: policy %s, GPU tier %d tokens, CPU tier %d tokens",
+        "engine ready in %.1f s: policy %s, GPU tier %d tokens, CPU tier %d tokens, "
+        "context %d tokens",
         time.perf_counter() - begin,
         cache.policy.value,
         cache.num_gpu_blocks * cache.block_size,
         cache.num_cpu_blocks * cache.block_size,
+        built.engine.max_model_len,
     )
     return built
 
@@ -225,13 +231,46 @@ def _around(
     scheduling = SchedulerConfig(
         max_num_batched_tokens=options.max_batch_tokens,
         max_num_seqs=options.max_num_seqs,
-        max_model_len=loaded.config.max_context_len,
+        max_model_len=context_limit(options.max_model_len, loaded.config, cache),
         admit_batch=options.admit_batch,
     )
     cost = _cost_model(options, loaded.config)
     eos = chat.eos_token_ids
     engine = Engine(runner, cache, scheduling, cost.cost, eos, overlap=options.overlap)
     return Built(engine, loaded, chat, options)
+
+
+def context_limit(requested: int | None, config: ModelConfig, cache: CacheConfig) -> int:
+    """The longest conversation, prompt and reply, that a turn may reach: `requested`
+    (--max-model-len), else the model's own context, cut to what the GPU tier holds (a running
+    sequence has all of its KV there); that cut is logged. A requested length longer than
+    either is refused, as vLLM refuses it."""
+    model_len = config.max_context_len
+    gpu_tokens = cache.num_gpu_blocks * cache.block_size
+    if requested is not None:
+        if requested > model_len:
+            raise ValueError(
+                f"--max-model-len {requested} is longer than the context of {config.name} "
+                f"({model_len} tokens)"
+            )
+        if requested > gpu_tokens:
+            raise ValueError(
+                f"--max-model-len {requested} does not fit in the GPU tier of {gpu_tokens} "
+                "tokens: give a larger tier (--gpu-cache-tokens, --gpu-cache-gb) or a shorter "
+                "--max-model-len"
+            )
+        return requested
+    if model_len > gpu_tokens:
+        logger.warning(
+            "the context of %s (%d tokens) does not fit in the GPU tier of %d tokens: turns are "
+            "limited to %d tokens (a larger tier raises the limit; --max-model-len sets it)",
+            config.name,
+            model_len,
+            gpu_tokens,
+            gpu_tokens,
+        )
+        return gpu_tokens
+    return model_len
 
 
 def cache_config(

@@ -95,7 +95,7 @@ class _Replayer:
     ) -> None:
         self.engine = built.engine
         self.chat = built.chat
-        self.max_len = built.loaded.config.max_context_len
+        self.max_len = built.engine.max_model_len
         self.options = options
         self.out = out
         self.store = store

@@ -136,6 +136,11 @@ class Engine:
         return self.kv.config
 
     @property
+    def max_model_len(self) -> int:
+        """The longest conversation, prompt and reply, that a turn may reach."""
+        return self.scheduler.config.max_model_len
+
+    @property
     def num_waiting(self) -> int:
         """Requests queued for admission (suspended ones included)."""
         return len(self.scheduler.waiting)

@@ -9,6 +9,7 @@ the same on the real SmolLM2 file, with real ShareGPT text for the tokenizer.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from pensieve.models import ModelConfig, load_model
+from pensieve.models import ModelConfig, ModelLoadError, RopeScaling, RopeType, load_model
 from pensieve.models.assets import smollm2_gguf_path
 from pensieve.models.gguf import GGUFError, GGUFFile, read_gguf
 from pensieve.models.gguf_llama import (
@@ -33,6 +35,7 @@ from pensieve.models.gguf_llama import (
     load_tokenizer,
     supports,
 )
+from pensieve.models.llama import rope_inv_freq
 from pensieve.ops.sharegpt import load_conversations
 
 # ---- the reader ------------------------------------------------------------------------------
@@ -194,7 +197,12 @@ def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return halves.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _write_tiny_llama(path: Path, pre: str) -> dict[str, np.ndarray]:
+def _write_tiny_llama(
+    path: Path,
+    pre: str,
+    extra_metadata: list[tuple[str, Any, V, V | None]] | None = None,
+    extra_tensors: dict[str, Any] | None = None,
+) -> dict[str, np.ndarray]:
     """A two-layer llama with a byte-level vocabulary; returns the float32 weights that went in
     unquantized, under Hugging Face names and in Hugging Face's row order."""
     alphabet = list(bytes_to_unicode().values())
@@ -258,7 +266,7 @@ def _write_tiny_llama(path: Path, pre: str) -> dict[str, np.ndarray]:
         tensors[f"{prefix}.ffn_gate.weight"] = matrix(FFN, HIDDEN)
         tensors[f"{prefix}.ffn_up.weight"] = (gguf.quantize(matrix(FFN, HIDDEN), Q.Q4_1), Q.Q4_1)
         tensors[f"{prefix}.ffn_down.weight"] = matrix(HIDDEN, FFN).astype(np.float16)
-    _write(path, metadata, tensors)
+    _write(path, metadata + (extra_metadata or []), {**tensors, **(extra_tensors or {})})
     return exact
 
 
@@ -361,14 +369,106 @@ def test_only_the_plain_llama_layout_is_read_here(tmp_path: Path) -> None:
     assert supports(parsed)
     assert not supports(with_metadata(**{"general.architecture": "qwen2"}))
     assert not supports(with_metadata(**{"general.name": "Mistral-7B-Instruct"}))
-    assert not supports(with_metadata(**{"llama.rope.scaling.type": "linear"}))
-    extra = {**parsed.tensors, "rope_freqs.weight": parsed.tensors["output_norm.weight"]}
-    assert not supports(dataclasses.replace(parsed, tensors=extra))
+    assert not supports(with_metadata(**{"llama.rope.scaling.type": "yarn"}))
+    assert supports(with_metadata(**{"llama.rope.scaling.type": "linear"}))
     assert hf_name("blk.1.attn_q.bias") is None and hf_name("blk.x.attn_q.weight") is None
     assert hf_name("blk.12.ffn_down.weight") == "model.layers.12.mlp.down_proj.weight"
 
     assert byte_level_tokenizer(with_metadata(**{"tokenizer.ggml.model": "llama"})) is None
     assert byte_level_tokenizer(with_metadata(**{"tokenizer.ggml.pre": "qwen2"})) is None
+
+
+# ---- RoPE scaling, which transformers ignores in GGUF files -----------------------------------
+
+# Llama 3.1's scaling with a short original context, so that the tiny head's four frequencies
+# fall in all three bands (kept, blended, slowed down 8x)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+ROPE_THETA = 500000.0  # the tiny file's llama.rope.freq_base
+
+
+def _llama_cpp_rope_freqs(scaling: dict[str, Any]) -> np.ndarray:
+    """llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel): one divisor per frequency."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    freqs = 1.0 / (ROPE_THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_llama3_rope_scaling_from_rope_freqs_gives_the_configs_frequencies(
+    tmp_path: Path,
+) -> None:
+    """A Llama 3.1 GGUF carries its "llama3" RoPE scaling as llama.cpp's `rope_freqs` tensor:
+    loaded, it gives the inverse frequencies that the Hugging Face config's scaling gives
+    (transformers' own, and ours), which differ from unscaled ones in two of the four."""
+    path = tmp_path / "llama31.gguf"
+    rope_freqs = _llama_cpp_rope_freqs(LLAMA3_ROPE)
+    assert rope_freqs[0] == 1.0 and 1.0 < rope_freqs[1] < 8.0 and set(rope_freqs[2:]) == {8.0}
+    context = [("llama.context_length", 2048, V.UINT32, None)]
+    _write_tiny_llama(path, "llama-bpe", context, {"rope_freqs.weight": rope_freqs})
+    parsed = read_gguf(path)
+    assert supports(parsed)
+
+    loaded = load_model(str(path), "cpu", torch.float32)
+    assert loaded.config.rope_scaling is not None
+    assert loaded.config.rope_scaling.rope_type is RopeType.FREQ_FACTORS
+    assert loaded.config.max_context_len == 2048
+    ours = loaded.model.rotary._inv_freq_cpu
+    hf = LlamaConfig(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        max_position_embeddings=2048,
+        rope_theta=ROPE_THETA,
+        rope_scaling=LLAMA3_ROPE,
+    )
+    reference, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    torch.testing.assert_close(ours, reference, rtol=1e-6, atol=0)
+    from_config = ModelConfig.from_hf(hf).rope_scaling
+    torch.testing.assert_close(
+        ours, rope_inv_freq(HEAD_DIM, ROPE_THETA, from_config), rtol=1e-6, atol=0
+    )
+    assert not torch.allclose(ours, rope_inv_freq(HEAD_DIM, ROPE_THETA, None))
+
+
+def test_linear_rope_scaling_is_read_from_the_metadata(tmp_path: Path) -> None:
+    path = tmp_path / "linear.gguf"
+    linear = [
+        ("llama.rope.scaling.type", "linear", V.STRING, None),
+        ("llama.rope.scaling.factor", 4.0, V.FLOAT32, None),
+    ]
+    _write_tiny_llama(path, "llama-bpe", linear)
+    loaded = load_model(str(path), "cpu", torch.float32)
+    assert loaded.config.rope_scaling == RopeScaling(RopeType.LINEAR, factor=4.0)
+    unscaled = rope_inv_freq(HEAD_DIM, ROPE_THETA, None)
+    torch.testing.assert_close(loaded.model.rotary._inv_freq_cpu, unscaled / 4)
+
+
+def test_rope_scaling_not_read_here_is_refused_not_dropped(tmp_path: Path) -> None:
+    """transformers would load the file without its scaling: every position past a few would
+    be wrong, so the load fails instead."""
+    path = tmp_path / "yarn.gguf"
+    yarn = [
+        ("llama.rope.scaling.type", "yarn", V.STRING, None),
+        ("llama.rope.scaling.factor", 4.0, V.FLOAT32, None),
+    ]
+    _write_tiny_llama(path, "llama-bpe", yarn)
+    with pytest.raises(ModelLoadError, match="RoPE scaling"):
+        load_model(str(path), "cpu", torch.float32)
 
 
 # ---- the real file (SmolLM2-135M-Instruct, Q4_1) ---------------------------------------------

@@ -164,3 +164,65 @@ def test_matches_transformers(arch: str, seed: int, tmp_path: Path) -> None:
     # run a second, shorter sequence in the same batches so prefill chunks and decodes mix
     mine, _ = greedy_generate(loaded.model, [prompt, other_prompt], NUM_NEW_TOKENS)
     assert mine[:n] == ref_tokens[:n], f"seed={seed}: greedy tokens differ"
+
+
+# ---- RoPE scaling far past the original context ----------------------------------------------
+
+LONG_PROMPT = 300
+ORIGINAL_CONTEXT = 64  # Llama 3.1's 8192, shrunk: the prompt runs to almost 5x past it
+
+
+def _llama31_config() -> LlamaConfig:
+    return LlamaConfig(
+        **{**_COMMON, "max_position_embeddings": ORIGINAL_CONTEXT * 8},
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": ORIGINAL_CONTEXT,
+        },
+    )
+
+
+def test_llama3_rope_scaling_matches_transformers_past_the_original_context(
+    seed: int, tmp_path: Path
+) -> None:
+    """A Llama 3.1-style model whose 300-token prompt runs far past the 64 positions it was
+    "trained" on: logits at every position within 1e-4 of transformers', and the greedy tokens
+    after it (prefilled in chunks of 7, then decoded on the paged cache) the same."""
+    for seed in range(seed, seed + MAX_DRAWS):  # noqa: B020 - the seed that is compared
+        torch.manual_seed(seed)
+        reference = AutoModelForCausalLM.from_config(
+            _llama31_config(), attn_implementation="eager"
+        ).eval()
+        _randomize(reference, seed, std=0.15)
+        gen = torch.Generator().manual_seed(seed)
+        prompt = torch.randint(0, VOCAB, (LONG_PROMPT,), generator=gen).tolist()
+        ref_out = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NUM_NEW_TOKENS // 2,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        ref_tokens = ref_out.sequences[0, LONG_PROMPT:].tolist()
+        n = _agreeing_prefix(ref_out)
+        if len(set(ref_tokens)) >= MIN_DISTINCT_TOKENS and n >= NUM_NEW_TOKENS // 4:
+            break
+    assert n >= NUM_NEW_TOKENS // 4, f"seed={seed}: {MAX_DRAWS} draws, all near-tie after {n}"
+    reference.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), "cpu", torch.float32)
+    assert loaded.config.max_context_len == ORIGINAL_CONTEXT * 8
+
+    with torch.no_grad():
+        ref_logits = reference(torch.tensor([prompt])).logits[0].float()  # [300, vocab]
+    ours = prompt_logits(loaded.model, prompt)
+    for span in (slice(0, ORIGINAL_CONTEXT), slice(ORIGINAL_CONTEXT, LONG_PROMPT)):
+        rel = float((ours[span] - ref_logits[span]).norm() / ref_logits[span].norm())
+        assert rel < 1e-4, f"seed={seed}: positions {span}: relative logit error {rel:.2e}"
+
+    (mine,) = greedy_generate(loaded.model, [prompt], NUM_NEW_TOKENS // 2)
+    assert mine[:n] == ref_tokens[:n], f"seed={seed}: greedy tokens differ"

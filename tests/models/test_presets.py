@@ -8,7 +8,7 @@ import pytest
 import torch
 from paged_generate import greedy_generate, prompt_logits
 
-from pensieve.models import PRESETS, Arch, ModelLoadError, load_model
+from pensieve.models import PRESETS, Arch, ModelLoadError, RopeScaling, RopeType, load_model
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-opt"])
@@ -67,6 +67,40 @@ def test_llama3_8b_has_8_03b_params() -> None:
     assert total == 8_030_261_248  # Meta-Llama-3-8B
     assert shapes["layers.0.attention.qkv_proj.weight"] == ((32 + 2 * 8) * 128, 4096)
     assert PRESETS["llama3-8b"].rope_theta == 500000.0
+
+
+def test_llama3_1_8b_is_llama3_8b_with_128k_scaled_rope() -> None:
+    shapes, total = _num_params("llama3.1-8b")
+    assert total == 8_030_261_248  # Llama-3.1-8B: the same weights' shapes as Llama 3
+    assert shapes["layers.31.attention.qkv_proj.weight"] == ((32 + 2 * 8) * 128, 4096)
+    assert shapes["layers.0.mlp.gate_up_proj.weight"] == (2 * 14336, 4096)
+    config = PRESETS["llama3.1-8b"]
+    assert config.max_context_len == 131072 and config.rope_theta == 500000.0
+    assert config.rope_scaling == RopeScaling(RopeType.LLAMA3, 8.0, 1.0, 4.0, 8192)
+    assert config.kv_bytes_per_token(torch.bfloat16) == 128 * 1024  # 2 x 32 x 8 x 128 x 2 B
+
+
+@pytest.mark.parametrize(
+    ("name", "num_layers", "hidden", "num_heads", "ffn", "num_params", "kv_kib"),
+    [
+        ("qwen3-8b", 36, 4096, 32, 12288, 8_190_735_360, 144),  # Qwen/Qwen3-8B
+        ("qwen3-32b", 64, 5120, 64, 25600, 32_762_123_264, 256),  # Qwen/Qwen3-32B
+    ],
+)
+def test_qwen3_shapes(
+    name: str, num_layers: int, hidden: int, num_heads: int, ffn: int, num_params: int, kv_kib: int
+) -> None:
+    shapes, total = _num_params(name)
+    assert total == num_params
+    last = num_layers - 1
+    assert shapes[f"layers.{last}.attention.qkv_proj.weight"] == ((num_heads + 16) * 128, hidden)
+    assert shapes[f"layers.{last}.attention.q_norm.weight"] == (128,)  # QK-norm over head_dim
+    assert shapes["layers.0.mlp.gate_up_proj.weight"] == (2 * ffn, hidden)
+    assert shapes["lm_head.weight"] == shapes["embed_tokens.weight"] == (151936, hidden)
+    config = PRESETS[name]
+    assert config.max_context_len == 32768 and config.rope_scaling is None
+    assert config.rope_theta == 1_000_000.0 and config.qk_norm
+    assert config.kv_bytes_per_token(torch.bfloat16) == kv_kib * 1024  # 2 x L x 8 x 128 x 2 B
 
 
 def test_opt_13b_shapes() -> None:

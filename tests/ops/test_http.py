@@ -365,7 +365,9 @@ def test_a_tenants_key_does_not_reach_another_tenants_conversation(server, alice
 
 def test_models_health_and_version(server, alice) -> None:
     (card,) = client(server, alice).models.list()
-    assert card.id == MODEL and card.model_extra["max_model_len"] == 8192  # SmolLM2's context
+    # SmolLM2's context of 8192 tokens, cut to the 256-token GPU tier, as the log says
+    assert card.id == MODEL and card.model_extra["max_model_len"] == 256
+    assert any("(8192 tokens)" in line and "limited to 256" in line for line in server.lines)
     root = f"http://127.0.0.1:{server.http_port}"
     with urllib.request.urlopen(f"{root}/health", timeout=30) as up:
         assert up.status == 200

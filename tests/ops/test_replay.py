@@ -259,17 +259,30 @@ def test_suspension_under_decode_pressure_keeps_tokens(smollm2, smollm2_chat):
 
 def test_a_turn_too_big_for_the_gpu_tier_is_reported_at_once(smollm2, smollm2_chat):
     """On an idle engine a turn that can never fit is rejected; the step that rejects it applies
-    no tokens (nothing was in flight), and still reports it."""
+    no tokens (nothing was in flight), and still reports it. (The context limit that the
+    factory sets keeps such turns out; an engine with a longer one still reports them.)"""
+    from pensieve.actors.config import SchedulerConfig
+    from pensieve.actors.scheduler.engine import Engine
     from pensieve.actors.scheduler.request import FinishReason
     from pensieve.actors.wire.step import SamplingParams
 
     tiers = dict(gpu_cache_tokens=64, cpu_cache_tokens=64, admission_reserve=0.0)
     built = assemble(EngineOptions(model="smollm2", **tiers), smollm2, smollm2_chat)
-    request = built.engine.add_request("c0", list(range(3, 200)), SamplingParams(max_tokens=4))
-    outcome = built.engine.step()
+    assert built.engine.max_model_len == 64  # the default: SmolLM2's 8192, cut to the tier
+    with pytest.raises(ValueError, match="leaves no room in a context of 64"):
+        built.engine.add_request("c0", list(range(3, 200)), SamplingParams(max_tokens=4))
+    engine = Engine(
+        built.engine.runner,
+        built.engine.cache_config,
+        SchedulerConfig(max_model_len=smollm2.config.max_context_len),
+        lambda num_tokens: float(num_tokens),
+        frozenset(),
+    )
+    request = engine.add_request("c0", list(range(3, 200)), SamplingParams(max_tokens=4))
+    outcome = engine.step()
     assert outcome.finished == [request] and request.finish_reason is FinishReason.ABORT
     assert request.error is not None and request.error.startswith("too_long")
-    assert not built.engine.has_work()
+    assert not engine.has_work()
 
 
 def test_replay_over_two_tensor_parallel_ranks_gives_the_tokens_of_one(sharegpt20, tmp_path):

@@ -539,6 +539,44 @@ def test_a_refused_turn_leaves_its_conversation_free_for_the_next(server) -> Non
     assert again["turn"] == 1
 
 
+MAX_MODEL_LEN = 160  # SmolLM2's context is 8192: two turns of this chat fit, a long third not
+
+
+def test_a_prompt_over_max_model_len_is_too_long_and_its_conversation_is_intact(
+    smollm2, smollm2_chat, tmp_path, reference
+) -> None:
+    """With --max-model-len, a turn whose history and new message come to more is refused
+    `too_long` naming the limit; the conversation's stored turns are unchanged, and a later
+    shorter turn on it gets the very tokens it gets where nothing was refused. A reply is cut to
+    the room left: prompt and reply together reach the limit and no further."""
+    options = EngineOptions(
+        model="smollm2", max_batch_tokens=512, max_model_len=MAX_MODEL_LEN, **TIERS
+    )
+    built = assemble(options, smollm2, smollm2_chat)
+    assert built.engine.max_model_len == MAX_MODEL_LEN
+    with EmbeddedNats() as own, serve_on_thread(built, tmp_path, own.url):
+        first = chat(own.url, message=CHAT[0], max_tokens=MAX_TOKENS)
+        assert first["token_ids"] == reference[0]
+        conv_id = first["conversation_id"]
+        stored, _ = ask(own.url, subjects.CONVERSATIONS_GET, {"conversation_id": conv_id})
+
+        long_turn = {"conversation_id": conv_id, "message": "tell me " * 60, "max_tokens": 1}
+        replies, headers = ask(own.url, subjects.CHAT, long_turn)
+        assert headers.get(ERROR_HEADER) == "too_long", replies
+        assert f"context holds {MAX_MODEL_LEN}" in replies[-1]["error"]["message"], replies
+        again, _ = ask(own.url, subjects.CONVERSATIONS_GET, {"conversation_id": conv_id})
+        assert again == stored
+
+        second = chat(own.url, conversation_id=conv_id, message=CHAT[1], max_tokens=MAX_TOKENS)
+        assert second["turn"] == 1 and second["token_ids"] == reference[1]
+        third = chat(
+            own.url, conversation_id=conv_id, message=CHAT[2], max_tokens=1000, ignore_eos=True
+        )
+        prompt_tokens = third["usage"]["prompt_tokens"]
+        assert third["finish_reason"] == "length" and 0 < len(third["token_ids"]) < 1000
+        assert prompt_tokens + len(third["token_ids"]) == MAX_MODEL_LEN
+
+
 def test_conversations_are_listed_read_and_deleted(server) -> None:
     conv_id = chat(server, message=CHAT[0], max_tokens=4)["conversation_id"]
     listed, _ = ask(server, subjects.CONVERSATIONS_LIST, {})
