@@ -1,11 +1,19 @@
 """Which chunks leave a tier first: the retention value and the eviction order (pure).
 
 Retention value of a chunk (DESIGN.md §3): `V = Cost(l) * sum over its users of 1/T`, `l` the
-context its last position attends to, `T` the time since that user was last active. A chunk here
-has one user, its conversation, so `V = Cost(l) / T`. Under the `lru` policy the value is the
-conversation's last activity instead. The lowest value goes first: GPU -> CPU (swap-out),
-CPU -> dropped; within a conversation values grow with the chunk index, and on a tie the leading
-chunk goes first, so a conversation is evicted from its leading end.
+context its last position attends to, `T` the time since that user was last active. Under the
+`lru` policy the value is its users' latest activity instead. The lowest value goes first:
+GPU -> CPU (swap-out), CPU -> dropped.
+
+A chunk of one conversation alone (its own) is worth `Cost(l) / T`: within the conversation
+values grow with the chunk index, and on a tie the leading chunk goes first, so a conversation
+gives up its own chunks from their leading end. A shared chunk (a common prefix, see
+`content_index.py`) is worth the sum over its users, which may be more than the chunks after it
+in any one of them: `Cost(l_i) (1/T_a + 1/T_b)` against `Cost(l_{i+1}) / T_a`, so a prefix many
+conversations use outlives the private tails of the idle ones, as a radix cache keeps a prefix
+while its leaves go. So with sharing a conversation's dropped chunks need not be a leading run
+(any dropped range is recomputed alike); what holds is that every eviction takes the chunk of
+lowest value at that moment.
 
 The CPU tier here holds every chunk whose KV survives only in its CPU slot: those off the GPU, and
 those swapped out whose GPU block waits for reuse (dropping one frees its block too). Chunks with
@@ -35,17 +43,17 @@ RETRY_S = 0.1
 
 @dataclass(frozen=True, eq=False)
 class Candidate:
-    """Chunk `index` of `conv`, worth `value`; `tie` orders equal values (the waiting turns',
-    all infinite: the latest arrival first)."""
+    """`chunk`, worth `value`; `tie` orders equal values (the waiting turns', all infinite: the
+    latest arrival first). `conv` is its user (the first one, if it is shared)."""
 
     value: float
     tie: float
+    chunk: Chunk
     conv: ConversationKV
-    index: int
 
     @property
-    def chunk(self) -> Chunk:
-        return self.conv.chunks[self.index]
+    def index(self) -> int:
+        return self.chunk.index
 
     def goes_before(self, other: Candidate) -> bool:
         """Ranks lower: worth less, or worth as much and an earlier chunk of the same
@@ -66,22 +74,29 @@ class EvictionOrder:
         cost: CostFn,
         conversations: dict[str, ConversationKV],
         reclaiming: Callable[[Chunk], bool],
+        shared: dict[int, Chunk] | None = None,
     ) -> None:
         self.config = config
         self.cost = cost
         self.conversations = conversations
         self.reclaiming = reclaiming
+        self.shared: dict[int, Chunk] = {} if shared is None else shared  # read live
         self._cpu: Ranking | None = None  # the CPU tier's ranking in the current operation
         # when a swap-out was last blocked, and the GPU's free count then (see RETRY_S)
         self._blocked: tuple[float, int] | None = None
 
-    def value(self, conv: ConversationKV, index: int, now: float) -> float:
+    def value(self, chunk: Chunk, now: float) -> float:
         """Retention value: lowest is evicted first (leading chunks of idle conversations)."""
+        users = chunk.users.values()
         if self.config.policy is Policy.LRU:
-            return conv.last_active
-        context = min((index + 1) * self.config.block_size, max(conv.num_positions, 1))
-        idle = max(now - conv.last_active, 1e-6)
-        return self.cost(context) / idle
+            return max(user.last_active for user in users)
+        end = (chunk.index + 1) * self.config.block_size
+        if len(chunk.users) == 1:
+            (conv,) = users
+            context = min(end, max(conv.num_positions, 1))
+            return self.cost(context) / max(now - conv.last_active, 1e-6)
+        # a shared chunk is full in every user
+        return self.cost(end) * sum(1 / max(now - user.last_active, 1e-6) for user in users)
 
     def on_tier(self, chunk: Chunk, tier: Tier) -> bool:
         """Whether the chunk can be evicted from `tier` (see the module docstring)."""
@@ -101,10 +116,10 @@ class EvictionOrder:
         """A cache operation begins: the CPU tier is ranked afresh at its first victim."""
         self._cpu = None
 
-    def joined_cpu(self, conv: ConversationKV, index: int) -> None:
-        """Chunk `index` of `conv` was just swapped out or evicted to the CPU tier."""
+    def joined_cpu(self, chunk: Chunk) -> None:
+        """The chunk was just swapped out or evicted to the CPU tier."""
         if self._cpu is not None:
-            self._cpu.join(conv, index)
+            self._cpu.join(chunk)
 
     def cpu_victim(
         self, incoming: Candidate | None, now: float, ahead: bool = False
@@ -146,24 +161,26 @@ class EvictionOrder:
 
 
 # a heap entry: value, tie (waiting turns: latest first), index, conversation order, a unique
-# number, the conversation, whether it continues to the conversation's next chunk of the tier
-_Entry = tuple[float, float, int, int, int, ConversationKV, bool]
+# number, the chunk, and the conversation whose next own chunk of the tier follows it (None: a
+# chunk ranked alone)
+_Entry = tuple[float, float, int, int, int, Chunk, ConversationKV | None]
 
 
 class Ranking:
     """One operation's ranking of one tier's unpinned chunks, lowest first, kept current: a chunk
     that leaves the tier is skipped, one that joins it (`join`) takes its place at once.
 
-    Values are fixed within an operation (one `now`), and within a conversation they grow with
-    the chunk index. So the heap holds, per conversation, one entry for its leading chunk of the
-    tier, which is replaced by the next one as it goes (a chain), plus an entry for each chunk
-    that joined the tier since: the lowest entry is always the lowest chunk. Building it reads
-    every conversation once; each victim then costs a heap operation, and each chain reads its
-    conversation's chunks once, so a pass stays O((C + k) log C) for C conversations and k moves.
+    Values are fixed within an operation (one `now`), and within a conversation its own chunks'
+    values grow with the chunk index. So the heap holds, per conversation, one entry for its
+    leading own chunk of the tier, which is replaced by the next one as it goes (a chain), plus an
+    entry for each shared chunk of the tier and each chunk that joined the tier since: the lowest
+    entry is always the lowest chunk. Building it reads every conversation and shared chunk once;
+    each victim then costs a heap operation, and each chain reads its conversation's chunks once,
+    so a pass stays O((C + S + k) log (C + S)) for C conversations, S shared chunks and k moves.
 
-    Conversations with a turn waiting for admission come after all the others, whatever the
-    policy: the latest arrival first (it is admitted last), each from its leading chunk, at an
-    infinite value (so no ahead-of-time swap-out drops them from the CPU tier).
+    Chunks of conversations with a turn waiting for admission come after all the others,
+    whatever the policy: the latest arrival first (it is admitted last), each from its leading
+    chunk, at an infinite value (so no ahead-of-time swap-out drops them from the CPU tier).
     """
 
     def __init__(self, order: EvictionOrder, tier: Tier, now: float) -> None:
@@ -176,24 +193,27 @@ class Ranking:
             self._rank[conv.conv_id] = rank
             if conv.pinned or not (conv.maybe_on_gpu if on_gpu else conv.maybe_on_cpu):
                 continue
-            first = self._next_index(conv, 0)
+            first = self._next_own(conv, 0)
             if first is not None:
-                self._heap.append(self._entry(conv, first, chain=True))
-            elif on_gpu:  # a live GPU chunk of an idle conversation appears only through
-                conv.maybe_on_gpu = False  # acquire / grow, which set the hint again
+                self._heap.append(self._entry(first, chain=conv))
+            elif on_gpu:  # an own live GPU chunk of an idle conversation appears only through
+                conv.maybe_on_gpu = False  # acquire / grow / unsharing, which set the hint again
             else:
                 conv.maybe_on_cpu = any(c.cpu_slot is not None for c in conv.chunks)
+        for chunk in order.shared.values():
+            if not chunk.pins and order.on_tier(chunk, tier):
+                self._heap.append(self._entry(chunk, chain=None))
         heapq.heapify(self._heap)
 
-    def join(self, conv: ConversationKV, index: int) -> None:
-        heapq.heappush(self._heap, self._entry(conv, index, chain=False))
+    def join(self, chunk: Chunk) -> None:
+        heapq.heappush(self._heap, self._entry(chunk, chain=None))
 
     def lowest(self) -> Candidate | None:
         """The lowest chunk still on the tier, left in the ranking."""
         while self._heap:
-            value, tie, index, _, _, conv, _ = self._heap[0]
-            if not conv.pinned and self._holds(conv, index):
-                return Candidate(value, tie, conv, index)
+            value, tie, _, _, _, chunk, _ = self._heap[0]
+            if not chunk.pins and self.order.on_tier(chunk, self.tier):
+                return Candidate(value, tie, chunk, next(iter(chunk.users.values())))
             self._take_top()
         return None
 
@@ -205,24 +225,26 @@ class Ranking:
         return lowest
 
     def _take_top(self) -> None:
-        _, _, index, _, _, conv, chain = heapq.heappop(self._heap)
-        if chain and not conv.pinned:  # the conversation's next chunk takes its place
-            following = self._next_index(conv, index + 1)
+        _, _, index, _, _, _, conv = heapq.heappop(self._heap)
+        if conv is not None and not conv.pinned:  # the conversation's next chunk takes its place
+            following = self._next_own(conv, index + 1)
             if following is not None:
-                heapq.heappush(self._heap, self._entry(conv, following, chain=True))
+                heapq.heappush(self._heap, self._entry(following, chain=conv))
 
-    def _holds(self, conv: ConversationKV, index: int) -> bool:
-        return index < len(conv.chunks) and self.order.on_tier(conv.chunks[index], self.tier)
-
-    def _next_index(self, conv: ConversationKV, start: int) -> int | None:
-        for index in range(start, len(conv.chunks)):
-            if self.order.on_tier(conv.chunks[index], self.tier):
-                return index
+    def _next_own(self, conv: ConversationKV, start: int) -> Chunk | None:
+        """The conversation's first chunk from `start` on that is its own and on the tier."""
+        chunks = conv.chunks
+        for index in range(start, len(chunks)):
+            if len(chunks[index].users) == 1 and self.order.on_tier(chunks[index], self.tier):
+                return chunks[index]
         return None
 
-    def _entry(self, conv: ConversationKV, index: int, chain: bool) -> _Entry:
+    def _entry(self, chunk: Chunk, chain: ConversationKV | None) -> _Entry:
         self._count += 1
-        rank = self._rank.get(conv.conv_id, len(self._rank))
-        if conv.waiting_since is not None:
-            return (math.inf, -conv.waiting_since, index, rank, self._count, conv, chain)
-        return (self.order.value(conv, index, self.now), 0.0, index, rank, self._count, conv, chain)
+        users = chunk.users.values()
+        rank = min(self._rank.get(user.conv_id, len(self._rank)) for user in users)
+        waiting = [user.waiting_since for user in users if user.waiting_since is not None]
+        if waiting:  # read as soon as its first waiting user is admitted
+            return (math.inf, -min(waiting), chunk.index, rank, self._count, chunk, chain)
+        value = self.order.value(chunk, self.now)
+        return (value, 0.0, chunk.index, rank, self._count, chunk, chain)

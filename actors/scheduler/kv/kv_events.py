@@ -9,6 +9,9 @@ the executor's spill keeper keeps the LMDB spill index equal to the CPU tier
 
 Every event says where its chunk is afterwards, as the pair (GPU block, CPU slot) the manager
 keeps, so applying the events in order gives the manager's own map exactly, whatever their kind.
+A chunk shared by several conversations (`content_index.py`) is named once per user: each of its
+moves is an event for every user, and a conversation that comes to use a chunk already cached
+gets a STORED event with the chunk's place (GPU block, CPU slot or neither).
 """
 
 from __future__ import annotations
@@ -20,8 +23,6 @@ from collections.abc import Callable, Iterable
 from pensieve.actors.scheduler.kv.kv_cache import Chunk
 from pensieve.actors.wire.messages import KvEvent, KvEventBatch, KvEventKind
 
-Where = tuple[str, int]  # a chunk's conversation and index
-
 
 class ChunkEvents:
     """The cache manager's record of chunk moves, and which chunk owns each GPU block and CPU
@@ -29,8 +30,8 @@ class ChunkEvents:
     an owner entry counts only while its block is owned."""
 
     def __init__(self) -> None:
-        self.gpu_where: dict[int, Where] = {}
-        self.cpu_where: dict[int, Where] = {}
+        self.gpu_where: dict[int, Chunk] = {}
+        self.cpu_where: dict[int, Chunk] = {}
         self._events: list[KvEvent] | None = None  # None: nobody takes them (see take)
 
     def take(self) -> list[KvEvent]:
@@ -39,11 +40,20 @@ class ChunkEvents:
         events, self._events = self._events or [], []
         return events
 
-    def emit(self, kind: KvEventKind, where: Where, chunk: Chunk) -> None:
-        """Record that the chunk at `where` changed (`kind`) and is now where `chunk` says."""
+    def emit(self, kind: KvEventKind, chunk: Chunk) -> None:
+        """Record that the chunk changed (`kind`) and is now where it says, for each user."""
         if self._events is not None:
-            conv_id, index = where
-            self._events.append(KvEvent(kind, conv_id, index, chunk.gpu_block, chunk.cpu_slot))
+            for conv_id in chunk.users:
+                self._events.append(
+                    KvEvent(kind, conv_id, chunk.index, chunk.gpu_block, chunk.cpu_slot)
+                )
+
+    def emit_for(self, kind: KvEventKind, conv_id: str, chunk: Chunk) -> None:
+        """Record the chunk's change (`kind`) for one of its users only."""
+        if self._events is not None:
+            self._events.append(
+                KvEvent(kind, conv_id, chunk.index, chunk.gpu_block, chunk.cpu_slot)
+            )
 
     def removed(self, conv_id: str, index: int) -> None:
         """Record that the conversation's chunks from `index` on are gone."""

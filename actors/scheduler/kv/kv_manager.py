@@ -1,16 +1,24 @@
 """Block accounting of the two-tier conversation cache (pure: no tensors, no I/O).
 
 The manager decides which chunk lives where; the executor moves the bytes it is told to move
-(`SwapOrders`). Invariants, checked by `check_invariants` and the property tests:
-  - every GPU block and CPU slot is either free or owned by exactly one chunk;
-  - a pinned (running) conversation has every chunk on the GPU, and none of them is evicted;
+(`SwapOrders`). A chunk may serve several conversations: a full chunk whose KV is known is sealed
+under its content key (`chunk_keys.py`, `content_index.py`), and a conversation whose token log
+has the same prefix uses that chunk instead of one of its own (`lookup`, and when a turn ends,
+`seal` merges a chunk computed twice). Invariants, checked by `check_invariants` and the
+property tests:
+  - every GPU block and CPU slot is either free or owned by exactly one chunk, and a chunk is
+    freed only when no conversation uses it;
+  - a chunk's users are exactly the conversations that list it, and its pins those of them that
+    run; only a sealed chunk has more than one user, and it is full in every one of them;
+  - a pinned (running) conversation has every chunk on the GPU, and none of them is evicted
+    (nor is a chunk it shares with idle conversations);
   - a reclaimable GPU block belongs to an unpinned chunk that also has a CPU copy;
   - a chunk may hold a live GPU block and a CPU copy at once ("backed"): a full chunk's KV never
     changes, so the copy made when it was last swapped out stays valid after it comes back. Its
     next eviction from the GPU then copies nothing, and the CPU tier gives up a backed copy
     (which loses nothing) before it drops any chunk;
-  - each eviction takes the lowest-ranked chunk at that moment (`eviction.py`), so a conversation
-    is evicted from its leading end: what it has dropped is a leading run of its chunks.
+  - each eviction takes the lowest-ranked chunk at that moment (`eviction.py`), once for all of
+    its users; a conversation gives up its own chunks from the leading end.
 
 Every change of a chunk's place is recorded as a `KvEvent` (see `take_events`), so that a
 subscriber to the KV event plane can follow each conversation's chunks from tier to tier.
@@ -19,14 +27,18 @@ subscriber to the KV event plane can follow each conversation's chunks from tier
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
+from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey, extend_keys
+from pensieve.actors.scheduler.kv.content_index import ContentIndex
 from pensieve.actors.scheduler.kv.copies import TierCopies
 from pensieve.actors.scheduler.kv.eviction import Candidate, CostFn, EvictionOrder
-from pensieve.actors.scheduler.kv.kv_cache import Acquired, Chunk, ConversationKV
-from pensieve.actors.scheduler.kv.kv_events import ChunkEvents, Where
-from pensieve.actors.wire.messages import KvEvent, KvEventKind, Tier
+from pensieve.actors.scheduler.kv.invariants import check_invariants
+from pensieve.actors.scheduler.kv.kv_cache import Acquired, Chunk, ConversationKV, Found
+from pensieve.actors.scheduler.kv.kv_events import ChunkEvents
+from pensieve.actors.wire.messages import KvEvent, KvEventKind
 from pensieve.actors.wire.step import CopyKind, CopyOp, SwapOrders
 
 
@@ -35,17 +47,26 @@ class OutOfBlocks(Exception):
 
 
 class KVCacheManager:
-    def __init__(self, config: CacheConfig, cost: CostFn) -> None:
+    """`namespace`: the seed of the chunk keys of conversations made without one of their own
+    (`chunk_keys.namespace`)."""
+
+    def __init__(self, config: CacheConfig, cost: CostFn, namespace: ChunkKey = b"") -> None:
         self.config = config
         self.cost = cost
+        self.namespace = namespace
         self.gpu = BlockPool(config.num_gpu_blocks)
         self.cpu = BlockPool(config.num_cpu_blocks if config.uses_cpu_tier else 0)
         self.conversations: dict[str, ConversationKV] = {}
         self._pinned: dict[str, ConversationKV] = {}  # the running ones
+        self.num_pinned_chunks = 0  # distinct chunks with a running user
+        # sealed chunks by content key, and the shared ones
+        self.index = ContentIndex()
         # reclaimable GPU blocks, backed CPU slots, and the step's copy orders
         self.copies = TierCopies(self.cpu)
         # which chunks go first (the retention value), over this manager's conversations
-        self.eviction = EvictionOrder(config, cost, self.conversations, self.copies.reclaiming)
+        self.eviction = EvictionOrder(
+            config, cost, self.conversations, self.copies.reclaiming, self.index.shared
+        )
         # every chunk move, and which chunk owns each GPU block / CPU slot
         self.events = ChunkEvents()
 
@@ -62,11 +83,20 @@ class KVCacheManager:
     def get(self, conv_id: str) -> ConversationKV | None:
         return self.conversations.get(conv_id)
 
-    def conversation(self, conv_id: str, now: float) -> ConversationKV:
+    def conversation(
+        self, conv_id: str, now: float, namespace: ChunkKey | None = None
+    ) -> ConversationKV:
+        """The conversation, made if new (its chunks keyed in `namespace`, else the manager's)."""
         conv = self.conversations.get(conv_id)
         if conv is None:
-            conv = self.conversations[conv_id] = ConversationKV(conv_id, last_active=now)
+            seed = self.namespace if namespace is None else namespace
+            conv = ConversationKV(conv_id, last_active=now, seed=seed)
+            self.conversations[conv_id] = conv
         return conv
+
+    @property
+    def num_shared_chunks(self) -> int:
+        return len(self.index.shared)
 
     def touch(self, conv_id: str, now: float) -> None:
         """A turn of the conversation arrived: it is active again (its idle time restarts), and
@@ -91,10 +121,9 @@ class KVCacheManager:
         """A conversation known from the token log only (e.g. after a restart): all dropped."""
         conv = self.conversation(conv_id, now)
         if not conv.chunks:
-            conv.chunks = [Chunk() for _ in range(self.num_chunks(num_positions))]
+            for _ in range(self.num_chunks(num_positions)):
+                self.events.emit(KvEventKind.DROPPED, self._new_chunk(conv))
             conv.num_positions = num_positions
-            for i, chunk in enumerate(conv.chunks):
-                self.events.emit(KvEventKind.DROPPED, (conv_id, i), chunk)
         return conv
 
     def take_orders(self) -> SwapOrders:
@@ -107,7 +136,8 @@ class KVCacheManager:
         where = self.events.cpu_where
 
         def owners(ops: list[CopyOp]) -> Counter[str]:
-            return Counter(where[op.cpu_slot][0] for op in ops if op.cpu_slot in where)
+            slots = [op.cpu_slot for op in ops if op.cpu_slot in where]
+            return Counter(conv_id for slot in slots for conv_id in where[slot].users)
 
         return {
             CopyKind.EVICT_FIRST: owners(orders.evict_first),
@@ -150,43 +180,45 @@ class KVCacheManager:
         available = reusable + self._num_evictable_gpu(conv)
         if self.blocks_to_admit(conv, num_positions) > available:
             raise OutOfBlocks(f"{conv.conv_id}: history does not fit on the GPU")
-        conv.pinned = True
+        for chunk in conv.chunks[: self.num_chunks(num_positions)]:
+            if chunk.key is not None and chunk.gpu_block is None and chunk.cpu_slot is None:
+                # a dropped sealed chunk: recomputed as one of its own, which must not be found
+                # before it is written (`seal` gives it to the other users then)
+                self._replace(conv, chunk, self._unused_chunk(chunk.index))
+        self._pin(conv)
         conv.waiting_since = None
-        self._pinned[conv.conv_id] = conv
         conv.maybe_on_gpu = True
-        for i, chunk in enumerate(conv.chunks[: self.num_chunks(num_positions)]):
+        for chunk in conv.chunks[: self.num_chunks(num_positions)]:
             if chunk.gpu_block is not None and not self.copies.unreclaim(chunk):
                 # its swap-out was withdrawn: the copy never happened
                 self.copies.free_cpu_copy(chunk)
-                self.events.emit(KvEventKind.CPU_FREED, (conv.conv_id, i), chunk)
+                self.events.emit(KvEventKind.CPU_FREED, chunk)
         self._ensure_free_gpu(self.blocks_to_admit(conv, num_positions), now)
         gpu_tokens = cpu_tokens = swapped_in = 0
         recompute: list[tuple[int, int]] = []
         for i in range(self.num_chunks(num_positions)):
-            if i == len(conv.chunks):
-                conv.chunks.append(Chunk())
-            chunk, where = conv.chunks[i], (conv.conv_id, i)
+            chunk = conv.chunks[i] if i < len(conv.chunks) else self._new_chunk(conv)
             start, end = self._known_range(conv, i)
             full = end - start == self.config.block_size  # else this turn writes into it
             if chunk.gpu_block is not None:
                 gpu_tokens += end - start
                 if chunk.cpu_slot is not None and not full:
                     self.copies.free_cpu_copy(chunk)  # stale once the turn writes its tail
-                    self.events.emit(KvEventKind.CPU_FREED, where, chunk)
+                    self.events.emit(KvEventKind.CPU_FREED, chunk)
                 elif chunk.cpu_slot is not None:
                     self.copies.back(chunk)  # its swap-out was issued earlier
             elif chunk.cpu_slot is not None:
-                chunk.gpu_block = self._take_gpu_block(where)
+                chunk.gpu_block = self._take_gpu_block(chunk)
                 self.copies.swap_in(chunk, full)
-                self.events.emit(KvEventKind.SWAPPED_IN, where, chunk)
+                self.events.emit(KvEventKind.SWAPPED_IN, chunk)
                 cpu_tokens += end - start
                 swapped_in += 1
             else:
-                chunk.gpu_block = self._take_gpu_block(where)
+                chunk.gpu_block = self._take_gpu_block(chunk)
                 if end > start:
                     _extend(recompute, start, end)
                 kind = KvEventKind.RECOMPUTED if end > start else KvEventKind.STORED
-                self.events.emit(kind, where, chunk)
+                self.events.emit(kind, chunk)
         return Acquired(gpu_tokens, cpu_tokens, tuple(recompute), swapped_in)
 
     def grow(self, conv: ConversationKV, num_positions: int, now: float) -> bool:
@@ -200,9 +232,9 @@ class KVCacheManager:
         except OutOfBlocks:
             return False
         for _ in range(missing):
-            where = (conv.conv_id, len(conv.chunks))
-            conv.chunks.append(Chunk(gpu_block=self._take_gpu_block(where)))
-            self.events.emit(KvEventKind.STORED, where, conv.chunks[-1])
+            chunk = self._new_chunk(conv)
+            chunk.gpu_block = self._take_gpu_block(chunk)
+            self.events.emit(KvEventKind.STORED, chunk)
         conv.maybe_on_gpu = True
         return True
 
@@ -212,45 +244,133 @@ class KVCacheManager:
         if len(conv.chunks) > keep:
             self.events.removed(conv.conv_id, keep)
         for chunk in conv.chunks[keep:]:
-            self._drop(chunk)
+            self._leave(conv, chunk)
         del conv.chunks[keep:]
+        del conv.keys[num_positions // self.config.block_size :]
         conv.num_positions = min(conv.num_positions, num_positions)
+        if keep and num_positions % self.config.block_size and conv.chunks[-1].key is not None:
+            last = conv.chunks[-1]  # the next turn writes into its tail
+            if len(last.users) == 1:
+                self.index.unseal(last)
+            else:  # shared: its kept positions are recomputed into a chunk of its own
+                self._replace(conv, last, self._unused_chunk(last.index))
+                self.events.emit_for(KvEventKind.DROPPED, conv.conv_id, conv.chunks[-1])
 
     # ---- end of a turn -------------------------------------------------------------------
 
-    def release(self, conv: ConversationKV, now: float) -> None:
-        """The conversation's request finished: its chunks become evictable."""
-        conv.pinned = False
+    def release(
+        self, conv: ConversationKV, now: float, tokens: Sequence[int] | None = None
+    ) -> None:
+        """The conversation's request finished: its chunks become evictable. With `tokens` (its
+        token log) its full computed chunks are sealed for sharing (`seal`)."""
+        self._unpin(conv)
         conv.waiting_since = None
-        self._pinned.pop(conv.conv_id, None)
         conv.last_active = now
         if self.config.policy is Policy.STATELESS:
             self.forget(conv.conv_id)
+        elif tokens is not None:
+            self.seal(conv, tokens)
 
-    def suspend(self, conv: ConversationKV, num_positions: int, now: float) -> int:
-        """Unpin a running conversation mid-turn and push its chunks off the GPU; returns how
-        many blocks are copied out (the others had a valid CPU copy already, or are dropped)."""
+    def suspend(
+        self,
+        conv: ConversationKV,
+        num_positions: int,
+        now: float,
+        tokens: Sequence[int] | None = None,
+    ) -> int:
+        """Unpin a running conversation mid-turn and push its own chunks off the GPU (shared ones
+        are ranked as any other); returns how many blocks are copied out (the others had a valid
+        CPU copy already, or are dropped). `tokens`: as for `release`."""
         self.eviction.start_operation()
         self.truncate(conv, num_positions)
-        conv.pinned = False
-        self._pinned.pop(conv.conv_id, None)
+        self._unpin(conv)
         conv.last_active = now
         conv.waiting_since = now  # requeued
+        if tokens is not None:
+            self.seal(conv, tokens)
         copied = 0
         for chunk in conv.chunks:
-            if chunk.gpu_block is not None:
+            if chunk.gpu_block is not None and len(chunk.users) == 1:
                 slot = self._slot_for_eviction(chunk, None, now)
-                copied += self._evict_now(conv, chunk, slot)
+                copied += self._evict_now(chunk, slot)
         return copied
 
     def forget(self, conv_id: str) -> None:
         conv = self.conversations.pop(conv_id, None)
-        self._pinned.pop(conv_id, None)
         if conv is not None:
+            self._unpin(conv)
             if conv.chunks:
                 self.events.removed(conv_id, 0)
             for chunk in conv.chunks:
-                self._drop(chunk)
+                self._leave(conv, chunk)
+
+    # ---- sharing by content ----------------------------------------------------------------
+
+    def seal(self, conv: ConversationKV, tokens: Sequence[int]) -> None:
+        """`tokens` begin with the idle conversation's token log: key its full computed chunks
+        and seal them in the content index. A chunk whose content is sealed already (computed
+        twice) merges with that one: the better placed of the two serves all their users."""
+        assert not conv.pinned
+        block = self.config.block_size
+        full = min(conv.num_positions, len(tokens)) // block
+        extend_keys(conv.keys, conv.seed, tokens[: full * block], block)
+        for i in range(min(full, len(conv.keys), len(conv.chunks))):
+            chunk, key = conv.chunks[i], conv.keys[i]
+            if chunk.key == key:
+                continue
+            assert chunk.key is None and len(chunk.users) == 1, f"{conv.conv_id}: chunk {i} keyed"
+            sealed = self.index.get(key)
+            if sealed is None:
+                if chunk.gpu_block is not None or chunk.cpu_slot is not None:
+                    self.index.seal(chunk, key)
+            elif self._place(chunk) <= self._place(sealed):
+                self._replace(conv, chunk, sealed)
+                self.events.emit_for(KvEventKind.STORED, conv.conv_id, sealed)
+            else:  # the sealed copy is off the GPU (or dropped): this one serves its users
+                users = list(sealed.users.values())
+                for user in users:
+                    self._leave(user, sealed)  # the last one frees it and takes it off the index
+                self.index.seal(chunk, key)
+                for user in users:
+                    user.chunks[i] = chunk
+                    self._join(user, chunk)
+                    self.events.emit_for(KvEventKind.STORED, user.conv_id, chunk)
+
+    def lookup(self, conv: ConversationKV, tokens: Sequence[int]) -> Found:
+        """Attach to the idle conversation the longest run of leading full chunks of `tokens`
+        that are cached (on the GPU or the CPU tier), its own or found by content; returns how
+        many positions that run covers, and how many of them it found by content where.
+
+        `tokens` begin with the conversation's token log (cut first, with `truncate`, where they
+        differ from it) and end before the positions the caller computes anyway (at least the
+        last token of a prompt, whose logits are wanted)."""
+        assert not conv.pinned
+        block = self.config.block_size
+        extend_keys(conv.keys, conv.seed, tokens, block)
+        gpu = cpu = found = 0
+        for i in range(len(tokens) // block):
+            own = conv.chunks[i] if i < len(conv.chunks) else None
+            sealed = self.index.get(conv.keys[i])
+            mine = own is not None and (own is sealed or own.key is None) and self._place(own)
+            if mine and (i + 1) * block <= conv.num_positions:  # full, and its own
+                found = i + 1
+                continue
+            if sealed is None or not self._place(sealed):
+                break
+            if own is None:
+                self.index.add_user(sealed, conv)
+                conv.chunks.append(sealed)
+            else:
+                self._replace(conv, own, sealed)
+            self.events.emit_for(KvEventKind.STORED, conv.conv_id, sealed)
+            if self._live_on_gpu(sealed):
+                gpu += block
+            else:
+                cpu += block
+            found = i + 1
+        conv.num_positions = max(conv.num_positions, found * block)
+        conv.maybe_on_gpu = conv.maybe_on_cpu = True
+        return Found(found * block, gpu, cpu)
 
     def swap_out_ahead(self, now: float) -> int:
         """Swap out ahead of time while the free GPU share is under the threshold; returns moves."""
@@ -266,19 +386,18 @@ class KVCacheManager:
         for candidate in self.eviction.gpu_candidates(now):
             if self.num_free_gpu >= target:
                 break
-            conv, chunk = candidate.conv, candidate.chunk
+            chunk = candidate.chunk
             if chunk.cpu_slot is not None:  # backed: its CPU copy is valid, nothing to copy
                 if self.copies.reclaim_backed(chunk):
-                    where = self.events.gpu_where[chunk.gpu_block]  # type: ignore[index]
-                    self.events.emit(KvEventKind.SWAPPED_OUT, where, chunk)
-                    self.eviction.joined_cpu(conv, candidate.index)
+                    self.events.emit(KvEventKind.SWAPPED_OUT, chunk)
+                    self.eviction.joined_cpu(chunk)
                     moved += 1
                 continue
             slot = self._take_cpu_slot(candidate, now, ahead=True)
             if slot is None:
                 self.eviction.swap_out_blocked(now, self.num_free_gpu)
                 break
-            self._swap_out(conv, chunk, slot)
+            self._swap_out(chunk, slot)
             moved += 1
         return moved
 
@@ -291,18 +410,75 @@ class KVCacheManager:
 
     def _num_evictable_gpu(self, exclude: ConversationKV) -> int:
         """Unpinned live GPU chunks: every owned block that is not pinned or waiting for reuse."""
-        owned = self.gpu.capacity - self.num_free_gpu
-        for conv in self._pinned.values():
-            owned -= len(conv.chunks)  # a pinned conversation has every chunk live on the GPU
+        owned = self.gpu.capacity - self.num_free_gpu - self.num_pinned_chunks
         if not exclude.pinned:
-            owned -= sum(
-                1 for c in exclude.chunks if c.gpu_block is not None and not self._reclaiming(c)
-            )
+            owned -= sum(1 for c in exclude.chunks if not c.pins and self._live_on_gpu(c))
         return owned
 
     def _reclaiming(self, chunk: Chunk) -> bool:
         """Swapped out, its GPU block kept until reused."""
         return self.copies.reclaiming(chunk)
+
+    def _live_on_gpu(self, chunk: Chunk) -> bool:
+        return chunk.gpu_block is not None and not self._reclaiming(chunk)
+
+    def _place(self, chunk: Chunk) -> int:
+        """2 live on the GPU, 1 on the CPU tier (its GPU block may wait for reuse), 0 dropped."""
+        if self._live_on_gpu(chunk):
+            return 2
+        return 1 if chunk.cpu_slot is not None else 0
+
+    # ---- users and pins --------------------------------------------------------------------
+
+    def _new_chunk(self, conv: ConversationKV) -> Chunk:
+        """A chunk of the conversation's own, appended to it (on no tier yet)."""
+        chunk = Chunk(len(conv.chunks))
+        conv.chunks.append(chunk)
+        self._join(conv, chunk)
+        return chunk
+
+    def _unused_chunk(self, index: int) -> Chunk:
+        return Chunk(index)
+
+    def _join(self, conv: ConversationKV, chunk: Chunk) -> None:
+        self.index.add_user(chunk, conv)
+        if conv.pinned:
+            chunk.pins += 1
+            self.num_pinned_chunks += chunk.pins == 1
+
+    def _leave(self, conv: ConversationKV, chunk: Chunk) -> None:
+        """The conversation uses the chunk no more; freed if nobody does."""
+        if conv.pinned:
+            chunk.pins -= 1
+            self.num_pinned_chunks -= chunk.pins == 0
+        if self.index.remove_user(chunk, conv):
+            self._drop(chunk)
+
+    def _replace(self, conv: ConversationKV, old: Chunk, new: Chunk) -> None:
+        """The conversation uses `new` in the place of `old`."""
+        conv.chunks[old.index] = new
+        self._leave(conv, old)
+        self._join(conv, new)
+
+    def _pin(self, conv: ConversationKV) -> None:
+        if conv.pinned:
+            return
+        conv.pinned = True
+        self._pinned[conv.conv_id] = conv
+        for chunk in conv.chunks:
+            chunk.pins += 1
+            self.num_pinned_chunks += chunk.pins == 1
+
+    def _unpin(self, conv: ConversationKV) -> None:
+        if not conv.pinned:
+            return
+        conv.pinned = False
+        del self._pinned[conv.conv_id]
+        for chunk in conv.chunks:
+            chunk.pins -= 1
+            self.num_pinned_chunks -= chunk.pins == 0
+
+    # ---- moves -----------------------------------------------------------------------------
 
     def _slot_for_eviction(
         self, chunk: Chunk, candidate: Candidate | None, now: float
@@ -320,45 +496,41 @@ class KVCacheManager:
             if self.gpu.num_free + self.copies.num_reclaimable >= needed:
                 return
             chunk = candidate.chunk
-            self._evict_now(candidate.conv, chunk, self._slot_for_eviction(chunk, candidate, now))
+            self._evict_now(chunk, self._slot_for_eviction(chunk, candidate, now))
         if self.gpu.num_free + self.copies.num_reclaimable < needed:
             raise OutOfBlocks(f"need {needed} GPU blocks, {self.gpu.num_free} free")
 
-    def _take_gpu_block(self, where: Where) -> int:
-        """A block for the chunk at `where`: a free one, else the oldest reclaimable one."""
+    def _take_gpu_block(self, chunk: Chunk) -> int:
+        """A block for `chunk`: a free one, else the oldest reclaimable one."""
         block = self.gpu.allocate()
         if block is None:
             reclaimed = self.copies.reclaim_oldest()
             if reclaimed is None:
                 raise OutOfBlocks("no free or reclaimable GPU block")
-            block, chunk = reclaimed
-            chunk.gpu_block = None  # its data lives on in the CPU copy
-            self.events.emit(KvEventKind.RECLAIMED, self.events.gpu_where[block], chunk)
-        self.events.gpu_where[block] = where
+            block, owner = reclaimed
+            owner.gpu_block = None  # its data lives on in the CPU copy
+            self.events.emit(KvEventKind.RECLAIMED, owner)
+        self.events.gpu_where[block] = chunk
         return block
 
-    def _evict_now(self, conv: ConversationKV, chunk: Chunk, slot: int | None) -> bool:
+    def _evict_now(self, chunk: Chunk, slot: int | None) -> bool:
         """Free a GPU block for reuse within this step: copy it out first (unless its CPU copy
         is valid already), or drop it. True if a copy was ordered."""
         block = chunk.gpu_block
-        assert block is not None and not self._reclaiming(chunk)
-        where = self.events.gpu_where[block]
+        assert block is not None and not self._reclaiming(chunk) and not chunk.pins
         copied = False
         if slot is not None and slot == chunk.cpu_slot:
             self.copies.unback(slot)
         elif slot is not None:
             self.copies.evict_first(block, slot)
             chunk.cpu_slot = slot
-            self.events.cpu_where[slot] = where
+            self.events.cpu_where[slot] = chunk
             copied = True
-        conv.maybe_on_cpu = conv.maybe_on_cpu or slot is not None
         chunk.gpu_block = None
         self.gpu.free(block)
-        self.events.emit(
-            KvEventKind.DROPPED if slot is None else KvEventKind.SWAPPED_OUT, where, chunk
-        )
+        self.events.emit(KvEventKind.DROPPED if slot is None else KvEventKind.SWAPPED_OUT, chunk)
         if slot is not None:
-            self.eviction.joined_cpu(conv, where[1])
+            self._joined_cpu(chunk)
         return copied
 
     def _take_cpu_slot(
@@ -372,22 +544,25 @@ class KVCacheManager:
         backed = self.copies.take_backed()
         if backed is not None:  # a copy of a chunk that lives on the GPU too: nothing is lost
             slot, chunk = backed
-            self.events.emit(KvEventKind.CPU_FREED, self.events.cpu_where[slot], chunk)
+            self.events.emit(KvEventKind.CPU_FREED, chunk)
             return slot
         chunk = self.eviction.cpu_victim(candidate, now, ahead=ahead)
         if chunk is None:
             return None
-        where = self.events.cpu_where[chunk.cpu_slot]  # type: ignore[index]
         self._drop(chunk)
-        self.events.emit(KvEventKind.DROPPED, where, chunk)
+        self.events.emit(KvEventKind.DROPPED, chunk)
         return self.cpu.allocate()
 
-    def _swap_out(self, conv: ConversationKV, chunk: Chunk, slot: int) -> None:
+    def _swap_out(self, chunk: Chunk, slot: int) -> None:
         self.copies.swap_out(chunk, slot)
-        conv.maybe_on_cpu = True
-        where = self.events.cpu_where[slot] = self.events.gpu_where[chunk.gpu_block]  # type: ignore[index]
-        self.events.emit(KvEventKind.SWAPPED_OUT, where, chunk)
-        self.eviction.joined_cpu(conv, where[1])
+        self.events.cpu_where[slot] = chunk
+        self.events.emit(KvEventKind.SWAPPED_OUT, chunk)
+        self._joined_cpu(chunk)
+
+    def _joined_cpu(self, chunk: Chunk) -> None:
+        for user in chunk.users.values():
+            user.maybe_on_cpu = True
+        self.eviction.joined_cpu(chunk)
 
     def _drop(self, chunk: Chunk) -> None:
         if chunk.gpu_block is not None:
@@ -397,48 +572,7 @@ class KVCacheManager:
         self.copies.free_cpu_copy(chunk)
 
     def check_invariants(self) -> None:
-        _check_invariants(self)
-
-
-def _check_invariants(kv: KVCacheManager) -> None:
-    """The invariants of the module docstring (the property tests call it after each move)."""
-    owned_gpu: dict[int, Chunk] = {}
-    owned_cpu: dict[int, Chunk] = {}
-    for conv in kv.conversations.values():
-        for i, chunk in enumerate(conv.chunks):
-            for block, owned, where in (
-                (chunk.gpu_block, owned_gpu, kv.events.gpu_where),
-                (chunk.cpu_slot, owned_cpu, kv.events.cpu_where),
-            ):
-                if block is not None:
-                    assert block not in owned, f"block {block} owned twice"
-                    owned[block] = chunk
-                    assert where.get(block) == (conv.conv_id, i), f"block {block}: wrong owner"
-            if conv.pinned:
-                assert chunk.tier is Tier.GPU, f"{conv.conv_id}: pinned chunk off the GPU"
-                assert not kv._reclaiming(chunk), f"{conv.conv_id}: pinned chunk reclaimed"
-    pinned = {c.conv_id for c in kv.conversations.values() if c.pinned}
-    assert pinned == set(kv._pinned), "the running set is out of step"
-    for conv in kv.conversations.values():  # the scan hint never hides an evictable chunk
-        live = any(c.gpu_block is not None and not kv._reclaiming(c) for c in conv.chunks)
-        assert conv.maybe_on_gpu or not live, f"{conv.conv_id}: live chunks hidden from scans"
-    pending_cpu = kv.copies.pending_slots()
-    assert not pending_cpu & set(owned_cpu), "a slot being read is owned again"
-    for pool, owned, pending in (
-        (kv.gpu, owned_gpu, set()),
-        (kv.cpu, owned_cpu, pending_cpu),
-    ):
-        for block in range(pool.capacity):
-            held = block in owned or block in pending
-            assert pool.is_free(block) != held, f"block {block}: free and owned disagree"
-        assert pool.num_free + len(owned) + len(pending) == pool.capacity
-    both = sum(
-        1
-        for conv in kv.conversations.values()
-        for c in conv.chunks
-        if c.gpu_block is not None and c.cpu_slot is not None
-    )
-    assert both == kv.copies.check(), "a chunk on both tiers is unaccounted for"
+        check_invariants(self)
 
 
 def _extend(ranges: list[tuple[int, int]], start: int, end: int) -> None:
