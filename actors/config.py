@@ -130,6 +130,9 @@ class CacheConfig:
     policy: Policy = Policy.PENSIEVE
     swap_out_threshold: float = DEFAULTS.swap_out_threshold
     admission_reserve: float = DEFAULTS.admission_reserve
+    # full chunks are found by content (any conversation of the namespace), not only by the
+    # conversation's own token log (`kv/chunk_keys.py`)
+    prefix_sharing: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

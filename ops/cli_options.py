@@ -237,6 +237,13 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         help="swap idle chunks out ahead of time while less of the GPU tier is free",
     )
     cache.add_argument(
+        "--no-prefix-sharing",
+        dest="prefix_sharing",
+        action="store_false",
+        help="reuse KV only from a conversation's own token log, never a prefix found by content "
+        "in another conversation (default: full 32-token chunks are shared within a tenant)",
+    )
+    cache.add_argument(
         "--profile",
         metavar="COST.json",
         help="cost table from `pensieve profile` for eviction (default: an analytic estimate)",
@@ -324,6 +331,7 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         max_num_seqs=args.max_num_seqs,
         admit_batch=args.admit_batch,
         overlap=args.overlap,
+        prefix_sharing=args.prefix_sharing,
         profile=args.profile,
         seed=args.seed,
         cpu_threads=positive(args.cpu_threads, "--cpu-threads"),

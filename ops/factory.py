@@ -50,6 +50,7 @@ class EngineOptions:
     max_num_seqs: int = DEFAULTS.max_num_seqs
     admit_batch: int = DEFAULTS.admit_batch  # see SchedulerConfig.admit_batch
     overlap: bool = True  # plan each step while the one before runs (see Engine)
+    prefix_sharing: bool = True  # see CacheConfig.prefix_sharing
     profile: str | None = None  # a `pensieve profile` table; default: the analytic cost model
     seed: int = 0
     cpu_threads: int | None = None  # PyTorch threads of a CPU engine; None: see `cpu_threads`
@@ -236,8 +237,22 @@ def _around(
     )
     cost = _cost_model(options, loaded.config)
     eos = chat.eos_token_ids
-    engine = Engine(runner, cache, scheduling, cost.cost, eos, overlap=options.overlap)
+    engine = Engine(
+        runner,
+        cache,
+        scheduling,
+        cost.cost,
+        eos,
+        overlap=options.overlap,
+        model_id=model_identity(options),
+    )
     return Built(engine, loaded, chat, options)
+
+
+def model_identity(options: EngineOptions) -> str:
+    """What names the model in the KV chunk keys: two engines share a key only if their KV of
+    the same tokens is the same (the model, its seed for a preset's random weights, the dtype)."""
+    return f"{options.model}|seed={options.seed}|{options.dtype}"
 
 
 def context_limit(requested: int | None, config: ModelConfig, cache: CacheConfig) -> int:
@@ -300,6 +315,7 @@ def cache_config(
         policy=options.policy,
         admission_reserve=options.admission_reserve,
         swap_out_threshold=options.swap_out_threshold,
+        prefix_sharing=options.prefix_sharing,
     )
 
 

@@ -4,7 +4,8 @@ The HTTP ingress (`actors/ingress/http_actor.py`) turns each `POST /v1/chat/comp
 `pensieve.v1.chat` request (`to_chat`), each `POST /v1/completions` into one with a raw `prompt`
 (`to_text_completion`: no chat template, one turn), and the replies and streamed deltas that
 come back into OpenAI's response, chunk and error bodies. Where OpenAI is silent this follows
-vLLM: `ignore_eos` and `return_token_ids` are accepted as extra fields (and Pensieve's `final`:
+vLLM: `ignore_eos`, `return_token_ids` and `cache_salt` (cached prefixes are shared only among
+requests of one tenant with one salt) are accepted as extra fields (and Pensieve's `final`:
 the conversation ends after this turn), and an unsupported sampling option is refused, never
 ignored.
 
@@ -154,7 +155,7 @@ def to_chat(data: bytes, model: str, conversation_header: str | None) -> Complet
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     chat["max_tokens"] = MAX_TOKENS_LIMIT if max_tokens is None else max_tokens  # to the context
     chat["temperature"] = body.get("temperature", 1.0)  # OpenAI's default
-    for name in ("top_p", "seed", "stop", "ignore_eos", "final"):
+    for name in ("top_p", "seed", "stop", "ignore_eos", "final", "cache_salt"):
         if body.get(name) is not None:
             chat[name] = body[name]
     return Completion(
@@ -235,7 +236,7 @@ def to_text_completion(data: bytes, model: str) -> Completion:
         "max_tokens": TEXT_MAX_TOKENS if max_tokens is None else max_tokens,
         "temperature": body.get("temperature", 1.0),  # OpenAI's default
     }
-    for name in ("top_p", "seed", "stop", "ignore_eos"):
+    for name in ("top_p", "seed", "stop", "ignore_eos", "cache_salt"):
         if body.get(name) is not None:
             chat[name] = body[name]
     return Completion(
@@ -252,7 +253,8 @@ def to_text_completion(data: bytes, model: str) -> Completion:
 
 def usage(reply: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's usage of a client API reply; `prompt_tokens_details.sources` says where each
-    prompt token's KV came from (cached = the GPU and CPU tiers)."""
+    prompt token's KV came from (cached = the GPU and CPU tiers; `shared`, of those, found by
+    content in another conversation's chunks)."""
     used = reply["usage"]
     cached = used["cached_tokens"]
     prompt, completion = used["prompt_tokens"], used["completion_tokens"]

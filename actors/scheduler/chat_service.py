@@ -152,7 +152,11 @@ class ChatService:
                 raise self._closed
             sampling = _sampling(request, conv, prompt, self.max_context, self.chat.vocab_size)
             engine_request = self.engine.add_request(
-                conv.conv_id, prompt, sampling, planned_recompute
+                conv.conv_id,
+                prompt,
+                sampling,
+                planned_recompute,
+                self.engine.namespace(conv.tenant, request.cache_salt),
             )
         except ApiError:
             self.convs.free(reservation)

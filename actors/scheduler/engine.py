@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
+from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey, namespace
 from pensieve.actors.scheduler.kv.kv_manager import CostFn, KVCacheManager
 from pensieve.actors.scheduler.request import Request, TokenSources
 from pensieve.actors.scheduler.scheduler import Scheduler, StepOutcome
@@ -89,9 +90,12 @@ class Engine:
         eos_token_ids: frozenset[int],
         clock: Callable[[], float] = time.monotonic,
         overlap: bool = True,
+        model_id: str = "",
     ) -> None:
+        """`model_id` names the model in the chunk keys (`namespace`)."""
         self.runner = runner
-        self.kv = KVCacheManager(cache, cost)
+        self.model_id = model_id
+        self.kv = KVCacheManager(cache, cost, namespace(model_id))
         self.scheduler = Scheduler(scheduling, self.kv)
         self.eos_token_ids = eos_token_ids
         self.clock = clock
@@ -113,7 +117,10 @@ class Engine:
         prompt_ids: list[int],
         sampling: SamplingParams,
         planned_recompute: tuple[tuple[int, int], ...] | None = None,
+        cache_namespace: ChunkKey | None = None,
     ) -> Request:
+        """`cache_namespace` (`namespace`): whose cached prefixes the turn may reuse, and who
+        may reuse its own; None: the engine's (the model's, no tenant)."""
         request = Request(
             request_id=f"{conv_id}#{next(self._ids)}",
             conv_id=conv_id,
@@ -122,12 +129,18 @@ class Engine:
             arrival=self.clock(),
             eos_token_ids=self.eos_token_ids,
             planned_recompute=planned_recompute,
+            cache_namespace=cache_namespace,
         )
         self.scheduler.add(request)
         return request
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
+
+    def namespace(self, tenant: str | None, cache_salt: str | None = None) -> ChunkKey:
+        """The sharing namespace of a turn of `tenant` (None: the service's own) with
+        `cache_salt`: turns share cached prefixes only within one namespace."""
+        return namespace(self.model_id, tenant, cache_salt)
 
     # ---- what callers ask of the engine -------------------------------------------------
 
@@ -306,6 +319,18 @@ class Engine:
                 "prompt": totals.prompt_tokens,
                 "completion": totals.output_tokens,
                 "prompt_sources": dataclasses.asdict(totals.sources),
+            },
+            # vLLM's prefix-cache counters in prompt tokens of finished turns: looked up, and
+            # found cached (GPU or CPU tier); `shared_hits` of those found in another
+            # conversation's chunks. Sharing's saving now: chunks with several users, and the
+            # bytes (over both tiers) one copy per user would take beyond them
+            "prefix_cache": {
+                "sharing": kv.config.prefix_sharing,
+                "queries": totals.prompt_tokens,
+                "hits": totals.sources.gpu + totals.sources.cpu,
+                "shared_hits": totals.sources.shared,
+                "shared_chunks": kv.num_shared_chunks,
+                "bytes_saved": kv.num_copies_saved() * self.runner.block_bytes,
             },
             "swaps": {
                 "in": {

@@ -124,6 +124,12 @@ class Metrics:
             "Prompt tokens whose KV was cached (GPU or CPU tier)",
             registry=r,
         )
+        self.prefix_shared_hits = Counter(
+            PREFIX + "prefix_cache_shared_hits",
+            "Prompt tokens whose KV was found by content in chunks another conversation computed "
+            "(of the hits)",
+            registry=r,
+        )
         self.generation_tokens = Counter(
             PREFIX + "generation_tokens", "Generated tokens of finished requests", registry=r
         )
@@ -175,6 +181,7 @@ class Metrics:
             self.prompt_sources.labels(source).inc(getattr(sources, source))
         self.prefix_queries.inc(len(request.prompt_ids))
         self.prefix_hits.inc(sources.gpu + sources.cpu)
+        self.prefix_shared_hits.inc(sources.shared)
         num_output = len(request.output_ids)
         self.generation_tokens.inc(num_output)
         reason = request.finish_reason.value if request.finish_reason else "abort"
@@ -253,6 +260,18 @@ class _EngineCollector(Collector):
             took.add_metric([direction], swaps[direction]["seconds"])
         yield moved
         yield took
+        shared = stats["prefix_cache"]
+        yield GaugeMetricFamily(
+            PREFIX + "kv_shared_chunks",
+            "KV chunks used by more than one conversation (a common prefix, held once)",
+            value=shared["shared_chunks"],
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "kv_sharing_saved_bytes",
+            "Bytes of KV (both tiers) that one copy per conversation of the shared chunks would "
+            "take beyond the one copy held",
+            value=shared["bytes_saved"],
+        )
 
 
 def _used(total: int, free: int) -> float:

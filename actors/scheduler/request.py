@@ -29,6 +29,8 @@ class TokenSources:
     cpu: int = 0
     recomputed: int = 0
     new: int = 0
+    # of `gpu` and `cpu`: found by content in chunks another conversation computed
+    shared: int = 0
 
     def __add__(self, other: TokenSources) -> TokenSources:
         return TokenSources(
@@ -36,6 +38,7 @@ class TokenSources:
             self.cpu + other.cpu,
             self.recomputed + other.recomputed,
             self.new + other.new,
+            self.shared + other.shared,
         )
 
 
@@ -73,6 +76,8 @@ class Request:
     # a stop string completes with output token number `stop_at`: the turn ends there, and
     # tokens sampled after it (while the text was being found) are discarded
     stop_at: int | None = None
+    # the namespace its prompt's chunks are keyed in (`chunk_keys.namespace`; None: the cache's)
+    cache_namespace: bytes | None = None
 
     @property
     def all_ids(self) -> list[int]:

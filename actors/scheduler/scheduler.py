@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pensieve.actors.config import SchedulerConfig
+from pensieve.actors.scheduler.kv.kv_cache import ConversationKV
 from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager, OutOfBlocks
 from pensieve.actors.scheduler.request import (
     FinishReason,
@@ -247,7 +248,7 @@ class Scheduler:
     def _suspend(self, request: Request, now: float) -> None:
         conv = self.kv.conversations[request.conv_id]
         kept = request.first_pending
-        copied = self.kv.suspend(conv, kept, now)
+        copied = self.kv.suspend(conv, kept, now, self._tokens(request))
         request.swapped_out_blocks += copied
         self.suspended.append(Suspension(request, now, kept, copied))
         self.running.remove(request)
@@ -258,22 +259,21 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit(self, request: Request, now: float) -> bool:
-        """Reuse the longest cached prefix of the conversation; take GPU blocks for the rest."""
-        conv = self.kv.conversation(request.conv_id, now)
+        """Reuse the longest cached prefix: the conversation's own up to where the prompt
+        differs from its token log, extended by full chunks found by content (`_reuse`); take
+        GPU blocks for the rest."""
+        conv = self.kv.conversation(request.conv_id, now, request.cache_namespace)
         target = request.all_ids
-        reuse = common_prefix(self.histories.get(request.conv_id, []), target)
-        reuse = min(reuse, conv.num_positions, len(target) - 1)  # compute >= 1 token for logits
         # keep the reserve while others run; an idle GPU admits whatever fits at all
         if not self.kv.can_admit(conv, len(target)) and self.running:
             return False
-        self.kv.truncate(conv, reuse)
+        reuse, shared = self._reuse(request, conv, target)
         try:
             acquired = self.kv.acquire(conv, len(target), now)
         except OutOfBlocks:
             if not self.running:
                 self._reject(request, now)  # it can never fit, even on an idle GPU
             return False
-        self.histories[request.conv_id] = list(target)
         request.block_table = ()  # its blocks may all be new
         request.pending = [*acquired.recompute_ranges, (reuse, len(target))]
         if not request.num_suspensions and request.planned_recompute is not None:
@@ -288,6 +288,7 @@ class Scheduler:
                 cpu=acquired.cpu_tokens,
                 recomputed=acquired.recomputed_tokens,
                 new=len(target) - reuse,
+                shared=shared,
             )
         request.swapped_in_blocks += acquired.swapped_in
         if request.admitted_at is None:  # a suspended turn readmitted keeps its first admission
@@ -295,6 +296,24 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=lambda r: r.arrival)
         return True
+
+    def _reuse(self, request: Request, conv: ConversationKV, target: list[int]) -> tuple[int, int]:
+        """Cut the conversation's KV where `target` departs from its token log, then (with
+        prefix sharing) extend it by the full chunks of `target` cached by content; returns the
+        positions reused and how many of them came from chunks found by content. From here the
+        conversation's KV is that of `target`'s first positions, so its token log is `target`."""
+        if self.kv.config.prefix_sharing and request.cache_namespace is not None:
+            self.kv.rekey(conv, request.cache_namespace)
+        reuse = common_prefix(self.histories.get(request.conv_id, []), target)
+        reuse = min(reuse, conv.num_positions, len(target) - 1)  # compute >= 1 token for logits
+        self.kv.truncate(conv, reuse)
+        shared = 0
+        if self.kv.config.prefix_sharing:
+            found = self.kv.lookup(conv, target[: len(target) - 1])
+            reuse = max(reuse, found.num_positions)
+            shared = found.gpu_tokens + found.cpu_tokens
+        self.histories[request.conv_id] = list(target)
+        return reuse, shared
 
     def _reject(self, request: Request, now: float) -> None:
         self.waiting.remove(request)
@@ -321,9 +340,13 @@ class Scheduler:
             self.waiting.remove(request)
         self.histories[request.conv_id] = request.all_ids
         self._cut(request)
-        self.kv.release(self.kv.conversations[request.conv_id], now)
+        self.kv.release(self.kv.conversations[request.conv_id], now, self._tokens(request))
         if request.conv_id not in self.kv.conversations:
             self.histories.pop(request.conv_id, None)  # stateless: forgotten with its KV
+
+    def _tokens(self, request: Request) -> list[int] | None:
+        """The conversation's token log to seal its full chunks by (None: no sharing)."""
+        return request.all_ids if self.kv.config.prefix_sharing else None
 
     def _cut(self, request: Request) -> None:
         """Discard a finished request's tokens after its `stop_at`, and their KV."""

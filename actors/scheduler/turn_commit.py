@@ -95,6 +95,7 @@ class TurnCommitter:
             "gpu": record.cached_gpu,
             "cpu": record.cached_cpu,
             "recomputed": record.cached_recomputed,
+            "shared": request.sources.shared,
         }
         reply = chat_reply(
             conv.conv_id,
@@ -140,8 +141,8 @@ def _log_turn(conv_id: str, record: TurnRecord, request: Request) -> None:
     first = request.first_token_time or request.arrival
     finish = request.finish_time or first
     logger.info(
-        "turn %d of %s: %d prompt tokens (gpu %d, cpu %d, recomputed %d, new %d), %d completion "
-        "tokens, %s; first token %.3f s, done %.3f s",
+        "turn %d of %s: %d prompt tokens (gpu %d, cpu %d, recomputed %d, new %d; shared %d), "
+        "%d completion tokens, %s; first token %.3f s, done %.3f s",
         record.turn,
         conv_id,
         record.prompt_tokens,
@@ -149,6 +150,7 @@ def _log_turn(conv_id: str, record: TurnRecord, request: Request) -> None:
         record.cached_cpu,
         record.cached_recomputed,
         record.new_prompt_tokens,
+        request.sources.shared,
         len(record.output_token_ids),
         record.finish_reason,
         first - request.arrival,

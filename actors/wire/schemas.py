@@ -67,6 +67,8 @@ NonEmptyArray = msgspec.Meta(extra_json_schema={"minItems": 1})
 NonEmptyText = msgspec.Meta(extra_json_schema={"minLength": 1})  # said after "exactly one"
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_PROMPT_TOKEN)]
 StopString = Annotated[str, msgspec.Meta(min_length=1)]
+MAX_CACHE_SALT = 256
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT)]
 
 
 class ChatTurn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -98,6 +100,9 @@ class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt: (
         Annotated[str, NonEmptyText] | Annotated[tuple[TokenId, ...], NonEmptyArray] | UnsetType
     ) = UNSET
+    # cached prefixes are shared only among turns of one tenant with one salt (none: the
+    # tenant's turns without one)
+    cache_salt: CacheSalt | None = None
 
 
 class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -117,6 +122,7 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     final: bool = False  # the conversation ends after this turn
     timeout_s: float | None = None  # cancelled if not done this long after it arrived
     prompt: str | tuple[int, ...] | None = None
+    cache_salt: str | None = None
 
 
 class ConversationRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -165,6 +171,7 @@ _RULES = {
     "final": "'final' must be true or false",
     "timeout_s": f"'timeout_s' must be null or a number in (0, {MAX_TIMEOUT_S:.0f}]",
     "prompt": "'prompt' must be a non-empty string or a non-empty array of token ids",
+    "cache_salt": f"'cache_salt' must be null or a string of 1 to {MAX_CACHE_SALT} characters",
     "cursor": "'cursor' must be a 'next_cursor' from a reply",
     "limit": f"'limit' must be an integer in [1, {MAX_PAGE}]",
 }
@@ -236,6 +243,7 @@ def parse_chat(data: bytes) -> ChatRequest:
         final=body.final or prompt is not None,  # a raw completion is one turn
         timeout_s=body.timeout_s,
         prompt=prompt,
+        cache_salt=body.cache_salt,
     )
 
 
@@ -315,11 +323,14 @@ def _is_hex(text: str) -> bool:
 
 
 class CachedTokens(msgspec.Struct, frozen=True):
-    """Prompt tokens whose KV was found on the GPU or the CPU, or recomputed from the log."""
+    """Prompt tokens whose KV was found on the GPU or the CPU, or recomputed from the log;
+    `shared`: those of `gpu` and `cpu` found by content in chunks another conversation
+    computed (a common prefix)."""
 
     gpu: int
     cpu: int
     recomputed: int
+    shared: int = 0
 
 
 class Usage(msgspec.Struct, frozen=True):

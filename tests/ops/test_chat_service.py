@@ -159,9 +159,13 @@ def test_a_stop_string_ends_the_turn_at_the_same_token_however_late_its_text_com
     completes = next(n for n in range(1, 41) if stop in decode(full["token_ids"][:n]))
     runs = []
     for delay in (0, 2, 5):
-        first = late_turn(service, delay, **body, stop=[stop], stream=delay == 2)
+        # each run with a cache salt of its own: no run finds another's chunks by content
+        salt = {"cache_salt": f"run {delay}"}
+        first = late_turn(service, delay, **body, **salt, stop=[stop], stream=delay == 2)
         conv_id = first["conversation_id"]
-        second = late_turn(service, delay, conversation_id=conv_id, message=CHAT[1], max_tokens=12)
+        second = late_turn(
+            service, delay, conversation_id=conv_id, message=CHAT[1], max_tokens=12, **salt
+        )
         log = service.store.token_log(conv_id)
         runs.append((first, second, log))
     for first, second, log in runs:

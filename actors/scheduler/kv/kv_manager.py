@@ -98,6 +98,14 @@ class KVCacheManager:
     def num_shared_chunks(self) -> int:
         return len(self.index.shared)
 
+    def num_copies_saved(self) -> int:
+        """Blocks and slots that sharing saves now: each shared chunk, on each tier it is on,
+        would take one per user without it (O(shared chunks))."""
+        return sum(
+            (len(chunk.users) - 1) * (self._live_on_gpu(chunk) + (chunk.cpu_slot is not None))
+            for chunk in self.index.shared.values()
+        )
+
     def touch(self, conv_id: str, now: float) -> None:
         """A turn of the conversation arrived: it is active again (its idle time restarts), and
         until it is admitted its chunks are evicted after every idle conversation's. Its GPU
@@ -335,6 +343,21 @@ class KVCacheManager:
                     user.chunks[i] = chunk
                     self._join(user, chunk)
                     self.events.emit_for(KvEventKind.STORED, user.conv_id, chunk)
+
+    def rekey(self, conv: ConversationKV, namespace: ChunkKey) -> None:
+        """Key the idle conversation's chunks in `namespace` from now on (a turn of it came with
+        another cache salt, or it was restored without one). Whatever it has cached was keyed in
+        the old namespace, so it is forgotten; a conversation restored from its token log (all
+        dropped) keeps that log to recompute."""
+        if conv.seed == namespace:
+            return
+        if any(self._place(chunk) for chunk in conv.chunks):
+            self.truncate(conv, 0)
+        for chunk in conv.chunks:
+            if chunk.key is not None:  # dropped, sealed: recomputed as a chunk of its own
+                self._replace(conv, chunk, self._unused_chunk(chunk.index))
+        conv.keys.clear()
+        conv.seed = namespace
 
     def lookup(self, conv: ConversationKV, tokens: Sequence[int]) -> Found:
         """Attach to the idle conversation the longest run of leading full chunks of `tokens`

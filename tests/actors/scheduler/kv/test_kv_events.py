@@ -128,7 +128,9 @@ def test_a_subscriber_and_the_spill_index_follow_the_engine_through_every_tier(
         built.engine.follow_kv_events(SpillKeeper(store, writer).apply)  # as `pensieve serve`
         kv = built.engine.kv
         # four at once, twice: turns wait, evict each other and come back to moved histories
-        conv_ids = turns(service, [{"message": MESSAGES[0]} for _ in range(4)], subscriber)
+        # (they share the chat template's opening chunks, and differ after them)
+        firsts = [{"message": f"{i}. {MESSAGES[0]}"} for i in range(4)]
+        conv_ids = turns(service, firsts, subscriber)
         follow = [{"conversation_id": conv_id, "message": MESSAGES[1]} for conv_id in conv_ids]
         turns(service, follow, subscriber)
         writer.flush()
