@@ -48,7 +48,7 @@ class Server:
         command = [
             *(sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", MODEL),
             *("--data-dir", str(data_dir), "--nats-port", str(free_port())),
-            *("--http-port", str(self.http_port), "--gpu-cache-tokens", "6144"),
+            *("--http-port", str(self.http_port), "--gpu-cache-tokens", "8192"),
             *("--cpu-cache-tokens", "2048", "--log-level", "warning"),
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -128,7 +128,8 @@ def test_a_client_that_resends_other_replies_reuses_all_before_the_first_differe
         reply, ids = complete(api, messages)
         assert reply.usage.prompt_tokens == len(prompt)
         # the longest prefix cached: the last conversation's log, its last token never fed
-        expected = full_chunks(min(common_prefix(log, prompt), len(log) - 1, len(prompt) - 1))
+        matching = min(common_prefix(log, prompt), len(log) - 1, len(prompt) - 1)
+        expected = full_chunks(max(matching, 0))
         assert cached(reply) == expected, (turn, cached(reply), expected)
         if turn:
             assert expected >= full_chunks(len(chat.render(messages[:1])))
@@ -158,12 +159,12 @@ def test_no_tenant_and_no_other_salt_hits_a_prompt(server, chat) -> None:
         reply, _ = complete(api, [system, {"role": "user", "content": question}], **extra)
         return cached(reply)
 
+    # each namespace finds what it cached (checked at once: the tiers hold a few such prompts)
     assert ask(alice, "Name a lake.") == 0
     assert ask(bob, "Name a lake.") == 0  # another tenant, the same chat
-    assert ask(bob, "Name a lake!", cache_salt="s") == 0
-    assert ask(alice, "Name a large lake.", cache_salt="s") == 0  # another salt
-    assert ask(alice, "Name a deep lake.", cache_salt="t") == 0
-    # what each namespace cached, it finds again
-    assert ask(alice, "Name a cold lake.") >= 1000
-    assert ask(alice, "Name a warm lake.", cache_salt="s") >= 1000
     assert ask(bob, "Name a blue lake.") >= 1000
+    assert ask(alice, "Name a cold lake.") >= 1000
+    assert ask(alice, "Name a large lake.", cache_salt="s") == 0  # another salt
+    assert ask(alice, "Name a warm lake.", cache_salt="s") >= 1000
+    assert ask(bob, "Name a lake!", cache_salt="s") == 0  # the same salt, another tenant
+    assert ask(alice, "Name a deep lake.", cache_salt="t") == 0
