@@ -45,6 +45,9 @@ for policy in "${policies[@]}"; do
         tail -20 "$log"
         exit 1
     fi
+    # warm-up (kernels compiled and tuned, graphs captured) before anything is measured
+    python3 -m pensieve.ops.cli bench "${work[@]}" --nats-url "nats://127.0.0.1:$nats_port" \
+        --sessions 2 --concurrency 2 --seed 1 > "$out/warmup_$policy.txt" 2>&1
     for api in "${apis[@]}"; do
         name=${policy}_$api
         target=(--nats-url "nats://127.0.0.1:$nats_port")
