@@ -124,7 +124,10 @@ class EvictionOrder:
             if not (lowest.value < incoming.value and lowest.chunk.gpu_block is None):
                 return None
         elif incoming is not None and not lowest.goes_before(incoming):
-            return None
+            # the lowest is another conversation's, worth as much: the incoming chunk's own
+            # conversation still gives up an earlier chunk of the tier, if it has one
+            own = self._cpu.leading(incoming.conv, before=incoming.index)
+            return None if own is None else incoming.conv.chunks[own]
         self._cpu.pop()
         return lowest.chunk
 
@@ -196,6 +199,12 @@ class Ranking:
                 return Candidate(value, tie, conv, index)
             self._take_top()
         return None
+
+    def leading(self, conv: ConversationKV, before: int) -> int | None:
+        """The index of `conv`'s first chunk on the tier, if it comes before `before` (the
+        ranking skips it once it has left the tier)."""
+        index = self._next_index(conv, 0)
+        return index if index is not None and index < before else None
 
     def pop(self) -> Candidate | None:
         """The lowest chunk still on the tier, taken out of the ranking."""
