@@ -24,6 +24,7 @@ from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.scheduler.kv.kv_manager import CostFn, KVCacheManager
 from pensieve.actors.scheduler.request import Request, TokenSources
 from pensieve.actors.scheduler.scheduler import Scheduler, StepOutcome
+from pensieve.actors.scheduler.step_budget import StepTimeModel
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.messages import KvEvent
 from pensieve.actors.wire.step import (
@@ -58,6 +59,7 @@ class StepTiming:
     swap_out: int
     evict_first: int
     decode_positions: int = 0  # KV positions the decodes attend to, summed over them
+    prefill_cap: int | None = None  # prefill tokens allowed beside its decodes (None: no cap)
 
     @property
     def total_s(self) -> float:
@@ -89,10 +91,11 @@ class Engine:
         eos_token_ids: frozenset[int],
         clock: Callable[[], float] = time.monotonic,
         overlap: bool = True,
+        step_time: StepTimeModel | None = None,  # caps prefill beside decodes (None: no cap)
     ) -> None:
         self.runner = runner
         self.kv = KVCacheManager(cache, cost)
-        self.scheduler = Scheduler(scheduling, self.kv)
+        self.scheduler = Scheduler(scheduling, self.kv, step_time)
         self.eos_token_ids = eos_token_ids
         self.clock = clock
         self.totals = EngineTotals()
@@ -271,6 +274,7 @@ class Engine:
             len(orders.swap_out),
             len(orders.evict_first),
             sum(decoding),
+            plan.prefill_cap,
         )
         self.totals.steps += 1
         for request in outcome.finished:
