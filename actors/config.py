@@ -33,8 +33,9 @@ class Defaults:
     max_batch_tokens: int = 2048  # token budget of one step (prefill and decode together)
     max_num_seqs: int = 256  # running requests at most
     # while sessions decode, a step's prefill keeps its estimated time within this factor of
-    # a decode-only step's (actors/scheduler/step_budget.py), taking at least this many tokens
-    max_step_slowdown: float = 2.0
+    # a decode-only step's (actors/scheduler/step_budget.py), taking at least this many tokens;
+    # 0: off (prefill takes the whole token budget) until the estimate is checked on GPUs
+    max_step_slowdown: float = 0.0
     min_prefill_tokens: int = 32
     admit_batch: int = 8  # a decode-only step admits once this many running slots are free
     max_waiting: int = 1024  # turns queued before `serve` answers "overloaded"
@@ -161,7 +162,7 @@ class SchedulerConfig:
     # prefill beside decodes keeps a step within this factor of a decode-only step's estimated
     # time (None: off, prefill takes the whole token budget), with at least `min_prefill_tokens`
     # a step; it applies to a scheduler given a step-time model (step_budget.py)
-    max_step_slowdown: float | None = DEFAULTS.max_step_slowdown
+    max_step_slowdown: float | None = DEFAULTS.max_step_slowdown or None
     min_prefill_tokens: int = DEFAULTS.min_prefill_tokens
 
     def __post_init__(self) -> None:

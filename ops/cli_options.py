@@ -284,7 +284,8 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         metavar="X",
         default=DEFAULTS.max_step_slowdown,
         help="while sessions decode, cap a step's prefill tokens so that its estimated time stays "
-        "within X times a decode-only step's (0: off, prefill takes --max-batch-tokens)",
+        "within X times a decode-only step's, e.g. 2; 0: off, prefill takes --max-batch-tokens "
+        "(default: %(default)s)",
     )
     scheduler.add_argument(
         "--min-prefill-tokens",

@@ -51,7 +51,7 @@ class EngineOptions:
     max_num_seqs: int = DEFAULTS.max_num_seqs
     admit_batch: int = DEFAULTS.admit_batch  # see SchedulerConfig.admit_batch
     # see SchedulerConfig.max_step_slowdown (0 or None: off) and .min_prefill_tokens
-    max_step_slowdown: float | None = DEFAULTS.max_step_slowdown
+    max_step_slowdown: float | None = DEFAULTS.max_step_slowdown or None
     min_prefill_tokens: int = DEFAULTS.min_prefill_tokens
     overlap: bool = True  # plan each step while the one before runs (see Engine)
     profile: str | None = None  # a `pensieve profile` table; default: the analytic cost model
