@@ -14,7 +14,7 @@ from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager
 from pensieve.actors.scheduler.request import Request
 from pensieve.actors.scheduler.scheduler import Scheduler
 from pensieve.actors.scheduler.step_budget import PrefillBudget, StepTimeModel
-from pensieve.actors.wire.step import SamplingParams, StepPlan
+from tests.actors.scheduler.test_scheduler import Driver as SchedulerDriver
 
 BLOCK = 32
 # per chunk of 32: 0.32 ms outside attention (10 us a token), attention 0.1 ms at 32 positions
@@ -49,7 +49,7 @@ def test_the_tokens_within_a_time_are_the_most_that_fit(
         assert MODEL.prefill_s(start, n + 1) > seconds
 
 
-class Driver:
+class Driver(SchedulerDriver):
     """A scheduler with `num_decodes` sessions decoding, planning one step at a time."""
 
     def __init__(self, slowdown: float | None, min_tokens: int = BLOCK) -> None:
@@ -61,25 +61,6 @@ class Driver:
         self.budget = PrefillBudget(MODEL, slowdown or 1.0, min_tokens)
         self.count = 0
         self.now = 0.0
-
-    def send(self, prompt_len: int, max_tokens: int) -> Request:
-        self.count += 1
-        request = Request(
-            f"r{self.count}",
-            f"c{self.count}",
-            [3 + i % 1000 for i in range(prompt_len)],
-            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            self.now,
-        )
-        self.scheduler.add(request)
-        return request
-
-    def step(self) -> StepPlan:
-        self.now += 0.01
-        plan = self.scheduler.schedule(self.now)
-        sampled = [7 for piece in plan.pieces if piece.sampling is not None]
-        self.scheduler.update(plan, sampled, self.now)
-        return plan
 
 
 def _long_prompt_beside(d: Driver, num_decodes: int, prompt_len: int) -> tuple[list, Request]:
