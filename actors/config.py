@@ -32,6 +32,11 @@ class Defaults:
     swap_out_threshold: float = 0.25  # swap out ahead of time while less of the GPU is free
     max_batch_tokens: int = 2048  # token budget of one step (prefill and decode together)
     max_num_seqs: int = 256  # running requests at most
+    # while sessions decode, a step's prefill keeps its estimated time within this factor of
+    # a decode-only step's (actors/scheduler/step_budget.py), taking at least this many tokens;
+    # 0: off (prefill takes the whole token budget) until the estimate is checked on GPUs
+    max_step_slowdown: float = 0.0
+    min_prefill_tokens: int = 32
     admit_batch: int = 8  # a decode-only step admits once this many running slots are free
     max_waiting: int = 1024  # turns queued before `serve` answers "overloaded"
     nats_port: int = 4222  # the port `serve` starts its own nats-server on
@@ -157,12 +162,21 @@ class SchedulerConfig:
     # a step that would decode only admits waiting requests once this many can start together
     # (capped at max_num_seqs / 8, and at the number waiting): see `Scheduler.schedule`
     admit_batch: int = DEFAULTS.admit_batch
+    # prefill beside decodes keeps a step within this factor of a decode-only step's estimated
+    # time (None: off, prefill takes the whole token budget), with at least `min_prefill_tokens`
+    # a step; it applies to a scheduler given a step-time model (step_budget.py)
+    max_step_slowdown: float | None = DEFAULTS.max_step_slowdown or None
+    min_prefill_tokens: int = DEFAULTS.min_prefill_tokens
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
             raise ValueError("scheduler limits must be positive")
         if self.admit_batch < 1:
             raise ValueError(f"admit_batch must be >= 1, got {self.admit_batch}")
+        if self.max_step_slowdown is not None and self.max_step_slowdown < 1:
+            raise ValueError(f"max_step_slowdown must be >= 1, got {self.max_step_slowdown}")
+        if self.min_prefill_tokens < 1:
+            raise ValueError(f"min_prefill_tokens must be >= 1, got {self.min_prefill_tokens}")
 
     @property
     def admit_group(self) -> int:

@@ -109,6 +109,8 @@ class Settings:
     # decode
     decode_batches: tuple[int, ...] = (1, 64)
     decode_context: int = 4032
+    # one long prompt prefilled in pieces, as the engine's token budget cuts it: (prompt, piece)
+    prefill_prompts: tuple[tuple[int, int], ...] = ()
     # swap
     swap_chunks: tuple[int, ...] = (64, 256, 1024)
     swap_step_decodes: int = 32
@@ -190,6 +192,7 @@ SMOKE = Settings(
     hf_window_s=2.0,
     decode_batches=(1, 4),
     decode_context=256,
+    prefill_prompts=((256, 64),),
     swap_chunks=(4, 16),
     swap_step_decodes=4,
     swap_step_context=128,
@@ -588,13 +591,67 @@ def section_decode(b: Bench, rows: list[Row]) -> dict[str, Any]:
         )
         steps[batch] = {"seconds": seconds, "read_bound_seconds": ideal, "kv_bytes": kv}
         b.log(f"decode b={batch}: {seconds * 1e3:.2f} ms (read-time bound {ideal * 1e3:.2f} ms)")
+    del runner
+    b.free()
     return {
         "status": "ok",
         "bandwidth_gb_s": bandwidth / GB,
         "context": context,
         "weight_bytes": weights,
         "steps": steps,
+        "prefill": [prefill_in_pieces(b, rows, n, piece) for n, piece in b.s.prefill_prompts],
     }
+
+
+def prefill_flops(config: Any, layer_params: int, prompt: int) -> float:
+    """Multiply-adds x 2 of a causal prefill: every layer weight once per token, and the
+    attention's two products over the causal half of prompt x prompt."""
+    attention = 2 * 2 * config.num_layers * config.num_heads * config.head_dim * prompt**2 / 2
+    return 2 * layer_params * prompt + attention
+
+
+def _execute_all(runner: ModelRunner, plans: list[StepPlan]) -> None:
+    for plan in plans:
+        runner.execute(plan)
+
+
+def prefill_in_pieces(b: Bench, rows: list[Row], prompt: int, piece: int) -> dict[str, Any]:
+    """One prompt of `prompt` tokens prefilled `piece` tokens a step, each step attending to the
+    KV the steps before wrote (the engine's chunked prefill), timed end to end."""
+    loaded, block_size = b.loaded(), DEFAULTS.block_size
+    blocks = -(-prompt // block_size)
+    runner = ModelRunner(
+        loaded.model, CacheConfig(block_size, blocks + 1, 0, Policy.GPU_ONLY), b.device, b.dtype
+    )
+    table, sampling = tuple(range(blocks)), SamplingParams(max_tokens=1, ignore_eos=True)
+    plans = [
+        StepPlan(
+            (
+                SeqPiece(
+                    "p",
+                    tuple(range(5, 5 + min(piece, prompt - at))),
+                    at,
+                    min(at + piece, prompt),
+                    table,
+                    sampling,
+                ),
+            )
+        )
+        for at in range(0, prompt, piece)
+    ]
+
+    run_all = functools.partial(_execute_all, runner, plans)
+    seconds = median_time(b, run_all, max(3, b.s.repeats // 3), warmup=1)
+    layer_params = sum(p.numel() for n, p in loaded.model.named_parameters() if "layers" in n)
+    flops = prefill_flops(loaded.config, layer_params, prompt)
+    rate = flops / seconds / 1e12
+    name = f"prefill {prompt} tokens, {piece} a step"
+    rows.append(Row(name, seconds * 1e3, "ms", note=f"{flops / 1e15:.2f} PFLOP"))
+    rows.append(Row(f"{name}, rate", rate, "TFLOP/s"))
+    b.log(f"prefill {prompt} in pieces of {piece}: {seconds * 1e3:.1f} ms, {rate:.0f} TFLOP/s")
+    del runner, run_all
+    b.free()
+    return {"prompt": prompt, "piece": piece, "seconds": seconds, "flops": flops}
 
 
 # ---- D. swap ------------------------------------------------------------------------------
@@ -1147,6 +1204,11 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
     p.add_argument(
         "--rates", dest="fixed_rates", help="policies: exact rates, no sweep, e.g. stateless=9/10"
     )
+    p.add_argument("--decode-context", type=int, help="decode: the decodes' context")
+    p.add_argument("--decode-batches", help="decode: batch sizes, e.g. 1,64")
+    p.add_argument(
+        "--prefill-prompts", help="decode: prompts prefilled in pieces, PROMPT:PIECE,... tokens"
+    )
     p.add_argument("--max-points", type=int, help="policies: runs per policy at most")
     p.add_argument(
         "--rate-factor", type=float, help="policies: a sweep's step between rates (default 1.2)"
@@ -1227,6 +1289,11 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, list[str], Path | None
         unknown = set(args["policies"]) - {policy.value for policy in Policy}
         if unknown:
             p.error(f"unknown policies {sorted(unknown)}")
+    if args["decode_batches"]:
+        args["decode_batches"] = tuple(int(n) for n in args["decode_batches"].split(","))
+    if args["prefill_prompts"]:
+        pairs = (item.split(":") for item in args["prefill_prompts"].split(","))
+        args["prefill_prompts"] = tuple((int(n), int(piece)) for n, piece in pairs)
     if args["start_rates"]:
         given = dict(item.split("=", 1) for item in args["start_rates"].split(","))
         rates = dict(settings.start_rates) | {k.strip(): float(v) for k, v in given.items()}

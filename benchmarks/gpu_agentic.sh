@@ -8,7 +8,9 @@
 #
 # carry: .whl and .bench (see gpu_serve.sh): the sessions' text comes from .bench/sharegpt.jsonl
 # and they are measured with .bench/tokenizer. MODEL_ARGS as in gpu_serve.sh (the model's context
-# must hold --max-context). Writes OUT_DIR/{nats,http}.json and .txt, and agentic.png.
+# must hold --max-context). POLICIES (default: pensieve) and APIS (default: nats http) pick the
+# servers and clients, one server per policy; writes OUT_DIR/POLICY_API.json and .txt, and
+# agentic.png with every run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: gpu_agentic.sh OUT_DIR [BENCH OPTIONS ...]}
@@ -22,26 +24,44 @@ model=${MODEL_ARGS:---model preset:llama2-13b-gqa10 --device cuda --dtype bfloat
 nats_port=${NATS_PORT:-4222}
 http_port=${HTTP_PORT:-8000}
 
-# shellcheck disable=SC2086  # $model is a list of options
-python3 -m pensieve.ops.cli serve --insecure $model --nats-port "$nats_port" \
-    --http-port "$http_port" --data-dir "$out/data" > "$out/serve.txt" 2>&1 &
-server=$!
-for _ in $(seq 600); do
-    grep -q 'OpenAI-compatible API on' "$out/serve.txt" && break
-    kill -0 "$server" 2>/dev/null || break
-    sleep 0.5
-done
-if ! grep -q 'OpenAI-compatible API on' "$out/serve.txt"; then
-    echo "serve did not start:"
-    tail -20 "$out/serve.txt"
-    exit 1
-fi
+policies=(${POLICIES:-pensieve})
+apis=(${APIS:-nats http})
 work=(agentic --tokenizer .bench/tokenizer --sharegpt .bench/sharegpt.jsonl "$@")
-python3 -m pensieve.ops.cli bench "${work[@]}" --nats-url "nats://127.0.0.1:$nats_port" \
-    --label nats --json "$out/nats.json" 2>&1 | tee "$out/nats.txt"
-python3 -m pensieve.ops.cli bench "${work[@]}" --http "http://127.0.0.1:$http_port" \
-    --label http --json "$out/http.json" 2>&1 | tee "$out/http.txt"
-kill -INT "$server"
-wait "$server"
+results=()
+for policy in "${policies[@]}"; do
+    log=$out/serve_$policy.txt
+    # shellcheck disable=SC2086  # $model is a list of options
+    python3 -m pensieve.ops.cli serve --insecure $model --policy "$policy" \
+        --nats-port "$nats_port" --http-port "$http_port" --data-dir "$out/data_$policy" \
+        > "$log" 2>&1 &
+    server=$!
+    for _ in $(seq 600); do
+        grep -q 'OpenAI-compatible API on' "$log" && break
+        kill -0 "$server" 2>/dev/null || break
+        sleep 0.5
+    done
+    if ! grep -q 'OpenAI-compatible API on' "$log"; then
+        echo "serve ($policy) did not start:"
+        tail -20 "$log"
+        exit 1
+    fi
+    # warm-up (kernels compiled and tuned, graphs captured) before anything is measured
+    python3 -m pensieve.ops.cli bench "${work[@]}" --nats-url "nats://127.0.0.1:$nats_port" \
+        --sessions 2 --concurrency 2 --seed 1 > "$out/warmup_$policy.txt" 2>&1
+    for api in "${apis[@]}"; do
+        name=${policy}_$api
+        target=(--nats-url "nats://127.0.0.1:$nats_port")
+        [ "$api" = http ] && target=(--http "http://127.0.0.1:$http_port")
+        python3 -m pensieve.ops.cli bench "${work[@]}" "${target[@]}" --label "$name" \
+            --json "$out/$name.json" > "$out/$name.txt" 2>&1
+        results+=("$out/$name.json")
+    done
+    kill -INT "$server"
+    wait "$server"
+done
+for result in "${results[@]}"; do
+    echo "== $(basename "$result" .json)"
+    tail -n "${TABLE_LINES:-14}" "${result%.json}.txt"
+done
 python3 -m pensieve.ops.cli bench agentic --replot --plot "$out/agentic.png" \
-    --compare "$out/nats.json" "$out/http.json"
+    --compare "${results[@]}"

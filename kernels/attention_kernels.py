@@ -178,8 +178,14 @@ def _paged_attention_kernel(
     kv_end = context + tl.minimum(q_len, tile_q + BLOCK_Q)  # one past the last position seen
     full_end = (context + tile_q + 1) // BLOCK_N * BLOCK_N  # below this every row sees all keys
     if SPLIT:
-        kv_lo = split * kv_split_len
-        kv_hi = tl.minimum(kv_lo + kv_split_len, kv_end)
+        # kv_split_len is cut for the launch's longest context (or, from a CUDA graph, for its
+        # context bucket, up to twice the longest): each sub-sequence spreads its own KV over
+        # every split instead, in whole tiles and at least 4 tiles a split, so no split of a long
+        # sub-sequence sits idle while another covers twice its share
+        even = tl.cdiv(tl.cdiv(kv_end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        seq_split = tl.minimum(kv_split_len, tl.maximum(even, 4 * BLOCK_N))
+        kv_lo = split * seq_split
+        kv_hi = tl.minimum(kv_lo + seq_split, kv_end)
     else:
         kv_lo = 0
         kv_hi = kv_end

@@ -286,6 +286,22 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         help="a decode-only step admits once this many running slots are free (1: at once)",
     )
     scheduler.add_argument(
+        "--max-step-slowdown",
+        type=float,
+        metavar="X",
+        default=DEFAULTS.max_step_slowdown,
+        help="while sessions decode, cap a step's prefill tokens so that its estimated time stays "
+        "within X times a decode-only step's, e.g. 2; 0: off, prefill takes --max-batch-tokens "
+        "(default: %(default)s)",
+    )
+    scheduler.add_argument(
+        "--min-prefill-tokens",
+        type=int,
+        metavar="N",
+        default=DEFAULTS.min_prefill_tokens,
+        help="prefill tokens a step takes at least under --max-step-slowdown",
+    )
+    scheduler.add_argument(
         "--no-overlap",
         dest="overlap",
         action="store_false",
@@ -330,6 +346,8 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         max_batch_tokens=args.max_batch_tokens,
         max_num_seqs=args.max_num_seqs,
         admit_batch=args.admit_batch,
+        max_step_slowdown=args.max_step_slowdown,
+        min_prefill_tokens=args.min_prefill_tokens,
         overlap=args.overlap,
         prefix_sharing=args.prefix_sharing,
         profile=args.profile,

@@ -19,6 +19,7 @@ from pensieve.actors.executor.model_runner import ModelRunner
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.kv.cost_model import CostModel
 from pensieve.actors.scheduler.remote_runner import RemoteRunner
+from pensieve.actors.scheduler.step_budget import StepTimeModel
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.step import StepRunner
 from pensieve.models.config import ModelConfig
@@ -49,6 +50,9 @@ class EngineOptions:
     max_batch_tokens: int = DEFAULTS.max_batch_tokens
     max_num_seqs: int = DEFAULTS.max_num_seqs
     admit_batch: int = DEFAULTS.admit_batch  # see SchedulerConfig.admit_batch
+    # see SchedulerConfig.max_step_slowdown (0 or None: off) and .min_prefill_tokens
+    max_step_slowdown: float | None = DEFAULTS.max_step_slowdown or None
+    min_prefill_tokens: int = DEFAULTS.min_prefill_tokens
     overlap: bool = True  # plan each step while the one before runs (see Engine)
     prefix_sharing: bool = True  # see CacheConfig.prefix_sharing
     profile: str | None = None  # a `pensieve profile` table; default: the analytic cost model
@@ -234,9 +238,12 @@ def _around(
         max_num_seqs=options.max_num_seqs,
         max_model_len=context_limit(options.max_model_len, loaded.config, cache),
         admit_batch=options.admit_batch,
+        max_step_slowdown=options.max_step_slowdown or None,
+        min_prefill_tokens=options.min_prefill_tokens,
     )
     cost = _cost_model(options, loaded.config)
     eos = chat.eos_token_ids
+    step_time = _step_time(options, loaded, cost)
     engine = Engine(
         runner,
         cache,
@@ -245,6 +252,7 @@ def _around(
         eos,
         overlap=options.overlap,
         model_id=model_identity(options),
+        step_time=step_time,
     )
     return Built(engine, loaded, chat, options)
 
@@ -356,6 +364,18 @@ def _cost_model(options: EngineOptions, config: ModelConfig) -> CostModel:
         intermediate_size=config.intermediate_size,
         chunk_size=options.block_size,
     )
+
+
+def _step_time(options: EngineOptions, loaded: LoadedModel, cost: CostModel) -> StepTimeModel:
+    """The step-time estimate that caps prefill beside decodes: the cost model's per-token and
+    attention times, and as the fixed cost of a step the weights one device reads in it (all
+    but an input embedding table apart from the output head, whose rows are only gathered)."""
+    model = loaded.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        table = model.embed_tokens.weight
+        weights -= table.numel() * table.element_size()
+    return StepTimeModel.from_cost(cost, weights // options.tensor_parallel)
 
 
 def freeze_start_up() -> None:

@@ -25,6 +25,7 @@ from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey, namespace
 from pensieve.actors.scheduler.kv.kv_manager import CostFn, KVCacheManager
 from pensieve.actors.scheduler.request import Request, TokenSources
 from pensieve.actors.scheduler.scheduler import Scheduler, StepOutcome
+from pensieve.actors.scheduler.step_budget import StepTimeModel
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.messages import KvEvent
 from pensieve.actors.wire.step import (
@@ -59,6 +60,7 @@ class StepTiming:
     swap_out: int
     evict_first: int
     decode_positions: int = 0  # KV positions the decodes attend to, summed over them
+    prefill_cap: int | None = None  # prefill tokens allowed beside its decodes (None: no cap)
 
     @property
     def total_s(self) -> float:
@@ -91,12 +93,13 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         overlap: bool = True,
         model_id: str = "",
+        step_time: StepTimeModel | None = None,  # caps prefill beside decodes (None: no cap)
     ) -> None:
         """`model_id` names the model in the chunk keys (`namespace`)."""
         self.runner = runner
         self.model_id = model_id
         self.kv = KVCacheManager(cache, cost, namespace(model_id))
-        self.scheduler = Scheduler(scheduling, self.kv)
+        self.scheduler = Scheduler(scheduling, self.kv, step_time)
         self.eos_token_ids = eos_token_ids
         self.clock = clock
         self.totals = EngineTotals()
@@ -284,6 +287,7 @@ class Engine:
             len(orders.swap_out),
             len(orders.evict_first),
             sum(decoding),
+            plan.prefill_cap,
         )
         self.totals.steps += 1
         for request in outcome.finished:

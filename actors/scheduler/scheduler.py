@@ -26,6 +26,12 @@ from pensieve.actors.scheduler.request import (
     TokenSources,
     common_prefix,
 )
+from pensieve.actors.scheduler.step_budget import (
+    PrefillBudget,
+    StepPrefill,
+    StepTimeModel,
+    is_decode,
+)
 from pensieve.actors.wire.step import SeqPiece, StepPlan
 
 
@@ -47,9 +53,17 @@ class StepOutcome:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, step_time: StepTimeModel | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        # caps prefill beside decodes (step_budget.py); None: only the step's token budget
+        self.prefill_budget = (
+            PrefillBudget(step_time, config.max_step_slowdown, config.min_prefill_tokens)
+            if step_time is not None and config.max_step_slowdown is not None
+            else None
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.histories: dict[str, list[int]] = {}  # conversation -> its token log
@@ -139,27 +153,49 @@ class Scheduler:
 
     def schedule(self, now: float) -> StepPlan:
         budget = self.config.max_num_batched_tokens
+        prefill = self._step_prefill()
         pieces: list[SeqPiece] = []
         for request in list(self.running):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING or not request.pending:
                 continue  # suspended while an earlier request grew; or its last token is out
-            taken = self._grow_or_suspend(request, budget, now)
+            limit = prefill.limit(request.pending, budget)
+            if limit == 0:
+                continue  # a prefill beyond the step's prefill cap
+            taken = self._grow_or_suspend(request, limit, now)
+            prefill.took(taken)
             pieces += self._pieces(request, taken)
             budget -= sum(end - start for start, end in taken)
         if self._defer_admission(pieces):
-            return StepPlan(tuple(pieces), self.kv.take_orders())
+            return self._plan(pieces, prefill)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if not prefill.has_room():
+                break
             if self.waiting[0].inflight or not self._admit(self.waiting[0], now):
                 # (a suspended request whose last token is still being sampled waits for it)
                 break
             request = self.waiting.popleft()
-            taken = request.take(budget)
+            taken = request.take(prefill.limit(request.pending, budget))
+            prefill.took(taken)
             pieces += self._pieces(request, taken)
             budget -= sum(end - start for start, end in taken)
         # ahead-of-time swap-outs are chosen by the engine while the device runs a step
-        return StepPlan(tuple(pieces), self.kv.take_orders())
+        return self._plan(pieces, prefill)
+
+    def _step_prefill(self) -> StepPrefill:
+        """The prefill cap of the step about to be planned, by the decodes it will carry."""
+        if self.prefill_budget is None:
+            return StepPrefill(None, ())
+        decodes = [
+            r.pending[0][1]
+            for r in self.running
+            if r.status is RequestStatus.RUNNING and is_decode(r.pending)
+        ]
+        return StepPrefill(self.prefill_budget, decodes)
+
+    def _plan(self, pieces: list[SeqPiece], prefill: StepPrefill) -> StepPlan:
+        return StepPlan(tuple(pieces), self.kv.take_orders(), prefill_cap=prefill.cap)
 
     def _defer_admission(self, pieces: list[SeqPiece]) -> bool:
         """Whether this step admits nobody: it would decode only, and fewer running slots are

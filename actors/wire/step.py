@@ -122,6 +122,9 @@ class StepPlan:
     traces: TraceContexts | None = field(default=None, compare=False)
     # whose chunks the orders move, while tracing is on (the executor traces the copies)
     copy_traces: tuple[CopyTrace, ...] = field(default=(), compare=False)
+    # prefill tokens the scheduler allowed the step beside its decodes (None: no cap but the
+    # step's token budget); for the engine's step stats, not sent to an executor
+    prefill_cap: int | None = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:

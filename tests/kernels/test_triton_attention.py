@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -215,6 +215,30 @@ def test_decodes_take_one_tile_per_sub_sequence(rng, split):
     assert launch.options["BLOCK_Q"] == 1
     check(case, config)
     check(case)  # the launch shape choose_config picks
+
+
+def test_splits_cut_for_a_context_bucket_spread_each_sub_sequence_over_all_of_them(rng):
+    """A CUDA graph launches the KV split of its context bucket, up to twice the longest context
+    in the step: each sub-sequence still spreads its KV over every split (the longest leaves
+    none idle, where it used to fill only the first half), and the output is exact."""
+    from pensieve.kernels.triton_attention import AttentionPlan
+
+    subseqs = [SubSeq(0, 1, 1000), SubSeq(1, 1, 600), SubSeq(2, 1, 30)]
+    case = make_case(
+        rng, subseqs, block_size=16, num_kv_heads=2, group=4, head_dim=16, dtype=torch.float32
+    )
+    bucket = Case(case.query, case.kv_cache, replace(case.meta, max_seq_len=2048), case.seed)
+    config = KernelConfig(16, 16, 4, 2, kv_split_len=256)  # 8 splits of the 2,048 bucket
+    plan = AttentionPlan(bucket.query, bucket.kv_cache, bucket.meta, bucket.scale, config=config)
+    (launch,) = plan.launches
+    assert launch.grid == (2, 3, 8)
+    check(bucket, config)
+    assert launch.part_lse is not None
+    out = torch.empty_like(bucket.query)
+    plan.run(bucket.query, bucket.kv_cache, out)
+    seen = launch.part_lse.isfinite()  # [split, token, head]: a split that attended to keys
+    assert seen[:, 0].all() and seen[:, 1].all(), seen[:, :2, 0]  # 1000 and 600 keys: all 8
+    assert seen[:, 2, 0].sum() == 1  # 30 keys: one split of at least 4 tiles
 
 
 def test_mixed_step_runs_decodes_on_their_own_tiles(rng):

@@ -139,7 +139,9 @@ class EvictionOrder:
             if not (lowest.value < incoming.value and lowest.chunk.gpu_block is None):
                 return None
         elif incoming is not None and not lowest.goes_before(incoming):
-            return None
+            # the lowest is another conversation's, worth as much: the incoming chunk's own
+            # conversation still gives up an earlier chunk of the tier, if it has one
+            return self._cpu.leading(incoming.conv, before=incoming.index)
         self._cpu.pop()
         return lowest.chunk
 
@@ -216,6 +218,12 @@ class Ranking:
                 return Candidate(value, tie, chunk, next(iter(chunk.users.values())))
             self._take_top()
         return None
+
+    def leading(self, conv: ConversationKV, before: int) -> Chunk | None:
+        """`conv`'s first own chunk on the tier, if it comes before chunk `before` (the ranking
+        skips it once it has left the tier)."""
+        chunk = self._next_own(conv, 0)
+        return chunk if chunk is not None and chunk.index < before else None
 
     def pop(self) -> Candidate | None:
         """The lowest chunk still on the tier, taken out of the ranking."""

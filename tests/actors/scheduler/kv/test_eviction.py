@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pensieve.actors.config import Policy
@@ -165,6 +165,13 @@ def step(sim: Simulation, op: str, which: int, tokens: int, gap: float) -> None:
     num_gpu=st.integers(4, 16),
     num_cpu=st.integers(1, 8),
     workload=workloads,
+)
+@example(  # all worth as much (lru, one time): the evicted chunk's own earlier one goes first
+    policy=Policy.LRU,
+    num_gpu=7,
+    num_cpu=3,
+    workload=[("turn", 0, 1, 0.0), ("turn", 0, 3, 0.0), ("turn", 0, 5, 0.0)]
+    + [("turn", 1, 21, 0.0), ("turn", 2, 5, 0.0)],
 )
 def test_every_pass_evicts_from_the_leading_end(policy, num_gpu, num_cpu, workload):
     """After every pass, whatever the workload, no conversation holds a dropped chunk after a

@@ -1,0 +1,154 @@
+"""A decode-aware prefill budget: how many prompt tokens a step may take beside its decodes.
+
+A step that carries 2,048 prompt tokens takes several times as long as one that only decodes, and
+every running session waits for it. While sessions decode, the prefill tokens of a step are capped
+so that the step's estimated time stays within `max_slowdown` times that of the same step without
+them; with no decode running, prefill takes the step's whole token budget.
+
+The estimate (`StepTimeModel`), in seconds, for a step of N tokens:
+
+    T = F + t·N + Σ_decodes A(l_i) + Σ_prefill chunks A(l_c)·q_c/C
+
+- F, the fixed cost: the weights are read once per step (their bytes over the memory
+  bandwidth); this dominates a decode step.
+- t = non_attention_s / C: projections, MLP and norms per token (the cost model's per-chunk
+  non-attention time, C tokens a chunk).
+- A(l): attention of one chunk of C queries over l positions (the cost model's
+  `attention_cost`). A prefill chunk of q_c of its tokens ending at position l_c costs
+  A(l_c)·q_c/C; a decode attending to l positions is taken as A(l), a whole chunk's: it reads
+  the same K/V, and that read bounds both (an upper bound where it does not).
+
+So a step with decodes at contexts l_i may add prefill tokens while their cost
+t·q + Σ A(l_c)·q_c/C stays within (max_slowdown - 1)·T_decode, where
+T_decode = F + t·D + Σ A(l_i). A floor of `min_tokens` per step keeps a long prompt moving
+however small that allowance is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pensieve.actors.scheduler.kv.cost_model import DEFAULT_BYTES_PER_S, CostModel
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """Estimated seconds of a step (module doc): `fixed_s` once, then per token and per chunk
+    of attention as `cost` says."""
+
+    cost: CostModel
+    fixed_s: float
+
+    def __post_init__(self) -> None:
+        if self.fixed_s < 0:
+            raise ValueError(f"fixed_s must be >= 0, got {self.fixed_s}")
+
+    @classmethod
+    def from_cost(
+        cls, cost: CostModel, weight_bytes: int, bytes_per_s: float = DEFAULT_BYTES_PER_S
+    ) -> StepTimeModel:
+        """The cost model's per-token and attention times, and the weights' read as the fixed
+        cost (`weight_bytes`: what one step reads of them on one device)."""
+        return cls(cost, weight_bytes / bytes_per_s)
+
+    @property
+    def per_token_s(self) -> float:
+        return self.cost.non_attention_s / self.cost.chunk_size
+
+    def decode_s(self, contexts: Sequence[int]) -> float:
+        """A step of decodes only, one attending to each of `contexts` positions."""
+        attention = sum(self.cost.attention_cost(n) for n in contexts)
+        return self.fixed_s + self.per_token_s * len(contexts) + attention
+
+    def prefill_s(self, start: int, num_tokens: int) -> float:
+        """What positions [start, start + num_tokens) of one sequence add to a step."""
+        return sum(n * rate for n, rate in self._segments(start, start + num_tokens))
+
+    def prefill_tokens_within(self, start: int, seconds: float, at_most: int) -> int:
+        """The most positions from `start` on (up to `at_most`) that add at most `seconds`."""
+        taken = 0
+        for n, rate in self._segments(start, start + at_most):
+            fits = n if n * rate <= seconds else min(n, max(0, int(seconds / rate)))
+            taken += fits
+            seconds -= fits * rate
+            if fits < n:
+                break
+        return taken
+
+    def _segments(self, start: int, end: int) -> list[tuple[int, float]]:
+        """[start, end) cut at chunk boundaries: (positions, seconds per position) for each;
+        a position pays its share of the attention of the whole chunk it is in."""
+        size = self.cost.chunk_size
+        segments = []
+        while start < end:
+            boundary = (start // size + 1) * size
+            rate = self.per_token_s + self.cost.attention_cost(boundary) / size
+            segments.append((min(end, boundary) - start, rate))
+            start = boundary
+        return segments
+
+
+@dataclass(frozen=True)
+class PrefillBudget:
+    """Prefill tokens a step may take beside its decodes (module doc)."""
+
+    model: StepTimeModel
+    max_slowdown: float
+    min_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.max_slowdown < 1 or self.min_tokens < 1:
+            raise ValueError("a prefill budget needs max_slowdown >= 1 and min_tokens >= 1")
+
+    def cap(self, decode_contexts: Sequence[int], start: int, at_most: int) -> int:
+        """Prefill tokens (up to `at_most`) for a step with decodes at `decode_contexts`, its
+        prefill starting at position `start`; `at_most` when nothing decodes."""
+        if not decode_contexts:
+            return at_most
+        allowance = (self.max_slowdown - 1) * self.model.decode_s(decode_contexts)
+        affordable = self.model.prefill_tokens_within(start, allowance, at_most)
+        return min(at_most, max(self.min_tokens, affordable))
+
+
+class StepPrefill:
+    """The prefill tokens one step being planned may still take.
+
+    The cap is fixed when the step's first multi-token piece is planned, at that piece's
+    position; later pieces share what is left of it. A single-position piece (a decode) is
+    never capped. Without a budget (`None`), or with nothing decoding, only the step's token
+    budget applies."""
+
+    def __init__(self, budget: PrefillBudget | None, decode_contexts: Sequence[int]) -> None:
+        self.budget = budget if decode_contexts else None
+        self.decode_contexts = decode_contexts
+        self.cap: int | None = None  # None: not capped (no budget, or no prefill piece yet)
+        self._left: int | None = None
+        self._charged = False  # whether `took` counts against the cap (the last `limit`'s)
+
+    def limit(self, pending: Sequence[tuple[int, int]], tokens_left: int) -> int:
+        """Positions a request with these pending ranges may take now, of the `tokens_left`
+        of the step's token budget; tell `took` what it took."""
+        self._charged = self.budget is not None and not is_decode(pending)
+        if not self._charged:
+            return tokens_left
+        assert self.budget is not None
+        if self._left is None:
+            start = pending[0][0]
+            self.cap = self.budget.cap(self.decode_contexts, start, tokens_left)
+            self._left = self.cap
+        return min(tokens_left, self._left)
+
+    def took(self, taken: Sequence[tuple[int, int]]) -> None:
+        """The request last asked about (`limit`) took these positions."""
+        if self._charged and self._left is not None:
+            self._left -= sum(end - start for start, end in taken)
+
+    def has_room(self) -> bool:
+        """Whether a prefill piece may still join the step."""
+        return self._left is None or self._left > 0
+
+
+def is_decode(pending: Sequence[tuple[int, int]]) -> bool:
+    """Whether pending positions are a single one: a decode, never capped."""
+    return len(pending) == 1 and pending[0][1] - pending[0][0] == 1
