@@ -13,6 +13,11 @@ length, and a drawn tool time passes between a reply and the next turn.
     reply tokens        uniform in `output_tokens`
     tool time           exponential, mean `tool_time_s`
 
+Each turn also carries a recorded reply: ShareGPT reply text about as many tokens long as the
+reply asked for, which a client that resends its history may send in place of what the server
+generated (as harnesses that replay recorded transcripts do). A run may add one long prompt
+(`LongPrompt`): a single-turn request of ShareGPT text beside the sessions.
+
 Tool output is real text: source files of pure-Python packages this one depends on (read in
 sorted order) for the code tools, ShareGPT replies for the documentation tools, each a window of
 whole lines. Every count a session reports is measured with the model's tokenizer on the text it
@@ -38,6 +43,7 @@ CODE_PACKAGES = ("nats", "aiohttp")  # pure-Python sources, installed with pensi
 CORPUS_CHARS = 1 << 20  # of each kind of text; windows are drawn from anywhere in it
 MIN_CORPUS_CHARS = 1 << 17
 TURNS_SIGMA = 0.5
+LONG_PROMPT_AT_S = 2.0  # into the run: the sessions are past their first turns
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,28 @@ class Span:
 
 
 @dataclass(frozen=True)
+class LongPrompt:
+    """One stateless single-turn request of `num_tokens` prompt tokens, sent `at_s` seconds
+    into a run."""
+
+    num_tokens: int
+    at_s: float = LONG_PROMPT_AT_S
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1 or not 0 <= self.at_s < math.inf:
+            raise ValueError(f"--long-prompt needs N >= 1 and T >= 0, got {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> LongPrompt:
+        """`N`, or `N@T` (seconds)."""
+        tokens, at_sign, at = text.partition("@")
+        try:
+            return cls(int(tokens), float(at) if at_sign else LONG_PROMPT_AT_S)
+        except ValueError as error:
+            raise ValueError(f"--long-prompt: expected N or N@T, got {text!r} ({error})") from None
+
+
+@dataclass(frozen=True)
 class AgenticConfig:
     num_sessions: int = 32
     system_tokens: int = 6000
@@ -74,6 +102,7 @@ class AgenticConfig:
     max_context: int = 65536
     tool_time_s: float = 1.0
     seed: int = 0
+    long_prompt: LongPrompt | None = None
 
     def __post_init__(self) -> None:
         if self.num_sessions < 1:
@@ -109,6 +138,7 @@ class Turn:
     max_tokens: int  # the reply asked for
     tool: str | None  # the tool whose output `text` is (None: the user's request)
     tool_time_s: float  # from the reply to the next turn (0 after the last)
+    reply: str  # the recorded reply: ShareGPT text of about `max_tokens` tokens
 
 
 @dataclass(frozen=True)
@@ -128,6 +158,10 @@ class Session:
             ]
         return [*chat, {"role": "user", "content": self.turns[len(replies)].text}]
 
+    def recorded(self, index: int) -> list[str]:
+        """The recorded replies of the turns before turn `index`."""
+        return [turn.reply for turn in self.turns[:index]]
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -135,12 +169,13 @@ class Workload:
     system: str  # the prompt every session starts from
     system_tokens: int
     sessions: tuple[Session, ...]
+    long_prompt: str | None = None  # the text of `config.long_prompt`
 
     def summary(self) -> dict[str, Any]:
         """What was generated, in tokens of the model's tokenizer."""
         turns = [t for s in self.sessions for t in s.turns]
         contexts = [s.context_tokens for s in self.sessions]
-        return {
+        found: dict[str, Any] = {
             "seed": self.config.seed,
             "sessions": len(self.sessions),
             "turns": len(turns),
@@ -155,6 +190,9 @@ class Workload:
             "context_tokens_max": max(contexts),
             "max_context": self.config.max_context,
         }
+        if self.config.long_prompt is not None:
+            found["long_prompt"] = dataclasses.asdict(self.config.long_prompt)
+        return found
 
 
 class Source:
@@ -221,6 +259,8 @@ class Corpus:
 def corpus_chars(config: AgenticConfig) -> int:
     """Enough text that the longest window drawn is a small part of it, up to `CORPUS_CHARS`."""
     longest = max(config.added_tokens.high, config.system_tokens)
+    if config.long_prompt is not None:
+        longest = max(longest, config.long_prompt.num_tokens)
     return min(CORPUS_CHARS, max(MIN_CORPUS_CHARS, 400 * longest))
 
 
@@ -248,11 +288,18 @@ def generate(config: AgenticConfig, corpus: Corpus) -> Workload:
     system = system_prompt(corpus, config.system_tokens, rng)
     num_system = corpus.count(system)
     overhead = _TemplateCost.measure(corpus.chat)
+    # recorded replies and the long prompt draw from streams of their own, so that the
+    # sessions under a seed stay the same with or without them
+    recorded = random.Random(f"{config.seed}:replies")
     sessions = tuple(
-        _session(f"s{i}", config, corpus, rng, num_system, overhead)
+        _session(f"s{i}", config, corpus, (rng, recorded), num_system, overhead)
         for i in range(config.num_sessions)
     )
-    return Workload(config, system, num_system, sessions)
+    long_prompt = None
+    if config.long_prompt is not None:
+        drawn = random.Random(f"{config.seed}:long-prompt")
+        long_prompt = corpus.text.window(drawn, config.long_prompt.num_tokens)
+    return Workload(config, system, num_system, sessions, long_prompt)
 
 
 def system_prompt(corpus: Corpus, num_tokens: int, rng: random.Random) -> str:
@@ -313,10 +360,11 @@ def _session(
     session_id: str,
     config: AgenticConfig,
     corpus: Corpus,
-    rng: random.Random,
+    rngs: tuple[random.Random, random.Random],  # the sessions', the recorded replies'
     num_system: int,
     overhead: _TemplateCost,
 ) -> Session:
+    rng, recorded = rngs
     mu = math.log(config.turns_mean) - TURNS_SIGMA**2 / 2  # a mean of `turns_mean`
     drawn = []
     for index in range(max(1, round(rng.lognormvariate(mu, TURNS_SIGMA)))):
@@ -324,7 +372,9 @@ def _session(
         text = _tool_output(corpus, tool, config.added_tokens.draw(rng), rng)
         pause = rng.expovariate(1 / config.tool_time_s) if config.tool_time_s else 0.0
         name = None if tool is None else tool.name
-        drawn.append(Turn(text, 0, config.output_tokens.draw(rng), name, pause))
+        max_tokens = config.output_tokens.draw(rng)
+        reply = corpus.text.window(recorded, max_tokens)
+        drawn.append(Turn(text, 0, max_tokens, name, pause, reply))
     context = num_system + overhead.first
     turns: list[Turn] = []
     for index, (turn, num_tokens) in enumerate(zip(drawn, corpus.counts(drawn), strict=True)):

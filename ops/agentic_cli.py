@@ -2,15 +2,18 @@
 over NATS or (`--http`) the OpenAI API, closed loop at each `--concurrency` or open loop at each
 `--rates` (sessions a second); a table, `--json`, and `--plot`: time to first token, time per
 output token, goodput and where the prompt tokens came from, against turns served a second.
+With `--http`, a `--nats-url` given too is where the engine's stats are read.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
+import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,13 +21,29 @@ from typing import Any
 from tqdm import tqdm
 
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
-from pensieve.actors.wire.bus import ConnectOptions
-from pensieve.ops.agentic import AgenticConfig, Corpus, Span, Workload, corpus_chars, generate
-from pensieve.ops.agentic_load import AgenticOptions, History, Slo, run_closed, run_open
+from pensieve.actors.wire.bus import Bus, ConnectOptions
+from pensieve.ops.agentic import (
+    AgenticConfig,
+    Corpus,
+    LongPrompt,
+    Span,
+    Workload,
+    corpus_chars,
+    generate,
+)
+from pensieve.ops.agentic_load import (
+    AgenticOptions,
+    History,
+    Replies,
+    StatsFrom,
+    run_closed,
+    run_open,
+)
+from pensieve.ops.agentic_report import AGENTIC, plot, read_agentic, table
+from pensieve.ops.agentic_summary import Slo
 from pensieve.ops.sharegpt import SHAREGPT
 from pensieve.ops.sweep import Server, connect, parse_counts, parse_rates, server_of
 
-AGENTIC = "agentic"
 DEFAULTS = AgenticConfig()
 SLO = Slo()
 
@@ -94,6 +113,33 @@ def add_agentic_args(parser: argparse.ArgumentParser) -> None:
         help="let a reply end at the end-of-sequence token (default: as long as asked)",
     )
     work.add_argument(
+        "--resend",
+        action="store_true",
+        help="over NATS, resend the whole chat every turn without a conversation id, as --http "
+        "does (default: only each new message, to the conversation)",
+    )
+    work.add_argument(
+        "--replies",
+        choices=[r.value for r in Replies],
+        default=Replies.GENERATED.value,
+        help="the assistant messages a client that resends its history sends: the server's "
+        "replies, or ShareGPT text recorded in the workload, as long as the reply asked for",
+    )
+    work.add_argument(
+        "--no-run-salt",
+        dest="run_salt",
+        action="store_false",
+        help="send no cache_salt (default: each run its own, so that it finds nothing that runs "
+        "before it left in the server's cache; for servers that refuse the field)",
+    )
+    work.add_argument(
+        "--long-prompt",
+        metavar="N[@T]",
+        help="one single-turn request of N prompt tokens (ShareGPT text) T seconds into each "
+        f"run (default {LongPrompt(1).at_s:g}), beside the sessions: its TTFT, and the sessions' "
+        "inter-token latency while it waits for its first token against the rest",
+    )
+    work.add_argument(
         "--slo-ttft-s",
         type=float,
         default=SLO.ttft_s,
@@ -119,6 +165,17 @@ def config_of(args: argparse.Namespace) -> AgenticConfig:
         max_context=args.max_context,
         tool_time_s=args.tool_time_s,
         seed=args.seed,
+        long_prompt=None if args.long_prompt is None else LongPrompt.parse(args.long_prompt),
+    )
+
+
+def options_of(args: argparse.Namespace) -> AgenticOptions:
+    resent = args.http is not None or args.resend
+    return AgenticOptions(
+        History.RESENT if resent else History.STATEFUL,
+        Replies(args.replies),
+        ignore_eos=not args.stop_at_eos,
+        slo=Slo(args.slo_ttft_s, args.slo_tpot_ms / 1000),
     )
 
 
@@ -144,11 +201,10 @@ def bench_agentic(args: argparse.Namespace, url: str, connect_as: ConnectOptions
     rates = parse_rates(args.rates)
     concurrencies = parse_counts(args.concurrency)
     server = server_of(args, url, connect_as)
-    options = AgenticOptions(
-        History.RESENT if server.http is not None else History.STATEFUL,
-        ignore_eos=not args.stop_at_eos,
-        slo=Slo(args.slo_ttft_s, args.slo_tpot_ms / 1000),
-    )
+    stats_at = None  # over HTTP, the engine's stats from NATS where --nats-url says
+    if server.http is not None and args.nats_url is not None:
+        stats_at = dataclasses.replace(server, connect=connect_as, http=None)
+    options = options_of(args)
     config = config_of(args)
     corpus = Corpus.load(chat_tokenizer(args.tokenizer), corpus_chars(config), args.sharegpt)
     workload = generate(config, corpus)
@@ -159,7 +215,16 @@ def bench_agentic(args: argparse.Namespace, url: str, connect_as: ConnectOptions
             args.json.write_text(json.dumps({**found, "runs": runs}, indent=1))
 
     runs = asyncio.run(
-        agentic_sweep(server, workload, options, concurrencies, rates, args.seed, save)
+        agentic_sweep(
+            server,
+            workload,
+            options,
+            (concurrencies, rates),
+            args.seed,
+            save,
+            stats_at,
+            args.run_salt,
+        )
     )
     print(table(args.label, runs))
     if args.plot is not None:
@@ -171,139 +236,42 @@ async def agentic_sweep(
     server: Server,
     workload: Workload,
     options: AgenticOptions,
-    concurrencies: Sequence[int],
-    rates: Sequence[float],
+    loads: tuple[Sequence[int], Sequence[float]],
     seed: int,
     on_run: Callable[[list[dict[str, Any]]], None] | None = None,
+    stats_at: Server | None = None,
+    salted: bool = True,
 ) -> list[dict[str, Any]]:
-    """One run per rate, else one closed-loop run per concurrency, each with a progress bar;
-    `on_run` gets the runs so far after each one."""
-    client, close = await connect(server)
+    """One run per rate, else one closed-loop run per concurrency (`loads`: the concurrencies,
+    the rates), each with a progress bar and (`salted`) a cache salt of its own; `on_run` gets
+    the runs so far after each one. The engine's stats come over `server`'s NATS, else over
+    `stats_at`'s."""
+    concurrencies, rates = loads
     total = sum(len(s.turns) for s in workload.sessions)
     runs: list[dict[str, Any]] = []
     chosen: list[tuple[str, float | int]] = [("rate", r) for r in rates] or [
         ("concurrency", c) for c in concurrencies
     ]
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        client, close = await connect(server)
+        stack.push_async_callback(close)
+        if stats_at is not None:
+            connecting = Bus.connect(stats_at.url, name="pensieve-bench", options=stats_at.connect)
+            bus = await asyncio.wait_for(connecting, 10)
+            stack.push_async_callback(bus.close)
+            client = StatsFrom(client, bus)
         for kind, load in chosen:
             name = f"{load:g}/s" if kind == "rate" else f"c={load}"
             with tqdm(total=total, desc=name, unit="turn", leave=False) as bar:
-                told = dataclasses.replace(options, on_turn=lambda: bar.update(1))
+                salt = f"pensieve-bench-{secrets.token_hex(8)}" if salted else None
+                told = dataclasses.replace(options, on_turn=lambda: bar.update(1), cache_salt=salt)
                 if kind == "rate":
                     runs.append(await run_open(client, workload, load, seed, told))
                 else:
                     runs.append(await run_closed(client, workload, int(load), told))
             if on_run is not None:
                 on_run(runs)
-    finally:
-        await close()
     return runs
-
-
-COLUMNS = (
-    ("turns/s", lambda r: f"{r['turns_per_s']:.2f}"),
-    ("out tok/s", lambda r: f"{r['output_tok_per_s']:.0f}"),
-    ("in tok/s", lambda r: f"{r['input_tok_per_s']:.0f}"),
-    ("ttft1 p50", lambda r: _at(r["ttft_first_s"], "p50", 1)),
-    ("ttft1 p90", lambda r: _at(r["ttft_first_s"], "p90", 1)),
-    ("ttft p50", lambda r: _at(r["ttft_later_s"], "p50", 1)),
-    ("ttft p90", lambda r: _at(r["ttft_later_s"], "p90", 1)),
-    ("ttft p99", lambda r: _at(r["ttft_later_s"], "p99", 1)),
-    ("tpot p50 ms", lambda r: _at(r["tpot_s"], "p50", 1000)),
-    ("tpot p90 ms", lambda r: _at(r["tpot_s"], "p90", 1000)),
-    ("itl p90 ms", lambda r: _at(r["itl_s"], "p90", 1000)),
-    ("e2e p50", lambda r: _at(r["latency_s"], "p50", 1)),
-    ("gpu", lambda r: f"{r['prompt_share']['gpu']:.0%}"),
-    ("cpu", lambda r: f"{r['prompt_share']['cpu']:.0%}"),
-    ("recomp", lambda r: f"{r['prompt_share']['recomputed']:.0%}"),
-    ("new", lambda r: f"{r['prompt_share']['new']:.0%}"),
-    ("good turns/s", lambda r: f"{r['goodput']['turns_per_s']:.2f}"),
-    ("good sess/s", lambda r: f"{r['goodput']['sessions_per_s']:.3f}"),
-    ("errors", lambda r: ",".join(f"{k}:{v}" for k, v in sorted(r["errors"].items())) or "-"),
-)
-
-
-def _at(found: dict[str, float] | None, key: str, scale: float) -> str:
-    return "-" if found is None else f"{found[key] * scale:.3f}"
-
-
-def _mode(run: dict[str, Any]) -> str:
-    return f"{run['session_rate']:g}/s" if "session_rate" in run else f"c={run['concurrency']}"
-
-
-def table(label: str, runs: Sequence[dict[str, Any]]) -> str:
-    """One row per run: times in seconds unless marked ms; prompt tokens by source as shares."""
-    rows = [("run", *(name for name, _ in COLUMNS))]
-    rows += [(f"{label} {_mode(run)}", *(cell(run) for _, cell in COLUMNS)) for run in runs]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
-    )
-
-
-PANELS = (
-    ("p90 time to first token (s): later turns, - - turn 1", "ttft_later_s", "ttft_first_s", 1),
-    ("p90 time per output token (ms), - - inter-token", "tpot_s", "itl_s", 1000),
-)
-
-
-def plot(path: Path, sweeps: dict[str, list[dict[str, Any]]]) -> None:
-    """Against turns served a second, one colour per labelled sweep: p90 time to first token
-    (later turns; dashed, turn 1), p90 time per output token (dashed, inter-token latency),
-    goodput, and the share of prompt tokens from the GPU (dashed: CPU, dotted: recomputed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(2, 2, figsize=(10, 8), constrained_layout=True)
-    for index, (label, runs) in enumerate(sweeps.items()):
-        colour = f"C{index}"
-        ordered = sorted(runs, key=lambda r: r["turns_per_s"])
-        x = [r["turns_per_s"] for r in ordered]
-        for axis, (_, solid, dashed, scale) in zip(axes[0], PANELS, strict=True):
-            _line(axis, x, [_p90(r[solid], scale) for r in ordered], f"-{colour}", label)
-            _line(axis, x, [_p90(r[dashed], scale) for r in ordered], f"--{colour}")
-        _line(axes[1][0], x, [r["goodput"]["turns_per_s"] for r in ordered], f"-{colour}", label)
-        for source, style in (("gpu", "-"), ("cpu", "--"), ("recomputed", ":")):
-            _line(axes[1][1], x, [r["prompt_share"][source] for r in ordered], style + colour)
-    titles = (
-        *(title for title, *_ in PANELS),
-        "goodput: turns a second within the objective",
-        "share of prompt tokens: GPU, - - CPU, .. recomputed",
-    )
-    for axis, title in zip(axes.flat, titles, strict=True):
-        axis.set_xlabel("turns served per second")
-        axis.set_title(title, fontsize=10)
-        axis.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside lower center", ncols=max(len(labels), 1))
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-
-
-def _line(
-    axis: Any, x: list[float], ys: list[float | None], style: str, label: str | None = None
-) -> None:
-    """`style` is matplotlib's format string: a line style, then the colour."""
-    points = [(a, b) for a, b in zip(x, ys, strict=True) if b is not None]
-    if points:
-        axis.plot(*zip(*points, strict=True), style, marker="o", label=label)
-
-
-def _p90(found: dict[str, float] | None, scale: float) -> float | None:
-    return None if found is None else found["p90"] * scale
-
-
-def read_agentic(paths: Sequence[Path]) -> dict[str, list[dict[str, Any]]]:
-    """The agentic sweeps that `--json` wrote, by label."""
-    sweeps = {}
-    for path in paths:
-        found = json.loads(path.read_text())
-        if found.get("workload") != AGENTIC:
-            raise ValueError(f"{path} holds no agentic sweep")
-        sweeps[found["label"]] = found["runs"]
-    return sweeps
 
 
 def replot_agentic(args: argparse.Namespace) -> int:

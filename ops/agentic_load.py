@@ -7,8 +7,11 @@ process. Every turn streams; its time to first token is the time to the first st
 
 A stateful client (`History.STATEFUL`, NATS) sends the first turn's whole chat and then only
 each new message with the conversation's id; a client that resends its history
-(`History.RESENT`, as agent frameworks drive the OpenAI API) sends the whole chat every turn,
-its replies as they came, and names no conversation.
+(`History.RESENT`, as agent frameworks drive the OpenAI API) sends the whole chat every turn
+and names no conversation, with its replies as they came (`Replies.GENERATED`) or as the
+workload recorded them (`Replies.RECORDED`, as a harness replaying transcripts does).
+A run may also send the workload's long prompt, alone, beside the sessions. The summary is
+`ops/agentic_summary.py`'s.
 """
 
 from __future__ import annotations
@@ -17,16 +20,24 @@ import asyncio
 import enum
 import random
 import time
-from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from pensieve.actors.wire.bus import Bus
 from pensieve.ops.agentic import Session, Workload
+from pensieve.ops.agentic_summary import (
+    CACHED,
+    LongPromptResult,
+    Outcome,
+    Slo,
+    TurnResult,
+    summarize,
+)
 from pensieve.ops.load import ChatClient, server_moved, server_stats
 
-SOURCES = ("gpu", "cpu", "recomputed")
+LONG_PROMPT_MAX_TOKENS = 8
 
 
 class History(enum.Enum):
@@ -34,59 +45,42 @@ class History(enum.Enum):
     RESENT = "resent"
 
 
-@dataclass(frozen=True)
-class Slo:
-    """The objective a turn meets to count in the goodput."""
+class Replies(enum.Enum):
+    """Which assistant messages a client that resends its history sends."""
 
-    ttft_s: float = 2.0
-    tpot_s: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.ttft_s <= 0 or self.tpot_s <= 0:
-            raise ValueError("the service objectives must be positive")
+    GENERATED = "generated"  # the server's replies, as they came
+    RECORDED = "recorded"  # the workload's recorded replies, whatever the server said
 
 
 @dataclass(frozen=True)
 class AgenticOptions:
     history: History = History.STATEFUL
+    replies: Replies = Replies.GENERATED
     ignore_eos: bool = True  # every reply as long as the session asked
     slo: Slo = Slo()
     timeout_s: float = 600.0
     on_turn: Callable[[], None] | None = None  # told after each turn (a progress bar)
+    cache_salt: str | None = None  # sent with every request: cached prefixes are shared only
+    # among requests with the same salt
+
+    def __post_init__(self) -> None:
+        if self.replies is Replies.RECORDED and self.history is History.STATEFUL:
+            raise ValueError(
+                "--replies recorded: a stateful client sends no replies; resend the history "
+                "(--http or --resend)"
+            )
 
 
 @dataclass(frozen=True)
-class TurnResult:
-    session: str
-    index: int  # counts from 0 within the session
-    ttft_s: float
-    latency_s: float
-    gaps_s: tuple[float, ...]  # between streamed chunks
-    prompt_tokens: int
-    completion_tokens: int
-    cached: dict[str, int]
+class StatsFrom:
+    """A `ChatClient` whose turns go through `chat` and whose engine stats come from `bus`
+    (the OpenAI API has none)."""
 
-    @property
-    def tpot_s(self) -> float | None:
-        """Time per output token after the first (None with one token)."""
-        if self.completion_tokens < 2:
-            return None
-        return (self.latency_s - self.ttft_s) / (self.completion_tokens - 1)
+    chat: ChatClient
+    bus: Bus
 
-    def meets(self, slo: Slo) -> bool:
-        tpot = self.tpot_s
-        return self.ttft_s <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s)
-
-
-@dataclass
-class Outcome:
-    """What a run's sessions did: each finished turn, and how sessions ended."""
-
-    turns: list[TurnResult] = field(default_factory=list)
-    started: int = 0
-    completed: set[str] = field(default_factory=set)
-    session_s: list[float] = field(default_factory=list)  # each completed session, end to end
-    errors: Counter[str] = field(default_factory=Counter)
+    def turn(self, body: dict[str, Any], timeout_s: float) -> AsyncGenerator[dict[str, Any], None]:
+        return self.chat.turn(body, timeout_s)
 
 
 async def run_closed(
@@ -100,7 +94,8 @@ async def run_closed(
         while pending:
             await _session(chat, workload, pending.pop(), options, outcome)
 
-    summary = await _measured(chat, outcome, options, [slot() for _ in range(concurrency)])
+    work = [slot() for _ in range(concurrency)]
+    summary = await _measured(chat, workload, outcome, options, work)
     return {"concurrency": concurrency, **summary}
 
 
@@ -122,26 +117,63 @@ async def run_open(
             )
         await asyncio.gather(*started)
 
-    summary = await _measured(chat, outcome, options, [arrivals()])
+    summary = await _measured(chat, workload, outcome, options, [arrivals()])
     return {"session_rate": rate, **summary}
 
 
 async def _measured(
     chat: ChatClient,
+    workload: Workload,
     outcome: Outcome,
     options: AgenticOptions,
     work: list[Coroutine[Any, Any, None]],
 ) -> dict[str, Any]:
-    """Run `work` to its end; the summary of `outcome`, with what the engine counted meanwhile
-    (over NATS)."""
+    """Run `work` (and the workload's long prompt) to its end; the summary of `outcome`, with
+    what the engine counted meanwhile (where `chat` reads its stats)."""
     before = None if chat.bus is None else await server_stats(chat.bus)
     begin = time.perf_counter()
+    if workload.long_prompt is not None:
+        work = [*work, _long_prompt(chat, workload, options, outcome, begin)]
     await asyncio.gather(*work)
     summary = summarize(outcome, time.perf_counter() - begin, options.slo)
     after = None if chat.bus is None else await server_stats(chat.bus)
     if before is not None and after is not None and before["engine_id"] == after["engine_id"]:
         summary["server"] = server_moved(before, after)
     return summary
+
+
+@dataclass
+class _Streamed:
+    """One request's streamed answer, in perf_counter seconds."""
+
+    sent: float
+    arrived: list[float] = field(default_factory=list)  # each chunk
+    text: list[str] = field(default_factory=list)
+    reply: dict[str, Any] = field(default_factory=dict)  # the last message
+    done: float = 0.0
+
+    @property
+    def error(self) -> str | None:
+        if "error" in self.reply or "usage" not in self.reply:
+            return str(self.reply.get("error", {}).get("code", "no_reply"))
+        return None
+
+
+async def _stream(chat: ChatClient, body: dict[str, Any], timeout_s: float) -> _Streamed:
+    streamed = _Streamed(time.perf_counter())
+    async with aclosing(chat.turn(body, timeout_s)) as answer:
+        async for reply in answer:
+            streamed.reply = reply
+            if "delta" not in reply:
+                break
+            streamed.arrived.append(time.perf_counter())
+            streamed.text.append(reply["delta"])
+    streamed.done = time.perf_counter()
+    return streamed
+
+
+def _salted(options: AgenticOptions) -> dict[str, Any]:
+    return {} if options.cache_salt is None else {"cache_salt": options.cache_salt}
 
 
 async def _session(
@@ -153,6 +185,7 @@ async def _session(
 ) -> None:
     replies: list[str] = []
     conversation_id = None
+    previous: TurnResult | None = None
     begin = time.perf_counter()
     outcome.started += 1
     for index, turn in enumerate(session.turns):
@@ -160,40 +193,20 @@ async def _session(
             "max_tokens": turn.max_tokens,
             "ignore_eos": options.ignore_eos,
             "stream": True,
-        }
+        } | _salted(options)
         if conversation_id is None or options.history is History.RESENT:
-            body["messages"] = session.messages(workload.system, replies)
+            sent = replies if options.replies is Replies.GENERATED else session.recorded(index)
+            body["messages"] = session.messages(workload.system, sent)
         else:
             body |= {"conversation_id": conversation_id, "message": turn.text}
-        sent = time.perf_counter()
-        arrived: list[float] = []
-        text: list[str] = []
-        reply: dict[str, Any] = {}
-        async with aclosing(chat.turn(body, options.timeout_s)) as answer:
-            async for reply in answer:
-                if "delta" not in reply:
-                    break
-                arrived.append(time.perf_counter())
-                text.append(reply["delta"])
-        done = time.perf_counter()
-        if "error" in reply or "usage" not in reply:
-            outcome.errors[reply.get("error", {}).get("code", "no_reply")] += 1
+        streamed = await _stream(chat, body, options.timeout_s)
+        if streamed.error is not None:
+            outcome.errors[streamed.error] += 1
             return  # the session cannot go on without this turn
-        conversation_id = reply["conversation_id"]
-        replies.append("".join(text))
-        usage = reply["usage"]
-        outcome.turns.append(
-            TurnResult(
-                session.id,
-                index,
-                (arrived[0] if arrived else done) - sent,
-                done - sent,
-                tuple(b - a for a, b in zip(arrived, arrived[1:], strict=False)),
-                usage["prompt_tokens"],
-                usage["completion_tokens"],
-                {k: usage["cached_tokens"].get(k, 0) for k in SOURCES},
-            )
-        )
+        conversation_id = streamed.reply["conversation_id"]
+        replies.append("".join(streamed.text))
+        previous = _turn_result(session.id, index, streamed, previous, options.replies)
+        outcome.turns.append(previous)
         if options.on_turn is not None:
             options.on_turn()
         if turn.tool_time_s:
@@ -202,58 +215,48 @@ async def _session(
     outcome.session_s.append(time.perf_counter() - begin)
 
 
-def stats(values: list[float]) -> dict[str, float] | None:
-    """Mean, median, p90 and p99 (None: no values)."""
-    if not values:
-        return None
-    ordered = sorted(values)
+def _turn_result(
+    session: str, index: int, streamed: _Streamed, previous: TurnResult | None, replies: Replies
+) -> TurnResult:
+    usage = streamed.reply["usage"]
+    allowed = None
+    if previous is not None:  # its prompt, and its reply where the server's own is sent back
+        allowed = previous.prompt_tokens
+        if replies is Replies.GENERATED:
+            allowed += previous.completion_tokens
+    first = streamed.arrived[0] if streamed.arrived else streamed.done
+    return TurnResult(
+        session,
+        index,
+        first - streamed.sent,
+        streamed.done - streamed.sent,
+        tuple(streamed.arrived),
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+        {k: usage["cached_tokens"].get(k, 0) for k in CACHED},
+        allowed,
+    )
 
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-    return {"mean": sum(ordered) / len(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
-
-
-def summarize(outcome: Outcome, seconds: float, slo: Slo) -> dict[str, Any]:
-    turns = outcome.turns
-    prompt = sum(t.prompt_tokens for t in turns)
-    output = sum(t.completion_tokens for t in turns)
-    cached = {k: sum(t.cached[k] for t in turns) for k in SOURCES}
-    new = prompt - sum(cached.values())
-    missed = {t.session for t in turns if not t.meets(slo)}
-    good_sessions = len(outcome.completed - missed)
-    good_turns = sum(t.meets(slo) for t in turns)
-
-    def per_s(n: float) -> float:
-        return n / seconds if seconds > 0 else 0.0
-
-    return {
-        "sessions": outcome.started,
-        "sessions_completed": len(outcome.completed),
-        "turns": len(turns),
-        "errors": dict(outcome.errors),
-        "seconds": seconds,
-        "turns_per_s": per_s(len(turns)),
-        "output_tokens": output,
-        "output_tok_per_s": per_s(output),
-        "prompt_tokens": prompt,
-        "input_tok_per_s": per_s(prompt),
-        "cached_tokens": cached,
-        "new_prompt_tokens": new,
-        "prompt_share": {
-            k: v / prompt if prompt else 0.0 for k, v in {**cached, "new": new}.items()
-        },
-        "ttft_first_s": stats([t.ttft_s for t in turns if t.index == 0]),
-        "ttft_later_s": stats([t.ttft_s for t in turns if t.index > 0]),
-        "tpot_s": stats([s for t in turns if (s := t.tpot_s) is not None]),
-        "itl_s": stats([gap for t in turns for gap in t.gaps_s]),
-        "latency_s": stats([t.latency_s for t in turns]),
-        "session_s": stats(outcome.session_s),
-        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
-        "goodput": {
-            "turns_per_s": per_s(good_turns),
-            "turns_share": good_turns / len(turns) if turns else 0.0,
-            "sessions_per_s": per_s(good_sessions),
-            "sessions_share": good_sessions / outcome.started if outcome.started else 0.0,
-        },
-    }
+async def _long_prompt(
+    chat: ChatClient, workload: Workload, options: AgenticOptions, outcome: Outcome, begin: float
+) -> None:
+    """The workload's long prompt, alone in a conversation of one turn, `at_s` into the run."""
+    assert workload.config.long_prompt is not None and workload.long_prompt is not None
+    await asyncio.sleep(max(0.0, begin + workload.config.long_prompt.at_s - time.perf_counter()))
+    body = {
+        "messages": [{"role": "user", "content": workload.long_prompt}],
+        "max_tokens": LONG_PROMPT_MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "final": True,
+    } | _salted(options)
+    streamed = await _stream(chat, body, options.timeout_s)
+    outcome.long_prompt = LongPromptResult(
+        streamed.sent - begin,
+        streamed.sent,
+        streamed.arrived[0] if streamed.arrived else None,
+        streamed.done,
+        streamed.reply.get("usage", {}).get("prompt_tokens"),
+        streamed.error,
+    )

@@ -266,6 +266,12 @@ def server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
         out["device"] = {**device, "idle_fraction": device["idle_s"] / total if total else None}
     for swap in out["swaps"].values():
         swap["gb_per_s"] = swap["bytes"] / swap["seconds"] / 1e9 if swap["seconds"] > 0 else None
+    if "prefix_cache" in after and "prefix_cache" in before:  # counters moved; the rest as after
+        cache, was = after["prefix_cache"], before["prefix_cache"]
+        out["prefix_cache"] = {
+            **cache,
+            **{k: cache[k] - was[k] for k in ("queries", "hits", "shared_hits")},
+        }
     return out
 
 
@@ -346,6 +352,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _summary(turns: _Turns, seconds: float) -> dict[str, Any]:
+    cached = {k: turns.cached[k] for k in ("gpu", "cpu", "recomputed")}  # `shared`: of gpu, cpu
     return {
         "turns": len(turns.latency),
         "errors": dict(turns.errors),
@@ -354,8 +361,8 @@ def _summary(turns: _Turns, seconds: float) -> dict[str, Any]:
         "output_tok_per_s": turns.output_tokens / seconds if seconds else 0.0,
         "turns_per_s": len(turns.latency) / seconds if seconds else 0.0,
         "prompt_tokens": turns.prompt_tokens,
-        "cached_tokens": {k: turns.cached[k] for k in ("gpu", "cpu", "recomputed")},
-        "new_prompt_tokens": turns.prompt_tokens - sum(turns.cached.values()),
+        "cached_tokens": cached,
+        "new_prompt_tokens": turns.prompt_tokens - sum(cached.values()),
         "ttft_s_mean": sum(turns.ttft) / len(turns.ttft) if turns.ttft else float("nan"),
         **{
             f"{name}_p{int(q * 100)}": _percentile(values, q)

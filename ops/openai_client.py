@@ -96,7 +96,9 @@ class OpenAIChatClient:
             "stream_options": {"include_usage": True},
         }
         request.update(
-            (k, body[k]) for k in ("conversation_id", "ignore_eos", "final") if k in body
+            (k, body[k])
+            for k in ("conversation_id", "ignore_eos", "final", "cache_salt")
+            if k in body
         )
         usage = None
         try:
@@ -134,7 +136,7 @@ class OpenAIChatClient:
         sources = details.get("sources")
         if sources is None:  # another server: its cached tokens, as if from the GPU
             sources = {"gpu": details.get("cached_tokens") or 0}
-        cached = {k: sources.get(k, 0) for k in ("gpu", "cpu", "recomputed")}
+        cached = {k: sources.get(k, 0) for k in ("gpu", "cpu", "recomputed", "shared")}
         yield {
             "conversation_id": conversation,
             "usage": {

@@ -9,9 +9,10 @@ import dataclasses
 import pytest
 
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
-from pensieve.ops.agentic import AgenticConfig, Corpus, Span, corpus_chars, generate
-from pensieve.ops.agentic_cli import AGENTIC, chat_tokenizer, config_of
-from pensieve.ops.agentic_load import Outcome, Slo, TurnResult, summarize
+from pensieve.ops.agentic import AgenticConfig, Corpus, LongPrompt, Span, corpus_chars, generate
+from pensieve.ops.agentic_cli import AGENTIC, chat_tokenizer, config_of, options_of
+from pensieve.ops.agentic_load import History, Replies
+from pensieve.ops.agentic_summary import LongPromptResult, Outcome, Slo, TurnResult, summarize
 from pensieve.ops.cli import build_parser
 from pensieve.ops.sharegpt import Role, load_conversations, write_jsonl
 from pensieve.ops.sweep import parse_counts
@@ -87,10 +88,64 @@ def test_a_sessions_context_is_its_rendered_chat_and_stays_within_the_limit(chat
 def test_the_bench_options_default_to_the_configs_defaults() -> None:
     args = build_parser().parse_args(["bench", "agentic"])
     assert args.conversations == AGENTIC and config_of(args) == AgenticConfig()
+    options = options_of(args)
+    assert (options.history, options.replies) == (History.STATEFUL, Replies.GENERATED)
+    for resent in (["--resend"], ["--http", "http://h:1"]):
+        given = build_parser().parse_args(["bench", "agentic", *resent, "--replies", "recorded"])
+        assert (options_of(given).history, options_of(given).replies) == (
+            History.RESENT,
+            Replies.RECORDED,
+        )
+    # a client that sends only each new message sends no replies to record
+    with pytest.raises(ValueError, match="--replies recorded"):
+        options_of(build_parser().parse_args(["bench", "agentic", "--replies", "recorded"]))
+    long = build_parser().parse_args(["bench", "agentic", "--long-prompt", "100000@5"])
+    assert config_of(long).long_prompt == LongPrompt(100_000, 5.0)
+    assert LongPrompt.parse("3000") == LongPrompt(3000, LongPrompt(1).at_s)
+    for bad in ("0", "x@1", "10@-1", "10@"):
+        with pytest.raises(ValueError, match="--long-prompt"):
+            LongPrompt.parse(bad)
     assert (args.slo_ttft_s, args.slo_tpot_ms / 1000) == (Slo().ttft_s, Slo().tpot_s)
     given = ["bench", "agentic", "--sessions", "5", "--added-tokens", "7:9", "--seed", "4"]
     config = config_of(build_parser().parse_args(given))
     assert (config.num_sessions, config.added_tokens, config.seed) == (5, Span(7, 9), 4)
+
+
+def test_recorded_replies_are_sharegpt_text_of_about_the_asked_length(chat, corpus) -> None:
+    """The replies a client resends in place of the server's, the same under a seed; the
+    sessions themselves do not depend on them."""
+    workload = generate(SMALL, corpus)
+    assert generate(SMALL, corpus) == workload
+    turns = [t for s in workload.sessions for t in s.turns]
+    for turn in turns:
+        assert turn.reply in corpus.text.text  # a window of the ShareGPT replies
+        assert abs(len(chat.encode(turn.reply)) - turn.max_tokens) <= 2  # cut at a token
+    assert len({t.reply for t in turns}) == len(turns)
+    session = workload.sessions[0]
+    replies = session.recorded(2)
+    assert replies == [session.turns[0].reply, session.turns[1].reply]
+    chat_of_turn_2 = session.messages(workload.system, replies)
+    assert [m["content"] for m in chat_of_turn_2 if m["role"] == "assistant"] == replies
+    assert chat_of_turn_2[-1] == {"role": "user", "content": session.turns[2].text}
+
+
+def test_a_long_prompt_is_sharegpt_text_of_its_length_and_leaves_the_sessions_alone(
+    chat, corpus
+) -> None:
+    config = dataclasses.replace(SMALL, long_prompt=LongPrompt(3000, 1.5))
+    workload = generate(config, corpus)
+    assert workload.long_prompt is not None and workload.long_prompt in corpus.text.text
+    assert abs(len(chat.encode(workload.long_prompt)) - 3000) <= 2
+    plain = generate(SMALL, corpus)
+    assert plain.long_prompt is None and plain.sessions == workload.sessions
+    assert workload.summary() == {
+        **plain.summary(),
+        "long_prompt": {"num_tokens": 3000, "at_s": 1.5},
+    }
+    # enough text for the longest window drawn
+    shorter = dataclasses.replace(SMALL, long_prompt=LongPrompt(500))
+    assert corpus_chars(shorter) == corpus_chars(SMALL)
+    assert corpus_chars(config) > corpus_chars(SMALL)
 
 
 def test_impossible_configs_are_refused(corpus) -> None:
@@ -107,9 +162,19 @@ def test_impossible_configs_are_refused(corpus) -> None:
         generate(dataclasses.replace(SMALL, max_context=850), corpus)
 
 
-def turn(session: str, index: int, ttft: float, latency: float, tokens: int) -> TurnResult:
-    cached = {"gpu": 60 if index else 0, "cpu": 20 if index else 0, "recomputed": 0}
-    return TurnResult(session, index, ttft, latency, (0.01,) * (tokens - 1), 100, tokens, cached)
+def turn(
+    session: str, index: int, ttft: float, latency: float, tokens: int, start: float = 0.0
+) -> TurnResult:
+    """A turn of 100 prompt tokens whose chunks came 10 ms apart from `start`; a later turn
+    found 80 of them cached (10 shared) of the 90 its session allowed."""
+    cached = (
+        {"gpu": 60, "cpu": 20, "recomputed": 0, "shared": 10}
+        if index
+        else dict.fromkeys(("gpu", "cpu", "recomputed", "shared"), 0)
+    )
+    arrived = tuple(start + 0.01 * i for i in range(tokens))
+    allowed = 90 if index else None
+    return TurnResult(session, index, ttft, latency, arrived, 100, tokens, cached, allowed)
 
 
 def test_the_summary_splits_first_turns_and_counts_goodput_under_the_objective() -> None:
@@ -133,12 +198,45 @@ def test_the_summary_splits_first_turns_and_counts_goodput_under_the_objective()
     assert summary["itl_s"]["p50"] == 0.01 and summary["latency_s"]["p90"] == 3.9
     assert summary["prompt_tokens"] == 500 and summary["input_tok_per_s"] == 50
     assert summary["output_tokens"] == 29 and summary["output_tok_per_s"] == 2.9
-    assert summary["cached_tokens"] == {"gpu": 120, "cpu": 40, "recomputed": 0}
+    assert summary["cached_tokens"] == {"gpu": 120, "cpu": 40, "recomputed": 0, "shared": 20}
+    # shared tokens are of the GPU's and CPU's: the new ones are the rest
     assert summary["prompt_share"] == {"gpu": 0.24, "cpu": 0.08, "recomputed": 0.0, "new": 0.68}
+    reuse = summary["reuse"]
+    assert reuse["turns"] == 2 and reuse["allowed_tokens"] == 180
+    assert reuse["cached_tokens"] == {"gpu": 120, "cpu": 40, "recomputed": 0, "shared": 20}
+    assert reuse["share_of_allowed"] == pytest.approx(160 / 180)
+    assert reuse["first_turns"] == {
+        "turns": 3,
+        "prompt_tokens": 300,
+        "cached_tokens": {"gpu": 0, "cpu": 0, "recomputed": 0, "shared": 0},
+    }
+    assert "long_prompt" not in summary
     goodput = summary["goodput"]
     assert goodput["turns_per_s"] == 0.3 and goodput["turns_share"] == 0.6
     assert goodput["sessions_per_s"] == 0.2 and goodput["sessions_share"] == pytest.approx(2 / 3)
     assert summarize(Outcome(), 1.0, Slo())["ttft_later_s"] is None
+    assert summarize(Outcome(), 1.0, Slo())["reuse"]["share_of_allowed"] is None
+
+
+def test_the_long_prompt_splits_the_sessions_inter_token_gaps_at_its_first_token() -> None:
+    """Gaps that ended from its sending to its first token count as `during`, the rest not."""
+    slow = dataclasses.replace(turn("a", 1, 0.1, 1.0, 5), arrived=(10.0, 10.5, 11.0, 11.1, 11.2))
+    fast = turn("b", 0, 0.1, 0.5, 20, start=9.0)  # 10 ms gaps from 9.0 to 9.19
+    sent = LongPromptResult(3.0, sent=10.2, first=11.05, done=11.3, prompt_tokens=5000, error=None)
+    found = summarize(Outcome([slow, fast], long_prompt=sent), 5.0, Slo())["long_prompt"]
+    assert found["prompt_tokens"] == 5000 and found["at_s"] == 3.0 and found["error"] is None
+    assert found["ttft_s"] == pytest.approx(0.85) and found["latency_s"] == pytest.approx(1.1)
+    assert found["itl_during_s"]["p50"] == pytest.approx(0.5)  # 10.5 and 11.0 end inside
+    assert found["itl_during_s"]["mean"] == pytest.approx(0.5)
+    assert found["gaps"] == {"during": 2, "rest": 21}
+    assert found["itl_rest_s"]["p99"] == pytest.approx(0.1) and found["itl_rest_s"]["p50"] == (
+        pytest.approx(0.01)
+    )
+    # without a first token, everything up to its end counts as during
+    failed = dataclasses.replace(sent, first=None, error="internal")
+    found = summarize(Outcome([slow], long_prompt=failed), 5.0, Slo())["long_prompt"]
+    assert found["ttft_s"] is None and found["error"] == "internal"
+    assert found["itl_during_s"]["p99"] == pytest.approx(0.5) and found["itl_rest_s"] is None
 
 
 def test_the_text_may_come_from_a_sharegpt_file(chat, tmp_path) -> None:

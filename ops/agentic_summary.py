@@ -1,0 +1,187 @@
+"""What a run of agentic sessions (`ops/agentic_load.py`) measured, and its summary: latency
+and throughput, goodput under the objective, where the prompt tokens came from, and:
+
+- reuse: a later turn may take from the cache the previous turn's prompt, and its reply where
+  the client sends the server's own back; the share of that served from the GPU or CPU tier
+  (a server that reuses by content serves nearly all of it, recorded replies or not);
+- the long prompt: its time to first token, and the sessions' inter-token gaps that ended
+  while it waited for its first token (its prefill) against the others.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+SOURCES = ("gpu", "cpu", "recomputed")  # with the new tokens, a turn's prompt
+CACHED = (*SOURCES, "shared")  # shared: of gpu and cpu, found in another conversation's chunks
+
+
+@dataclass(frozen=True)
+class Slo:
+    """The objective a turn meets to count in the goodput."""
+
+    ttft_s: float = 2.0
+    tpot_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0:
+            raise ValueError("the service objectives must be positive")
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    session: str
+    index: int  # counts from 0 within the session
+    ttft_s: float
+    latency_s: float
+    arrived: tuple[float, ...]  # each streamed chunk, perf_counter seconds
+    prompt_tokens: int
+    completion_tokens: int
+    cached: dict[str, int]  # by `CACHED`
+    allowed: int | None  # prompt tokens the workload lets come from the cache (None: turn 0)
+
+    @property
+    def gaps_s(self) -> list[float]:
+        """Between streamed chunks."""
+        return [b - a for a, b in pairwise(self.arrived)]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (None with one token)."""
+        if self.completion_tokens < 2:
+            return None
+        return (self.latency_s - self.ttft_s) / (self.completion_tokens - 1)
+
+    def meets(self, slo: Slo) -> bool:
+        tpot = self.tpot_s
+        return self.ttft_s <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s)
+
+
+@dataclass
+class Outcome:
+    """What a run's sessions did: each finished turn, and how sessions ended."""
+
+    turns: list[TurnResult] = field(default_factory=list)
+    started: int = 0
+    completed: set[str] = field(default_factory=set)
+    session_s: list[float] = field(default_factory=list)  # each completed session, end to end
+    errors: Counter[str] = field(default_factory=Counter)
+    long_prompt: LongPromptResult | None = None
+
+
+@dataclass(frozen=True)
+class LongPromptResult:
+    """The long prompt's request, in perf_counter seconds."""
+
+    at_s: float  # sent, from the run's start
+    sent: float
+    first: float | None  # its first token (None: none came)
+    done: float
+    prompt_tokens: int | None
+    error: str | None
+
+
+def stats(values: list[float]) -> dict[str, float] | None:
+    """Mean, median, p90 and p99 (None: no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return {"mean": sum(ordered) / len(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+def summarize(outcome: Outcome, seconds: float, slo: Slo) -> dict[str, Any]:
+    turns = outcome.turns
+    prompt = sum(t.prompt_tokens for t in turns)
+    output = sum(t.completion_tokens for t in turns)
+    cached = {k: sum(t.cached[k] for t in turns) for k in CACHED}
+    new = prompt - sum(cached[k] for k in SOURCES)
+    missed = {t.session for t in turns if not t.meets(slo)}
+    good_sessions = len(outcome.completed - missed)
+    good_turns = sum(t.meets(slo) for t in turns)
+
+    def per_s(n: float) -> float:
+        return n / seconds if seconds > 0 else 0.0
+
+    return {
+        "sessions": outcome.started,
+        "sessions_completed": len(outcome.completed),
+        "turns": len(turns),
+        "errors": dict(outcome.errors),
+        "seconds": seconds,
+        "turns_per_s": per_s(len(turns)),
+        "output_tokens": output,
+        "output_tok_per_s": per_s(output),
+        "prompt_tokens": prompt,
+        "input_tok_per_s": per_s(prompt),
+        "cached_tokens": cached,
+        "new_prompt_tokens": new,
+        "prompt_share": {
+            k: v / prompt if prompt else 0.0
+            for k, v in {**{k: cached[k] for k in SOURCES}, "new": new}.items()
+        },
+        "reuse": reuse(turns),
+        "ttft_first_s": stats([t.ttft_s for t in turns if t.index == 0]),
+        "ttft_later_s": stats([t.ttft_s for t in turns if t.index > 0]),
+        "tpot_s": stats([s for t in turns if (s := t.tpot_s) is not None]),
+        "itl_s": stats([gap for t in turns for gap in t.gaps_s]),
+        "latency_s": stats([t.latency_s for t in turns]),
+        "session_s": stats(outcome.session_s),
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "goodput": {
+            "turns_per_s": per_s(good_turns),
+            "turns_share": good_turns / len(turns) if turns else 0.0,
+            "sessions_per_s": per_s(good_sessions),
+            "sessions_share": good_sessions / outcome.started if outcome.started else 0.0,
+        },
+    } | ({} if outcome.long_prompt is None else {"long_prompt": long_prompt(outcome)})
+
+
+def reuse(turns: list[TurnResult]) -> dict[str, Any]:
+    """Of later turns: the prompt tokens the workload lets come from the cache, those that did
+    by source, and the share of the allowed ones served from the GPU or CPU tier. Of first
+    turns (whose shared system prompt other sessions may have left): prompt and cached tokens."""
+    later = [t for t in turns if t.allowed is not None]
+    first = [t for t in turns if t.allowed is None]
+    allowed = sum(t.allowed or 0 for t in later)
+    cached = {k: sum(t.cached[k] for t in later) for k in CACHED}
+    return {
+        "turns": len(later),
+        "allowed_tokens": allowed,
+        "cached_tokens": cached,
+        "share_of_allowed": (cached["gpu"] + cached["cpu"]) / allowed if allowed else None,
+        "first_turns": {
+            "turns": len(first),
+            "prompt_tokens": sum(t.prompt_tokens for t in first),
+            "cached_tokens": {k: sum(t.cached[k] for t in first) for k in CACHED},
+        },
+    }
+
+
+def long_prompt(outcome: Outcome) -> dict[str, Any]:
+    """The long prompt's figures, and the sessions' inter-token gaps that ended while it
+    waited for its first token (`itl_during_s`) against the others (`itl_rest_s`)."""
+    found = outcome.long_prompt
+    assert found is not None
+    until = found.done if found.first is None else found.first
+    during: list[float] = []
+    rest: list[float] = []
+    for turn in outcome.turns:
+        for a, b in pairwise(turn.arrived):
+            (during if found.sent <= b <= until else rest).append(b - a)
+    return {
+        "at_s": found.at_s,
+        "prompt_tokens": found.prompt_tokens,
+        "error": found.error,
+        "ttft_s": None if found.first is None else found.first - found.sent,
+        "latency_s": found.done - found.sent,
+        "itl_during_s": stats(during),
+        "itl_rest_s": stats(rest),
+        "gaps": {"during": len(during), "rest": len(rest)},
+    }
