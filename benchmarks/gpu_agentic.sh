@@ -21,8 +21,8 @@ source benchmarks/gpu_env.sh
 
 model=${MODEL_ARGS:---model preset:llama2-13b-gqa10 --device cuda --dtype bfloat16 \
 --tokenizer .bench/tokenizer --gpu-cache-tokens 196608 --cpu-cache-tokens 262144}
-nats_port=${NATS_PORT:-4222}
-http_port=${HTTP_PORT:-8000}
+nats_port=${NATS_PORT:-${PORT_BASE:-4222}}  # gpu_jobs.sh gives each job a PORT_BASE
+http_port=${HTTP_PORT:-$((${PORT_BASE:-7999} + 1))}
 
 policies=(${POLICIES:-pensieve})
 apis=(${APIS:-nats http})
