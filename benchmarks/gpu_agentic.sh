@@ -14,7 +14,8 @@
 # else pensieve. APIS (default: nats http) picks the clients: nats (each new message to the
 # conversation), resend (over NATS, the whole chat every turn, no conversation id) and http (the
 # OpenAI API, the whole chat every turn; the engine's stats still read over NATS). Each server is
-# warmed up before it is measured. Writes OUT_DIR/NAME_API.json and .txt, and agentic.png with
+# warmed up before it is measured (WARMUP: that run's options; default 2 sessions, seed 1; fewer
+# turns make it shorter at long contexts). Writes OUT_DIR/NAME_API.json and .txt, and agentic.png with
 # every run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,8 +27,8 @@ source benchmarks/gpu_env.sh
 
 model=${MODEL_ARGS:---model preset:llama2-13b-gqa10 --device cuda --dtype bfloat16 \
 --tokenizer .bench/tokenizer --gpu-cache-tokens 196608 --cpu-cache-tokens 262144}
-nats_port=${NATS_PORT:-4222}
-http_port=${HTTP_PORT:-8000}
+nats_port=${NATS_PORT:-${PORT_BASE:-4222}}  # gpu_jobs.sh gives each job a PORT_BASE
+http_port=${HTTP_PORT:-$((${PORT_BASE:-7999} + 1))}
 nats=(--nats-url "nats://127.0.0.1:$nats_port")
 
 variants=(${VARIANTS:-${POLICIES:-pensieve}})
@@ -57,8 +58,9 @@ for variant in "${variants[@]}"; do
     fi
     # warm-up (kernels compiled and tuned, graphs captured) before anything is measured; the
     # chat resent, as every client option allows
+    # shellcheck disable=SC2086  # $WARMUP is a list of options
     python3 -m pensieve.ops.cli bench "${work[@]}" "${nats[@]}" --resend \
-        --sessions 2 --concurrency 2 --seed 1 > "$out/warmup_$name.txt" 2>&1
+        ${WARMUP:---sessions 2 --concurrency 2 --seed 1} > "$out/warmup_$name.txt" 2>&1
     for api in "${apis[@]}"; do
         case $api in
             nats) target=("${nats[@]}") ;;

@@ -6,7 +6,7 @@ if [ "${WHEELS_DIR:-.whl}" != none ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site "${WHEELS_DIR:-.whl}"/*.whl || exit 1
 fi
-# one package folder per source tree, so that builds run side by side (gpu_pair.sh, or the
+# one package folder per source tree, so that builds run side by side (gpu_jobs.sh, or the
 # before@/last@ variants of gpu_actors.sh) never import each other's modules
 pkg=/tmp/pkg/$(printf %s "$PWD" | md5sum | cut -c1-12)
 mkdir -p "$pkg/pensieve"
