@@ -260,6 +260,7 @@ class KVCacheManager:
             last = conv.chunks[-1]  # the next turn writes into its tail
             if len(last.users) == 1:
                 self.index.unseal(last)
+                self.events.emit(KvEventKind.UNSEALED, last)
             else:  # shared: its kept positions are recomputed into a chunk of its own
                 self._replace(conv, last, self._unused_chunk(last.index))
                 self.events.emit_for(KvEventKind.DROPPED, conv.conv_id, conv.chunks[-1])
@@ -331,6 +332,7 @@ class KVCacheManager:
             if sealed is None:
                 if chunk.gpu_block is not None or chunk.cpu_slot is not None:
                     self.index.seal(chunk, key)
+                    self.events.emit(KvEventKind.SEALED, chunk)
             elif self._place(chunk) <= self._place(sealed):
                 self._replace(conv, chunk, sealed)
                 self.events.emit_for(KvEventKind.STORED, conv.conv_id, sealed)
@@ -339,6 +341,7 @@ class KVCacheManager:
                 for user in users:
                     self._leave(user, sealed)  # the last one frees it and takes it off the index
                 self.index.seal(chunk, key)
+                self.events.emit(KvEventKind.SEALED, chunk)
                 for user in users:
                     user.chunks[i] = chunk
                     self._join(user, chunk)
@@ -356,6 +359,7 @@ class KVCacheManager:
         for chunk in conv.chunks:
             if chunk.key is not None:  # dropped, sealed: recomputed as a chunk of its own
                 self._replace(conv, chunk, self._unused_chunk(chunk.index))
+                self.events.emit_for(KvEventKind.DROPPED, conv.conv_id, conv.chunks[chunk.index])
         conv.keys.clear()
         conv.seed = namespace
 
