@@ -197,9 +197,15 @@ class Metrics:
             self.queue.observe(request.admitted_at - request.arrival)
 
     def count_kv_events(self, events: Sequence[KvEvent]) -> None:
-        """One step's KV events (engine thread)."""
+        """One step's KV events (engine thread). A move of a shared chunk is one event for each
+        of its users, one after the other: it counts once."""
         evicted = dropped = 0
+        last = None
         for event in events:
+            move = (event.kind, event.key, event.index, event.gpu_block, event.cpu_slot)
+            if event.key is not None and move == last:
+                continue  # another user's event of the same chunk's move
+            last = move
             if event.kind is KvEventKind.SWAPPED_OUT:
                 evicted += 1
             elif event.kind is KvEventKind.DROPPED:

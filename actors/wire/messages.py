@@ -206,18 +206,27 @@ class KvEventKind(enum.Enum):
     CPU_FREED = "cpu_freed"  # its CPU copy was given up (stale, or the slot was needed)
     DROPPED = "dropped"  # no copy anywhere: its positions are recomputed when next needed
     REMOVED = "removed"  # the conversation's chunks from `index` on are forgotten (0: all)
+    SEALED = "sealed"  # full and computed: found by its content `key` from now on
+    UNSEALED = "unsealed"  # its key is withdrawn: its tail is written again (the history was cut)
 
 
 class KvEvent(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One chunk's change, and where the chunk is right after it: `gpu_block` and `cpu_slot`
     (None: not in that tier). A chunk with both counts as on the GPU: a swapped-out chunk keeps
-    its block until the block is reused (lazy reclaim). A REMOVED event has neither."""
+    its block until the block is reused (lazy reclaim). A REMOVED event has neither.
+
+    `key`: the chunk's content key right after the change (`chunk_keys.py`), None while it is
+    unsealed (partial, or not yet known); `parent`: with a key, the key it is chained to, that
+    of chunk index - 1, or for chunk 0 the seed of its namespace (model, tenant, cache salt),
+    so that key = chunk_key(parent, its tokens) for every chunk."""
 
     kind: KvEventKind
     conversation_id: str
     index: NonNegative  # chunk i holds positions [i * block_size, (i + 1) * block_size)
     gpu_block: NonNegative | None = None
     cpu_slot: NonNegative | None = None
+    key: bytes | None = None  # (in JSON: base64)
+    parent: bytes | None = None
 
 
 class KvEventBatch(Message, frozen=True):

@@ -30,10 +30,10 @@ def check_invariants(kv: KVCacheManager) -> None:
             assert chunk.tier is Tier.GPU, f"chunk {chunk.index}: pinned chunk off the GPU"
             assert not kv._reclaiming(chunk), f"chunk {chunk.index}: pinned chunk reclaimed"
     pinned = {c.conv_id for c in kv.conversations.values() if c.pinned}
-    assert pinned == set(kv._pinned), "the running set is out of step"
-    assert kv.num_pinned_chunks == sum(1 for c in chunks.values() if c.pins)
+    assert pinned == set(kv.users.running), "the running set is out of step"
+    assert kv.users.num_pinned_chunks == sum(1 for c in chunks.values() if c.pins)
     for conv in kv.conversations.values():  # the scan hint never hides an evictable own chunk
-        live = any(len(c.users) == 1 and kv._live_on_gpu(c) for c in conv.chunks)
+        live = any(len(c.users) == 1 and kv.live_on_gpu(c) for c in conv.chunks)
         assert conv.maybe_on_gpu or not live, f"{conv.conv_id}: live chunks hidden from scans"
         on_cpu = any(len(c.users) == 1 and c.cpu_slot is not None for c in conv.chunks)
         assert conv.maybe_on_cpu or not on_cpu, f"{conv.conv_id}: CPU chunks hidden from scans"

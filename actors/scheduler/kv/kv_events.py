@@ -12,6 +12,12 @@ keeps, so applying the events in order gives the manager's own map exactly, what
 A chunk shared by several conversations (`content_index.py`) is named once per user: each of its
 moves is an event for every user, and a conversation that comes to use a chunk already cached
 gets a STORED event with the chunk's place (GPU block, CPU slot or neither).
+
+Every event also says under which content key its chunk is found afterwards (None: unsealed),
+with the key it is chained to (`KvEvent.parent`): a chunk is SEALED when its turn ends, keeps its
+key through every move, and is UNSEALED only when a cut history is written into it again. So a
+router that applies the batches of many engines knows which engine holds which prefix, and on
+which tier (`pensieve.actors.wire.prefix_index.PrefixIndex`).
 """
 
 from __future__ import annotations
@@ -44,21 +50,28 @@ class ChunkEvents:
         """Record that the chunk changed (`kind`) and is now where it says, for each user."""
         if self._events is not None:
             for conv_id in chunk.users:
-                self._events.append(
-                    KvEvent(kind, conv_id, chunk.index, chunk.gpu_block, chunk.cpu_slot)
-                )
+                self._events.append(_event(kind, conv_id, chunk))
 
     def emit_for(self, kind: KvEventKind, conv_id: str, chunk: Chunk) -> None:
         """Record the chunk's change (`kind`) for one of its users only."""
         if self._events is not None:
-            self._events.append(
-                KvEvent(kind, conv_id, chunk.index, chunk.gpu_block, chunk.cpu_slot)
-            )
+            self._events.append(_event(kind, conv_id, chunk))
 
     def removed(self, conv_id: str, index: int) -> None:
         """Record that the conversation's chunks from `index` on are gone."""
         if self._events is not None:
             self._events.append(KvEvent(KvEventKind.REMOVED, conv_id, index))
+
+
+def _event(kind: KvEventKind, conv_id: str, chunk: Chunk) -> KvEvent:
+    """The event of a user of the chunk; a sealed chunk's names its key and its parent's (each
+    user's keys lead up to the chunk's, so any user's give the same parent)."""
+    key = parent = None
+    if chunk.key is not None:
+        user = chunk.users[conv_id]
+        key = chunk.key
+        parent = user.keys[chunk.index - 1] if chunk.index else user.seed
+    return KvEvent(kind, conv_id, chunk.index, chunk.gpu_block, chunk.cpu_slot, key, parent)
 
 
 class KvEventStream:

@@ -3,8 +3,8 @@
 The manager decides which chunk lives where; the executor moves the bytes it is told to move
 (`SwapOrders`). A chunk may serve several conversations: a full chunk whose KV is known is sealed
 under its content key (`chunk_keys.py`, `content_index.py`), and a conversation whose token log
-has the same prefix uses that chunk instead of one of its own (`lookup`, and when a turn ends,
-`seal` merges a chunk computed twice). Invariants, checked by `check_invariants` and the
+has the same prefix uses that chunk instead of one of its own (`sharing.py`: `lookup`, and when
+a turn ends, `seal` merges a chunk computed twice). Invariants, checked by `check_invariants` and the
 property tests:
   - every GPU block and CPU slot is either free or owned by exactly one chunk, and a chunk is
     freed only when no conversation uses it;
@@ -31,13 +31,14 @@ from collections.abc import Sequence
 
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
-from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey, extend_keys
+from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey
 from pensieve.actors.scheduler.kv.content_index import ContentIndex
 from pensieve.actors.scheduler.kv.copies import TierCopies
 from pensieve.actors.scheduler.kv.eviction import Candidate, CostFn, EvictionOrder
 from pensieve.actors.scheduler.kv.invariants import check_invariants
 from pensieve.actors.scheduler.kv.kv_cache import Acquired, Chunk, ConversationKV, Found
 from pensieve.actors.scheduler.kv.kv_events import ChunkEvents
+from pensieve.actors.scheduler.kv.sharing import ChunkUsers, ContentSharing
 from pensieve.actors.wire.messages import KvEvent, KvEventKind
 from pensieve.actors.wire.step import CopyKind, CopyOp, SwapOrders
 
@@ -57,10 +58,10 @@ class KVCacheManager:
         self.gpu = BlockPool(config.num_gpu_blocks)
         self.cpu = BlockPool(config.num_cpu_blocks if config.uses_cpu_tier else 0)
         self.conversations: dict[str, ConversationKV] = {}
-        self._pinned: dict[str, ConversationKV] = {}  # the running ones
-        self.num_pinned_chunks = 0  # distinct chunks with a running user
-        # sealed chunks by content key, and the shared ones
+        # sealed chunks by content key, and the shared ones; each chunk's users and pins
         self.index = ContentIndex()
+        self.users = ChunkUsers(self.index, self._drop)
+        self.sharing = ContentSharing(self)
         # reclaimable GPU blocks, backed CPU slots, and the step's copy orders
         self.copies = TierCopies(self.cpu)
         # which chunks go first (the retention value), over this manager's conversations
@@ -102,7 +103,7 @@ class KVCacheManager:
         """Blocks and slots that sharing saves now: each shared chunk, on each tier it is on,
         would take one per user without it (O(shared chunks))."""
         return sum(
-            (len(chunk.users) - 1) * (self._live_on_gpu(chunk) + (chunk.cpu_slot is not None))
+            (len(chunk.users) - 1) * (self.live_on_gpu(chunk) + (chunk.cpu_slot is not None))
             for chunk in self.index.shared.values()
         )
 
@@ -130,7 +131,7 @@ class KVCacheManager:
         conv = self.conversation(conv_id, now)
         if not conv.chunks:
             for _ in range(self.num_chunks(num_positions)):
-                self.events.emit(KvEventKind.DROPPED, self._new_chunk(conv))
+                self.events.emit(KvEventKind.DROPPED, self.users.new_chunk(conv))
             conv.num_positions = num_positions
         return conv
 
@@ -192,8 +193,8 @@ class KVCacheManager:
             if chunk.key is not None and chunk.gpu_block is None and chunk.cpu_slot is None:
                 # a dropped sealed chunk: recomputed as one of its own, which must not be found
                 # before it is written (`seal` gives it to the other users then)
-                self._replace(conv, chunk, self._unused_chunk(chunk.index))
-        self._pin(conv)
+                self.users.replace(conv, chunk, Chunk(chunk.index))
+        self.users.pin(conv)
         conv.waiting_since = None
         conv.maybe_on_gpu = True
         for chunk in conv.chunks[: self.num_chunks(num_positions)]:
@@ -205,7 +206,7 @@ class KVCacheManager:
         gpu_tokens = cpu_tokens = swapped_in = 0
         recompute: list[tuple[int, int]] = []
         for i in range(self.num_chunks(num_positions)):
-            chunk = conv.chunks[i] if i < len(conv.chunks) else self._new_chunk(conv)
+            chunk = conv.chunks[i] if i < len(conv.chunks) else self.users.new_chunk(conv)
             start, end = self._known_range(conv, i)
             full = end - start == self.config.block_size  # else this turn writes into it
             if chunk.gpu_block is not None:
@@ -240,7 +241,7 @@ class KVCacheManager:
         except OutOfBlocks:
             return False
         for _ in range(missing):
-            chunk = self._new_chunk(conv)
+            chunk = self.users.new_chunk(conv)
             chunk.gpu_block = self._take_gpu_block(chunk)
             self.events.emit(KvEventKind.STORED, chunk)
         conv.maybe_on_gpu = True
@@ -252,7 +253,7 @@ class KVCacheManager:
         if len(conv.chunks) > keep:
             self.events.removed(conv.conv_id, keep)
         for chunk in conv.chunks[keep:]:
-            self._leave(conv, chunk)
+            self.users.leave(conv, chunk)
         del conv.chunks[keep:]
         del conv.keys[num_positions // self.config.block_size :]
         conv.num_positions = min(conv.num_positions, num_positions)
@@ -260,8 +261,9 @@ class KVCacheManager:
             last = conv.chunks[-1]  # the next turn writes into its tail
             if len(last.users) == 1:
                 self.index.unseal(last)
+                self.events.emit(KvEventKind.UNSEALED, last)
             else:  # shared: its kept positions are recomputed into a chunk of its own
-                self._replace(conv, last, self._unused_chunk(last.index))
+                self.users.replace(conv, last, Chunk(last.index))
                 self.events.emit_for(KvEventKind.DROPPED, conv.conv_id, conv.chunks[-1])
 
     # ---- end of a turn -------------------------------------------------------------------
@@ -271,7 +273,7 @@ class KVCacheManager:
     ) -> None:
         """The conversation's request finished: its chunks become evictable. With `tokens` (its
         token log) its full computed chunks are sealed for sharing (`seal`)."""
-        self._unpin(conv)
+        self.users.unpin(conv)
         conv.waiting_since = None
         conv.last_active = now
         if self.config.policy is Policy.STATELESS:
@@ -291,7 +293,7 @@ class KVCacheManager:
         CPU copy already, or are dropped). `tokens`: as for `release`."""
         self.eviction.start_operation()
         self.truncate(conv, num_positions)
-        self._unpin(conv)
+        self.users.unpin(conv)
         conv.last_active = now
         conv.waiting_since = now  # requeued
         if tokens is not None:
@@ -306,94 +308,26 @@ class KVCacheManager:
     def forget(self, conv_id: str) -> None:
         conv = self.conversations.pop(conv_id, None)
         if conv is not None:
-            self._unpin(conv)
+            self.users.unpin(conv)
             if conv.chunks:
                 self.events.removed(conv_id, 0)
             for chunk in conv.chunks:
-                self._leave(conv, chunk)
+                self.users.leave(conv, chunk)
 
-    # ---- sharing by content ----------------------------------------------------------------
+    # ---- sharing by content (sharing.py) -------------------------------------------------
 
     def seal(self, conv: ConversationKV, tokens: Sequence[int]) -> None:
-        """`tokens` begin with the idle conversation's token log: key its full computed chunks
-        and seal them in the content index. A chunk whose content is sealed already (computed
-        twice) merges with that one: the better placed of the two serves all their users."""
-        assert not conv.pinned
-        block = self.config.block_size
-        full = min(conv.num_positions, len(tokens)) // block
-        extend_keys(conv.keys, conv.seed, tokens[: full * block], block)
-        for i in range(min(full, len(conv.keys), len(conv.chunks))):
-            chunk, key = conv.chunks[i], conv.keys[i]
-            if chunk.key == key:
-                continue
-            assert chunk.key is None and len(chunk.users) == 1, f"{conv.conv_id}: chunk {i} keyed"
-            sealed = self.index.get(key)
-            if sealed is None:
-                if chunk.gpu_block is not None or chunk.cpu_slot is not None:
-                    self.index.seal(chunk, key)
-            elif self._place(chunk) <= self._place(sealed):
-                self._replace(conv, chunk, sealed)
-                self.events.emit_for(KvEventKind.STORED, conv.conv_id, sealed)
-            else:  # the sealed copy is off the GPU (or dropped): this one serves its users
-                users = list(sealed.users.values())
-                for user in users:
-                    self._leave(user, sealed)  # the last one frees it and takes it off the index
-                self.index.seal(chunk, key)
-                for user in users:
-                    user.chunks[i] = chunk
-                    self._join(user, chunk)
-                    self.events.emit_for(KvEventKind.STORED, user.conv_id, chunk)
+        """Seal the idle conversation's full computed chunks of `tokens` (`ContentSharing`)."""
+        self.sharing.seal(conv, tokens)
 
     def rekey(self, conv: ConversationKV, namespace: ChunkKey) -> None:
-        """Key the idle conversation's chunks in `namespace` from now on (a turn of it came with
-        another cache salt, or it was restored without one). Whatever it has cached was keyed in
-        the old namespace, so it is forgotten; a conversation restored from its token log (all
-        dropped) keeps that log to recompute."""
-        if conv.seed == namespace:
-            return
-        if any(self._place(chunk) for chunk in conv.chunks):
-            self.truncate(conv, 0)
-        for chunk in conv.chunks:
-            if chunk.key is not None:  # dropped, sealed: recomputed as a chunk of its own
-                self._replace(conv, chunk, self._unused_chunk(chunk.index))
-        conv.keys.clear()
-        conv.seed = namespace
+        """Key the idle conversation's chunks in `namespace` from now on (`ContentSharing`)."""
+        self.sharing.rekey(conv, namespace)
 
     def lookup(self, conv: ConversationKV, tokens: Sequence[int]) -> Found:
-        """Attach to the idle conversation the longest run of leading full chunks of `tokens`
-        that are cached (on the GPU or the CPU tier), its own or found by content; returns how
-        many positions that run covers, and how many of them it found by content where.
-
-        `tokens` begin with the conversation's token log (cut first, with `truncate`, where they
-        differ from it) and end before the positions the caller computes anyway (at least the
-        last token of a prompt, whose logits are wanted)."""
-        assert not conv.pinned
-        block = self.config.block_size
-        extend_keys(conv.keys, conv.seed, tokens, block)
-        gpu = cpu = found = 0
-        for i in range(len(tokens) // block):
-            own = conv.chunks[i] if i < len(conv.chunks) else None
-            sealed = self.index.get(conv.keys[i])
-            mine = own is not None and (own is sealed or own.key is None) and self._place(own)
-            if mine and (i + 1) * block <= conv.num_positions:  # full, and its own
-                found = i + 1
-                continue
-            if sealed is None or not self._place(sealed):
-                break
-            if own is None:
-                self.index.add_user(sealed, conv)
-                conv.chunks.append(sealed)
-            else:
-                self._replace(conv, own, sealed)
-            self.events.emit_for(KvEventKind.STORED, conv.conv_id, sealed)
-            if self._live_on_gpu(sealed):
-                gpu += block
-            else:
-                cpu += block
-            found = i + 1
-        conv.num_positions = max(conv.num_positions, found * block)
-        conv.maybe_on_gpu = conv.maybe_on_cpu = True
-        return Found(found * block, gpu, cpu)
+        """Attach to the idle conversation the longest cached run of leading full chunks of
+        `tokens`, its own or found by content (`ContentSharing`)."""
+        return self.sharing.lookup(conv, tokens)
 
     def swap_out_ahead(self, now: float) -> int:
         """Swap out ahead of time while the free GPU share is under the threshold; returns moves."""
@@ -433,73 +367,23 @@ class KVCacheManager:
 
     def _num_evictable_gpu(self, exclude: ConversationKV) -> int:
         """Unpinned live GPU chunks: every owned block that is not pinned or waiting for reuse."""
-        owned = self.gpu.capacity - self.num_free_gpu - self.num_pinned_chunks
+        owned = self.gpu.capacity - self.num_free_gpu - self.users.num_pinned_chunks
         if not exclude.pinned:
-            owned -= sum(1 for c in exclude.chunks if not c.pins and self._live_on_gpu(c))
+            owned -= sum(1 for c in exclude.chunks if not c.pins and self.live_on_gpu(c))
         return owned
 
     def _reclaiming(self, chunk: Chunk) -> bool:
         """Swapped out, its GPU block kept until reused."""
         return self.copies.reclaiming(chunk)
 
-    def _live_on_gpu(self, chunk: Chunk) -> bool:
+    def live_on_gpu(self, chunk: Chunk) -> bool:
         return chunk.gpu_block is not None and not self._reclaiming(chunk)
 
-    def _place(self, chunk: Chunk) -> int:
+    def place(self, chunk: Chunk) -> int:
         """2 live on the GPU, 1 on the CPU tier (its GPU block may wait for reuse), 0 dropped."""
-        if self._live_on_gpu(chunk):
+        if self.live_on_gpu(chunk):
             return 2
         return 1 if chunk.cpu_slot is not None else 0
-
-    # ---- users and pins --------------------------------------------------------------------
-
-    def _new_chunk(self, conv: ConversationKV) -> Chunk:
-        """A chunk of the conversation's own, appended to it (on no tier yet)."""
-        chunk = Chunk(len(conv.chunks))
-        conv.chunks.append(chunk)
-        self._join(conv, chunk)
-        return chunk
-
-    def _unused_chunk(self, index: int) -> Chunk:
-        return Chunk(index)
-
-    def _join(self, conv: ConversationKV, chunk: Chunk) -> None:
-        self.index.add_user(chunk, conv)
-        if conv.pinned:
-            chunk.pins += 1
-            self.num_pinned_chunks += chunk.pins == 1
-
-    def _leave(self, conv: ConversationKV, chunk: Chunk) -> None:
-        """The conversation uses the chunk no more; freed if nobody does."""
-        if conv.pinned:
-            chunk.pins -= 1
-            self.num_pinned_chunks -= chunk.pins == 0
-        if self.index.remove_user(chunk, conv):
-            self._drop(chunk)
-
-    def _replace(self, conv: ConversationKV, old: Chunk, new: Chunk) -> None:
-        """The conversation uses `new` in the place of `old`."""
-        conv.chunks[old.index] = new
-        self._leave(conv, old)
-        self._join(conv, new)
-
-    def _pin(self, conv: ConversationKV) -> None:
-        if conv.pinned:
-            return
-        conv.pinned = True
-        self._pinned[conv.conv_id] = conv
-        for chunk in conv.chunks:
-            chunk.pins += 1
-            self.num_pinned_chunks += chunk.pins == 1
-
-    def _unpin(self, conv: ConversationKV) -> None:
-        if not conv.pinned:
-            return
-        conv.pinned = False
-        del self._pinned[conv.conv_id]
-        for chunk in conv.chunks:
-            chunk.pins -= 1
-            self.num_pinned_chunks -= chunk.pins == 0
 
     # ---- moves -----------------------------------------------------------------------------
 

@@ -34,9 +34,11 @@ from pensieve.actors.wire.messages import (
     KvEventBatch,
     KvEventKind,
     MessageError,
+    Tier,
     decode_kv_events,
     encode_kv_events,
 )
+from pensieve.actors.wire.prefix_index import PrefixIndex
 from pensieve.actors.wire.schemas import ApiError, parse_chat
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops.factory import Built, EngineOptions, assemble
@@ -86,12 +88,20 @@ class Subscriber:
     def __init__(self) -> None:
         self.stream = KvEventStream("e0")
         self.tier_map = TierMap()
+        self.router = PrefixIndex()
         self.kinds: set[KvEventKind] = set()
 
     def publish(self, events: list[KvEvent]) -> None:
         batch = decode_kv_events(encode_kv_events(self.stream.batch(events)))
         self.tier_map.apply(batch)
+        self.router.apply(batch)
         self.kinds.update(event.kind for event in batch.events)
+
+
+def sealed_on_a_tier(kv: KVCacheManager) -> dict[bytes, Tier]:
+    """The content keys the cache manager would find a prefix by, and where their chunks are."""
+    sealed = kv.index.by_key.items()
+    return {key: chunk.tier for key, chunk in sealed if chunk.tier is not Tier.DROPPED}
 
 
 def turns(service: ChatService, bodies: list[dict[str, Any]], subscriber: Subscriber) -> list[str]:
@@ -105,6 +115,7 @@ def turns(service: ChatService, bodies: list[dict[str, Any]], subscriber: Subscr
     while service.has_work():
         service.step()
         assert subscriber.tier_map.snapshot() == snapshot(service.engine.kv)
+        assert subscriber.router.held("e0") == sealed_on_a_tier(service.engine.kv)
     service.writer.flush()  # the replies are sent once their turns are committed
     assert all(sink.reply is not None for sink in sinks)
     return [sink.reply["conversation_id"] for sink in sinks]  # type: ignore[index]
@@ -136,6 +147,9 @@ def test_a_subscriber_and_the_spill_index_follow_the_engine_through_every_tier(
         writer.flush()
         assert {c: store.spills(c) for c in conv_ids} == {c: cpu_tier(kv, c) for c in conv_ids}
         assert any(cpu_tier(kv, c) for c in conv_ids), "nothing is left in the CPU tier"
+        # a client that resends the chat edited: the history is cut inside a sealed chunk
+        edited = [{"role": "user", "content": "2. What is the capital of Spain?"}]
+        turns(service, [{"conversation_id": conv_ids[2], "messages": edited}], subscriber)
         service.delete(conv_ids[0]).result()
         service.recover(RuntimeError("a failed step"))  # every chunk dropped, as after a restart
         assert subscriber.tier_map.snapshot() == snapshot(kv)
@@ -169,8 +183,16 @@ def test_a_batch_decodes_as_sent_and_a_malformed_one_is_refused() -> None:
         "index": 2,
         "gpu_block": None,
         "cpu_slot": 5,
+        "key": None,
+        "parent": None,
     }
-    for bad in ({**event, "kind": "moved"}, {**event, "index": -1}, {**event, "gpu_block": "7"}):
+    bad_events = (
+        {**event, "kind": "moved"},
+        {**event, "index": -1},
+        {**event, "gpu_block": "7"},
+        {**event, "key": "not base64!"},
+    )
+    for bad in bad_events:
         with pytest.raises(MessageError):
             decode_kv_events(orjson.dumps({**good, "events": [bad]}))
     for fields in ({"seq": 0}, {"v": 2}, {"events": None}):

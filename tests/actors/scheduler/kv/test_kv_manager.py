@@ -4,8 +4,9 @@ Each chunk's content is modelled as a tag: the tokens before it and the tokens i
 conversation's token log. The test applies the manager's swap orders in the executor's order to
 simulated GPU and CPU memories, and checks that every chunk reads back, in every conversation
 that uses it, that conversation's tag from wherever the manager says it lives. Every check also
-rebuilds the tier map and the spill index from the manager's chunk events alone, and compares
-them with the manager's own.
+rebuilds the tier map, the spill index and a router's prefix index from the manager's chunk
+events alone, and compares them with the manager's own (the prefix index: every sealed key on a
+tier, and where; each event's key chained to its parent by the conversation's tokens).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from hypothesis import strategies as st
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.executor.spill_keeper import SpillChanges, SpillIndex
 from pensieve.actors.planner.tier_map import TierMap, TierSnapshot
+from pensieve.actors.scheduler.kv.chunk_keys import chunk_key
 from pensieve.actors.scheduler.kv.kv_cache import Chunk
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
 from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager, OutOfBlocks
 from pensieve.actors.wire.messages import KvEvent, Tier
+from pensieve.actors.wire.prefix_index import PrefixIndex
 from pensieve.actors.wire.step import SwapOrders
 
 BLOCK = 4
@@ -78,6 +81,7 @@ class Simulation:
         self.kv.take_events()  # record from the start
         self.last_events: list[KvEvent] = []  # those of the last check
         self.stream, self.tier_map = KvEventStream("sim"), TierMap()
+        self.router = PrefixIndex()
         self.spilled: dict[tuple[str, int], int] = {}  # the spill index, as written
         self.spills = SpillIndex(self.write_spills)
 
@@ -132,8 +136,16 @@ class Simulation:
         if not self.prefixes:  # (a shared prefix may outlive its users' own chunks)
             assert_evicted_from_the_leading_end(self.kv)
         events = self.last_events = self.kv.take_events()
-        self.tier_map.apply(self.stream.batch(events))
+        batch = self.stream.batch(events)
+        self.tier_map.apply(batch)
         assert self.tier_map.snapshot() == snapshot(self.kv)
+        self.router.apply(batch)
+        sealed = self.kv.index.by_key.items()
+        held = {key: c.tier for key, c in sealed if c.tier is not Tier.DROPPED}
+        assert self.router.held("sim") == held
+        keys = {c.conv_id: tuple(k.key for k in c.chunks) for c in self.kv.conversations.values()}
+        assert self.router.snapshot("sim") == {c: k for c, k in keys.items() if k}
+        self.check_chained(events)
         self.spills.apply(events)
         assert self.spilled == {
             (conv.conv_id, i): chunk.cpu_slot
@@ -149,6 +161,18 @@ class Simulation:
                 for memory, block in ((self.gpu, chunk.gpu_block), (self.cpu, chunk.cpu_slot)):
                     if block is not None:
                         self.assert_holds(memory.get(block), want)
+
+    def check_chained(self, events: list[KvEvent]) -> None:
+        """Each keyed event's key is its parent's chained with the chunk's tokens."""
+        for event in events:
+            if event.key is None:
+                assert event.parent is None, event
+                continue
+            assert event.parent is not None, event
+            log = self.logs.get(event.conversation_id, [])
+            tokens = log[event.index * BLOCK : (event.index + 1) * BLOCK]
+            if len(tokens) == BLOCK:  # (the log of a forgotten conversation is gone)
+                assert chunk_key(event.parent, tokens) == event.key, event
 
     @staticmethod
     def assert_holds(got: tuple | None, want: tuple) -> None:

@@ -26,6 +26,7 @@ from tests.actors.scheduler.kv.test_kv_manager import BLOCK, Simulation
 
 # conversation i: family i % 2, sharing its first 4 * (2 + i) tokens with the others of it
 PREFIXES = {f"c{i}": (i % 2, BLOCK * (2 + i)) for i in range(6)}
+SALTS = (b"", b"salted")  # the namespaces a conversation's chunks are keyed in
 
 
 class CheckedOrder(EvictionOrder):
@@ -123,6 +124,8 @@ def step(sim: Simulation, op: str, which: int, tokens: int, gap: float) -> None:
     elif op == "forget" and name not in sim.running:
         kv.forget(name)
         sim.logs.pop(name, None)
+    elif op == "rekey" and name in kv.conversations and name not in sim.running:
+        kv.rekey(kv.conversations[name], SALTS[tokens % 2])  # a turn with(out) a cache salt
     sim.apply_orders()
     for running in sim.running:
         assert all(t is Tier.GPU for t in kv.conversations[running].tiers())
@@ -134,7 +137,7 @@ def step(sim: Simulation, op: str, which: int, tokens: int, gap: float) -> None:
 OPS = ("turn", "turn", "turn", "suspend", "admit", "decode", "finish", "ahead", "touch")
 workloads = st.lists(
     st.tuples(
-        st.sampled_from((*OPS, "truncate", "forget")),
+        st.sampled_from((*OPS, "truncate", "forget", "rekey")),
         st.integers(0, 5),  # conversation
         st.integers(1, 24),  # tokens
         st.sampled_from([0.0, 0.5, 1.0, 3.0, 10.0, 40.0]),  # seconds since the last operation
@@ -261,3 +264,24 @@ def test_a_dropped_shared_chunk_recomputed_by_one_user_serves_all():
     sim.apply_orders()
     sim.compute("b", 12, 15)
     sim.check()
+
+
+def test_a_rekeyed_conversation_tells_the_event_plane_it_names_its_keys_no_more():
+    """Its dropped chunks sealed under the old namespace become chunks of its own: a router's
+    prefix index stops counting it among the holders of those keys (else the keys would outlive
+    their other users there)."""
+    sim = sharing_simulation(Policy.GPU_ONLY, num_gpu=8, num_cpu=0)
+    sim.prefixes = {"a": (0, 12), "b": (0, 12), "big": (1, 0)}
+    kv = sim.kv
+    three_chunk_turn(sim, "a", 0.0)
+    three_chunk_turn(sim, "b", 1.0)
+    big = kv.conversation("big", 50.0)
+    kv.acquire(big, 32, 50.0)  # all 8 blocks: everything idle is dropped
+    kv.release(big, 50.0)
+    kv.forget("big")
+    sim.check()
+    a = kv.conversations["a"]
+    assert a.tiers()[:3] == [Tier.DROPPED] * 3 and a.chunks[0].key is not None
+    kv.rekey(a, SALTS[1])
+    sim.check()  # the prefix index names a's chunks as the manager does: unsealed
+    assert sim.router.snapshot("sim")["a"][:3] == (None, None, None)
