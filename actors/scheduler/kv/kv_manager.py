@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
-from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey, extend_keys
+from pensieve.actors.scheduler.kv.chunk_keys import Namespace
 from pensieve.actors.scheduler.kv.content_index import ContentIndex
 from pensieve.actors.scheduler.kv.copies import TierCopies
 from pensieve.actors.scheduler.kv.eviction import Candidate, CostFn, EvictionOrder
@@ -47,13 +47,15 @@ class OutOfBlocks(Exception):
 
 
 class KVCacheManager:
-    """`namespace`: the seed of the chunk keys of conversations made without one of their own
-    (`chunk_keys.namespace`)."""
+    """`namespace`: how the chunks of conversations made without one of their own are keyed
+    (`chunk_keys.Namespace`; None: a seed of no model or tenant)."""
 
-    def __init__(self, config: CacheConfig, cost: CostFn, namespace: ChunkKey = b"") -> None:
+    def __init__(
+        self, config: CacheConfig, cost: CostFn, namespace: Namespace | None = None
+    ) -> None:
         self.config = config
         self.cost = cost
-        self.namespace = namespace
+        self.namespace = namespace or Namespace(b"")
         self.gpu = BlockPool(config.num_gpu_blocks)
         self.cpu = BlockPool(config.num_cpu_blocks if config.uses_cpu_tier else 0)
         self.conversations: dict[str, ConversationKV] = {}
@@ -84,13 +86,13 @@ class KVCacheManager:
         return self.conversations.get(conv_id)
 
     def conversation(
-        self, conv_id: str, now: float, namespace: ChunkKey | None = None
+        self, conv_id: str, now: float, namespace: Namespace | None = None
     ) -> ConversationKV:
         """The conversation, made if new (its chunks keyed in `namespace`, else the manager's)."""
         conv = self.conversations.get(conv_id)
         if conv is None:
-            seed = self.namespace if namespace is None else namespace
-            conv = ConversationKV(conv_id, last_active=now, seed=seed)
+            keyed = self.namespace if namespace is None else namespace
+            conv = ConversationKV(conv_id, last_active=now, namespace=keyed)
             self.conversations[conv_id] = conv
         return conv
 
@@ -321,7 +323,7 @@ class KVCacheManager:
         assert not conv.pinned
         block = self.config.block_size
         full = min(conv.num_positions, len(tokens)) // block
-        extend_keys(conv.keys, conv.seed, tokens[: full * block], block)
+        conv.namespace.extend(conv.keys, tokens[: full * block], block)
         for i in range(min(full, len(conv.keys), len(conv.chunks))):
             chunk, key = conv.chunks[i], conv.keys[i]
             if chunk.key == key:
@@ -344,12 +346,12 @@ class KVCacheManager:
                     self._join(user, chunk)
                     self.events.emit_for(KvEventKind.STORED, user.conv_id, chunk)
 
-    def rekey(self, conv: ConversationKV, namespace: ChunkKey) -> None:
+    def rekey(self, conv: ConversationKV, namespace: Namespace) -> None:
         """Key the idle conversation's chunks in `namespace` from now on (a turn of it came with
         another cache salt, or it was restored without one). Whatever it has cached was keyed in
         the old namespace, so it is forgotten; a conversation restored from its token log (all
         dropped) keeps that log to recompute."""
-        if conv.seed == namespace:
+        if conv.namespace == namespace:
             return
         if any(self._place(chunk) for chunk in conv.chunks):
             self.truncate(conv, 0)
@@ -357,7 +359,7 @@ class KVCacheManager:
             if chunk.key is not None:  # dropped, sealed: recomputed as a chunk of its own
                 self._replace(conv, chunk, self._unused_chunk(chunk.index))
         conv.keys.clear()
-        conv.seed = namespace
+        conv.namespace = namespace
 
     def lookup(self, conv: ConversationKV, tokens: Sequence[int]) -> Found:
         """Attach to the idle conversation the longest run of leading full chunks of `tokens`
@@ -369,7 +371,7 @@ class KVCacheManager:
         last token of a prompt, whose logits are wanted)."""
         assert not conv.pinned
         block = self.config.block_size
-        extend_keys(conv.keys, conv.seed, tokens, block)
+        conv.namespace.extend(conv.keys, tokens, block)
         gpu = cpu = found = 0
         for i in range(len(tokens) // block):
             own = conv.chunks[i] if i < len(conv.chunks) else None
