@@ -244,6 +244,12 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         "in another conversation (default: full 32-token chunks are shared within a tenant)",
     )
     cache.add_argument(
+        "--public-prompts",
+        metavar="FILE",
+        help="JSON list (or .jsonl lines) of prompts, each a list of chat messages, whose full "
+        "chunks every tenant shares (turns without a cache_salt)",
+    )
+    cache.add_argument(
         "--profile",
         metavar="COST.json",
         help="cost table from `pensieve profile` for eviction (default: an analytic estimate)",
@@ -350,6 +356,7 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         min_prefill_tokens=args.min_prefill_tokens,
         overlap=args.overlap,
         prefix_sharing=args.prefix_sharing,
+        public_prompts=args.public_prompts,
         profile=args.profile,
         seed=args.seed,
         cpu_threads=positive(args.cpu_threads, "--cpu-threads"),

@@ -17,6 +17,7 @@ import torch
 from pensieve.actors.config import DEFAULTS, CacheConfig, Policy, SchedulerConfig
 from pensieve.actors.executor.model_runner import ModelRunner
 from pensieve.actors.scheduler.engine import Engine
+from pensieve.actors.scheduler.kv.chunk_keys import PublicKeys
 from pensieve.actors.scheduler.kv.cost_model import CostModel
 from pensieve.actors.scheduler.remote_runner import RemoteRunner
 from pensieve.actors.scheduler.step_budget import StepTimeModel
@@ -26,6 +27,7 @@ from pensieve.models.config import ModelConfig
 from pensieve.models.loader import LoadedModel, ModelLoadError, load_model
 from pensieve.models.shard_loader import load_shard
 from pensieve.models.tensor_parallel import TensorShard
+from pensieve.ops.public_prompts import public_keys
 
 logger = logging.getLogger("pensieve")
 
@@ -55,6 +57,8 @@ class EngineOptions:
     min_prefill_tokens: int = DEFAULTS.min_prefill_tokens
     overlap: bool = True  # plan each step while the one before runs (see Engine)
     prefix_sharing: bool = True  # see CacheConfig.prefix_sharing
+    # a file of prompts shared across tenants (ops/public_prompts.py); None: none
+    public_prompts: str | None = None
     profile: str | None = None  # a `pensieve profile` table; default: the analytic cost model
     seed: int = 0
     cpu_threads: int | None = None  # PyTorch threads of a CPU engine; None: see `cpu_threads`
@@ -68,6 +72,8 @@ class EngineOptions:
             raise ValueError(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.public_prompts is not None and not self.prefix_sharing:
+            raise ValueError("--public-prompts shares prefixes: it needs prefix sharing on")
 
 
 @dataclass
@@ -244,6 +250,7 @@ def _around(
     cost = _cost_model(options, loaded.config)
     eos = chat.eos_token_ids
     step_time = _step_time(options, loaded, cost)
+    public = _public_keys(options, chat)
     engine = Engine(
         runner,
         cache,
@@ -253,8 +260,19 @@ def _around(
         overlap=options.overlap,
         model_id=model_identity(options),
         step_time=step_time,
+        public=public,
     )
     return Built(engine, loaded, chat, options)
+
+
+def _public_keys(options: EngineOptions, chat: ChatTokenizer) -> PublicKeys | None:
+    if options.public_prompts is None:
+        return None
+    public = public_keys(
+        Path(options.public_prompts), chat, model_identity(options), options.block_size
+    )
+    logger.info("public prompts: %d chunks shared across tenants", len(public.keys))
+    return public
 
 
 def model_identity(options: EngineOptions) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
-from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey, namespace
+from pensieve.actors.scheduler.kv.chunk_keys import Namespace, PublicKeys, namespace
 from pensieve.actors.scheduler.kv.kv_manager import CostFn, KVCacheManager
 from pensieve.actors.scheduler.request import Request, TokenSources
 from pensieve.actors.scheduler.scheduler import Scheduler, StepOutcome
@@ -94,11 +94,14 @@ class Engine:
         overlap: bool = True,
         model_id: str = "",
         step_time: StepTimeModel | None = None,  # caps prefill beside decodes (None: no cap)
+        public: PublicKeys | None = None,
     ) -> None:
-        """`model_id` names the model in the chunk keys (`namespace`)."""
+        """`model_id` names the model in the chunk keys (`namespace`); `public`: the keys of
+        the prompts the operator names public, shared across tenants."""
         self.runner = runner
         self.model_id = model_id
-        self.kv = KVCacheManager(cache, cost, namespace(model_id))
+        self.public = public
+        self.kv = KVCacheManager(cache, cost, self.namespace(None))
         self.scheduler = Scheduler(scheduling, self.kv, step_time)
         self.eos_token_ids = eos_token_ids
         self.clock = clock
@@ -120,7 +123,7 @@ class Engine:
         prompt_ids: list[int],
         sampling: SamplingParams,
         planned_recompute: tuple[tuple[int, int], ...] | None = None,
-        cache_namespace: ChunkKey | None = None,
+        cache_namespace: Namespace | None = None,
     ) -> Request:
         """`cache_namespace` (`namespace`): whose cached prefixes the turn may reuse, and who
         may reuse its own; None: the engine's (the model's, no tenant)."""
@@ -140,10 +143,13 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
-    def namespace(self, tenant: str | None, cache_salt: str | None = None) -> ChunkKey:
+    def namespace(self, tenant: str | None, cache_salt: str | None = None) -> Namespace:
         """The sharing namespace of a turn of `tenant` (None: the service's own) with
-        `cache_salt`: turns share cached prefixes only within one namespace."""
-        return namespace(self.model_id, tenant, cache_salt)
+        `cache_salt`: turns share cached prefixes only within one namespace, apart from the
+        chunks of public prompts. A salted turn shares nothing outside its salt, public prompts
+        included (as a salt in vLLM's keys)."""
+        seed = namespace(self.model_id, tenant, cache_salt)
+        return Namespace(seed, None if cache_salt else self.public)
 
     # ---- what callers ask of the engine -------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pensieve.actors.scheduler.kv.chunk_keys import Namespace
 from pensieve.actors.wire.step import PLACEHOLDER, SamplingParams
 
 
@@ -76,8 +77,8 @@ class Request:
     # a stop string completes with output token number `stop_at`: the turn ends there, and
     # tokens sampled after it (while the text was being found) are discarded
     stop_at: int | None = None
-    # the namespace its prompt's chunks are keyed in (`chunk_keys.namespace`; None: the cache's)
-    cache_namespace: bytes | None = None
+    # how its prompt's chunks are keyed (`chunk_keys.Namespace`; None: as the cache's)
+    cache_namespace: Namespace | None = None
 
     @property
     def all_ids(self) -> list[int]:

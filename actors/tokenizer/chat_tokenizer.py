@@ -19,15 +19,19 @@ class ChatTokenizer:
     tokenizer: Any  # a transformers tokenizer with a chat template
     vocab_size: int  # the model's
 
-    def render(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Token ids of the whole conversation, ending with the assistant's turn opening.
+    def render(self, messages: Sequence[ChatMessage], generation_prompt: bool = True) -> list[int]:
+        """Token ids of the whole conversation, ending with the assistant's turn opening (or,
+        without `generation_prompt`, with the last message: a prefix of later conversations).
 
         Message text is tokenized as text: a control token's string in it (`<|im_start|>`, say)
         stays plain text, so no message can forge a turn of another role."""
         if any(s in m["content"] for m in messages for s in self._special_strings):
-            return self._render_in_segments(messages)
+            return self._render_in_segments(messages, generation_prompt)
         ids = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+            list(messages),
+            add_generation_prompt=generation_prompt,
+            tokenize=True,
+            return_dict=False,
         )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older/newer return types
             ids = ids["input_ids"]
@@ -41,14 +45,18 @@ class ChatTokenizer:
         ids = self.tokenizer.encode(text, add_special_tokens=True)
         return [int(t) % self.vocab_size for t in ids]
 
-    def _render_in_segments(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def _render_in_segments(
+        self, messages: Sequence[ChatMessage], generation_prompt: bool = True
+    ) -> list[int]:
         """The template rendered around placeholders, its own text tokenized with control tokens
         and each message's text without. Taken only when some message holds a control token's
         string: elsewhere one tokenization of the whole text keeps the ids transformers gives."""
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         marked = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
         rest = str(
-            self.tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+            self.tokenizer.apply_chat_template(
+                marked, add_generation_prompt=generation_prompt, tokenize=False
+            )
         )
         ids: list[int] = []
         for message, mark in zip(messages, marks, strict=True):

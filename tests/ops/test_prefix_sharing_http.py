@@ -4,7 +4,8 @@ with its nats-server, tenants made by `pensieve tenant add`, the real SmolLM2 on
 A client that resends its history with assistant messages other than the ones the server
 generated reuses everything up to the first differing token, in whole chunks; a second
 conversation with the same long system prompt reuses it; no tenant, and no other cache salt,
-ever hits another's prompt. Expected counts are computed from the same chat template."""
+ever hits another's prompt, except the prompts the operator names public (`--public-prompts`),
+and then nothing after them. Expected counts are computed from the same chat template."""
 
 from __future__ import annotations
 
@@ -42,14 +43,14 @@ def system_prompt(topic: str) -> str:
 class Server:
     """`pensieve serve --http-port` in a subprocess, with room for a few long prompts."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *extra: str) -> None:
         self.data_dir = data_dir
         self.http_port = free_port()
         command = [
             *(sys.executable, "-m", "pensieve.ops.cli", "serve", "--model", MODEL),
             *("--data-dir", str(data_dir), "--nats-port", str(free_port())),
             *("--http-port", str(self.http_port), "--gpu-cache-tokens", "8192"),
-            *("--cpu-cache-tokens", "2048", "--log-level", "warning"),
+            *("--cpu-cache-tokens", "2048", "--log-level", "warning", *extra),
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
@@ -112,6 +113,20 @@ def cached(reply: Any) -> int:
     return int(reply.usage.prompt_tokens_details.cached_tokens)
 
 
+PUBLIC_SYSTEM = {"role": "system", "content": system_prompt("tools")}
+
+
+@pytest.fixture(scope="module")
+def public_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    folder = tmp_path_factory.mktemp("public")
+    (folder / "public.json").write_text(json.dumps([[PUBLIC_SYSTEM]]))
+    running = Server(folder / "data", "--public-prompts", str(folder / "public.json"))
+    try:
+        yield running
+    finally:
+        assert running.stop() == 0
+
+
 def full_chunks(num_tokens: int) -> int:
     return num_tokens // BLOCK * BLOCK
 
@@ -168,3 +183,43 @@ def test_no_tenant_and_no_other_salt_hits_a_prompt(server, chat) -> None:
     assert ask(alice, "Name a warm lake.", cache_salt="s") >= 1000
     assert ask(bob, "Name a lake!", cache_salt="s") == 0  # the same salt, another tenant
     assert ask(alice, "Name a deep lake.", cache_salt="t") == 0
+
+
+def test_a_public_prompt_is_shared_across_tenants_and_what_follows_it_is_not(
+    public_server, server, chat
+) -> None:
+    alice, bob = public_server.client("alice"), public_server.client("bob")
+    public = chat.render([PUBLIC_SYSTEM], generation_prompt=False)
+    public_cached = full_chunks(len(public))
+    question = (
+        "Which tool cuts wood? Answer in one short sentence that names the tool, says what "
+        "it is made of and who would use it, please."
+    )
+    first = [PUBLIC_SYSTEM, {"role": "user", "content": question}]
+    reply, first_ids = complete(alice, first)
+    assert chat.render(first)[: len(public)] == public and public_cached >= 900
+    assert cached(reply) == 0
+    # bob's first turn with the public prompt: its full chunks, found in alice's cache
+    other = [PUBLIC_SYSTEM, {"role": "user", "content": "Which tool drives nails?"}]
+    reply, _ = complete(bob, other)
+    assert cached(reply) == public_cached
+    # alice's second turn reuses her whole history; bob sending that chat gets the public part
+    second = [*first, {"role": "assistant", "content": reply_text(first_ids)}]
+    second.append({"role": "user", "content": "And which one drills holes?"})
+    reply, alice_ids = complete(alice, second)
+    log, prompt = chat.render(first) + first_ids, chat.render(second)
+    own = full_chunks(min(common_prefix(log, prompt), len(log) - 1))
+    assert cached(reply) == own > public_cached
+    reply, bob_ids = complete(bob, second)
+    assert cached(reply) == public_cached
+    # a salted turn shares nothing outside its salt, public prompts included
+    reply, _ = complete(bob, other, cache_salt="s")
+    assert cached(reply) == 0
+    # the same greedy tokens as a tenant of a server without public prompts, computed afresh
+    fresh, fresh_ids = complete(server.client("fresh"), second)
+    assert cached(fresh) == 0
+    assert alice_ids == bob_ids == fresh_ids
+
+
+def reply_text(ids: list[int]) -> str:
+    return f"My answer was {len(ids)} tokens long."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey
+from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey, Namespace
 from pensieve.actors.wire.messages import Tier, tier_of
 
 
@@ -56,7 +56,7 @@ class ConversationKV:
     waiting_since: float | None = None
     # the namespace its chunks are keyed in, and the keys of its token log's first full chunks
     # (as far as the manager was told its tokens; they may run past `num_positions`)
-    seed: ChunkKey = b""
+    namespace: Namespace = Namespace(b"")
     keys: list[ChunkKey] = field(default_factory=list, repr=False)
 
     def tiers(self) -> list[Tier]:

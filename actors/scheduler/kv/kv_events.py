@@ -65,12 +65,13 @@ class ChunkEvents:
 
 def _event(kind: KvEventKind, conv_id: str, chunk: Chunk) -> KvEvent:
     """The event of a user of the chunk; a sealed chunk's names its key and its parent's (each
-    user's keys lead up to the chunk's, so any user's give the same parent)."""
+    user's keys lead up to the chunk's, so any user's give the same parent): the key before it,
+    or for chunk 0 the seed its key is chained from (`Namespace.first_parent`)."""
     key = parent = None
     if chunk.key is not None:
         user = chunk.users[conv_id]
         key = chunk.key
-        parent = user.keys[chunk.index - 1] if chunk.index else user.seed
+        parent = user.keys[chunk.index - 1] if chunk.index else user.namespace.first_parent(key)
     return KvEvent(kind, conv_id, chunk.index, chunk.gpu_block, chunk.cpu_slot, key, parent)
 
 

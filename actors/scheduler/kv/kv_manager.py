@@ -4,8 +4,8 @@ The manager decides which chunk lives where; the executor moves the bytes it is 
 (`SwapOrders`). A chunk may serve several conversations: a full chunk whose KV is known is sealed
 under its content key (`chunk_keys.py`, `content_index.py`), and a conversation whose token log
 has the same prefix uses that chunk instead of one of its own (`sharing.py`: `lookup`, and when
-a turn ends, `seal` merges a chunk computed twice). Invariants, checked by `check_invariants` and the
-property tests:
+a turn ends, `seal` merges a chunk computed twice). Invariants, checked by `check_invariants`
+and the property tests:
   - every GPU block and CPU slot is either free or owned by exactly one chunk, and a chunk is
     freed only when no conversation uses it;
   - a chunk's users are exactly the conversations that list it, and its pins those of them that
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
-from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey
+from pensieve.actors.scheduler.kv.chunk_keys import Namespace
 from pensieve.actors.scheduler.kv.content_index import ContentIndex
 from pensieve.actors.scheduler.kv.copies import TierCopies
 from pensieve.actors.scheduler.kv.eviction import Candidate, CostFn, EvictionOrder
@@ -48,13 +48,15 @@ class OutOfBlocks(Exception):
 
 
 class KVCacheManager:
-    """`namespace`: the seed of the chunk keys of conversations made without one of their own
-    (`chunk_keys.namespace`)."""
+    """`namespace`: how the chunks of conversations made without one of their own are keyed
+    (`chunk_keys.Namespace`; None: a seed of no model or tenant)."""
 
-    def __init__(self, config: CacheConfig, cost: CostFn, namespace: ChunkKey = b"") -> None:
+    def __init__(
+        self, config: CacheConfig, cost: CostFn, namespace: Namespace | None = None
+    ) -> None:
         self.config = config
         self.cost = cost
-        self.namespace = namespace
+        self.namespace = namespace or Namespace(b"")
         self.gpu = BlockPool(config.num_gpu_blocks)
         self.cpu = BlockPool(config.num_cpu_blocks if config.uses_cpu_tier else 0)
         self.conversations: dict[str, ConversationKV] = {}
@@ -85,13 +87,13 @@ class KVCacheManager:
         return self.conversations.get(conv_id)
 
     def conversation(
-        self, conv_id: str, now: float, namespace: ChunkKey | None = None
+        self, conv_id: str, now: float, namespace: Namespace | None = None
     ) -> ConversationKV:
         """The conversation, made if new (its chunks keyed in `namespace`, else the manager's)."""
         conv = self.conversations.get(conv_id)
         if conv is None:
-            seed = self.namespace if namespace is None else namespace
-            conv = ConversationKV(conv_id, last_active=now, seed=seed)
+            keyed = self.namespace if namespace is None else namespace
+            conv = ConversationKV(conv_id, last_active=now, namespace=keyed)
             self.conversations[conv_id] = conv
         return conv
 
@@ -320,7 +322,7 @@ class KVCacheManager:
         """Seal the idle conversation's full computed chunks of `tokens` (`ContentSharing`)."""
         self.sharing.seal(conv, tokens)
 
-    def rekey(self, conv: ConversationKV, namespace: ChunkKey) -> None:
+    def rekey(self, conv: ConversationKV, namespace: Namespace) -> None:
         """Key the idle conversation's chunks in `namespace` from now on (`ContentSharing`)."""
         self.sharing.rekey(conv, namespace)
 

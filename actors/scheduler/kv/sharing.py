@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey, extend_keys
+from pensieve.actors.scheduler.kv.chunk_keys import Namespace
 from pensieve.actors.scheduler.kv.content_index import ContentIndex
 from pensieve.actors.scheduler.kv.kv_cache import Chunk, ConversationKV, Found
 from pensieve.actors.wire.messages import KvEventKind
@@ -93,7 +93,7 @@ class ContentSharing:
         kv, users = self.kv, self.kv.users
         block = kv.config.block_size
         full = min(conv.num_positions, len(tokens)) // block
-        extend_keys(conv.keys, conv.seed, tokens[: full * block], block)
+        conv.namespace.extend(conv.keys, tokens[: full * block], block)
         for i in range(min(full, len(conv.keys), len(conv.chunks))):
             chunk, key = conv.chunks[i], conv.keys[i]
             if chunk.key == key:
@@ -118,13 +118,13 @@ class ContentSharing:
                     users.join(user, chunk)
                     kv.events.emit_for(KvEventKind.STORED, user.conv_id, chunk)
 
-    def rekey(self, conv: ConversationKV, namespace: ChunkKey) -> None:
+    def rekey(self, conv: ConversationKV, namespace: Namespace) -> None:
         """Key the idle conversation's chunks in `namespace` from now on (a turn of it came with
         another cache salt, or it was restored without one). Whatever it has cached was keyed in
         the old namespace, so it is forgotten; a conversation restored from its token log (all
         dropped) keeps that log to recompute."""
         kv = self.kv
-        if conv.seed == namespace:
+        if conv.namespace == namespace:
             return
         if any(kv.place(chunk) for chunk in conv.chunks):
             kv.truncate(conv, 0)
@@ -133,7 +133,7 @@ class ContentSharing:
                 kv.users.replace(conv, chunk, Chunk(chunk.index))
                 kv.events.emit_for(KvEventKind.DROPPED, conv.conv_id, conv.chunks[chunk.index])
         conv.keys.clear()
-        conv.seed = namespace
+        conv.namespace = namespace
 
     def lookup(self, conv: ConversationKV, tokens: Sequence[int]) -> Found:
         """Attach to the idle conversation the longest run of leading full chunks of `tokens`
@@ -146,7 +146,7 @@ class ContentSharing:
         assert not conv.pinned
         kv = self.kv
         block = kv.config.block_size
-        extend_keys(conv.keys, conv.seed, tokens, block)
+        conv.namespace.extend(conv.keys, tokens, block)
         gpu = cpu = found = 0
         for i in range(len(tokens) // block):
             own = conv.chunks[i] if i < len(conv.chunks) else None

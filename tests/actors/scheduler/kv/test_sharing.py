@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pensieve.actors.config import Policy
-from pensieve.actors.scheduler.kv.chunk_keys import keys_of
 from pensieve.actors.scheduler.kv.eviction import Candidate, EvictionOrder
 from pensieve.actors.scheduler.kv.kv_cache import Chunk
 from pensieve.actors.scheduler.kv.kv_manager import OutOfBlocks
@@ -130,7 +129,10 @@ def step(sim: Simulation, op: str, which: int, tokens: int, gap: float) -> None:
     for running in sim.running:
         assert all(t is Tier.GPU for t in kv.conversations[running].tiers())
     for conv in kv.conversations.values():  # the keys the manager holds are its log's
-        assert conv.keys == keys_of(conv.seed, sim.tokens(conv.conv_id, 0), BLOCK)[: len(conv.keys)]
+        assert (
+            conv.keys
+            == conv.namespace.keys_of(sim.tokens(conv.conv_id, 0), BLOCK)[: len(conv.keys)]
+        )
     sim.check()
 
 
