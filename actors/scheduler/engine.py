@@ -110,6 +110,7 @@ class Engine:
         self.last_timing: StepTiming | None = None
         self.overlap = overlap
         self._inflight: Launch | None = None  # launched, its tokens not applied yet
+        self._busy_s = 0.0  # the runner's device time in steps when the last one was applied
         # host work that needs no sampled token, done while the step waits for the device (it
         # is given the step waited for, and may return before or after that step is done)
         self.while_waiting: Callable[[Launch], None] | None = None
@@ -277,6 +278,7 @@ class Engine:
             chosen = time.perf_counter()
         sampled = done.result()
         executed = time.perf_counter()
+        self._observe(done.plan)
         plan, orders = done.plan, done.plan.orders
         outcome = self.scheduler.update(plan, sampled, self.clock())
         decoding = [piece.end for piece in plan.pieces if piece.end - piece.start == 1]
@@ -355,6 +357,7 @@ class Engine:
                 },
             },
             "device": dataclasses.asdict(self.runner.device_time()),
+            "prefill_budget": self._budget_stats(),
             "cache": {
                 "block_size": kv.config.block_size,
                 "conversations": len(kv.conversations),
@@ -378,6 +381,28 @@ class Engine:
         if rejected or suspended:
             return StepOutcome(outcome.new_tokens, outcome.finished + rejected, suspended)
         return outcome
+
+    def _budget_stats(self) -> dict[str, float] | None:
+        """The prefill budget's measured step times over its estimates (None: no budget)."""
+        budget = self.scheduler.prefill_budget
+        if budget is None:
+            return None
+        calibration = budget.calibration
+        return {
+            "max_slowdown": budget.max_slowdown,
+            "decode_ratio": calibration.decode,
+            "prefill_ratio": calibration.prefill,
+        }
+
+    def _observe(self, plan: StepPlan) -> None:
+        """Tell the prefill budget how long the device spent on the step just applied (its
+        busy time since the step before; 0 where the runner measures none)."""
+        budget = self.scheduler.prefill_budget
+        if budget is None:
+            return
+        busy = self.runner.device_time().busy_s
+        budget.observe(plan, busy - self._busy_s)
+        self._busy_s = busy
 
     def _launch(self, plan: StepPlan) -> Launch:
         if self._traces is not None and tracing.enabled():  # the executor traces its phases

@@ -187,12 +187,15 @@ class Scheduler:
         """The prefill cap of the step about to be planned, by the decodes it will carry."""
         if self.prefill_budget is None:
             return StepPrefill(None, ())
-        decodes = [
-            r.pending[0][1]
-            for r in self.running
-            if r.status is RequestStatus.RUNNING and is_decode(r.pending)
-        ]
-        return StepPrefill(self.prefill_budget, decodes)
+        decodes, prefilling = [], 0
+        for r in self.running:
+            if r.status is RequestStatus.RUNNING and r.pending:
+                if is_decode(r.pending):
+                    decodes.append(r.pending[0][1])
+                else:
+                    prefilling += 1
+        contended = prefilling + len(self.waiting) > 1
+        return StepPrefill(self.prefill_budget, decodes, contended)
 
     def _plan(self, pieces: list[SeqPiece], prefill: StepPrefill) -> StepPlan:
         return StepPlan(tuple(pieces), self.kv.take_orders(), prefill_cap=prefill.cap)

@@ -21,15 +21,20 @@ The estimate (`StepTimeModel`), in seconds, for a step of N tokens:
 So a step with decodes at contexts l_i may add prefill tokens while their cost
 t·q + Σ A(l_c)·q_c/C stays within (max_slowdown - 1)·T_decode, where
 T_decode = F + t·D + Σ A(l_i). A floor of `min_tokens` per step keeps a long prompt moving
-however small that allowance is.
+however small that allowance is. The estimate is held to the device's measurements
+(`step_calibration.py`): the allowance is scaled by how far decodes and prefill each ran from
+their estimates. Where several prompts want prefill, a long one takes at most half of a step's
+allowance (`StepPrefill`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pensieve.actors.scheduler.kv.cost_model import DEFAULT_BYTES_PER_S, CostModel
+from pensieve.actors.scheduler.step_calibration import StepCalibration
+from pensieve.actors.wire.step import StepPlan
 
 
 @dataclass(frozen=True)
@@ -91,40 +96,70 @@ class StepTimeModel:
 
 @dataclass(frozen=True)
 class PrefillBudget:
-    """Prefill tokens a step may take beside its decodes (module doc)."""
+    """Prefill tokens a step may take beside its decodes (module doc), its estimate held to the
+    device's measurements (`calibration`, told of every step by `observe`)."""
 
     model: StepTimeModel
     max_slowdown: float
     min_tokens: int
+    calibration: StepCalibration = field(default_factory=StepCalibration, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_slowdown < 1 or self.min_tokens < 1:
             raise ValueError("a prefill budget needs max_slowdown >= 1 and min_tokens >= 1")
+
+    def allowance(self, decode_contexts: Sequence[int]) -> float:
+        """The estimated prefill seconds a step with decodes at `decode_contexts` may add."""
+        decode_s = self.model.decode_s(decode_contexts)
+        return (self.max_slowdown - 1) * decode_s * self.calibration.scale
 
     def cap(self, decode_contexts: Sequence[int], start: int, at_most: int) -> int:
         """Prefill tokens (up to `at_most`) for a step with decodes at `decode_contexts`, its
         prefill starting at position `start`; `at_most` when nothing decodes."""
         if not decode_contexts:
             return at_most
-        allowance = (self.max_slowdown - 1) * self.model.decode_s(decode_contexts)
-        affordable = self.model.prefill_tokens_within(start, allowance, at_most)
+        affordable = self.model.prefill_tokens_within(
+            start, self.allowance(decode_contexts), at_most
+        )
         return min(at_most, max(self.min_tokens, affordable))
+
+    def observe(self, plan: StepPlan, measured_s: float) -> None:
+        """The device spent `measured_s` on the step `plan` (0: not measured)."""
+        decodes = [p.end for p in plan.pieces if p.end - p.start == 1]
+        prefill_s = sum(
+            self.model.prefill_s(p.start, p.end - p.start)
+            for p in plan.pieces
+            if p.end - p.start > 1
+        )
+        self.calibration.observe(self.model.decode_s(decodes), prefill_s, measured_s)
 
 
 class StepPrefill:
-    """The prefill tokens one step being planned may still take.
+    """The prefill one step being planned may still take: estimated seconds (the budget's
+    allowance for the step's decodes), and a floor of `min_tokens` positions that keeps prompts
+    moving however small the allowance is. Each piece is charged what it is estimated to cost
+    at its own positions. A single-position piece (a decode) is never capped. Without a
+    budget (`None`), or with nothing decoding, only the step's token budget applies.
 
-    The cap is fixed when the step's first multi-token piece is planned, at that piece's
-    position; later pieces share what is left of it. A single-position piece (a decode) is
-    never capped. Without a budget (`None`), or with nothing decoding, only the step's token
-    budget applies."""
+    `contended`: more than one request wants prefill this step. A prefill that could use more
+    than the allowance left then takes at most half of the step's allowance (beyond the
+    floor), so the prompts behind a long one, the next turns of running sessions among them,
+    are not held back until it is done."""
 
-    def __init__(self, budget: PrefillBudget | None, decode_contexts: Sequence[int]) -> None:
+    def __init__(
+        self,
+        budget: PrefillBudget | None,
+        decode_contexts: Sequence[int],
+        contended: bool = False,
+    ) -> None:
         self.budget = budget if decode_contexts else None
         self.decode_contexts = decode_contexts
-        self.cap: int | None = None  # None: not capped (no budget, or no prefill piece yet)
-        self._left: int | None = None
-        self._charged = False  # whether `took` counts against the cap (the last `limit`'s)
+        self.contended = contended
+        self.cap: int | None = None  # the first prefill piece's cap (None: none, or uncapped)
+        self._allowance = 0.0
+        self._left_s: float | None = None  # None: no prefill piece yet
+        self._floor_left = 0
+        self._charged = False  # whether `took` counts against the budget (the last `limit`'s)
 
     def limit(self, pending: Sequence[tuple[int, int]], tokens_left: int) -> int:
         """Positions a request with these pending ranges may take now, of the `tokens_left`
@@ -132,21 +167,32 @@ class StepPrefill:
         self._charged = self.budget is not None and not is_decode(pending)
         if not self._charged:
             return tokens_left
-        assert self.budget is not None
-        if self._left is None:
-            start = pending[0][0]
-            self.cap = self.budget.cap(self.decode_contexts, start, tokens_left)
-            self._left = self.cap
-        return min(tokens_left, self._left)
+        budget = self.budget
+        assert budget is not None
+        start = pending[0][0]
+        if self._left_s is None:
+            self._allowance = budget.allowance(self.decode_contexts)
+            self._left_s = self._allowance
+            self._floor_left = budget.min_tokens
+            self.cap = budget.cap(self.decode_contexts, start, tokens_left)
+        wanted = min(tokens_left, sum(end - begin for begin, end in pending))
+        seconds = max(self._left_s, 0.0)
+        if self.contended and budget.model.prefill_s(start, wanted) > seconds:
+            seconds = min(seconds, self._allowance / 2)
+        taken = budget.model.prefill_tokens_within(start, seconds, wanted)
+        return max(taken, min(self._floor_left, wanted))
 
     def took(self, taken: Sequence[tuple[int, int]]) -> None:
         """The request last asked about (`limit`) took these positions."""
-        if self._charged and self._left is not None:
-            self._left -= sum(end - start for start, end in taken)
+        if self._charged and self._left_s is not None:
+            assert self.budget is not None
+            model = self.budget.model
+            self._left_s -= sum(model.prefill_s(start, end - start) for start, end in taken)
+            self._floor_left -= sum(end - start for start, end in taken)
 
     def has_room(self) -> bool:
         """Whether a prefill piece may still join the step."""
-        return self._left is None or self._left > 0
+        return self._left_s is None or self._left_s > 0 or self._floor_left > 0
 
 
 def is_decode(pending: Sequence[tuple[int, int]]) -> bool:

@@ -74,3 +74,13 @@ def test_a_capped_prefill_beside_decodes_gives_the_same_tokens() -> None:
     assert len(capped_steps) >= 300 // 32
     assert max(t.prefill_tokens for t in uncapped_steps) == 300
     assert all(t.prefill_cap is None for t in uncapped_steps)
+
+
+def test_the_stats_show_the_prefill_budget_and_its_measured_ratios() -> None:
+    def stats(slowdown: float) -> object:
+        options = EngineOptions(model="preset:tiny-llama", max_step_slowdown=slowdown)
+        return build(options).engine.stats()["prefill_budget"]
+
+    # on a CPU nothing times the steps: the estimate stands as it is
+    assert stats(2.0) == {"max_slowdown": 2.0, "decode_ratio": 1.0, "prefill_ratio": 1.0}
+    assert stats(0.0) is None

@@ -139,3 +139,45 @@ def test_off_a_prompt_beside_decodes_takes_what_the_token_budget_leaves() -> Non
 def test_a_slowdown_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="max_step_slowdown"):
         SchedulerConfig(max_step_slowdown=0.5)
+
+
+def test_a_prefill_measured_slower_than_its_estimate_gets_fewer_tokens() -> None:
+    d = Driver(slowdown=2.0)
+    sessions, long = _long_prompt_beside(d, num_decodes=8, prompt_len=20_000)
+    decodes = [s.num_tokens for s in sessions]
+    before = d.scheduler.prefill_budget.cap(decodes, 0, TOKENS)  # type: ignore[union-attr]
+    plan = d.step()  # the first piece of the prompt beside the decodes
+    budget = d.scheduler.prefill_budget
+    assert budget is not None
+    piece = next(p for p in plan.pieces if p.request_id == long.request_id)
+    estimate = MODEL.prefill_s(piece.start, piece.end - piece.start)
+    decode_s = MODEL.decode_s([p.end for p in plan.pieces if p.end - p.start == 1])
+    for _ in range(30):  # the device reports decodes as estimated, the prefill 4x slower
+        budget.observe(plan, decode_s + 4 * estimate)
+    assert budget.calibration.prefill == pytest.approx(4.0)
+    after = budget.cap(decodes, 0, TOKENS)
+    assert after < before / 3
+    plan = d.step()
+    piece = next(p for p in plan.pieces if p.request_id == long.request_id)
+    decode_s = MODEL.decode_s([p.end for p in plan.pieces if p.end - p.start == 1])
+    # within twice the decodes' time as measured, or at the floor
+    assert (
+        piece.end - piece.start == BLOCK
+        or 4 * MODEL.prefill_s(piece.start, piece.end - piece.start) <= decode_s * 1.000001
+    )
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_one() -> None:
+    # a session's next turn arrives while a long prompt is being prefilled beside the decodes:
+    # it is prefilled in the next step, with the long prompt still going
+    d = Driver(slowdown=2.0)
+    sessions, long = _long_prompt_beside(d, num_decodes=8, prompt_len=20_000)
+    for _ in range(3):
+        d.step()
+    short = d.send(200, max_tokens=3)
+    for _ in range(3):
+        d.step()
+    assert short.first_token_time is not None
+    assert long.first_token_time is None
+    # and the long prompt kept moving in every one of those steps
+    assert long.first_pending > 0
