@@ -272,6 +272,8 @@ def server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
             **cache,
             **{k: cache[k] - was[k] for k in ("queries", "hits", "shared_hits")},
         }
+    if after.get("prefill_budget") is not None:  # the step-time ratios as they ended
+        out["prefill_budget"] = after["prefill_budget"]
     return out
 
 
