@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pensieve.actors.config import Policy
+from pensieve.actors.scheduler.kv.chunk_keys import Namespace
 from pensieve.actors.scheduler.kv.eviction import Candidate, EvictionOrder
 from pensieve.actors.scheduler.kv.kv_cache import Chunk
 from pensieve.actors.scheduler.kv.kv_manager import OutOfBlocks
@@ -25,7 +26,7 @@ from tests.actors.scheduler.kv.test_kv_manager import BLOCK, Simulation
 
 # conversation i: family i % 2, sharing its first 4 * (2 + i) tokens with the others of it
 PREFIXES = {f"c{i}": (i % 2, BLOCK * (2 + i)) for i in range(6)}
-SALTS = (b"", b"salted")  # the namespaces a conversation's chunks are keyed in
+SALTS = (Namespace(b""), Namespace(b"salted"))  # the namespaces chunks are keyed in
 
 
 class CheckedOrder(EvictionOrder):
