@@ -153,6 +153,8 @@ class Conversations:
                     r.prompt_tokens,
                     len(r.output_token_ids),
                     history,
+                    r.cached_gpu + r.cached_cpu,
+                    r.started_at,
                 )
             )
         following = first + len(turns)

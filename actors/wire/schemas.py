@@ -403,6 +403,8 @@ class TurnSummary(msgspec.Struct, frozen=True):
     completion_tokens: int
     # the chat before `message`, where it is not the turns' before it (`TurnRecord.history`)
     history: list[ChatTurn] | None = None
+    cached_tokens: int = 0  # of `prompt_tokens`, served from the GPU and CPU tiers
+    started_at: float = 0.0  # unix time
 
 
 class ConversationReply(msgspec.Struct, frozen=True):
