@@ -7,6 +7,7 @@ from pensieve.store.conversation_store import DEFAULT_MAP_SIZE, ConversationStor
 from pensieve.store.records import (
     MAX_CONVERSATION_ID_CHARS,
     ConversationMeta,
+    Messages,
     TurnRecord,
     validate_conversation_id,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "MAX_CONVERSATION_ID_CHARS",
     "ConversationMeta",
     "ConversationStore",
+    "Messages",
     "StoreWriter",
     "TurnRecord",
     "validate_conversation_id",

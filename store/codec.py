@@ -78,21 +78,31 @@ def _little_endian(tokens: array[int]) -> array[int]:
 
 
 def encode_turn(record: TurnRecord) -> bytes:
-    return orjson.dumps(dataclasses.asdict(record))
+    fields = dataclasses.asdict(record)
+    if record.history is None:  # the common case, written as before the field existed
+        del fields["history"]
+    return orjson.dumps(fields)
 
 
 def decode_turn(data: bytes) -> TurnRecord:
     fields: dict[str, Any] = orjson.loads(data)
     fields["output_token_ids"] = tuple(fields["output_token_ids"])
+    if fields.get("history") is not None:
+        fields["history"] = tuple(fields["history"])
     return TurnRecord(**fields)
 
 
 def encode_meta(meta: ConversationMeta) -> bytes:
-    return orjson.dumps(dataclasses.asdict(meta))
+    fields = dataclasses.asdict(meta)
+    if not meta.opening:  # every meta after its first turn: kept small for the sweeps
+        del fields["opening"]
+    return orjson.dumps(fields)
 
 
 def decode_meta(data: bytes) -> ConversationMeta:
-    return ConversationMeta(**orjson.loads(data))
+    fields: dict[str, Any] = orjson.loads(data)
+    fields["opening"] = tuple(fields.get("opening", ()))
+    return ConversationMeta(**fields)
 
 
 def encode_slot(slot: int) -> bytes:

@@ -18,7 +18,12 @@ from typing import TypeVar
 import lmdb
 
 from pensieve.store import codec
-from pensieve.store.records import ConversationMeta, TurnRecord, validate_conversation_id
+from pensieve.store.records import (
+    ConversationMeta,
+    Messages,
+    TurnRecord,
+    validate_conversation_id,
+)
 from pensieve.store.resize_gate import ResizeGate
 
 logger = logging.getLogger(__name__)
@@ -129,6 +134,24 @@ class ConversationStore:
 
         return self._transact(apply, write=True)
 
+    def create(
+        self, conv_id: str, opening: Messages, created_at: float, tenant: str | None = None
+    ) -> ConversationMeta:
+        """Record a conversation with no turns yet, made with the messages `opening` (which its
+        first turn continues), in one durable write; ValueError if the id is taken."""
+        key = codec.conversation_key(validate_conversation_id(conv_id))
+        meta = ConversationMeta(
+            conv_id, created_at, created_at, 0, 0, tenant=tenant, opening=opening
+        )
+
+        def apply(txn: lmdb.Transaction[bytes]) -> ConversationMeta:
+            if not txn.put(key, codec.encode_meta(meta), db=self._meta, overwrite=False):
+                raise ValueError(f"conversation {conv_id!r} exists")
+            txn.put(codec.owner_prefix(tenant) + key, b"", db=self._owners)
+            return meta
+
+        return self._transact(apply, write=True)
+
     def token_log(self, conv_id: str) -> list[int]:
         """Every prompt and generated token of the conversation, in order."""
         key = codec.conversation_key(validate_conversation_id(conv_id))
@@ -151,7 +174,7 @@ class ConversationStore:
         return self.meta(conv_id) is not None
 
     def list_conversations(self) -> list[str]:
-        """Ids of all conversations with at least one committed turn, sorted."""
+        """Ids of all conversations, sorted."""
 
         def read(txn: lmdb.Transaction[bytes]) -> list[str]:
             metas = (codec.decode_meta(v) for _, v in txn.cursor(db=self._meta))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_CONVERSATION_ID_CHARS = 200
+Messages = tuple[dict[str, str], ...]  # a chat: {"role", "content"} each
 
 
 def validate_conversation_id(conv_id: object) -> str:
@@ -43,6 +44,13 @@ class TurnRecord:
     the length of the whole rendered prompt of this turn (history included); `new_prompt_tokens`
     is how many of those had never been in the conversation's token log before. The cached counts
     say where the rest of the prompt's KV came from.
+
+    `history`: the chat before `user_message` in this turn's prompt, when it is not the
+    conversation's chat so far (its turns' messages and replies, or the messages it was created
+    with): a first turn with a system message, a turn whose client sent a chat that edits or
+    replaces the conversation's. None: the turn continued the conversation's chat, so the turns
+    before it say what its prompt held (and a stateless client that resends its chat stores it
+    once).
     """
 
     turn: int
@@ -57,6 +65,7 @@ class TurnRecord:
     cached_recomputed: int
     started_at: float
     finished_at: float
+    history: Messages | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.output_token_ids, tuple):
@@ -83,7 +92,8 @@ class ConversationMeta:
     history and it expires sooner. `ended`: its last turn was final; it takes no more turns.
     Both default to False, which is what a meta written before they existed means. `tenant`:
     the tenant whose request made it (None: the service's own account, or a server without
-    tenants); only that tenant reaches it."""
+    tenants); only that tenant reaches it. `opening`: the messages it was created with
+    (`ConversationStore.create`), kept until its first turn, whose `history` then holds them."""
 
     conversation_id: str
     created_at: float
@@ -93,3 +103,4 @@ class ConversationMeta:
     stateless: bool = False
     ended: bool = False
     tenant: str | None = None
+    opening: Messages = ()

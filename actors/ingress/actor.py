@@ -40,6 +40,7 @@ from pensieve.actors.wire.schemas import (
     encode_body,
     parse_chat,
     parse_conversation,
+    parse_create,
     parse_get,
     parse_list,
     parse_stats,
@@ -58,6 +59,7 @@ ROUTES: dict[str, tuple[Callable[[bytes], msgspec.Struct], str]] = {
     subjects.CONVERSATIONS_GET: (parse_get, "get"),
     subjects.CONVERSATIONS_DELETE: (parse_conversation, "delete"),
     subjects.CONVERSATIONS_LIST: (parse_list, "list"),
+    subjects.CONVERSATIONS_CREATE: (parse_create, "create"),
     subjects.STATS: (parse_stats, "stats"),
 }
 OWNED = (

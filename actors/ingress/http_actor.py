@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   whole or streamed (server-sent events) replies
     POST /v1/completions        the same for a raw prompt (no chat template; one turn)
+    /v1/responses, /v1/conversations   OpenAI's stateful APIs (`actors/ingress/stateful_http.py`)
     GET  /v1/models             the model served
     GET  /health                200 while this engine's ingress and scheduler answer, else 503
     GET  /metrics               the scheduler's Prometheus metrics (`actors/scheduler/metrics.py`)
@@ -46,6 +47,7 @@ from pensieve.actors.ingress import openai_api
 from pensieve.actors.ingress.chat_index import ChatIndex
 from pensieve.actors.ingress.http_limits import CappedSite, read_body, server_options
 from pensieve.actors.ingress.openai_api import CONVERSATION_HEADER, Completion, OpenAIError
+from pensieve.actors.ingress.stateful_http import StatefulRoutes
 from pensieve.actors.wire import subjects, tracing
 from pensieve.actors.wire.actor import Actor
 from pensieve.actors.wire.bus import Bus
@@ -84,7 +86,9 @@ class HttpConfig:
 
 class HttpIngressActor(Actor):
     name: ClassVar[str] = "http-ingress"
-    description: ClassVar[str] = "OpenAI-compatible HTTP API: /v1/chat/completions, /metrics"
+    description: ClassVar[str] = (
+        "OpenAI-compatible HTTP API: /v1/chat/completions, /v1/responses, /metrics"
+    )
 
     def __init__(
         self,
@@ -113,6 +117,7 @@ class HttpIngressActor(Actor):
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/version", self._version)
+        StatefulRoutes(self).add_to(app.router)
         config = self.config
         self._runner = web.AppRunner(
             app,
@@ -131,11 +136,22 @@ class HttpIngressActor(Actor):
             task.cancel()
         await asyncio.gather(*self._abandoned, return_exceptions=True)
 
-    def _tenant(self, request: web.Request) -> str | None:
+    def tenant(self, request: web.Request) -> str | None:
+        """The tenant whose API key came with `request` (None: the service's own)."""
         return self.authenticate(openai_api.bearer_token(request.headers.get("Authorization")))
 
+    async def request(self, subject: str, body: dict[str, Any], tenant: str | None) -> Any:
+        """The answer of the client API on `subject` to `body`, asked as `tenant`; raises
+        OpenAIError as a chat turn's answer does."""
+        data = orjson.dumps(body)
+        answer = Answer(self.bus.ask(_as_tenant(tenant, subject), data, self.config.timeout_s))
+        try:
+            return await self.next_message(answer)
+        finally:
+            await answer.close()
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        tenant = self._tenant(request)
+        tenant = self.tenant(request)
         asked = openai_api.to_chat(
             await read_body(request, self.config.read_timeout_s),
             self.config.model,
@@ -144,7 +160,7 @@ class HttpIngressActor(Actor):
         return await self._answer(request, asked, tenant, "POST /v1/chat/completions")
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
-        tenant = self._tenant(request)
+        tenant = self.tenant(request)
         body = await read_body(request, self.config.read_timeout_s)
         asked = openai_api.to_text_completion(body, self.config.model)
         return await self._answer(request, asked, tenant, "POST /v1/completions")
@@ -154,33 +170,36 @@ class HttpIngressActor(Actor):
     ) -> web.StreamResponse:
         tracer = tracing.tracer("http-ingress")
         with tracer.start_as_current_span(name, kind=SpanKind.SERVER):
-            first, answer = await self._first(asked, tenant)
+            first, answer = await self.first(asked.chat, tenant)
             try:
                 if not asked.stream:
-                    reply = await self._last(first, answer)
+                    reply = await self.last(first, answer)
                     self._remember(asked, tenant, reply)
                     return _json(openai_api.completion(asked, reply), reply["conversation_id"])
                 return await self._stream(request, asked, first, answer, tenant)
             except (asyncio.CancelledError, ConnectionError):  # the client went away
-                self._abandon(answer, tenant)
+                self.abandon(answer, tenant)
                 raise
             finally:
                 if not answer.abandoned:  # else the task that cancels the turn closes it
                     await answer.close()
 
-    async def _first(self, asked: Completion, tenant: str | None) -> tuple[dict[str, Any], _Answer]:
-        """Send the request; its answer's first message, and the answer (to close). A
-        stateless chat that continues a known conversation goes to it (`chat_index.py`);
-        if that one is busy or gone, the chat starts a new conversation instead."""
-        chat = {**asked.chat, "stream": True}  # see the module: the first delta names the turn
+    async def first(
+        self, request: dict[str, Any], tenant: str | None, guess_chat: bool = True
+    ) -> tuple[dict[str, Any], Answer]:
+        """Send the chat request; its answer's first message, and the answer (to close). A
+        stateless chat that continues a known conversation goes to it (`chat_index.py`,
+        unless `guess_chat` is false); if that one is busy or gone, the chat starts a new
+        conversation instead."""
+        chat = {**request, "stream": True}  # see the module: the first delta names the turn
         guess = None
-        if "messages" in chat and "conversation_id" not in chat:
+        if guess_chat and "messages" in chat and "conversation_id" not in chat:
             guess = self.index.find(tenant, chat["messages"])
         headers: dict[str, str] = {}
         propagate.inject(headers)  # the NATS ingress's span goes under this one
         tries = [{**chat, "conversation_id": guess}] if guess else []
         for body in [*tries, chat]:
-            answer = _Answer(
+            answer = Answer(
                 self.bus.ask(
                     _as_tenant(tenant, subjects.CHAT),
                     orjson.dumps(body),
@@ -189,9 +208,9 @@ class HttpIngressActor(Actor):
                 )
             )
             try:
-                return await self._next(answer), answer
+                return await self.next_message(answer), answer
             except asyncio.CancelledError:
-                self._abandon(answer, tenant)
+                self.abandon(answer, tenant)
                 raise
             except BaseException as error:
                 await answer.close()
@@ -200,11 +219,11 @@ class HttpIngressActor(Actor):
                     raise
         raise AssertionError("unreachable: the last try returns or raises")
 
-    async def _last(self, first: dict[str, Any], answer: _Answer) -> dict[str, Any]:
+    async def last(self, first: dict[str, Any], answer: Answer) -> dict[str, Any]:
         """The whole reply: the answer's last message (its deltas dropped)."""
         message = first
         while "delta" in message:
-            message = await self._next(answer)
+            message = await self.next_message(answer)
         return message
 
     def _remember(self, asked: Completion, tenant: str | None, reply: dict[str, Any]) -> None:
@@ -219,7 +238,7 @@ class HttpIngressActor(Actor):
         request: web.Request,
         asked: Completion,
         first: dict[str, Any],
-        answer: _Answer,
+        answer: Answer,
         tenant: str | None,
     ) -> web.StreamResponse:
         """Stream the reply from its first message on: whatever fails before it is answered
@@ -239,7 +258,7 @@ class HttpIngressActor(Actor):
             while "delta" in message:
                 delta = openai_api.chunk(asked, message["delta"])
                 await response.write(openai_api.event(delta))
-                message = await self._next(answer)
+                message = await self.next_message(answer)
             self._remember(asked, tenant, message)
             for last in openai_api.last_chunks(asked, message):
                 await response.write(openai_api.event(last))
@@ -249,7 +268,7 @@ class HttpIngressActor(Actor):
         await response.write_eof()
         return response
 
-    async def _next(self, answer: _Answer) -> dict[str, Any]:
+    async def next_message(self, answer: Answer) -> dict[str, Any]:
         try:
             message = await answer.next()
         except TimeoutError:
@@ -269,7 +288,7 @@ class HttpIngressActor(Actor):
             raise openai_api.from_reply_error(message)
         return message
 
-    def _abandon(self, answer: _Answer, tenant: str | None) -> None:
+    def abandon(self, answer: Answer, tenant: str | None) -> None:
         """The client went away: cancel its turn, once a message of the answer names it."""
         if not answer.abandoned and not answer.finished:
             answer.abandoned = True
@@ -277,7 +296,7 @@ class HttpIngressActor(Actor):
             self._abandoned.add(task)
             task.add_done_callback(self._abandoned.discard)
 
-    async def _cancel(self, answer: _Answer, tenant: str | None) -> None:
+    async def _cancel(self, answer: Answer, tenant: str | None) -> None:
         try:
             conv_id = answer.conv_id
             if conv_id is None:  # a new conversation: its first delta names it
@@ -294,7 +313,7 @@ class HttpIngressActor(Actor):
             await answer.close()
 
     async def _models(self, request: web.Request) -> web.StreamResponse:
-        self._tenant(request)
+        self.tenant(request)
         return _json(openai_api.models(self.config.model, self.created, self.config.max_model_len))
 
     async def _version(self, request: web.Request) -> web.StreamResponse:
@@ -330,7 +349,7 @@ class HttpIngressActor(Actor):
         return web.Response(body=text, headers={"Content-Type": subjects.METRICS_CONTENT_TYPE})
 
 
-class _Answer:
+class Answer:
     """A turn's answer on the bus (`Bus.ask`), read so that a reader cancelled (its client
     gone) loses nothing: the read it waited on goes on, for `HttpIngressActor._cancel`."""
 

@@ -138,12 +138,12 @@ class Completion:
 
 def to_chat(data: bytes, model: str, conversation_header: str | None) -> Completion:
     """Parse a `POST /v1/chat/completions` body for the model served as `model`."""
-    body = _checked(data, model, _UNSUPPORTED)
+    body = checked_body(data, model, _UNSUPPORTED)
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise invalid("only the text response format is supported", "response_format")
     messages = _messages(body.get("messages"))
-    stream = _flag(body, "stream")
+    stream = flag(body, "stream")
     chat: dict[str, Any] = {"stream": stream}
     conv_id = _conversation_id(body.get("conversation_id"), conversation_header)
     if conv_id is not None:
@@ -163,13 +163,15 @@ def to_chat(data: bytes, model: str, conversation_header: str | None) -> Complet
         model,
         stream,
         _include_usage(body),
-        _flag(body, "return_token_ids"),
+        flag(body, "return_token_ids"),
         f"chatcmpl-{uuid.uuid4().hex}",
         int(time.time()),
     )
 
 
-def _checked(data: bytes, model: str, unsupported: dict[str, tuple[object, ...]]) -> dict[str, Any]:
+def checked_body(
+    data: bytes, model: str, unsupported: dict[str, tuple[object, ...]]
+) -> dict[str, Any]:
     """The body of a request for the model served as `model`, with none of the `unsupported`
     options asking for something, and one choice."""
     body = _object(data)
@@ -215,7 +217,7 @@ TEXT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for a completion
 def to_text_completion(data: bytes, model: str) -> Completion:
     """Parse a `POST /v1/completions` body for the model served as `model`: one prompt (text,
     or token ids), completed as it is and forgotten after (its KV freed at once)."""
-    body = _checked(data, model, _TEXT_UNSUPPORTED)
+    body = checked_body(data, model, _TEXT_UNSUPPORTED)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -228,7 +230,7 @@ def to_text_completion(data: bytes, model: str) -> Completion:
             "of several is not supported)",
             "prompt",
         )
-    stream = _flag(body, "stream")
+    stream = flag(body, "stream")
     max_tokens = body.get("max_tokens")
     chat: dict[str, Any] = {
         "prompt": prompt,
@@ -244,7 +246,7 @@ def to_text_completion(data: bytes, model: str) -> Completion:
         model,
         stream,
         _include_usage(body),
-        _flag(body, "return_token_ids"),
+        flag(body, "return_token_ids"),
         f"cmpl-{uuid.uuid4().hex}",
         int(time.time()),
         text=True,
@@ -377,7 +379,7 @@ def _object(data: bytes) -> dict[str, Any]:
     return body
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
+def flag(body: dict[str, Any], name: str) -> bool:
     value = body.get(name)
     if value not in (None, True, False):
         raise invalid(f"'{name}' must be true or false", name)

@@ -43,6 +43,8 @@ from pensieve.actors.wire.schemas import (
     ChatDelta,
     ChatRequest,
     ConversationRef,
+    CreateBody,
+    CreateReply,
     DeleteReply,
     GetRequest,
     Page,
@@ -164,6 +166,7 @@ class ChatServer(Actor):
             "get": self._get,
             "delete": self._delete,
             "list": self._list,
+            "create": self._create,
             "stats": self._stats,
         }
         for verb, handler in handlers.items():
@@ -371,6 +374,13 @@ class ChatServer(Actor):
         written = await self._call(self.service.delete, conv_id, _tenant(msg))
         await asyncio.wrap_future(written)
         await msg.send(encode_body(DeleteReply(conv_id, True)))
+
+    async def _create(self, msg: Incoming) -> None:
+        body = read_checked(msg.data, CreateBody)
+        messages = [{"role": turn.role, "content": turn.content} for turn in body.messages]
+        conv_id, written = await self._call(self.service.create, messages, _tenant(msg))
+        await asyncio.wrap_future(written)
+        await msg.send(encode_body(CreateReply(conv_id)))
 
     async def _list(self, msg: Incoming) -> None:
         page = read_checked(msg.data, Page)

@@ -32,6 +32,7 @@ from pensieve.actors.scheduler.conversations import (
     Conversation,
     Conversations,
     Reservation,
+    history_of,
 )
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.metrics import Metrics
@@ -42,7 +43,12 @@ from pensieve.actors.scheduler.turn_commit import TurnCommitter, turn_record
 from pensieve.actors.scheduler.turn_tracing import TurnTracer
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import tracing
-from pensieve.actors.wire.messages import DetokenizeReply, DetokenizeRequest, KvEvent
+from pensieve.actors.wire.messages import (
+    ChatMessage,
+    DetokenizeReply,
+    DetokenizeRequest,
+    KvEvent,
+)
 from pensieve.actors.wire.schemas import ApiError, ChatRequest, ConversationReply, ListReply, Page
 from pensieve.actors.wire.step import Launch, SamplingParams
 from pensieve.actors.wire.step_codec import ExecutorLost
@@ -194,6 +200,12 @@ class ChatService:
     def delete(self, conv_id: str, tenant: str | None = None) -> Future[Any]:
         """Forget the conversation everywhere; the future resolves once the store forgot it."""
         return self.convs.delete(conv_id, tenant)
+
+    def create(
+        self, messages: Sequence[ChatMessage], tenant: str | None = None
+    ) -> tuple[str, Future[Any]]:
+        """A new conversation with no turn yet (`Conversations.create`)."""
+        return self.convs.create(messages, tenant, time.time())
 
     def expired(self, expiry: ExpiryConfig, now: float, limit: int) -> list[str]:
         """Up to `limit` conversations idle past their TTL at `now` (any thread may call it)."""
@@ -391,7 +403,8 @@ class ChatService:
             return
         text = self.text.finish(turn)
         user = turn.messages[-1]["content"]
-        record = turn_record(conv.turns, user, text, request, turn.started_at)
+        history = history_of(conv, turn.messages)
+        record = turn_record(conv.turns, user, text, request, turn.started_at, history)
         self.tracer.finished(turn, record)
         log = request.all_ids
         stored = self.commits.submit(turn, record, log)

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from opentelemetry import trace
 
 from pensieve.actors.config import ExpiryConfig
@@ -23,12 +24,13 @@ from pensieve.actors.wire.schemas import (
     PAGE_BYTES,
     ApiError,
     ChatRequest,
+    ChatTurn,
     ConversationReply,
     ListReply,
     Page,
     TurnSummary,
 )
-from pensieve.store import ConversationMeta, ConversationStore, StoreWriter
+from pensieve.store import ConversationMeta, ConversationStore, Messages, StoreWriter, TurnRecord
 
 FIRST_PAGE = Page(None, MAX_PAGE)
 
@@ -141,6 +143,7 @@ class Conversations:
             size += len(r.user_message.encode()) + len(r.assistant_text.encode()) + 200
             if turns and size > PAGE_BYTES:
                 break
+            history = None if r.history is None else msgspec.convert(r.history, list[ChatTurn])
             turns.append(
                 TurnSummary(
                     r.turn,
@@ -149,6 +152,9 @@ class Conversations:
                     r.finish_reason,
                     r.prompt_tokens,
                     len(r.output_token_ids),
+                    history,
+                    r.cached_gpu + r.cached_cpu,
+                    r.started_at,
                 )
             )
         following = first + len(turns)
@@ -157,8 +163,33 @@ class Conversations:
         num_tokens = len(self.store.token_log(conv_id))
         following_cursor = str(following) if following < len(records) else None
         return ConversationReply(
-            conv_id, turns, num_tokens, len(records), busy, meta.ended, following_cursor
+            conv_id,
+            turns,
+            num_tokens,
+            len(records),
+            busy,
+            meta.ended,
+            following_cursor,
+            meta.created_at,
+            msgspec.convert(meta.opening, list[ChatTurn]),
         )
+
+    def create(
+        self, messages: Sequence[ChatMessage], tenant: str | None, now: float
+    ) -> tuple[str, Future[Any]]:
+        """A new conversation with no turn, whose first turn continues `messages`; its id, and
+        the future that resolves once the store has it (it fails: the conversation is gone)."""
+        conv = Conversation(self.new_id(), list(messages), [], 0, tenant=tenant)
+        self.by_id[conv.conv_id] = conv
+        opening = tuple(dict(m) for m in messages)
+        created = self.writer.submit(self.store.create, conv.conv_id, opening, now, tenant)
+
+        def settled(done: Future[Any]) -> None:
+            if done.exception() is not None and self.by_id.get(conv.conv_id) is conv:
+                self.by_id.pop(conv.conv_id, None)
+
+        created.add_done_callback(settled)
+        return conv.conv_id, created
 
     def delete(self, conv_id: str, tenant: str | None = None) -> Future[Any]:
         """Forget the conversation everywhere; the future resolves once the store forgot it."""
@@ -218,15 +249,31 @@ class Conversations:
         if meta.ended:  # its KV is gone and stays gone
             raise ended(conv_id)
         records = self.store.turns(conv_id)
-        messages: list[ChatMessage] = []
-        for record in records:
-            messages.append({"role": "user", "content": record.user_message})
-            messages.append({"role": "assistant", "content": record.assistant_text})
+        messages = chat_of(meta.opening, records)
         log = self.store.token_log(conv_id)
         self.restore_kv(conv_id, log)
         return Conversation(
             conv_id, messages, log, len(records), stateless=meta.stateless, tenant=meta.tenant
         )
+
+
+def chat_of(opening: Messages, records: Sequence[TurnRecord]) -> list[ChatMessage]:
+    """A conversation's chat after `records`, its turns, from the messages it was made with."""
+    messages = [dict(m) for m in opening]
+    for record in records:
+        if record.history is not None:
+            messages = [dict(m) for m in record.history]
+        messages.append({"role": "user", "content": record.user_message})
+        messages.append({"role": "assistant", "content": record.assistant_text})
+    return messages
+
+
+def history_of(conv: Conversation, messages: Sequence[ChatMessage]) -> Messages | None:
+    """The `TurnRecord.history` of a turn of `conv` whose prompt is `messages`: the chat before
+    its user message, unless the turns stored before it already say so (None)."""
+    before = list(messages[:-1])
+    stored = conv.messages if conv.turns else []  # a first turn continues no stored turn
+    return None if before == stored else tuple(dict(m) for m in before)
 
 
 def not_found(conv_id: str) -> ApiError:

@@ -17,15 +17,20 @@ from pensieve.actors.scheduler.metrics import Metrics
 from pensieve.actors.scheduler.request import Request, common_prefix
 from pensieve.actors.scheduler.turn import Turn
 from pensieve.actors.wire.schemas import ApiError, chat_reply
-from pensieve.store import ConversationStore, StoreWriter, TurnRecord
+from pensieve.store import ConversationStore, Messages, StoreWriter, TurnRecord
 
 logger = logging.getLogger(__name__)
 
 
 def turn_record(
-    turn: int, user_message: str, text: str, request: Request, started_at: float
+    turn: int,
+    user_message: str,
+    text: str,
+    request: Request,
+    started_at: float,
+    history: Messages | None = None,
 ) -> TurnRecord:
-    """The durable record of a finished turn."""
+    """The durable record of a finished turn (`history`: see `TurnRecord`)."""
     sources = request.sources
     return TurnRecord(
         turn=turn,
@@ -40,6 +45,7 @@ def turn_record(
         cached_recomputed=sources.recomputed,
         started_at=started_at,
         finished_at=max(time.time(), started_at),
+        history=history,
     )
 
 

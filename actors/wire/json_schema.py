@@ -19,6 +19,7 @@ REQUESTS: dict[str, type[msgspec.Struct]] = {
     subjects.CONVERSATIONS_GET: schemas.GetRequest,
     subjects.CONVERSATIONS_DELETE: schemas.ConversationRef,
     subjects.CONVERSATIONS_LIST: schemas.Page,
+    subjects.CONVERSATIONS_CREATE: schemas.CreateBody,
     subjects.STATS: schemas.StatsRequest,
 }
 # the declared answers: a chat turn's reply and streamed deltas, the conversations subjects',
@@ -30,6 +31,7 @@ REPLIES: dict[str, type[msgspec.Struct]] = {
     "conversations.get": schemas.ConversationReply,
     "conversations.list": schemas.ListReply,
     "conversations.delete": schemas.DeleteReply,
+    "conversations.create": schemas.CreateReply,
     "error": schemas.ErrorReply,
 }
 

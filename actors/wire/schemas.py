@@ -152,6 +152,13 @@ class GetRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return Page(self.cursor, self.limit)
 
 
+class CreateBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`pensieve.v1.conversations.create`: a conversation with no turn yet, whose first turn
+    continues `messages` (none: an empty chat)."""
+
+    messages: tuple[ChatTurn, ...] = ()
+
+
 class StatsRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`pensieve.v1.stats`: no fields."""
 
@@ -280,6 +287,11 @@ def parse_get(data: bytes) -> GetRequest:
     return request
 
 
+def parse_create(data: bytes) -> CreateBody:
+    """`conversations.create`: `{"messages": [...]}`, the chat its first turn continues."""
+    return _decode(data, CreateBody)
+
+
 def parse_stats(data: bytes) -> StatsRequest:
     return _decode(data, StatsRequest)
 
@@ -389,6 +401,10 @@ class TurnSummary(msgspec.Struct, frozen=True):
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    # the chat before `message`, where it is not the turns' before it (`TurnRecord.history`)
+    history: list[ChatTurn] | None = None
+    cached_tokens: int = 0  # of `prompt_tokens`, served from the GPU and CPU tiers
+    started_at: float = 0.0  # unix time
 
 
 class ConversationReply(msgspec.Struct, frozen=True):
@@ -402,6 +418,14 @@ class ConversationReply(msgspec.Struct, frozen=True):
     busy: bool  # a turn of it is running
     ended: bool  # a final turn ended it
     next_cursor: str | None
+    created_at: float = 0.0  # unix time
+    opening: list[ChatTurn] = []  # the messages it was created with, until its first turn
+
+
+class CreateReply(msgspec.Struct, frozen=True):
+    """`pensieve.v1.conversations.create`: the new conversation's id."""
+
+    conversation_id: str
 
 
 class ListReply(msgspec.Struct, frozen=True):

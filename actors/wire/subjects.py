@@ -17,6 +17,7 @@ CHAT_CANCEL = f"{PREFIX}.chat.cancel"
 CONVERSATIONS_GET = f"{PREFIX}.conversations.get"
 CONVERSATIONS_DELETE = f"{PREFIX}.conversations.delete"
 CONVERSATIONS_LIST = f"{PREFIX}.conversations.list"
+CONVERSATIONS_CREATE = f"{PREFIX}.conversations.create"
 STATS = f"{PREFIX}.stats"
 
 _OWNED_ID = re.compile(r"c-([0-9a-f]{8})-[0-9a-f]+")

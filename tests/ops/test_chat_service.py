@@ -175,3 +175,51 @@ def test_a_stop_string_ends_the_turn_at_the_same_token_however_late_its_text_com
         assert second["token_ids"] == runs[0][1]["token_ids"]
         assert second["usage"] == runs[0][1]["usage"]  # the same history kept, from the GPU
     assert runs[0][1]["usage"]["cached_tokens"]["gpu"] > 0
+
+
+SYSTEM = {"role": "system", "content": "You answer in one word."}
+
+
+def test_a_conversation_keeps_its_system_message_when_loaded_from_the_store(service) -> None:
+    """The chat a first turn was sent whole with (a system message before the user's) is stored
+    with the turn, so a conversation loaded again (after a restart) renders it as before."""
+    first = turn(service, messages=[SYSTEM, {"role": "user", "content": CHAT[0]}]).reply
+    assert first is not None
+    conv_id = first["conversation_id"]
+    live = service.reserve(parse_chat(orjson.dumps({"conversation_id": conv_id, "message": "x"})))
+    service.release(live)
+    service.conversations.clear()  # as after a restart: only the store knows it
+    loaded = service.reserve(parse_chat(orjson.dumps({"conversation_id": conv_id, "message": "x"})))
+    assert loaded.messages == live.messages and loaded.messages[0] == SYSTEM
+    service.release(loaded)
+    (summary,) = service.get(conv_id).turns
+    assert summary.history is not None and [t.content for t in summary.history] == [
+        SYSTEM["content"]
+    ]
+
+
+def test_a_created_conversation_starts_from_its_messages(service) -> None:
+    """`create` makes a conversation with no turn; its first turn continues the messages it was
+    made with, from memory or, after a restart, from the store; that turn's record holds them."""
+    opening = [
+        SYSTEM,
+        {"role": "user", "content": CHAT[0]},
+        {"role": "assistant", "content": "Paris"},
+    ]
+    conv_id, created = service.create(opening, None)
+    created.result(30)
+    got = service.get(conv_id)
+    assert (got.num_turns, [t.content for t in got.opening]) == (0, [m["content"] for m in opening])
+    service.conversations.clear()
+    reservation = service.reserve(
+        parse_chat(orjson.dumps({"conversation_id": conv_id, "message": CHAT[1]}))
+    )
+    assert reservation.messages == [*opening, {"role": "user", "content": CHAT[1]}]
+    service.release(reservation)
+    reply = turn(service, conversation_id=conv_id, message=CHAT[1]).reply
+    assert reply is not None and reply["turn"] == 0
+    assert service.store.turns(conv_id)[0].history == tuple(opening)
+    assert service.store.meta(conv_id).opening == ()  # type: ignore[union-attr]
+    with pytest.raises(ApiError) as other:
+        service.get(conv_id, tenant="bob")
+    assert other.value.code == "not_found"

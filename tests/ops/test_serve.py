@@ -505,6 +505,7 @@ def test_every_subject_refuses_unknown_fields_and_changes_nothing(server) -> Non
         (subjects.CONVERSATIONS_DELETE, {"conversation_id": conv_id, "force": True}),
         (subjects.CONVERSATIONS_GET, {"conversation_id": conv_id, "turns": 1}),
         (subjects.CONVERSATIONS_LIST, {"page": 10}),
+        (subjects.CONVERSATIONS_CREATE, {"items": []}),
         (subjects.STATS, {"engine": "x"}),
     ]:
         replies, headers = ask(server, subject, body)
@@ -600,6 +601,20 @@ def test_conversations_are_listed_read_and_deleted(server) -> None:
     assert conv_id not in listed[0]["conversations"]
     missing, headers = ask(server, subjects.CONVERSATIONS_GET, {})
     assert headers.get(ERROR_HEADER) == "invalid_request"
+
+
+def test_a_created_conversation_is_continued_from_its_messages(server) -> None:
+    opening = [{"role": "system", "content": "Answer in French."}]
+    (made,), headers = ask(server, subjects.CONVERSATIONS_CREATE, {"messages": opening})
+    assert ERROR_HEADER not in headers, made
+    conv_id = made["conversation_id"]
+    (got,), _ = ask(server, subjects.CONVERSATIONS_GET, {"conversation_id": conv_id})
+    assert (got["num_turns"], got["opening"], got["turns"]) == (0, opening, [])
+    assert conv_id in ask(server, subjects.CONVERSATIONS_LIST, {})[0][0]["conversations"]
+    reply = chat(server, conversation_id=conv_id, message=CHAT[0], max_tokens=2)
+    assert reply["turn"] == 0
+    (got,), _ = ask(server, subjects.CONVERSATIONS_GET, {"conversation_id": conv_id})
+    assert got["opening"] == [] and got["turns"][0]["history"] == opening
 
 
 def test_list_pages_through_every_conversation_once(server) -> None:

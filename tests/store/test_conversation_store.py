@@ -80,6 +80,7 @@ def test_turns_and_log_survive_reopen_in_new_process(tmp_path: Path) -> None:
             "stateless": False,
             "ended": False,
             "tenant": None,
+            "opening": [],
         }
 
 
@@ -315,3 +316,26 @@ def test_a_store_written_before_the_owner_index_gets_it_when_opened(tmp_path) ->
     with ConversationStore(tmp_path) as store:
         assert sorted(store.list_page(None, 10, "alice")[0]) == ["a-0", "a-1", "a-2"]
         assert store.list_page(None, 10, "bob")[0] == ["b-0"]
+
+
+def test_a_created_conversation_keeps_its_opening_until_its_first_turn(tmp_path: Path) -> None:
+    """A conversation made with messages and no turn (`create`) is listed and read back
+    from a new process; its first turn keeps its tenant and owner entry, and its record, not
+    the meta, then holds the chat before it (`history`)."""
+    opening = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
+    with ConversationStore(tmp_path / "db") as store:
+        meta = store.create("c", opening, 500.0, tenant="alice")
+        assert (meta.num_turns, meta.log_len, meta.opening) == (0, 0, opening)
+        with pytest.raises(ValueError, match="exists"):
+            store.create("c", (), 501.0, tenant="bob")
+    code = "import sys; from pensieve.store import ConversationStore as S; s = S(sys.argv[1]);"
+    code += "m = s.meta('c'); print(m.opening, m.tenant, s.list_page(None, 9, 'alice')[0])"
+    printed = run_python(code, str(tmp_path / "db"))
+    assert printed.strip() == f"{opening} alice ['c']"
+    with ConversationStore(tmp_path / "db") as store:
+        history = (*opening, {"role": "assistant", "content": "Hello"})
+        meta = store.commit_turn("c", make_turn(0, history=history), 0, [1, 2])
+        assert (meta.tenant, meta.created_at, meta.opening, meta.num_turns) == ("alice", 500, (), 1)
+        assert store.turns("c")[0].history == history
+        assert store.list_page(None, 9, "alice")[0] == ["c"]
+        assert store.delete("c") and store.list_page(None, 9, "alice")[0] == []

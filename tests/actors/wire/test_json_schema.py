@@ -28,6 +28,7 @@ def test_every_client_subject_has_its_request_schema() -> None:
         subjects.CONVERSATIONS_GET,
         subjects.CONVERSATIONS_DELETE,
         subjects.CONVERSATIONS_LIST,
+        subjects.CONVERSATIONS_CREATE,
         subjects.STATS,
     }
     assert set(REQUESTS) == shared
