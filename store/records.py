@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 MAX_CONVERSATION_ID_CHARS = 200
 
@@ -57,6 +58,11 @@ class TurnRecord:
     cached_recomputed: int
     started_at: float
     finished_at: float
+    # what answered the last turn's tool calls ({"tool_call_id", "content"}), sent before
+    # `user_message` ("" if none came), and the calls read from this turn's reply (OpenAI's
+    # {"id", "type", "function": {"name", "arguments"}}); () when none
+    tool_results: tuple[dict[str, Any], ...] = ()
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.output_token_ids, tuple):

@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from opentelemetry import trace
 
 from pensieve.actors.config import ExpiryConfig
@@ -26,9 +27,11 @@ from pensieve.actors.wire.schemas import (
     ConversationReply,
     ListReply,
     Page,
+    ToolCall,
+    ToolResult,
     TurnSummary,
 )
-from pensieve.store import ConversationMeta, ConversationStore, StoreWriter
+from pensieve.store import ConversationMeta, ConversationStore, StoreWriter, TurnRecord
 
 FIRST_PAGE = Page(None, MAX_PAGE)
 
@@ -55,6 +58,7 @@ class Reservation:
     conv: Conversation
     messages: list[ChatMessage]  # to render
     new: bool  # a conversation this turn creates
+    prefill: str = ""  # the start of the reply, rendered after the messages (a forced call)
 
 
 class Conversations:
@@ -102,7 +106,9 @@ class Conversations:
             text = request.prompt if isinstance(request.prompt, str) else ""
             messages = [{"role": "user", "content": text}]
         else:
-            messages = [*conv.messages, {"role": "user", "content": request.message or ""}]
+            messages = [*conv.messages, *request.tool_results]
+            if request.message is not None:
+                messages.append({"role": "user", "content": request.message})
         conv.busy = True
         self.by_id[conv.conv_id] = conv
         return Reservation(request, conv, messages, new)
@@ -149,6 +155,8 @@ class Conversations:
                     r.finish_reason,
                     r.prompt_tokens,
                     len(r.output_token_ids),
+                    msgspec.convert(r.tool_results, tuple[ToolResult, ...]),
+                    msgspec.convert(r.tool_calls, tuple[ToolCall, ...]),
                 )
             )
         following = first + len(turns)
@@ -220,13 +228,29 @@ class Conversations:
         records = self.store.turns(conv_id)
         messages: list[ChatMessage] = []
         for record in records:
-            messages.append({"role": "user", "content": record.user_message})
-            messages.append({"role": "assistant", "content": record.assistant_text})
+            messages += turn_messages(record)
         log = self.store.token_log(conv_id)
         self.restore_kv(conv_id, log)
         return Conversation(
             conv_id, messages, log, len(records), stateless=meta.stateless, tenant=meta.tenant
         )
+
+
+def turn_messages(record: TurnRecord) -> list[ChatMessage]:
+    """The messages a stored turn added to its conversation: the tool results and the user's
+    message it sent, and its reply."""
+    sent: list[ChatMessage] = [{"role": "tool", **result} for result in record.tool_results]
+    if record.user_message or not sent:
+        sent.append({"role": "user", "content": record.user_message})
+    return [*sent, reply_message(record.assistant_text, record.tool_calls)]
+
+
+def reply_message(text: str, tool_calls: Sequence[dict[str, Any]]) -> ChatMessage:
+    """A reply as the assistant's message of the chat the next turn renders."""
+    message: ChatMessage = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = list(tool_calls)
+    return message
 
 
 def not_found(conv_id: str) -> ApiError:
