@@ -84,8 +84,6 @@ def encode_turn(record: TurnRecord) -> bytes:
 def decode_turn(data: bytes) -> TurnRecord:
     fields: dict[str, Any] = orjson.loads(data)
     fields["output_token_ids"] = tuple(fields["output_token_ids"])
-    for name in ("tool_results", "tool_calls"):  # absent from a turn stored without tools
-        fields[name] = tuple(fields.get(name, ()))
     return TurnRecord(**fields)
 
 

@@ -65,6 +65,8 @@ class TurnRecord:
     tool_calls: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("tool_results", "tool_calls"):  # as JSON reads them back: lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if not isinstance(self.output_token_ids, tuple):
             raise TypeError("output_token_ids must be a tuple of ints")
         _require_non_negative(

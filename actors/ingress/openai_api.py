@@ -461,6 +461,8 @@ def _messages(value: object) -> list[dict[str, Any]]:
             given["tool_calls"] = _tool_calls(calls, i)
         if role == "tool":
             given["tool_call_id"] = message.get("tool_call_id")
+            if not isinstance(given["tool_call_id"], str):
+                raise invalid(f"messages[{i}].tool_call_id must be a string", "messages")
         out.append(given)
     return out
 

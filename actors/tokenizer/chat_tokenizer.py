@@ -99,8 +99,8 @@ class ChatTokenizer:
     def _render_in_segments(
         self,
         messages: Sequence[ChatMessage],
-        generation_prompt: bool,
-        extra: dict[str, Any],
+        generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None,
     ) -> list[int]:
         """The template rendered around placeholders, its own text tokenized with control tokens
         and each message's text without. Taken only when some message holds a control token's
@@ -109,7 +109,7 @@ class ChatTokenizer:
         marked = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
         rest = str(
             self.tokenizer.apply_chat_template(
-                marked, add_generation_prompt=generation_prompt, tokenize=False, **extra
+                marked, add_generation_prompt=generation_prompt, tokenize=False, **(extra or {})
             )
         )
         ids: list[int] = []
@@ -122,7 +122,7 @@ class ChatTokenizer:
                 message["content"], add_special_tokens=False, split_special_tokens=True
             )
         ids += self.tokenizer.encode(rest, add_special_tokens=False)
-        return ids
+        return [int(t) % self.vocab_size for t in ids]
 
     @functools.cached_property
     def _special_strings(self) -> tuple[str, ...]:

@@ -98,7 +98,7 @@ class ChatTurn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tool_call_id: str | None = None
 
 
-class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema of its arguments
