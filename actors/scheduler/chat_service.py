@@ -50,7 +50,6 @@ from pensieve.actors.wire.schemas import (
     ConversationReply,
     ListReply,
     Page,
-    ToolChoice,
 )
 from pensieve.actors.wire.step import Launch, SamplingParams
 from pensieve.actors.wire.step_codec import ExecutorLost
@@ -194,7 +193,7 @@ class ChatService:
             followed,
             final=request.final,
             cancel_at=None if request.timeout_s is None else time.monotonic() + request.timeout_s,
-            tool_parser=None if request.tool_choice is ToolChoice.NONE else self.chat.tool_parser,
+            tool_parser=None if request.tool_choice == "none" else self.chat.tool_parser,
             tool_name=request.tool_name,
             prefill=reservation.prefill,
         )

@@ -11,7 +11,6 @@ hands the checked request on as `encode_body` writes it, and the scheduler reads
 
 from __future__ import annotations
 
-import enum
 import re
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -165,12 +164,6 @@ class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tool_results: Annotated[tuple[ToolResult, ...], NonEmptyArray] | UnsetType = UNSET
 
 
-class ToolChoice(enum.Enum):
-    NONE = "none"  # tools shown, the reply read as text
-    AUTO = "auto"  # the reply's calls are read
-    FUNCTION = "function"  # the reply calls `ChatRequest.tool_name`
-
-
 class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     """A chat turn as the ingress checked it: the stop strings a tuple, `messages` as the chat
     template takes them, `final` set for a raw completion."""
@@ -190,10 +183,16 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt: str | tuple[int, ...] | None = None
     cache_salt: str | None = None
     tools: tuple[dict[str, Any], ...] = ()  # OpenAI's function definitions, as given
-    tool_choice: ToolChoice = ToolChoice.NONE
-    tool_name: str | None = None  # the function a FUNCTION choice calls
+    # "none": the reply's text is not read for calls; a named one is enforced (`tool_name`)
+    tool_choice: Literal["none", "auto"] | NamedToolChoice = "none"
     # the messages the turn adds after the conversation's last reply, before `message`
     tool_results: tuple[ChatMessage, ...] = ()
+
+    @property
+    def tool_name(self) -> str | None:
+        """The function the reply must call (None: any or none)."""
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
 
 
 class ConversationRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -359,10 +358,9 @@ def _tool_use(body: ChatBody, raw: bool) -> dict[str, Any]:
             raise ApiError(
                 "invalid_request", f"tool_choice names {name!r}, which is none of 'tools'"
             )
-        return {"tools": tools, "tool_choice": ToolChoice.FUNCTION, "tool_name": name}
-    if choice == "auto" and not tools:
+    elif choice == "auto" and not tools:
         raise ApiError("invalid_request", "tool_choice 'auto' needs 'tools'")
-    return {"tools": tools, "tool_choice": ToolChoice(choice)}
+    return {"tools": tools, "tool_choice": choice}
 
 
 def _messages(turns: tuple[ChatTurn, ...]) -> tuple[ChatMessage, ...]:
