@@ -167,6 +167,18 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a tokenizer folder (default: the model's own, else SmolLM2's)",
     )
+    model.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template in place of the tokenizer's (one that shows `tools` to "
+        "the model, say)",
+    )
+    model.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        help="how the model writes tool calls (default: the family its chat template names; "
+        "else hermes)",
+    )
     model.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run")
     model.add_argument(
         "--dtype",
@@ -341,6 +353,8 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         device=args.device,
         dtype=args.dtype,
         tokenizer=args.tokenizer,
+        chat_template=args.chat_template,
+        tool_call_parser=args.tool_call_parser,
         policy=Policy(args.policy),
         block_size=args.block_size,
         gpu_cache_tokens=args.gpu_cache_tokens,

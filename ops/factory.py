@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ from pensieve.actors.scheduler.kv.cost_model import CostModel
 from pensieve.actors.scheduler.remote_runner import RemoteRunner
 from pensieve.actors.scheduler.step_budget import StepTimeModel
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
+from pensieve.actors.tokenizer.tool_parsers import PARSERS
 from pensieve.actors.wire.step import StepRunner
 from pensieve.models.config import ModelConfig
 from pensieve.models.loader import LoadedModel, ModelLoadError, load_model
@@ -41,6 +43,8 @@ class EngineOptions:
     device: str = "cpu"
     dtype: str = "float32"
     tokenizer: str | None = None  # a tokenizer folder; default: the model's own, else SmolLM2's
+    chat_template: str | None = None  # a Jinja file in place of the tokenizer's chat template
+    tool_call_parser: str | None = None  # see `tool_parsers.py`; None: the template's family
     policy: Policy = Policy.PENSIEVE
     block_size: int = DEFAULTS.block_size
     gpu_cache_tokens: int | None = None  # None: most of the free GPU memory (16k tokens on CPU)
@@ -72,6 +76,11 @@ class EngineOptions:
             raise ValueError(f"--tensor-parallel must be >= 1, got {self.tensor_parallel}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.tool_call_parser not in (None, *PARSERS):
+            raise ValueError(
+                f"--tool-call-parser must be one of {', '.join(PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         if self.public_prompts is not None and not self.prefix_sharing:
             raise ValueError("--public-prompts shares prefixes: it needs prefix sharing on")
 
@@ -88,7 +97,7 @@ def build(options: EngineOptions) -> Built:
     """Load the model and its tokenizer, then assemble an engine around them; logs each phase."""
     loaded = load_weights(options)
     begin = time.perf_counter()
-    chat = ChatTokenizer(_tokenizer(options, loaded), loaded.config.vocab_size)
+    chat = _chat(options, loaded)
     logger.info("tokenizer ready in %.1f s", time.perf_counter() - begin)
     begin = time.perf_counter()
     built = assemble(options, loaded, chat)
@@ -202,7 +211,7 @@ def load_config_only(options: EngineOptions) -> tuple[LoadedModel, ChatTokenizer
     """The model's config and tokenizer without its weights (on the meta device): all that a
     scheduler whose model runs in an executor actor elsewhere needs."""
     loaded = load_model(options.model, "meta", DTYPES[options.dtype], seed=options.seed)
-    return loaded, ChatTokenizer(_tokenizer(options, loaded), loaded.config.vocab_size)
+    return loaded, _chat(options, loaded)
 
 
 def assemble_remote(
@@ -353,6 +362,18 @@ def _tokens(
     if gb is not None:
         return int(gb * GIB) // per_block * options.block_size
     return tokens
+
+
+def _chat(options: EngineOptions, loaded: LoadedModel) -> ChatTokenizer:
+    tokenizer: Any = _tokenizer(options, loaded)
+    if options.chat_template is not None:
+        path = Path(options.chat_template)
+        if not path.is_file():
+            raise ModelLoadError(f"chat template not found: {options.chat_template}")
+        tokenizer.chat_template = path.read_text()
+    chat = ChatTokenizer(tokenizer, loaded.config.vocab_size, options.tool_call_parser)
+    logger.info("tool calls read as %s", chat.tool_parser.name)
+    return chat
 
 
 def _tokenizer(options: EngineOptions, loaded: LoadedModel) -> object:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 MAX_CONVERSATION_ID_CHARS = 200
-Messages = tuple[dict[str, str], ...]  # a chat: {"role", "content"} each
+Messages = tuple[dict[str, Any], ...]  # a chat: {"role", "content", ...} each
 
 
 def validate_conversation_id(conv_id: object) -> str:
@@ -66,8 +67,15 @@ class TurnRecord:
     started_at: float
     finished_at: float
     history: Messages | None = None
+    # what answered the last turn's tool calls ({"tool_call_id", "content"}), sent before
+    # `user_message` ("" if none came), and the calls read from this turn's reply (OpenAI's
+    # {"id", "type", "function": {"name", "arguments"}}); () when none
+    tool_results: tuple[dict[str, Any], ...] = ()
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("tool_results", "tool_calls"):  # as JSON reads them back: lists
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if not isinstance(self.output_token_ids, tuple):
             raise TypeError("output_token_ids must be a tuple of ints")
         _require_non_negative(

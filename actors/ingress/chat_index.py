@@ -17,10 +17,11 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import orjson
 
-Message = dict[str, str]
+Message = dict[str, Any]
 CAPACITY = 1 << 16  # chats remembered: 64 bytes of digest and an id each
 
 
@@ -30,20 +31,25 @@ class ChatIndex:
         self._ids: OrderedDict[bytes, str] = OrderedDict()
 
     def find(self, tenant: str | None, messages: Sequence[Message]) -> str | None:
-        """The conversation whose last turn ended with `messages[:-1]` (None: none known)."""
-        if len(messages) < 3 or messages[-2]["role"] != "assistant":
+        """The conversation whose last turn ended with the messages before the chat's new
+        ones (None: none known)."""
+        last = len(messages) - 1  # the chat's new messages: tool results, or the user's
+        while last > 0 and messages[last - 1]["role"] == "tool":
+            last -= 1
+        if last < 2 or messages[last - 1]["role"] != "assistant":
             return None  # no earlier turn to continue
-        key = _key(tenant, messages[:-1])
+        key = _key(tenant, messages[:last])
         found = self._ids.get(key)
         if found is not None:
             self._ids.move_to_end(key)
         return found
 
     def remember(
-        self, tenant: str | None, messages: Sequence[Message], reply: str, conv_id: str
+        self, tenant: str | None, messages: Sequence[Message], reply: Message, conv_id: str
     ) -> None:
-        """A turn of `conv_id` answered `messages` with `reply`."""
-        key = _key(tenant, [*messages, {"role": "assistant", "content": reply}])
+        """A turn of `conv_id` answered `messages` with `reply` (the assistant's message, as
+        the client will send it back)."""
+        key = _key(tenant, [*messages, reply])
         self._ids[key] = conv_id
         self._ids.move_to_end(key)
         while len(self._ids) > self.capacity:

@@ -230,7 +230,10 @@ class HttpIngressActor(Actor):
         """A whole chat answered: the next request that continues it finds its conversation."""
         if "messages" in asked.chat:
             self.index.remember(
-                tenant, asked.chat["messages"], reply["text"], reply["conversation_id"]
+                tenant,
+                asked.chat["messages"],
+                openai_api.reply_message(reply),
+                reply["conversation_id"],
             )
 
     async def _stream(

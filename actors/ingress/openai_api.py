@@ -29,7 +29,13 @@ import orjson
 from pensieve.actors.wire.schemas import MAX_TOKENS_LIMIT, ApiError
 
 CONVERSATION_HEADER = "X-Conversation-Id"
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 # OpenAI's status and error type for each error code of the client API
 _ERRORS = {
     "invalid_request": (400, "invalid_request_error"),
@@ -52,8 +58,6 @@ _VLLM_SAMPLING: dict[str, tuple[object, ...]] = {
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "presence_penalty": (None, 0, 0.0),
@@ -148,16 +152,22 @@ def to_chat(data: bytes, model: str, conversation_header: str | None) -> Complet
     conv_id = _conversation_id(body.get("conversation_id"), conversation_header)
     if conv_id is not None:
         chat["conversation_id"] = conv_id
-    if conv_id is not None and len(messages) == 1 and messages[0]["role"] == "user":
-        chat["message"] = messages[0]["content"]  # the next message of a named conversation
+    if conv_id is not None and _only_new(messages):  # the next messages of a conversation
+        if messages[-1]["role"] == "user":
+            chat["message"] = messages[-1]["content"]
+        results = [_result(m) for m in messages if m["role"] == "tool"]
+        if results:
+            chat["tool_results"] = results
     else:
         chat["messages"] = messages
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     chat["max_tokens"] = MAX_TOKENS_LIMIT if max_tokens is None else max_tokens  # to the context
     chat["temperature"] = body.get("temperature", 1.0)  # OpenAI's default
-    for name in ("top_p", "seed", "stop", "ignore_eos", "final", "cache_salt"):
+    for name in ("top_p", "seed", "stop", "ignore_eos", "final", "cache_salt", "tool_choice"):
         if body.get(name) is not None:
             chat[name] = body[name]
+    if body.get("tools"):  # checked by the client API, as its own `tools`
+        chat["tools"] = body["tools"]
     return Completion(
         chat,
         model,
@@ -277,6 +287,12 @@ def completion(request: Completion, reply: dict[str, Any]) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reply["finish_reason"]}
     if request.text:
         choice["text"] = reply["text"]
+    elif reply.get("tool_calls"):  # the content before the calls, if any
+        choice["message"] = {
+            "role": "assistant",
+            "content": reply["text"] or None,
+            "tool_calls": reply["tool_calls"],
+        }
     else:
         choice["message"] = {"role": "assistant", "content": reply["text"]}
     if request.return_token_ids:
@@ -326,9 +342,11 @@ def chunk(
 
 
 def last_chunks(request: Completion, reply: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chunks that end a stream: the finish reason, then the usage if it was asked for."""
+    """The chunks that end a stream: the reply's tool calls, the finish reason, then the usage
+    if it was asked for."""
     ids = reply["token_ids"] if request.return_token_ids else None
-    chunks = [chunk(request, "", reply["finish_reason"], ids)]
+    chunks = tool_call_chunks(request, reply.get("tool_calls", ()))
+    chunks.append(chunk(request, "", reply["finish_reason"], ids))
     if request.include_usage:
         chunks.append(
             {
@@ -341,6 +359,32 @@ def last_chunks(request: Completion, reply: dict[str, Any]) -> list[dict[str, An
             }
         )
     return chunks
+
+
+def tool_call_chunks(request: Completion, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A reply's tool calls as OpenAI streams them: for each, a chunk with its index, id and
+    function name (arguments ""), then its arguments."""
+    deltas: list[dict[str, Any]] = []
+    for index, call in enumerate(calls):
+        function = call["function"]
+        opening = {"name": function["name"], "arguments": ""}
+        deltas.append({"index": index, "id": call["id"], "type": "function", "function": opening})
+        deltas.append({"index": index, "function": {"arguments": function["arguments"]}})
+    chunks = []
+    for delta in deltas:
+        body = chunk(request, "")
+        body["choices"][0]["delta"] = {"tool_calls": [delta]}
+        chunks.append(body)
+    return chunks
+
+
+def reply_message(reply: dict[str, Any]) -> dict[str, Any]:
+    """A reply as the assistant's message of the chat a client sends next (`_messages`'s
+    shape)."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply["text"]}
+    if reply.get("tool_calls"):
+        message["tool_calls"] = reply["tool_calls"]
+    return message
 
 
 def _chunk_object(request: Completion) -> str:
@@ -399,7 +443,9 @@ def _conversation_id(field: object, header: str | None) -> str | None:
     return chosen
 
 
-def _messages(value: object) -> list[dict[str, str]]:
+def _messages(value: object) -> list[dict[str, Any]]:
+    """The chat as the client API takes it: each message's role and text content, an
+    assistant's tool calls and a tool's `tool_call_id`."""
     if not isinstance(value, list) or not value:
         raise invalid("'messages' must be a non-empty array", "messages")
     out = []
@@ -409,8 +455,57 @@ def _messages(value: object) -> list[dict[str, str]]:
         role = ROLES.get(message.get("role"))  # type: ignore[arg-type]
         if role is None:
             raise invalid(f"messages[{i}].role must be one of {', '.join(ROLES)}", "messages")
-        out.append({"role": role, "content": _text(message.get("content"), i)})
+        calls = message.get("tool_calls") if role == "assistant" else None
+        content = message.get("content")
+        text = "" if calls and content is None else _text(content, i)  # a call has none
+        given: dict[str, Any] = {"role": role, "content": text}
+        if calls:
+            given["tool_calls"] = _tool_calls(calls, i)
+        if role == "tool":
+            given["tool_call_id"] = message.get("tool_call_id")
+            if not isinstance(given["tool_call_id"], str):
+                raise invalid(f"messages[{i}].tool_call_id must be a string", "messages")
+        out.append(given)
     return out
+
+
+def _tool_calls(calls: object, i: int) -> list[dict[str, Any]]:
+    """An assistant message's tool calls in the one shape the client API takes (the
+    arguments as JSON text, as OpenAI sends them)."""
+    wrong = invalid(
+        f"messages[{i}].tool_calls must be an array of "
+        "{'id', 'type': 'function', 'function': {'name', 'arguments'}}",
+        "messages",
+    )
+    if not isinstance(calls, list):
+        raise wrong
+    shaped = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise wrong
+        arguments = function.get("arguments")
+        if isinstance(arguments, dict):  # some clients send them as an object
+            arguments = orjson.dumps(arguments).decode()
+        shaped.append(
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": function.get("name"), "arguments": arguments},
+            }
+        )
+    return shaped
+
+
+def _only_new(messages: list[dict[str, Any]]) -> bool:
+    """Whether `messages` are what a conversation's next turn adds: tool results (to its last
+    reply's calls), then at most one user message."""
+    *results, last = messages
+    return last["role"] in ("user", "tool") and all(m["role"] == "tool" for m in results)
+
+
+def _result(message: dict[str, Any]) -> dict[str, Any]:
+    return {"tool_call_id": message["tool_call_id"], "content": message["content"]}
 
 
 def _text(content: object, i: int) -> str:

@@ -412,14 +412,23 @@ class ChatServer(Actor):
 
 
 async def _render(bus: Bus, engine_id: str, reservation: Reservation, longest: int) -> list[int]:
-    """The turn's prompt ids: its messages through the chat template, or a raw completion's
-    text encoded as it is (both by a tokenizer replica), or the ids the client gave."""
+    """The turn's prompt ids: its messages (and tools) through the chat template, then the
+    reply's start, or a raw completion's text encoded as it is (both by a tokenizer replica),
+    or the ids the client gave."""
     prompt = reservation.request.prompt
     if isinstance(prompt, tuple):
         return list(prompt)
     if prompt is not None:
         return await render_remote(bus, engine_id, [], RENDER_TIMEOUT_S, longest, prompt)
-    return await render_remote(bus, engine_id, reservation.messages, RENDER_TIMEOUT_S, longest)
+    return await render_remote(
+        bus,
+        engine_id,
+        reservation.messages,
+        RENDER_TIMEOUT_S,
+        longest,
+        tools=reservation.request.tools,
+        prefill=reservation.prefill,
+    )
 
 
 def _tenant(msg: Incoming) -> str | None:

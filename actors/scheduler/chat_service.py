@@ -15,6 +15,7 @@ turn's spans (`turn_tracing.py`). A final turn ends its conversation: its KV goe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -39,7 +40,7 @@ from pensieve.actors.scheduler.metrics import Metrics
 from pensieve.actors.scheduler.reply_text import ReplyText
 from pensieve.actors.scheduler.request import FinishReason
 from pensieve.actors.scheduler.turn import Turn, TurnSink
-from pensieve.actors.scheduler.turn_commit import TurnCommitter, turn_record
+from pensieve.actors.scheduler.turn_commit import TurnCommitter, last_sent, turn_record
 from pensieve.actors.scheduler.turn_tracing import TurnTracer
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import tracing
@@ -133,6 +134,11 @@ class ChatService:
             raise ApiError("overloaded", f"{self.max_waiting} turns are waiting already; retry")
         reservation = self.convs.claim(request, tenant)
         self.num_reserved += 1
+        if request.tool_name is not None:  # the reply starts as the call's opening
+            opening = self.chat.tool_parser.opening(
+                request.tool_name, _takes_arguments(request.tools, request.tool_name)
+            )
+            reservation = dataclasses.replace(reservation, prefill=opening)
         return reservation
 
     def release(self, reservation: Reservation) -> None:
@@ -170,19 +176,26 @@ class ChatService:
         except ValueError as error:
             self.convs.free(reservation)
             raise ApiError("invalid_request", str(error)) from None
-        followed = request.stream or bool(request.stop)
+        stop = request.stop
+        closer = self.chat.tool_parser.closer
+        if request.tool_name is not None and closer is not None:  # one call, and no more
+            stop = (*stop, closer)
+        followed = request.stream or bool(stop)
         turn = Turn(
             conv,
             engine_request,
             reservation.messages,
             sink,
             request.stream,
-            request.stop,
+            stop,
             time.time(),
             span,
             followed,
             final=request.final,
             cancel_at=None if request.timeout_s is None else time.monotonic() + request.timeout_s,
+            tool_parser=None if request.tool_choice == "none" else self.chat.tool_parser,
+            tool_name=request.tool_name,
+            prefill=reservation.prefill,
         )
         self.turns[engine_request.request_id] = turn
         if followed:
@@ -402,9 +415,14 @@ class ChatService:
             )
             return
         text = self.text.finish(turn)
-        user = turn.messages[-1]["content"]
-        history = history_of(conv, turn.messages)
-        record = turn_record(conv.turns, user, text, request, turn.started_at, history)
+        text = self.text.finish(turn)
+        user, results = last_sent(turn.messages)
+        calls = tuple(call.as_openai() for call in turn.tool_calls)
+        sent = len(results) + (1 if turn.messages[-1]["role"] == "user" else 0)
+        history = history_of(conv, turn.messages[: len(turn.messages) - sent])
+        record = turn_record(
+            conv.turns, user, text, request, turn.started_at, history, results, calls
+        )
         self.tracer.finished(turn, record)
         log = request.all_ids
         stored = self.commits.submit(turn, record, log)
@@ -439,3 +457,12 @@ def _sampling(
         seed=seed,
         ignore_eos=request.ignore_eos,
     )
+
+
+def _takes_arguments(tools: Sequence[dict[str, Any]], name: str) -> bool:
+    """Whether the function `name` of `tools` declares arguments (else its call's are {})."""
+    for tool in tools:
+        if tool["function"]["name"] == name:
+            parameters = tool["function"].get("parameters") or {}
+            return bool(parameters.get("properties", True))
+    return True

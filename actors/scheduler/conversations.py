@@ -28,6 +28,8 @@ from pensieve.actors.wire.schemas import (
     ConversationReply,
     ListReply,
     Page,
+    ToolCall,
+    ToolResult,
     TurnSummary,
 )
 from pensieve.store import ConversationMeta, ConversationStore, Messages, StoreWriter, TurnRecord
@@ -57,6 +59,7 @@ class Reservation:
     conv: Conversation
     messages: list[ChatMessage]  # to render
     new: bool  # a conversation this turn creates
+    prefill: str = ""  # the start of the reply, rendered after the messages (a forced call)
 
 
 class Conversations:
@@ -104,7 +107,9 @@ class Conversations:
             text = request.prompt if isinstance(request.prompt, str) else ""
             messages = [{"role": "user", "content": text}]
         else:
-            messages = [*conv.messages, {"role": "user", "content": request.message or ""}]
+            messages = [*conv.messages, *request.tool_results]
+            if request.message is not None:
+                messages.append({"role": "user", "content": request.message})
         conv.busy = True
         self.by_id[conv.conv_id] = conv
         return Reservation(request, conv, messages, new)
@@ -155,6 +160,8 @@ class Conversations:
                     history,
                     r.cached_gpu + r.cached_cpu,
                     r.started_at,
+                    msgspec.convert(r.tool_results, tuple[ToolResult, ...]),
+                    msgspec.convert(r.tool_calls, tuple[ToolCall, ...]),
                 )
             )
         following = first + len(turns)
@@ -263,17 +270,33 @@ def chat_of(opening: Messages, records: Sequence[TurnRecord]) -> list[ChatMessag
     for record in records:
         if record.history is not None:
             messages = [dict(m) for m in record.history]
-        messages.append({"role": "user", "content": record.user_message})
-        messages.append({"role": "assistant", "content": record.assistant_text})
+        messages += turn_messages(record)
     return messages
 
 
-def history_of(conv: Conversation, messages: Sequence[ChatMessage]) -> Messages | None:
-    """The `TurnRecord.history` of a turn of `conv` whose prompt is `messages`: the chat before
-    its user message, unless the turns stored before it already say so (None)."""
-    before = list(messages[:-1])
+def history_of(conv: Conversation, before: Sequence[ChatMessage]) -> Messages | None:
+    """The `TurnRecord.history` of a turn of `conv` whose prompt is `before` and then what it
+    sends (its tool results and user message): `before`, unless the turns stored before it
+    already say so (None)."""
     stored = conv.messages if conv.turns else []  # a first turn continues no stored turn
-    return None if before == stored else tuple(dict(m) for m in before)
+    return None if list(before) == stored else tuple(dict(m) for m in before)
+
+
+def turn_messages(record: TurnRecord) -> list[ChatMessage]:
+    """The messages a stored turn added to its conversation: the tool results and the user's
+    message it sent, and its reply."""
+    sent: list[ChatMessage] = [{"role": "tool", **result} for result in record.tool_results]
+    if record.user_message or not sent:
+        sent.append({"role": "user", "content": record.user_message})
+    return [*sent, reply_message(record.assistant_text, record.tool_calls)]
+
+
+def reply_message(text: str, tool_calls: Sequence[dict[str, Any]]) -> ChatMessage:
+    """A reply as the assistant's message of the chat the next turn renders."""
+    message: ChatMessage = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = list(tool_calls)
+    return message
 
 
 def not_found(conv_id: str) -> ApiError:

@@ -111,7 +111,7 @@ class ReplyText:
                 self.complete(turn)
                 continue
             if turn.stream and turn.request.stop_at is None:
-                end = len(turn.text) - turn.holdback
+                end = min(len(turn.text) - turn.holdback, _before_calls(turn))
                 if end > turn.sent:
                     turn.sink.delta(turn.text[turn.sent : end])
                     turn.sent = end
@@ -134,9 +134,10 @@ class ReplyText:
             self._applying = False
 
     def finish(self, turn: Turn) -> str:
-        """The reply's final text (it has come); a streamed reply's last delta goes out."""
+        """The reply's final text (it has come), without the tool calls read from it (into
+        `turn.tool_calls`); a streamed reply's last delta goes out."""
         assert turn.whole is not None
-        text = turn.whole
+        text = turn.whole if turn.tool_parser is None else _read_calls(turn, turn.whole)
         if turn.stream:
             streamed = turn.text[: turn.sent]
             if not text.startswith(streamed):  # the tokenizer decodes a whole reply differently
@@ -186,3 +187,31 @@ class ReplyText:
             return None
         turn.fed, turn.asking = len(output), True
         return piece
+
+
+def _before_calls(turn: Turn) -> int:
+    """How much of a streamed reply's text may go out: a reply read for tool calls streams
+    its text up to where a call begins, and keeps back what may be a call's first characters."""
+    parser = turn.tool_parser
+    if parser is None:
+        return len(turn.text)
+    written = turn.prefill + turn.text
+    start = parser.start(written)
+    if start is not None:
+        return max(start - len(turn.prefill), 0)
+    return len(turn.text) - parser.held(written)
+
+
+def _read_calls(turn: Turn, text: str) -> str:
+    """The reply's content: its text before the tool calls read from it (the whole text, and
+    no calls, when it makes none or a malformed one)."""
+    parser = turn.tool_parser
+    assert parser is not None
+    if turn.tool_name is not None:
+        parsed = parser.parse_forced(turn.tool_name, turn.prefill, text)
+    else:
+        parsed = parser.parse(turn.prefill + text)
+    if parsed is None:
+        return turn.prefill + text
+    turn.tool_calls = parsed.calls
+    return parsed.content

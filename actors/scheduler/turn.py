@@ -9,6 +9,7 @@ from opentelemetry import trace
 
 from pensieve.actors.scheduler.conversations import Conversation
 from pensieve.actors.scheduler.request import Request
+from pensieve.actors.tokenizer.tool_parsers import ToolCall, ToolParser
 from pensieve.actors.wire.messages import ChatMessage
 from pensieve.actors.wire.schemas import ApiError
 
@@ -46,6 +47,12 @@ class Turn:
     sent: int = 0  # characters of text already streamed
     ended: bool = False  # the engine is done with it: its final text is being found
     whole: str | None = None  # the reply's final text
+    # tool calls read from the reply (None: its text is not read for calls); a reply asked to
+    # call `tool_name` began with `prefill` (`tool_parsers.py`)
+    tool_parser: ToolParser | None = None
+    tool_name: str | None = None
+    prefill: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()  # those found in the reply
     holdback: int = field(init=False)
 
     def __post_init__(self) -> None:  # a streamed delta never reveals a stop string's beginning

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from pensieve.actors.scheduler.conversations import reply_message
 from pensieve.actors.scheduler.metrics import Metrics
 from pensieve.actors.scheduler.request import Request, common_prefix
 from pensieve.actors.scheduler.turn import Turn
+from pensieve.actors.wire.messages import ChatMessage
 from pensieve.actors.wire.schemas import ApiError, chat_reply
 from pensieve.store import ConversationStore, Messages, StoreWriter, TurnRecord
 
@@ -29,9 +32,13 @@ def turn_record(
     request: Request,
     started_at: float,
     history: Messages | None = None,
+    tool_results: tuple[dict[str, Any], ...] = (),
+    tool_calls: tuple[dict[str, Any], ...] = (),
 ) -> TurnRecord:
-    """The durable record of a finished turn (`history`: see `TurnRecord`)."""
+    """The durable record of a finished turn (`history`: see `TurnRecord`; a reply that called
+    tools ended "tool_calls")."""
     sources = request.sources
+    reason = request.finish_reason.value if request.finish_reason else "abort"
     return TurnRecord(
         turn=turn,
         user_message=user_message,
@@ -39,14 +46,30 @@ def turn_record(
         prompt_tokens=len(request.prompt_ids),
         new_prompt_tokens=sources.new,
         output_token_ids=tuple(request.output_ids),
-        finish_reason=request.finish_reason.value if request.finish_reason else "abort",
+        finish_reason="tool_calls" if tool_calls else reason,
         cached_gpu=sources.gpu,
         cached_cpu=sources.cpu,
         cached_recomputed=sources.recomputed,
         started_at=started_at,
         finished_at=max(time.time(), started_at),
         history=history,
+        tool_results=tool_results,
+        tool_calls=tool_calls,
     )
+
+
+def last_sent(messages: Sequence[ChatMessage]) -> tuple[str, tuple[dict[str, Any], ...]]:
+    """What a turn's chat ends with: the user's message ("" if it ends with a tool's) and the
+    tool results ({"tool_call_id", "content"}) since the last reply."""
+    last = messages[-1]
+    user = last["content"] if last["role"] == "user" else ""
+    sent = messages[:-1] if last["role"] == "user" else messages
+    results: list[dict[str, Any]] = []
+    for message in reversed(sent):
+        if message["role"] != "tool":
+            break
+        results.insert(0, {"tool_call_id": message["tool_call_id"], "content": message["content"]})
+    return user, tuple(results)
 
 
 def commit_turn(
@@ -112,6 +135,7 @@ class TurnCommitter:
             record.prompt_tokens,
             cached,
             turn.final,
+            record.tool_calls,
         )
 
         # `busy` is cleared last, so the engine thread, which reads it first, never sees half
@@ -120,7 +144,7 @@ class TurnCommitter:
             error = done.exception()
             if error is None:
                 conv.log = log
-                conv.messages = [*turn.messages, {"role": "assistant", "content": text}]
+                conv.messages = [*turn.messages, reply_message(text, record.tool_calls)]
                 conv.turns += 1
                 conv.ended = turn.final
                 conv.busy = False

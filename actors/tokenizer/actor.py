@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
-from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
+from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer, ToolsUnsupported
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.actor import Actor
 from pensieve.actors.wire.bus import Bus, ConnectOptions, Incoming
@@ -51,7 +52,9 @@ class TokenizerActor(Actor):
         super().__init__(bus, engine_id)
         # renders and reply text on threads (and tokenizers) of their own: a turn's render
         # never waits behind a step's text
-        self.chat = ChatTokenizer(copy.deepcopy(chat.tokenizer), chat.vocab_size)
+        self.chat = ChatTokenizer(
+            copy.deepcopy(chat.tokenizer), chat.vocab_size, chat.tool_parser_name
+        )
         self._text_chat = ChatTokenizer(copy.deepcopy(chat.tokenizer), chat.vocab_size)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="pensieve-tokenizer")
         self._text_worker = ThreadPoolExecutor(1, thread_name_prefix="pensieve-detokenizer")
@@ -119,11 +122,15 @@ class TokenizerActor(Actor):
             raise ApiError("invalid_request", str(error)) from None
         loop = asyncio.get_running_loop()
         if request.prompt is not None:  # a raw completion: no template
-            render, given = self.chat.encode_prompt, request.prompt
+            render = functools.partial(self.chat.encode_prompt, request.prompt)
         else:
-            render, given = self.chat.render, request.messages
+            render = functools.partial(
+                self.chat.render, request.messages, True, request.tools, request.prefill
+            )
         try:
-            ids = await loop.run_in_executor(self._worker, render, given)
+            ids = await loop.run_in_executor(self._worker, render)
+        except ToolsUnsupported as error:
+            raise ApiError("invalid_request", str(error)) from None
         except Exception as error:  # the template's own checks (role order, ...)
             raise ApiError(
                 "invalid_request",

@@ -6,12 +6,19 @@ token ids folded into its vocabulary; the benchmark only needs realistic lengths
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pensieve.actors.tokenizer.tool_parsers import ToolParser, parser_for
 from pensieve.actors.wire.messages import ChatMessage, TextPiece, TextUpdate
+
+
+class ToolsUnsupported(ValueError):
+    """Tools asked of a model whose chat template does not show them."""
 
 
 @dataclass
@@ -19,23 +26,67 @@ class ChatTokenizer:
     tokenizer: Any  # a transformers tokenizer with a chat template
     vocab_size: int  # the model's
 
-    def render(self, messages: Sequence[ChatMessage], generation_prompt: bool = True) -> list[int]:
+    tool_parser_name: str | None = None  # `--tool-call-parser` (None: the template's)
+
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] = (),
+        prefill: str = "",
+    ) -> list[int]:
         """Token ids of the whole conversation, ending with the assistant's turn opening (or,
-        without `generation_prompt`, with the last message: a prefix of later conversations).
+        without `generation_prompt`, with the last message: a prefix of later conversations),
+        then `prefill`, the start of the reply. `tools` (function definitions) go to the
+        template; one that shows no tools refuses them (`ToolsUnsupported`).
 
         Message text is tokenized as text: a control token's string in it (`<|im_start|>`, say)
         stays plain text, so no message can forge a turn of another role."""
-        if any(s in m["content"] for m in messages for s in self._special_strings):
-            return self._render_in_segments(messages, generation_prompt)
-        ids = self.tokenizer.apply_chat_template(
-            list(messages),
-            add_generation_prompt=generation_prompt,
-            tokenize=True,
-            return_dict=False,
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older/newer return types
-            ids = ids["input_ids"]
+        if tools and not self.shows_tools:
+            raise ToolsUnsupported(
+                "the model's chat template does not show tools to the model, so it cannot "
+                "call them: serve it with a template that does (--chat-template)"
+            )
+        given = [_for_template(m) for m in messages]
+        extra = {"tools": list(tools)} if tools else {}
+        if any(s in m["content"] for m in given for s in self._special_strings):
+            ids = self._render_in_segments(given, generation_prompt, extra)
+        else:
+            ids = self.tokenizer.apply_chat_template(
+                given,
+                add_generation_prompt=generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                **extra,
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # older/newer return types
+                ids = ids["input_ids"]
+        if prefill:
+            ids = [*ids, *self.tokenizer.encode(prefill, add_special_tokens=False)]
         return [int(t) % self.vocab_size for t in ids]
+
+    @functools.cached_property
+    def shows_tools(self) -> bool:
+        """Whether the chat template writes tool definitions into the prompt: a template that
+        ignores them renders the same text with and without one."""
+        chat = [{"role": "user", "content": "?"}]
+        tool = {"type": "function", "function": {"name": "probe_tool_x", "parameters": {}}}
+        try:
+            plain, shown = (
+                self.tokenizer.apply_chat_template(
+                    chat, add_generation_prompt=True, tokenize=False, **extra
+                )
+                for extra in ({}, {"tools": [tool]})
+            )
+        except Exception:  # a template that refuses tools
+            return False
+        return bool(plain != shown)
+
+    @functools.cached_property
+    def tool_parser(self) -> ToolParser:
+        """How this model writes tool calls (`tool_parsers.parser_for`)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return parser_for(template if isinstance(template, str) else None, self.tool_parser_name)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a raw completion's prompt: the text as it is, with no chat template,
@@ -46,7 +97,10 @@ class ChatTokenizer:
         return [int(t) % self.vocab_size for t in ids]
 
     def _render_in_segments(
-        self, messages: Sequence[ChatMessage], generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage],
+        generation_prompt: bool = True,
+        extra: dict[str, Any] | None = None,
     ) -> list[int]:
         """The template rendered around placeholders, its own text tokenized with control tokens
         and each message's text without. Taken only when some message holds a control token's
@@ -55,7 +109,7 @@ class ChatTokenizer:
         marked = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
         rest = str(
             self.tokenizer.apply_chat_template(
-                marked, add_generation_prompt=generation_prompt, tokenize=False
+                marked, add_generation_prompt=generation_prompt, tokenize=False, **(extra or {})
             )
         )
         ids: list[int] = []
@@ -135,6 +189,23 @@ class ChatTokenizer:
     def eos_token_ids(self) -> frozenset[int]:
         eos = self.tokenizer.eos_token_id
         return frozenset() if eos is None else frozenset({int(eos) % self.vocab_size})
+
+
+def _for_template(message: ChatMessage) -> ChatMessage:
+    """A message as chat templates take it: text content (an assistant's that only calls
+    tools has none), and each call's arguments as an object (OpenAI sends them as JSON text;
+    the templates write them with `tojson`), as vLLM hands them over."""
+    given = {**message, "content": message.get("content") or ""}
+    if "tool_calls" in message:
+        given["tool_calls"] = [_call_for_template(call) for call in message["tool_calls"]]
+    return given
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call["function"])
+    with contextlib.suppress(TypeError, ValueError):  # not JSON text: as it is
+        function["arguments"] = json.loads(function["arguments"])
+    return {**call, "function": function}
 
 
 def _first_stop(text: str, stops: Sequence[str], searched: int) -> int | None:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import orjson
 from opentelemetry import propagate
@@ -55,6 +56,8 @@ async def render_remote(
     timeout: float,
     max_tokens: int | None = None,
     prompt: str | None = None,
+    tools: Sequence[dict[str, Any]] = (),
+    prefill: str = "",
 ) -> list[int]:
     """The prompt token ids of `messages` (or of a raw `prompt`, encoded as it is, given with
     no messages), rendered by one of engine `engine_id`'s tokenizer replicas, in the caller's
@@ -62,7 +65,7 @@ async def render_remote(
     ApiError("invalid_request"); a prompt over `max_tokens`, or messages that one NATS message
     cannot carry to the tokenizer (a conversation's whole history goes each turn):
     ApiError("too_long")."""
-    body = RenderRequest(tuple(messages), max_tokens, prompt).encode()
+    body = RenderRequest(tuple(messages), max_tokens, prompt, tuple(tools), prefill).encode()
     try:
         answer = await _ask_replica(bus, engine_id, RENDER, body, timeout)
     except ApiError as refused:

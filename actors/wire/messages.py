@@ -17,7 +17,10 @@ import msgspec
 
 VERSION = 1
 
-ChatMessage = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
+# {"role": "system" | "user" | "assistant" | "tool", "content": str}, and an assistant's
+# "tool_calls" (OpenAI's shape, arguments as JSON text) or a tool result's "tool_call_id"
+ChatMessage = dict[str, Any]
+MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id"})
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -101,16 +104,20 @@ class RenderRequest(Message, frozen=True, omit_defaults=True):
     assistant's turn opening; or, with `prompt` (and no messages), a raw completion's text
     encoded as it is."""
 
-    messages: tuple[dict[str, str], ...]  # each exactly {"role": str, "content": str}
+    messages: tuple[dict[str, Any], ...]  # each {"role": str, "content": str} (`ChatMessage`)
     # the longest prompt the engine takes: a longer one is refused `too_long` by the replica,
     # rather than sent back (its ids may not fit in one NATS message)
     max_tokens: Positive | None = None
     prompt: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()  # function definitions, for the template to show
+    prefill: str = ""  # text that starts the assistant's reply (a forced tool call's opening)
 
     def check(self) -> None:
-        if not all(message.keys() == {"role", "content"} for message in self.messages):
+        if not all(
+            {"role", "content"} <= message.keys() <= MESSAGE_KEYS for message in self.messages
+        ):
             raise MessageError("RenderRequest: messages must be a list of {role, content} strings")
-        if self.prompt is not None and self.messages:
+        if self.prompt is not None and (self.messages or self.tools or self.prefill):
             raise MessageError("RenderRequest: prompt must be a string, given without messages")
 
 

@@ -34,7 +34,7 @@ ERROR_CODES = tuple(ERROR_STATUS)
 ErrorCode = Literal[
     "invalid_request", "not_found", "too_long", "overloaded", "cancelled", "unavailable", "internal"
 ]
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 8
 MAX_TOKENS_LIMIT = 1 << 20
 DEFAULT_MAX_TOKENS = 256  # a chat turn's reply length when the request gives none
@@ -71,16 +71,72 @@ MAX_CACHE_SALT = 256
 CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT)]
 
 
+FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A call of one of the request's tools, in a reply or in an assistant message."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatTurn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    role: Literal["system", "user", "assistant"]
+    """A message: an assistant's that only calls tools has no `content`; a tool's answers the
+    call `tool_call_id`."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+
+class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of its arguments
+    strict: bool | None = None
+
+
+class ToolDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A tool the model may call (OpenAI's shape: only functions)."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`tool_choice` that makes the reply a call of this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a tool answered to the call `tool_call_id` of the conversation's last reply."""
+
+    tool_call_id: str
     content: str
 
 
 class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`pensieve.v1.chat`: one turn. Exactly one of `message` (the next user message of
-    `conversation_id`, or of a new conversation), `messages` (the whole chat, ending with the
-    user's: a stateless client) or `prompt` (a raw completion: text encoded as it is, or token
-    ids; it continues no conversation and ends after the turn)."""
+    `conversation_id`, or of a new conversation) and/or `tool_results` (the answers to the
+    last reply's tool calls), `messages` (the whole chat, ending with the user's or a tool's:
+    a stateless client) or `prompt` (a raw completion: text encoded as it is, or token ids; it
+    continues no conversation and ends after the turn). `tools` go to the chat template;
+    `tool_choice` is "auto" (the reply may call them), "none" (its text is not read for
+    calls), or names a function (the reply calls it)."""
 
     conversation_id: str | None = None  # absent: a new conversation; the reply returns its id
     # absent, not null: one of the three is given
@@ -103,6 +159,9 @@ class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # cached prefixes are shared only among turns of one tenant with one salt (none: the
     # tenant's turns without one)
     cache_salt: CacheSalt | None = None
+    tools: tuple[ToolDef, ...] = ()
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    tool_results: Annotated[tuple[ToolResult, ...], NonEmptyArray] | UnsetType = UNSET
 
 
 class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -123,6 +182,17 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     timeout_s: float | None = None  # cancelled if not done this long after it arrived
     prompt: str | tuple[int, ...] | None = None
     cache_salt: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()  # OpenAI's function definitions, as given
+    # "none": the reply's text is not read for calls; a named one is enforced (`tool_name`)
+    tool_choice: Literal["none", "auto"] | NamedToolChoice = "none"
+    # the messages the turn adds after the conversation's last reply, before `message`
+    tool_results: tuple[ChatMessage, ...] = ()
+
+    @property
+    def tool_name(self) -> str | None:
+        """The function the reply must call (None: any or none)."""
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
 
 
 class ConversationRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -179,6 +249,11 @@ _RULES = {
     "timeout_s": f"'timeout_s' must be null or a number in (0, {MAX_TIMEOUT_S:.0f}]",
     "prompt": "'prompt' must be a non-empty string or a non-empty array of token ids",
     "cache_salt": f"'cache_salt' must be null or a string of 1 to {MAX_CACHE_SALT} characters",
+    "tools": "'tools' must be an array of {'type': 'function', 'function': {'name', "
+    "'description', 'parameters'}} (a name of 1 to 64 letters, digits, '_', '.', '-')",
+    "tool_choice": "'tool_choice' must be 'auto', 'none', 'required' or "
+    "{'type': 'function', 'function': {'name'}}",
+    "tool_results": "'tool_results' must be a non-empty array of {'tool_call_id', 'content'}",
     "cursor": "'cursor' must be a 'next_cursor' from a reply",
     "limit": f"'limit' must be an integer in [1, {MAX_PAGE}]",
 }
@@ -205,6 +280,10 @@ def _explain(problem: str) -> str:
             return f"messages[{at[2]}].role must be one of {ROLES}"
         if at[3] == "content":
             return f"messages[{at[2]}].content must be a string"
+        if at[3] in ("tool_calls", "tool_call_id"):
+            return f"messages[{at[2]}].{at[3]} must be " + (
+                "a string" if at[3] == "tool_call_id" else "an array of tool calls"
+            )
         return f"messages[{at[2]}] must be {{'role', 'content'}}"
     if at is not None:
         return _RULES.get(at[1], f"'{at[1]}': {problem}")
@@ -225,8 +304,17 @@ def parse_chat(data: bytes) -> ChatRequest:
     message = None if isinstance(body.message, UnsetType) else body.message
     messages = None if isinstance(body.messages, UnsetType) else body.messages
     prompt = None if isinstance(body.prompt, UnsetType) else body.prompt
-    if sum(value is not None for value in (message, messages, prompt)) != 1:
-        raise ApiError("invalid_request", "give exactly one of 'message', 'messages' or 'prompt'")
+    results = None if isinstance(body.tool_results, UnsetType) else body.tool_results
+    stateful = message is not None or results is not None
+    if sum((stateful, messages is not None, prompt is not None)) != 1:
+        raise ApiError(
+            "invalid_request",
+            "give exactly one of 'message' (and/or 'tool_results'), 'messages' or 'prompt'",
+        )
+    if results is not None and conv_id is None:
+        raise ApiError(
+            "invalid_request", "'tool_results' answer a conversation's reply: give its id"
+        )
     if message == "":
         raise ApiError("invalid_request", _RULES["message"])
     if prompt is not None and not prompt:
@@ -251,15 +339,60 @@ def parse_chat(data: bytes) -> ChatRequest:
         timeout_s=body.timeout_s,
         prompt=prompt,
         cache_salt=body.cache_salt,
+        **_tool_use(body, prompt is not None),
+        tool_results=tuple(
+            {"role": "tool", "content": r.content, "tool_call_id": r.tool_call_id}
+            for r in results or ()
+        ),
     )
+
+
+def _tool_use(body: ChatBody, raw: bool) -> dict[str, Any]:
+    """The request's tools and what it asks of them (`ChatRequest.tools` and on)."""
+    tools = tuple(msgspec.to_builtins(tool) for tool in body.tools)
+    if tools and raw:
+        raise ApiError("invalid_request", "a 'prompt' has no chat template to show 'tools' in")
+    choice = body.tool_choice or ("auto" if tools else "none")
+    if choice == "required":
+        raise ApiError(
+            "invalid_request",
+            "tool_choice 'required' is not supported yet (it needs constrained decoding); "
+            "name the function to call, or use 'auto'",
+        )
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in {tool.function.name for tool in body.tools}:
+            raise ApiError(
+                "invalid_request", f"tool_choice names {name!r}, which is none of 'tools'"
+            )
+    elif choice == "auto" and not tools:
+        raise ApiError("invalid_request", "tool_choice 'auto' needs 'tools'")
+    return {"tools": tools, "tool_choice": choice}
 
 
 def _messages(turns: tuple[ChatTurn, ...]) -> tuple[ChatMessage, ...]:
     if not turns:
         raise ApiError("invalid_request", _RULES["messages"])
-    if turns[-1].role != "user":
-        raise ApiError("invalid_request", "the last of 'messages' must be the user's")
-    return tuple({"role": turn.role, "content": turn.content} for turn in turns)
+    if turns[-1].role not in ("user", "tool"):
+        raise ApiError("invalid_request", "the last of 'messages' must be the user's or a tool's")
+    return tuple(_message(i, turn) for i, turn in enumerate(turns))
+
+
+def _message(i: int, turn: ChatTurn) -> ChatMessage:
+    if turn.content is None and not turn.tool_calls:
+        raise ApiError("invalid_request", f"messages[{i}].content must be a string")
+    if turn.tool_calls and turn.role != "assistant":
+        raise ApiError("invalid_request", f"messages[{i}]: only an assistant's has 'tool_calls'")
+    if (turn.role == "tool") != (turn.tool_call_id is not None):
+        raise ApiError(
+            "invalid_request", f"messages[{i}]: a tool's message, and only one, has 'tool_call_id'"
+        )
+    message: ChatMessage = {"role": turn.role, "content": turn.content or ""}
+    if turn.tool_calls:
+        message["tool_calls"] = [msgspec.to_builtins(call) for call in turn.tool_calls]
+    if turn.tool_call_id is not None:
+        message["tool_call_id"] = turn.tool_call_id
+    return message
 
 
 def parse_conversation(data: bytes) -> ConversationRef:
@@ -358,10 +491,13 @@ class ChatReply(msgspec.Struct, frozen=True, omit_defaults=True):
     turn: int
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop", "length", "cancelled" or "abort"
+    finish_reason: str  # "stop", "length", "tool_calls", "cancelled" or "abort"
     usage: Usage
     final: bool = False  # said only when true: the conversation has ended
     done: bool = False  # said only when streamed
+    # the calls read from the reply (said only when there are some; `text` is what came
+    # before them)
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class ChatDelta(msgspec.Struct, frozen=True):
@@ -392,11 +528,11 @@ class CancelReply(msgspec.Struct, frozen=True):
     cancelled: bool  # False: no turn of it was running
 
 
-class TurnSummary(msgspec.Struct, frozen=True):
+class TurnSummary(msgspec.Struct, frozen=True, omit_defaults=True):
     """One stored turn of a conversation, as `conversations.get` lists it."""
 
     turn: int
-    message: str  # the user's
+    message: str  # the user's ("" in a turn that only answered tool calls)
     text: str  # the reply's
     finish_reason: str
     prompt_tokens: int
@@ -405,6 +541,8 @@ class TurnSummary(msgspec.Struct, frozen=True):
     history: list[ChatTurn] | None = None
     cached_tokens: int = 0  # of `prompt_tokens`, served from the GPU and CPU tiers
     started_at: float = 0.0  # unix time
+    tool_results: tuple[ToolResult, ...] = ()  # said only when there are some
+    tool_calls: tuple[ToolCall, ...] = ()  # the reply's, said only when there are some
 
 
 class ConversationReply(msgspec.Struct, frozen=True):
@@ -446,9 +584,12 @@ def chat_reply(
     prompt_tokens: int,
     cached: dict[str, int],
     final: bool = False,
+    tool_calls: tuple[dict[str, Any], ...] = (),
 ) -> dict[str, Any]:
-    """A `ChatReply` as a dict (the scheduler adds `done` to a streamed one)."""
+    """A `ChatReply` as a dict (the scheduler adds `done` to a streamed one); `tool_calls` in
+    OpenAI's shape."""
     usage = Usage(prompt_tokens, len(token_ids), CachedTokens(**cached))
-    reply = ChatReply(conv_id, turn, text, token_ids, finish_reason, usage, final)
+    calls = msgspec.convert(tool_calls, tuple[ToolCall, ...])
+    reply = ChatReply(conv_id, turn, text, token_ids, finish_reason, usage, final, tool_calls=calls)
     built: dict[str, Any] = msgspec.to_builtins(reply)
     return built

@@ -26,6 +26,7 @@ from openai import OpenAI
 from pensieve.actors.ingress.http_actor import MAX_BODY_BYTES
 from pensieve.actors.wire import subjects
 from pensieve.ops.nats_server import free_port
+from tests.ops.tool_calling import TOOLS
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +39,8 @@ TOKEN_IDS = {"return_token_ids": True}
 class Server:
     """`pensieve serve --http-port` in a subprocess."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, *options: str) -> None:
+        """`options`: more of `pensieve serve`'s."""
         self.data_dir = data_dir
         self.http_port, self.nats_port = free_port(), free_port()
         command = [
@@ -62,6 +64,7 @@ class Server:
             "0",
             "--log-level",
             "warning",
+            *options,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
@@ -324,6 +327,11 @@ def test_bad_requests_get_openai_errors_with_their_status(server, alice) -> None
     assert status == 400 and body["param"] == "n"
     status, body = error_of(create(temperature=-1))  # checked by the NATS ingress
     assert status == 400 and "temperature" in body["message"]
+    # SmolLM2's own chat template shows no tools (`test_tool_calling.py` serves one that does)
+    status, body = error_of(create(tools=TOOLS))
+    assert status == 400 and "does not show tools" in body["message"]
+    status, body = error_of(create(tools=TOOLS, tool_choice="required"))
+    assert status == 400 and "not supported yet" in body["message"]
     _, conv_id = ask(api, "Hi")
     missing = conv_id[:-4] + ("0000" if not conv_id.endswith("0000") else "1111")
     status, body = error_of(create(extra_body={"conversation_id": missing}))

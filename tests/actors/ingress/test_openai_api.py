@@ -113,7 +113,8 @@ def test_sampling_fields_carry_over_and_text_parts_join() -> None:
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
         ({"messages": [USER], "n": 2}, 400, "n"),
         ({"messages": [USER], "logprobs": True}, 400, "logprobs"),
-        ({"messages": [USER], "tools": [{"type": "function"}]}, 400, "tools"),
+        ({"messages": [USER], "functions": [{"name": "f"}]}, 400, "functions"),
+        ({"messages": [USER, {"role": "assistant", "tool_calls": 1}]}, 400, "messages"),
         ({"messages": [USER], "response_format": {"type": "json_object"}}, 400, "response_format"),
         ({"messages": [USER], "stream": "yes"}, 400, "stream"),
         ({"messages": [USER], "conversation_id": 7}, 400, "conversation_id"),
@@ -227,3 +228,38 @@ def test_a_completions_chunks_and_reply_carry_text() -> None:
         "text": "",
     }
     assert usage_chunk["usage"]["prompt_tokens"] == 100 and usage_chunk["choices"] == []
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+CALLED = {**REPLY, "text": "", "finish_reason": "tool_calls", "tool_calls": [CALL]}
+
+
+def test_tools_and_tool_messages_carry_over_and_results_continue_a_named_conversation() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    called = {"role": "assistant", "content": None, "tool_calls": [CALL], "refusal": None}
+    result = {"role": "tool", "content": "7", "tool_call_id": "call_1"}
+    body = {"messages": [USER, called, result], "tools": tools, "tool_choice": "auto"}
+    got = chat(body)
+    assert got["tools"] == tools and got["tool_choice"] == "auto"
+    assert got["messages"][1] == {"role": "assistant", "content": "", "tool_calls": [CALL]}
+    assert got["messages"][2] == result
+    parse_chat(orjson.dumps(got))  # a valid chat request of the client API
+    # the results alone, the conversation named: its next turn, the stateful way
+    named = chat({"messages": [result, USER], "tools": tools}, header="c-1")
+    assert named["tool_results"] == [{"tool_call_id": "call_1", "content": "7"}]
+    assert named["message"] == "Hi" and "messages" not in named
+    parse_chat(orjson.dumps(named))
+
+
+def test_a_reply_that_calls_tools_is_answered_as_openai_does_whole_and_streamed() -> None:
+    asked = to_chat(orjson.dumps({"messages": [USER], "stream": True}), "m", None)
+    message = completion(asked, CALLED)["choices"][0]
+    assert message["message"] == {"role": "assistant", "content": None, "tool_calls": [CALL]}
+    assert message["finish_reason"] == "tool_calls"
+    chunks = last_chunks(asked, CALLED)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[:2] == [
+        {"tool_calls": [{"index": 0, **CALL, "function": {"name": "f", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]},
+    ]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

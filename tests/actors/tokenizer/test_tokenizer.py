@@ -23,10 +23,11 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
+from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer, ToolsUnsupported
 from pensieve.actors.wire.messages import TextPiece
 from pensieve.models.assets import smollm2_tokenizer
 from pensieve.ops.sharegpt import load_conversations
+from tests.ops.tool_calling import QUESTION, RESULT, TOOLS, TOOLS_TEMPLATE
 
 MIXED = "Héllo wörld, 你好 🎉 — naïve café ∑x² «quoted»\n\tdone.  Two  spaces 😀😀"
 
@@ -234,3 +235,36 @@ def test_rendering_in_segments_gives_the_ids_of_one_tokenization_of_the_text() -
             for i, t in enumerate(texts[first : first + 4])
         ]
         assert chat._render_in_segments(messages) == chat.render(messages)
+
+
+def test_tools_and_tool_calls_are_rendered_by_a_template_that_shows_them() -> None:
+    """A template with tools (SmolLM2's tokenizer with a Hermes-style one) writes their
+    definitions, an assistant's calls with their arguments as JSON objects, and a tool's
+    result; a forced call's opening follows the assistant's turn opening."""
+    tokenizer = smollm2_tokenizer()
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    chat = ChatTokenizer(tokenizer, 49152)
+    weather = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    call = {"id": "c1", "type": "function", "function": weather}
+    messages = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": RESULT, "tool_call_id": "c1"},
+    ]
+    text = chat.tokenizer.decode(chat.render(messages, tools=TOOLS))
+    assert '"name": "get_time"' in text  # the definitions
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text  # not JSON text
+    assert f"<tool_response>\n{RESULT}\n</tool_response>" in text
+    opening = chat.tool_parser.opening("get_weather")
+    forced = chat.render(messages[:1], tools=TOOLS, prefill=opening)
+    assert chat.tokenizer.decode(forced).endswith("<|im_start|>assistant\n" + opening)
+    assert forced[: len(chat.render(messages[:1], tools=TOOLS))] == chat.render(
+        messages[:1], tools=TOOLS
+    )
+
+
+def test_tools_asked_of_a_template_that_ignores_them_are_refused() -> None:
+    chat = ChatTokenizer(smollm2_tokenizer(), 49152)  # SmolLM2's own template shows no tools
+    assert not chat.shows_tools
+    with pytest.raises(ToolsUnsupported, match="does not show tools"):
+        chat.render([{"role": "user", "content": QUESTION}], tools=TOOLS)

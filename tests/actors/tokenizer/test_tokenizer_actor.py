@@ -290,7 +290,12 @@ def test_a_template_that_refuses_the_messages_is_an_invalid_request(chat, url) -
         ({"v": 2, "messages": HELLO}, "schema version 2"),
         ({"messages": HELLO}, "schema version None"),
         ({"v": 1, "messages": [{"role": "user"}]}, "{role, content}"),
-        ({"v": 1, "messages": HELLO, "tools": []}, "tools"),
+        ({"v": 1, "messages": HELLO, "functions": []}, "functions"),
+        # SmolLM2's own template shows no tools: the model could not call them
+        (
+            {"v": 1, "messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "does not show tools",
+        ),
         (b"{not json", "not JSON"),
     ],
 )

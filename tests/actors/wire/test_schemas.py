@@ -21,6 +21,10 @@ from pensieve.actors.wire.schemas import (
     read_checked,
 )
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
 GOOD = [
     {"message": "hi"},
     {"message": "hi", "stop": "x", "seed": 7, "temperature": 0.5, "top_p": 0.9, "stream": True},
@@ -28,6 +32,16 @@ GOOD = [
     {"prompt": [1, 2, 3], "timeout_s": 5},
     {"prompt": "Once upon", "max_tokens": 3},
     {"conversation_id": "c-1234abcd-ff", "message": "again", "final": True},
+    {"message": "hi", "tools": TOOLS, "tool_choice": WEATHER},
+    {
+        "messages": [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+        ],
+        "tools": TOOLS,
+    },
+    {"conversation_id": "c-1", "tool_results": [{"tool_call_id": "c1", "content": "sunny"}]},
 ]
 
 
@@ -44,6 +58,12 @@ def test_the_checked_request_is_normalized() -> None:
     assert parse_chat(orjson.dumps({"prompt": [5]})).final  # a raw completion is one turn
     chat = parse_chat(orjson.dumps({"messages": [{"role": "user", "content": "u"}]}))
     assert chat.messages == ({"role": "user", "content": "u"},)
+    assert chat.tool_choice == "none"  # no tools: nothing to call
+    tools = parse_chat(orjson.dumps({"message": "hi", "tools": TOOLS}))
+    assert tools.tool_choice == "auto" and tools.tools == tuple(TOOLS)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = parse_chat(orjson.dumps({"message": "hi", "tools": TOOLS, "tool_choice": named}))
+    assert forced.tool_name == "get_weather"
 
 
 @pytest.mark.parametrize(
@@ -62,9 +82,25 @@ def test_the_checked_request_is_normalized() -> None:
         (orjson.dumps({"message": "hi", "timeout_s": 0}), "'timeout_s'"),
         (orjson.dumps({"message": "hi", "stop": [""]}), "'stop'"),
         (orjson.dumps({"message": "hi", "stop": ["a"] * 9}), "'stop'"),
-        (orjson.dumps({"messages": [{"role": "tool", "content": "x"}]}), "messages[0].role"),
+        (orjson.dumps({"messages": [{"role": "robot", "content": "x"}]}), "messages[0].role"),
+        (orjson.dumps({"messages": [{"role": "tool", "content": "x"}]}), "'tool_call_id'"),
+        (orjson.dumps({"message": "hi", "tools": [{"type": "function"}]}), "'tools'"),
+        (
+            orjson.dumps({"message": "hi", "tool_choice": "required", "tools": TOOLS}),
+            "not supported yet",
+        ),
+        (
+            orjson.dumps({"message": "hi", "tool_choice": NAMED, "tools": TOOLS}),
+            "none of 'tools'",
+        ),
+        (orjson.dumps({"message": "hi", "tool_choice": "auto"}), "needs 'tools'"),
+        (orjson.dumps({"prompt": "hi", "tools": TOOLS}), "'prompt'"),
+        (
+            orjson.dumps({"tool_results": [{"tool_call_id": "a", "content": "b"}]}),
+            "give its id",
+        ),
         (orjson.dumps({"messages": [{"role": "user", "content": 1}]}), "messages[0].content"),
-        (orjson.dumps({"messages": [{"role": "user"}]}), "messages[0] must be"),
+        (orjson.dumps({"messages": [{"role": "user"}]}), "messages[0].content must be"),
         (orjson.dumps({"messages": []}), "non-empty array"),
         (orjson.dumps({"prompt": [-1]}), "token ids"),
         (orjson.dumps({"conversation_id": "", "message": "hi"}), "empty"),
