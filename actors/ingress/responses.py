@@ -183,7 +183,7 @@ def chat_until(opening: list[Message], turns: list[dict[str, Any]], upto: int) -
     chat = [dict(m) for m in opening]
     for turn in turns[: upto + 1]:
         if turn.get("history") is not None:
-            chat = [{"role": m["role"], "content": m["content"]} for m in turn["history"]]
+            chat = [{"role": m["role"], "content": m.get("content")} for m in turn["history"]]
         chat.append({"role": "user", "content": turn["message"]})
         chat.append({"role": "assistant", "content": turn["text"]})
     return chat
@@ -282,9 +282,12 @@ def stored_response(ref: ResponseRef, turn: dict[str, Any], model: str) -> dict[
         "text": turn["text"],
         "finish_reason": turn["finish_reason"],
         "usage": token_usage(
-            turn["prompt_tokens"], turn["completion_tokens"], turn["cached_tokens"]
+            # a summary leaves out what is at its default (0)
+            turn["prompt_tokens"],
+            turn["completion_tokens"],
+            turn.get("cached_tokens", 0),
         ),
-        "created_at": int(turn["started_at"]),
+        "created_at": int(turn.get("started_at", 0)),
     }
     return response(ref, None, model, finished)
 
