@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import shutil
 import signal
 import socket
@@ -614,3 +615,36 @@ def test_a_tenant_removed_while_the_reload_fails_keeps_neither_its_key_nor_its_l
         assert asyncio.run(_refused(alice, server.url))
         with pytest.raises(OpenAIError):
             ApiKeys(tmp_path).tenant(key)
+
+
+def test_tenant_add_and_rotate_write_a_line_only_its_user_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--out FILE`: the line goes into FILE, mode 0600 whatever the umask (a shell's `>`
+    makes it 0644), nothing secret on the terminal; `rotate --out` replaces it with a line that
+    connects where the old one is refused."""
+    data, line = tmp_path / "data", tmp_path / "me.json"
+    old_umask = os.umask(0o022)
+    try:
+        assert main(["tenant", "add", "me", "--data-dir", str(data), "--out", str(line)]) == 0
+        out, err = capsys.readouterr()
+        assert line.stat().st_mode & 0o777 == 0o600
+        first = json.loads(line.read_text())
+        assert out == "" and first["nats"]["password"] not in err and str(line) in err
+        line.chmod(0o644)  # rotate replaces even a file made wider since
+        assert main(["tenant", "rotate", "me", "--data-dir", str(data), "--out", str(line)]) == 0
+        assert line.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old_umask)
+    second = json.loads(line.read_text())
+    assert second["nats"]["password"] != first["nats"]["password"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+    async def go(url: str) -> None:
+        assert await _refused(first["nats"], url)
+        server, connect = tenant_options(line)
+        bus = await Bus.connect(url, options=connect)
+        await bus.close()
+
+    with EmbeddedNats(auth_data_dir=data) as server:
+        asyncio.run(go(server.url))
