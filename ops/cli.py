@@ -35,6 +35,7 @@ is kept across turns in a GPU tier and a CPU tier."""
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
+    args = None
     try:
         if argv[:1] == ["profile"]:  # its own parser takes every option after the word
             from pensieve.ops.cost_profile import main as profile_main
@@ -45,9 +46,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args, started))
     except KeyboardInterrupt:
         return 130
+    except PermissionError as error:  # (before OSError) a refusal says what would be let in
+        print(f"pensieve: error: {error}{_refusal_hint(error, args)}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as error:  # bad input: one clear line, no traceback
         print(f"pensieve: error: {error}", file=sys.stderr)
         return 2
+
+
+def _refusal_hint(error: PermissionError, args: argparse.Namespace | None) -> str:
+    """What to pass when the NATS server refused who this command connected as."""
+    from pensieve.actors.wire.bus import AuthorizationRefused
+
+    if not isinstance(error, AuthorizationRefused):
+        return ""
+    options = "the NATS credentials options (--nats-user with --nats-password-file, "
+    options += "--nats-token-file, --nats-nkey-seed or --nats-creds; see --help)"
+    if args is not None and getattr(args, "tenant", None) is not None:
+        return (
+            f"; {args.tenant} holds a tenant's old credentials (removed, or rotated?): "
+            f"`pensieve tenant rotate NAME --out {args.tenant}` writes new ones"
+        )
+    if args is not None and hasattr(args, "tenant"):  # a client command: chat, bench
+        return (
+            "; connect as a tenant with --tenant FILE (FILE: what `pensieve tenant add NAME "
+            f"--out FILE` wrote), or with {options}"
+        )
+    return f"; give this process's credentials with {options}"
 
 
 def build_parser() -> argparse.ArgumentParser:

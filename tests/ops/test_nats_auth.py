@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -648,3 +649,47 @@ def test_tenant_add_and_rotate_write_a_line_only_its_user_reads(
 
     with EmbeddedNats(auth_data_dir=data) as server:
         asyncio.run(go(server.url))
+
+
+def test_chat_and_bench_refused_say_so_and_name_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sharegpt20: Path
+) -> None:
+    """`pensieve chat` and `pensieve bench` against a server that asks who connects, without
+    credentials or with a tenant's old ones: the first refusal ends the command with what was
+    refused and what to pass (they retried for 10 s, then said no server answers, or nothing)."""
+    alice = tmp_path / "alice.json"
+    assert main(["tenant", "add", "alice", "--data-dir", str(tmp_path), "--out", str(alice)]) == 0
+    old = alice.read_text()
+    assert main(["tenant", "rotate", "alice", "--data-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    stale = tmp_path / "stale.json"
+    stale.write_text(old)
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        url = ["--nats-url", server.url]
+        bench = ["bench", str(sharegpt20), "--num-conversations", "1"]
+        runs = {
+            "chat, anonymous": (["chat", *url], "without credentials", "--tenant FILE"),
+            "bench, anonymous": ([*bench, *url], "without credentials", "--tenant FILE"),
+            "chat, stale": (
+                ["chat", *url, "--tenant", str(stale)],
+                "user 'tenant-alice'",
+                "rotate",
+            ),
+            "bench, stale": (
+                [*bench, *url, "--tenant", str(stale)],
+                "user 'tenant-alice'",
+                "rotate",
+            ),
+        }
+        for name, (args, who, fix) in runs.items():
+            done = subprocess.run(
+                [sys.executable, "-m", "pensieve.ops.cli", *args],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            said = done.stderr.strip().splitlines()[-1]
+            assert done.returncode == 2, (name, done.stderr)
+            assert "refused" in said and who in said and "authorization" in said, (name, said)
+            assert fix in said and "Authorization Violation" not in done.stderr, (name, said)
