@@ -12,6 +12,9 @@ from pathlib import Path
 from pensieve.actors.config import DEFAULTS, ExpiryConfig, Policy, StepChannel
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# `pensieve actor NAME`'s names, as ops/deploy.py's ACTORS has them: named here so that the
+# parser does not import the actors (and torch with them)
+ACTOR_NAMES = ("ingress", "http", "tokenizer", "scheduler", "recompute-planner", "executor")
 
 
 class HelpFormatter(argparse.HelpFormatter):

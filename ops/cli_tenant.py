@@ -13,12 +13,16 @@ from typing import Any
 from pensieve.actors.config import DEFAULTS
 from pensieve.ops.cli_options import HelpFormatter, log_arg
 
+TENANT_HELP = (
+    "add, rotate, remove or list tenants: NATS accounts that reach only their own requests"
+)
+NATS_CONFIG_HELP = "write a nats-server configuration with the accounts, for a server run elsewhere"
+
 
 def tenant_parser(commands: Any) -> None:
     tenant = commands.add_parser(
         "tenant",
-        help="add, rotate, remove or list tenants: NATS accounts that reach only their "
-        "own requests",
+        help=TENANT_HELP,
         description="Tenants of the nats-server that `pensieve serve` starts.",
     )
     actions = tenant.add_subparsers(required=True, metavar="ACTION")
@@ -91,7 +95,7 @@ def tenant_parser(commands: Any) -> None:
 def nats_config_parser(commands: Any) -> None:
     config = commands.add_parser(
         "nats-config",
-        help="write a nats-server configuration with the accounts, for a server run elsewhere",
+        help=NATS_CONFIG_HELP,
         description="Write DIR/nats/nats-server.conf, with the accounts of the service and of "
         "each tenant, and the service's password (DIR/nats/service.password) if there is none, "
         "for a nats-server started elsewhere (compose.yaml): nats-server -c "

@@ -146,6 +146,44 @@ def test_version() -> None:
     assert done.returncode == 0 and re.fullmatch(r"pensieve \S+\n", done.stdout), done
 
 
+def _imported(*args: str) -> set[str]:
+    """The modules `python -m pensieve.ops.cli ARGS` imports (python -X importtime)."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "pensieve.ops.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+    return {line.rsplit("|", 1)[1].strip() for line in lines}
+
+
+def test_version_and_help_import_no_torch_nor_anything_a_command_needs() -> None:
+    """`pensieve --version` and `--help` build the parser without torch or transformers (which
+    take seconds to import), and without what a command's options need; a command's own help
+    imports no torch either, nor does the whole parser."""
+    heavy = {"torch", "transformers"}
+    for args in (["--version"], ["--help"]):
+        imported = _imported(*args)
+        assert not imported & (heavy | {"nats", "tqdm", "lmdb"}), (args, imported & heavy)
+    for command in ("serve", "actor", "replay", "tenant", "chat", "bench"):
+        assert not _imported(command, "--help") & heavy, command
+    whole = (
+        "import sys; from pensieve.ops.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", whole], capture_output=True, text=True)
+    assert done.stdout.strip() == "[]", done.stderr[-2000:]
+
+
+def test_the_actor_names_of_the_parser_are_those_deployed() -> None:
+    from pensieve.ops.cli_options import ACTOR_NAMES
+    from pensieve.ops.deploy import ACTORS
+
+    assert tuple(ACTORS) == ACTOR_NAMES
+
+
 def test_a_taken_nats_port_is_a_clear_error_before_the_model_loads(tmp_path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
