@@ -212,6 +212,69 @@ def test_a_taken_nats_port_is_a_clear_error_before_the_model_loads(tmp_path) -> 
     assert time.monotonic() - begin < 60
 
 
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    from pensieve.ops.nats_server import free_port
+
+    command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "--nats-port", str(free_port())]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_taken_http_and_metrics_ports_are_clear_errors_before_the_model_loads(tmp_path) -> None:
+    """As a taken --nats-port: the option named, no model loaded, nothing written."""
+    data = tmp_path / "data"
+    model = ["--model", "smollm2", "--data-dir", str(data)]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for flag in ("--http-port", "--metrics-port"):
+            done = serve(*model, flag, port)
+            assert_clean_error(done, f"{flag} {port}: the port is taken")
+            assert "model smollm2 loaded" not in done.stderr and not data.exists()
+        actor = [sys.executable, "-m", "pensieve.ops.cli", "actor", "http", *model]
+        done = subprocess.run(
+            [*actor, "--nats-url", "nats://127.0.0.1:1", "--http-port", port],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert_clean_error(done, f"--http-port {port}: the port is taken")
+    done = serve(*model, "--http-port", port, "--metrics-port", port)
+    assert_clean_error(done, f"--http-port and --metrics-port name one port, {port}")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("--gpu-cache-tokens", "-5", "--gpu-cache-tokens must hold 2 blocks at least"),
+        ("--gpu-cache-tokens", "40", "--gpu-cache-tokens must hold 2 blocks at least"),
+        ("--cpu-cache-tokens", "-1", "--cpu-cache-tokens must be 0 (no CPU tier) or hold"),
+        ("--cpu-cache-tokens", "8", "--cpu-cache-tokens must be 0 (no CPU tier) or hold"),
+        ("--gpu-cache-gb", "-1", "--gpu-cache-gb must be more than 0"),
+        ("--gpu-cache-gb", "0", "--gpu-cache-gb must be more than 0"),
+        ("--gpu-cache-gb", "0.00001", "--gpu-cache-gb 1e-05 holds 0 blocks"),
+        ("--cpu-cache-gb", "-2", "--cpu-cache-gb must be 0 (no CPU tier) or more"),
+        ("--block-size", "24", "--block-size must be a power of two"),
+    ],
+)
+def test_a_cache_size_out_of_range_names_its_option(tmp_path, flag, value, words) -> None:
+    done = serve("--model", "smollm2", "--data-dir", str(tmp_path / "data"), flag, value)
+    assert_clean_error(done, words)
+
+
+def test_a_wrong_model_leaves_nothing_behind(tmp_path) -> None:
+    """No data dir, store, nats-server files or pid file for a model that does not load, and
+    nothing new in a data dir already there."""
+    fresh, kept = tmp_path / "fresh", tmp_path / "kept"
+    kept.mkdir()
+    (kept / "mine.txt").write_text("a file of the user's")
+    for data in (fresh, kept):
+        done = serve("--model", str(tmp_path / "no-such-model"), "--data-dir", str(data))
+        assert_clean_error(done, "model not found")
+    assert not fresh.exists()
+    assert [p.name for p in kept.iterdir()] == ["mine.txt"]
+
+
 def test_a_cpu_engine_gets_the_same_threads_in_replay_and_serve() -> None:
     from pensieve.ops.factory import EngineOptions, cpu_threads
 
