@@ -21,6 +21,7 @@ from pensieve.ops.cli_options import (
     engine_args,
     engine_options,
     log_arg,
+    model_of,
     nats_auth_args,
     positive,
     serve_options,
@@ -165,7 +166,7 @@ def _serve_parser(commands: Any) -> None:
         "loopback.",
         formatter_class=HelpFormatter,
     )
-    engine_args(serve)
+    engine_args(serve, positional_model=True)
     server_args(serve)
     nats_auth_args(serve, embedded=True)
     log_arg(serve)
@@ -277,6 +278,7 @@ def _client_connection(args: argparse.Namespace) -> tuple[str, Any]:
 def _serve(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.serve import serve
 
+    args.model = model_of(args)
     if args.insecure:
         logging.getLogger("pensieve").warning(
             "--insecure: the nats-server asks no one who they are: anyone on this host can "

@@ -4,8 +4,10 @@ every option explains itself with its default, and the defaults come from one ta
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -273,6 +275,61 @@ def test_a_wrong_model_leaves_nothing_behind(tmp_path) -> None:
         assert_clean_error(done, "model not found")
     assert not fresh.exists()
     assert [p.name for p in kept.iterdir()] == ["mine.txt"]
+
+
+@pytest.mark.slow
+def test_serve_takes_its_model_and_port_as_vllm_serve_does(tmp_path) -> None:
+    """`pensieve serve MODEL --host H --port P`: the OpenAI API of that model on H:P, as
+    `vllm serve` would serve it (and --max-num-batched-tokens, vLLM's name of a step's tokens)."""
+    import aiohttp
+
+    from pensieve.ops.nats_server import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "smollm2", "--insecure"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--nats-port", str(free_port())]
+    command += ["--data-dir", str(tmp_path / "data"), "--max-num-batched-tokens", "256"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        said = ""
+        while "OpenAI-compatible API on" not in said:
+            line = proc.stderr.readline()
+            assert line, said
+            said += line
+        assert f"http://127.0.0.1:{port}/v1 (model 'smollm2'" in said, said
+
+        async def models() -> list[str]:
+            url = f"http://127.0.0.1:{port}/v1/models"
+            async with aiohttp.ClientSession() as session, session.get(url) as response:
+                return [m["id"] for m in (await response.json())["data"]]
+
+        assert asyncio.run(models()) == ["smollm2"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_vllm_options_pensieve_spells_otherwise_get_a_line_naming_its_own(capsys) -> None:
+    from pensieve.ops.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "smollm2", "--max-num-batched-tokens", "256"])
+    assert (args.model_word, args.max_batch_tokens) == ("smollm2", 256)
+    for option, value, words in (
+        ("--gpu-memory-utilization", "0.9", "--gpu-cache-gb GB or --gpu-cache-tokens N"),
+        ("--api-key", "k", "pensieve tenant add NAME --out FILE"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", "smollm2", option, value])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and f"{option} is vLLM's: " in err and words in err, err
+    assert main(["serve", "a", "--model", "b"]) == 2
+    assert "two models: 'a' and --model 'b'" in capsys.readouterr().err
+    assert main(["serve"]) == 2
+    assert "pensieve serve MODEL (or --model MODEL)" in capsys.readouterr().err
 
 
 def test_a_cpu_engine_gets_the_same_threads_in_replay_and_serve() -> None:
