@@ -32,7 +32,7 @@ import time
 from collections.abc import Sequence
 
 from pensieve.ops.context import Context, Nats, ServeOptions, remote_engine
-from pensieve.ops.deploy import Entry, actor_plan, until_signal
+from pensieve.ops.deploy import Entry, actor_plan, check_ports, until_signal
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import EngineOptions, cpu_threads, frozen_heap
 from pensieve.ops.telemetry import setup_tracing
@@ -48,6 +48,7 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
     if options.nats_url is None:
         raise ValueError("pensieve actor needs --nats-url: the actors of an engine meet there")
     entries = actor_plan(name, options)
+    check_ports(entries, options)
     nats = Nats(
         options.nats_url,
         options.nats_auth and options.nats_auth.connect_options(),

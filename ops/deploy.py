@@ -294,6 +294,33 @@ def actor_plan(name: str, serve: ServeOptions) -> list[Entry]:
     return _with_metrics(serve, [ACTORS[n] for n in names if _wanted(n, serve)])
 
 
+def check_ports(plan: Sequence[Entry], serve: ServeOptions) -> None:
+    """OSError naming the option, before anything loads, if a port that `plan` (or the
+    nats-server that `serve` starts) would listen on is taken or named twice."""
+    from pensieve.ops.nats_server import check_port_free, port_taken
+
+    if serve.nats_url is None:
+        check_port_free(serve.nats_port)
+    names = {entry.name for entry in plan}
+    ports = []
+    if "http" in names and serve.http is not None:
+        ports.append(("--http-port", serve.http.host, serve.http.port))
+    if METRICS.name in names and serve.metrics_port is not None:
+        ports.append(("--metrics-port", serve.metrics_host, serve.metrics_port))
+    if serve.nats_url is None:
+        ports.append(("--nats-port", "127.0.0.1", serve.nats_port))
+    for i, (flag, _, port) in enumerate(ports):
+        for other, _, same in ports[i + 1 :]:
+            if port == same:
+                raise ValueError(f"{flag} and {other} name one port, {port}: give each its own")
+    for flag, host, port in ports:
+        if flag != "--nats-port" and port_taken(port, host):
+            raise OSError(
+                f"{flag} {port}: the port is taken on {host} (another `pensieve serve`, or "
+                f"another server?): pass another {flag}"
+            )
+
+
 def _wanted(name: str, serve: ServeOptions) -> bool:
     if name == "tokenizer":
         return serve.tokenizers > 0

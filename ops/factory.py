@@ -83,6 +83,31 @@ class EngineOptions:
             )
         if self.public_prompts is not None and not self.prefix_sharing:
             raise ValueError("--public-prompts shares prefixes: it needs prefix sharing on")
+        self._check_cache_sizes()
+
+    def _check_cache_sizes(self) -> None:
+        """Each size option named, before the model loads (a GiB size's blocks are counted
+        once the model's KV bytes per token are known, in `cache_config`)."""
+        block = self.block_size
+        if block < 1 or block & (block - 1):
+            raise ValueError(f"--block-size must be a power of two, got {block}")
+        if self.gpu_cache_tokens is not None and self.gpu_cache_tokens < 2 * block:
+            raise ValueError(
+                f"--gpu-cache-tokens must hold 2 blocks at least ({2 * block} tokens), got "
+                f"{self.gpu_cache_tokens}"
+            )
+        cpu = self.cpu_cache_tokens
+        if cpu is not None and cpu != 0 and cpu < block:
+            raise ValueError(
+                f"--cpu-cache-tokens must be 0 (no CPU tier) or hold a block ({block} tokens) "
+                f"at least, got {cpu}"
+            )
+        for flag, gb, least in (
+            ("--gpu-cache-gb", self.gpu_cache_gb, "more than 0"),
+            ("--cpu-cache-gb", self.cpu_cache_gb, "0 (no CPU tier) or more"),
+        ):
+            if gb is not None and (gb < 0 or (gb == 0 and flag == "--gpu-cache-gb")):
+                raise ValueError(f"{flag} must be {least}, got {gb:g}")
 
 
 @dataclass
@@ -328,14 +353,14 @@ def cache_config(
 ) -> CacheConfig:
     """Size both tiers in blocks from tokens or GiB; defaults fill most free GPU memory."""
     per_block = config.kv_bytes_per_token(dtype) * options.block_size
-    gpu_tokens = _tokens(options.gpu_cache_tokens, options.gpu_cache_gb, per_block, options)
+    gpu_tokens = _tokens(options.gpu_cache_tokens, options.gpu_cache_gb, per_block, options, "gpu")
     if gpu_tokens is None:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             gpu_tokens = int(free * DEFAULTS.gpu_memory_fraction) // per_block * options.block_size
         else:
             gpu_tokens = DEFAULTS.cpu_gpu_cache_tokens
-    cpu_tokens = _tokens(options.cpu_cache_tokens, options.cpu_cache_gb, per_block, options)
+    cpu_tokens = _tokens(options.cpu_cache_tokens, options.cpu_cache_gb, per_block, options, "cpu")
     if cpu_tokens is None:
         host_bytes = int(DEFAULTS.cpu_cache_gib * GIB)
         cpu_tokens = (
@@ -355,13 +380,20 @@ def cache_config(
 
 
 def _tokens(
-    tokens: int | None, gb: float | None, per_block: int, options: EngineOptions
+    tokens: int | None, gb: float | None, per_block: int, options: EngineOptions, tier: str
 ) -> int | None:
     if tokens is not None and gb is not None:
-        raise ValueError("give a cache size in tokens or in GB, not both")
-    if gb is not None:
-        return int(gb * GIB) // per_block * options.block_size
-    return tokens
+        raise ValueError(f"give --{tier}-cache-tokens or --{tier}-cache-gb, not both")
+    if gb is None:
+        return tokens
+    blocks = int(gb * GIB) // per_block
+    least = 2 if tier == "gpu" else 1
+    if gb > 0 and blocks < least:
+        raise ValueError(
+            f"--{tier}-cache-gb {gb:g} holds {blocks} blocks of {options.block_size} tokens of "
+            f"this model; it needs {least} at least ({least * per_block / (1 << 20):.2f} MiB)"
+        )
+    return blocks * options.block_size
 
 
 def _chat(options: EngineOptions, loaded: LoadedModel) -> ChatTokenizer:

@@ -36,9 +36,12 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pensieve.actors.wire.bus import ConnectOptions
 from pensieve.actors.wire.subjects import check_tenant_name, tenant_of, tenant_subject
+
+if TYPE_CHECKING:  # the bus imports nats, which the command line's parser does without
+    from pensieve.actors.wire.bus import ConnectOptions
 
 __all__ = ["check_tenant_name", "tenant_of", "tenant_subject"]  # named here for the accounts
 
@@ -122,6 +125,8 @@ class NatsAuth:
             raise ValueError("an nkey seed or a creds file needs the nkeys package (pip install)")
 
     def connect_options(self) -> ConnectOptions:
+        from pensieve.actors.wire.bus import ConnectOptions
+
         return ConnectOptions(
             user=self.user,
             password=self.password,

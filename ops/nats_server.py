@@ -85,20 +85,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def check_port_free(port: int) -> None:
-    """Raise OSError with what to do if something already listens on loopback `port`."""
+def port_taken(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something listens on `host`:`port` (or holds it), so that a server cannot."""
     with socket.socket() as s:
-        # SO_REUSEADDR as nats-server sets it: connections of an earlier server still closing
-        # (TIME_WAIT) do not count, a listener does
+        # SO_REUSEADDR as nats-server and aiohttp set it: connections of an earlier server
+        # still closing (TIME_WAIT) do not count, a listener does
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
-            raise OSError(
-                f"port {port} is taken (another nats-server or `pensieve serve`?): pass "
-                f"--nats-port N to start ours on another port, or --nats-url "
-                f"nats://127.0.0.1:{port} to use the server already there"
-            ) from None
+            return True
+    return False
+
+
+def check_port_free(port: int) -> None:
+    """Raise OSError with what to do if something already listens on loopback `port`."""
+    if port_taken(port):
+        raise OSError(
+            f"port {port} is taken (another nats-server or `pensieve serve`?): pass "
+            f"--nats-port N to start ours on another port, or --nats-url "
+            f"nats://127.0.0.1:{port} to use the server already there"
+        )
 
 
 class EmbeddedNats:

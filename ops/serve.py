@@ -15,13 +15,15 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from pensieve.actors.wire import subjects
 from pensieve.ops.context import Context, Nats, ServeOptions, remote_engine
-from pensieve.ops.deploy import serve_plan, until_signal
+from pensieve.ops.deploy import check_ports, serve_plan, until_signal
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
 from pensieve.ops.factory import EngineOptions, build, cpu_threads, frozen_heap
+from pensieve.ops.nats_auth import NatsAuth
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.ranks_engine import wait_ranks
 from pensieve.ops.telemetry import setup_tracing
@@ -37,43 +39,59 @@ def default_data_dir() -> Path:
 
 def serve(engine_options: EngineOptions, options: ServeOptions, started: float) -> int:
     """Run `pensieve serve` until SIGINT or SIGTERM; `started` is the process's start time
-    (time.monotonic()), for the start-up log."""
+    (time.monotonic()), for the start-up log. A taken port fails before the model loads, and a
+    model that does not load leaves nothing behind: the data dir, the store and the nats-server
+    (with its files and pid file) come after it."""
+    plan = serve_plan(options)
+    check_ports(plan, options)
     provider = setup_tracing(options.trace)
     try:
-        # the store holds every prompt and reply: readable by this user only
-        options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with ConversationStore(options.data_dir) as store, contextlib.ExitStack() as stack:
-            url, auth, events = options.nats_url, options.nats_auth, options.events_auth
-            if url is None:  # first, so a taken port fails before the model loads
-                begin = time.monotonic()
-                server = stack.enter_context(
-                    EmbeddedNats(options.nats_port, auth_data_dir=options.auth_data_dir)
-                )
-                url, auth, events = server.url, server.service_auth, server.events_auth
-                logger.info("nats-server listening on %s (%.1f s)", url, time.monotonic() - begin)
-            nats = Nats(
-                url,
-                auth.connect_options() if auth is not None else None,
-                events.connect_options() if events is not None else None,
-            )
-            if engine_options.tensor_parallel > 1:  # the model runs in the ranks' processes
-                spec = RankSpec(engine_options, url, options.data_dir, auth, options.trace)
-                wait_ranks(stack.enter_context(ExecutorRanks(spec)))
-                with frozen_heap():
-                    asyncio.run(_serve_ranks(engine_options, options, nats, store, started))
-                return 0
-            built = build(engine_options)
+        if engine_options.tensor_parallel > 1:  # the model loads in the ranks' processes
+            return _serve_split(engine_options, options, started)
+        built = build(engine_options)
+        with _started(options) as (store, nats, _):
             context = Context(
                 nats, store, engine_options, options, cpu_threads(engine_options), built
             )
             with frozen_heap():
-                asyncio.run(
-                    until_signal(context, serve_plan(options), lambda: _announce(context, started))
-                )
+                asyncio.run(until_signal(context, plan, lambda: _announce(context, started)))
         return 0
     finally:
         if provider is not None:
             provider.shutdown()  # flush the spans still batched
+
+
+def _serve_split(engine_options: EngineOptions, options: ServeOptions, started: float) -> int:
+    """Serve with the model split over tensor-parallel executor rank processes."""
+    with _started(options) as (store, nats, auth), contextlib.ExitStack() as stack:
+        spec = RankSpec(engine_options, nats.url, options.data_dir, auth, options.trace)
+        wait_ranks(stack.enter_context(ExecutorRanks(spec)))
+        with frozen_heap():
+            asyncio.run(_serve_ranks(engine_options, options, nats, store, started))
+    return 0
+
+
+@contextlib.contextmanager
+def _started(options: ServeOptions) -> Iterator[tuple[ConversationStore, Nats, NatsAuth | None]]:
+    """The store in the data dir, and NATS: the nats-server started here unless `--nats-url`;
+    with who the service is there."""
+    # the store holds every prompt and reply: readable by this user only
+    options.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with ConversationStore(options.data_dir) as store, contextlib.ExitStack() as stack:
+        url, auth, events = options.nats_url, options.nats_auth, options.events_auth
+        if url is None:
+            begin = time.monotonic()
+            server = stack.enter_context(
+                EmbeddedNats(options.nats_port, auth_data_dir=options.auth_data_dir)
+            )
+            url, auth, events = server.url, server.service_auth, server.events_auth
+            logger.info("nats-server listening on %s (%.1f s)", url, time.monotonic() - begin)
+        nats = Nats(
+            url,
+            auth.connect_options() if auth is not None else None,
+            events.connect_options() if events is not None else None,
+        )
+        yield store, nats, auth
 
 
 async def _serve_ranks(

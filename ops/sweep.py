@@ -21,8 +21,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pensieve.actors.wire.bus import Bus, ConnectOptions
-from pensieve.ops.chat import add_connection_args
+from pensieve.actors.wire.bus import ConnectOptions
+from pensieve.ops.chat import add_connection_args, connect_client
 from pensieve.ops.load import ChatClient, LoadOptions, NatsClient, Window, run_load, run_poisson
 from pensieve.ops.sharegpt import Conversation, human_turns, load_conversations
 
@@ -177,9 +177,7 @@ async def connect(server: Server) -> tuple[ChatClient, Any]:
         client = OpenAIChatClient(base_url(server.http), server.api_key, server.model)
         await client.served_model()  # fails here if nothing answers
         return client, client.close
-    bus = await asyncio.wait_for(
-        Bus.connect(server.url, name="pensieve-bench", options=server.connect), 10
-    )
+    bus = await connect_client(server.url, "pensieve-bench", server.connect)
     return NatsClient(bus), bus.close
 
 

@@ -117,11 +117,10 @@ def test_the_client_example_runs_verbatim_against_serve_started_as_the_readme_sa
     try:
         log.wait_for("serving on nats://127.0.0.1:4222", proc, timeout_s=240)
         (tenant_line,) = readme_block("tenant command").splitlines()
-        words, out = _command(tenant_line.split(">")[0]), tenant_line.split(">")[1].strip()
-        with (tmp_path / out).open("w") as written:  # the README's redirection
-            subprocess.run(
-                words, stdout=written, text=True, env=env, cwd=tmp_path, timeout=120, check=True
-            )
+        words = _command(tenant_line)
+        subprocess.run(words, env=env, cwd=tmp_path, timeout=120, check=True)
+        written = tmp_path / words[words.index("--out") + 1]
+        assert written.stat().st_mode & 0o077 == 0  # the tenant's secrets: this user's alone
         done = subprocess.run(client, capture_output=True, text=True, timeout=600, cwd=tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
         *texts, cached_line = done.stdout.strip().splitlines()
@@ -162,6 +161,16 @@ def test_the_readme_is_short_and_links_only_to_what_exists() -> None:
         "node client example",
     ):
         assert readme_block(name).strip()
+
+
+def test_the_readme_hands_secrets_over_in_files_and_pipes_only() -> None:
+    """The tenant's line goes into a file of mode 0600, and `docker compose exec` runs without
+    a terminal (-T) where its output is redirected: a pseudo-terminal would end each line in
+    \\r\\n and mix the command's stderr into the file."""
+    assert "--out" in readme_block("tenant command")
+    text = (ROOT / "README.md").read_text()
+    execs = re.findall(r"docker compose exec\b[^\n]*", text)
+    assert execs and all(re.match(r"docker compose exec -T\b", line) for line in execs), execs
 
 
 def test_the_tracked_tree_speaks_of_the_product_only() -> None:

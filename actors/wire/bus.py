@@ -10,6 +10,10 @@ nats-py reconnects by itself when the server goes away, but closes for good when
 ends the connection with an error (-ERR, a payload or protocol violation): then the bus connects
 again with the same options and makes every subscription it had again (endpoints, mailboxes,
 service discovery, probes), logging the close as an error and the recovery as info.
+
+A server that refuses the credentials (an authorization violation) is never retried: the first
+connection raises `AuthorizationRefused`, and a reconnection refused (the credentials were
+revoked) closes the connection for good.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.protocol.parser import AUTHORIZATION_VIOLATION
 
 from pensieve.actors.wire import discovery
 from pensieve.actors.wire.discovery import EndpointStats, ServiceInfo
@@ -120,6 +125,16 @@ def requester(headers: dict[str, str]) -> str | None:
         return None
 
 
+class AuthorizationRefused(PermissionError):
+    """The NATS server refused these credentials: trying again cannot help."""
+
+
+def _is_refusal(error: Exception) -> bool:
+    # nats-py raises a plain Error for a refused CONNECT, AuthorizationError for a later -ERR
+    refused = AUTHORIZATION_VIOLATION in str(error).lower()
+    return refused or isinstance(error, nats.errors.AuthorizationError)
+
+
 @dataclass(frozen=True)
 class ConnectOptions:
     """Who this process is to the NATS server, in nats-py's terms (`ops/nats_auth.py` builds it
@@ -133,6 +148,19 @@ class ConnectOptions:
     user_credentials: str | None = None  # the path of a .creds file
     tls: ssl.SSLContext | None = None
     inbox_prefix: str = "_INBOX"  # a tenant may subscribe only below its own
+
+    def who(self) -> str:
+        """Who connects, for a message (no secret in it)."""
+        if self.user is not None:
+            return f"user {self.user!r}"
+        for what, given in (
+            ("a token", self.token),
+            ("an nkey", self.nkeys_seed or self.nkeys_seed_str),
+            ("the creds file " + str(self.user_credentials), self.user_credentials),
+        ):
+            if given:
+                return what
+        return "a connection without credentials"
 
 
 @dataclass
@@ -166,6 +194,7 @@ class Bus:
         self.endpoints: dict[str, EndpointStats] = {}  # by subject
         self.closing = False  # `close` was called: the connection's end is expected
         self.num_recoveries = 0  # connections made again after the server closed one
+        self.refused: AuthorizationRefused | None = None  # the server refused these credentials
 
     @classmethod
     async def connect(
@@ -173,11 +202,8 @@ class Bus:
     ) -> Bus:
         """Connect as `options` says (anonymously without), retrying until the server answers
         (in a compose stack the engine may start before NATS does); each failed try is one log
-        line. A connection the server closes is made again (see the module's docstring)."""
-
-        async def on_error(error: Exception) -> None:
-            logger.warning("NATS at %s: %s: %s", url, type(error).__name__, error)
-
+        line. A connection the server closes is made again (see the module's docstring).
+        Raises AuthorizationRefused at once if the server refuses the credentials."""
         made: list[Bus] = []
 
         async def on_closed() -> None:  # for good: nats-py reconnects only before this
@@ -187,21 +213,45 @@ class Bus:
         given = options or ConnectOptions()
 
         async def connect() -> Client:
-            return await nats.connect(
-                url,
-                name=name,
-                max_reconnect_attempts=-1,
-                error_cb=on_error,
-                closed_cb=on_closed,
-                user=given.user,
-                password=given.password,
-                token=given.token,
-                nkeys_seed=given.nkeys_seed,
-                nkeys_seed_str=given.nkeys_seed_str,
-                user_credentials=given.user_credentials,
-                tls=given.tls,
-                inbox_prefix=given.inbox_prefix,
-            )
+            client = Client()
+            connected = False
+            closing: list[asyncio.Task[None]] = []  # held: a task nobody holds may vanish
+
+            async def on_error(error: Exception) -> None:
+                if not _is_refusal(error):
+                    logger.warning("NATS at %s: %s: %s", url, type(error).__name__, error)
+                    return
+                refusal = AuthorizationRefused(
+                    f"the NATS server at {url} refused {given.who()}: authorization violation"
+                )
+                if not connected:
+                    raise refusal  # out of nats-py's connect loop, which would try forever
+                if made:  # a reconnection refused: the connection ends, and stays ended
+                    made[0].refused = refusal
+                logger.error("%s; the connection is closed", refusal)
+                closing.append(asyncio.get_running_loop().create_task(client.close()))
+
+            try:
+                await client.connect(
+                    url,
+                    name=name,
+                    max_reconnect_attempts=-1,
+                    error_cb=on_error,
+                    closed_cb=on_closed,
+                    user=given.user,
+                    password=given.password,
+                    token=given.token,
+                    nkeys_seed=given.nkeys_seed,
+                    nkeys_seed_str=given.nkeys_seed_str,
+                    user_credentials=given.user_credentials,
+                    tls=given.tls,
+                    inbox_prefix=given.inbox_prefix,
+                )
+            except AuthorizationRefused:
+                await client.close()
+                raise
+            connected = True
+            return client
 
         made.append(cls(await connect(), connect, f"{name!r} to {url}"))
         return made[0]
@@ -209,6 +259,9 @@ class Bus:
     def _on_closed(self) -> None:
         """The connection closed for good: expected after `close`, otherwise made again."""
         if self.closing or self._reconnect is None:
+            return
+        if self.refused is not None:
+            logger.error("the NATS connection %s stays closed: %s", self._who, self.refused)
             return
         if self._recovery is not None and not self._recovery.done():
             return
@@ -222,7 +275,12 @@ class Bus:
     async def _recover(self, reconnect: Connector) -> None:
         """Connect again (nats-py retries until the server answers) and make every standing
         subscription again on the new connection."""
-        client = await reconnect()
+        try:
+            client = await reconnect()
+        except AuthorizationRefused as refusal:
+            self.refused = refusal
+            logger.error("the NATS connection %s stays closed: %s", self._who, refusal)
+            return
         if self.closing:  # `close` came while connecting
             await client.close()
             return

@@ -4,8 +4,10 @@ every option explains itself with its default, and the defaults come from one ta
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -146,6 +148,44 @@ def test_version() -> None:
     assert done.returncode == 0 and re.fullmatch(r"pensieve \S+\n", done.stdout), done
 
 
+def _imported(*args: str) -> set[str]:
+    """The modules `python -m pensieve.ops.cli ARGS` imports (python -X importtime)."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "pensieve.ops.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("import time:")]
+    return {line.rsplit("|", 1)[1].strip() for line in lines}
+
+
+def test_version_and_help_import_no_torch_nor_anything_a_command_needs() -> None:
+    """`pensieve --version` and `--help` build the parser without torch or transformers (which
+    take seconds to import), and without what a command's options need; a command's own help
+    imports no torch either, nor does the whole parser."""
+    heavy = {"torch", "transformers"}
+    for args in (["--version"], ["--help"]):
+        imported = _imported(*args)
+        assert not imported & (heavy | {"nats", "tqdm", "lmdb"}), (args, imported & heavy)
+    for command in ("serve", "actor", "replay", "tenant", "chat", "bench"):
+        assert not _imported(command, "--help") & heavy, command
+    whole = (
+        "import sys; from pensieve.ops.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", whole], capture_output=True, text=True)
+    assert done.stdout.strip() == "[]", done.stderr[-2000:]
+
+
+def test_the_actor_names_of_the_parser_are_those_deployed() -> None:
+    from pensieve.ops.cli_options import ACTOR_NAMES
+    from pensieve.ops.deploy import ACTORS
+
+    assert tuple(ACTORS) == ACTOR_NAMES
+
+
 def test_a_taken_nats_port_is_a_clear_error_before_the_model_loads(tmp_path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -172,6 +212,124 @@ def test_a_taken_nats_port_is_a_clear_error_before_the_model_loads(tmp_path) -> 
     assert_clean_error(done, f"port {port} is taken")
     assert "--nats-url" in done.stderr and "model smollm2 loaded" not in done.stderr
     assert time.monotonic() - begin < 60
+
+
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    from pensieve.ops.nats_server import free_port
+
+    command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "--nats-port", str(free_port())]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_taken_http_and_metrics_ports_are_clear_errors_before_the_model_loads(tmp_path) -> None:
+    """As a taken --nats-port: the option named, no model loaded, nothing written."""
+    data = tmp_path / "data"
+    model = ["--model", "smollm2", "--data-dir", str(data)]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for flag in ("--http-port", "--metrics-port"):
+            done = serve(*model, flag, port)
+            assert_clean_error(done, f"{flag} {port}: the port is taken")
+            assert "model smollm2 loaded" not in done.stderr and not data.exists()
+        actor = [sys.executable, "-m", "pensieve.ops.cli", "actor", "http", *model]
+        done = subprocess.run(
+            [*actor, "--nats-url", "nats://127.0.0.1:1", "--http-port", port],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert_clean_error(done, f"--http-port {port}: the port is taken")
+    done = serve(*model, "--http-port", port, "--metrics-port", port)
+    assert_clean_error(done, f"--http-port and --metrics-port name one port, {port}")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("--gpu-cache-tokens", "-5", "--gpu-cache-tokens must hold 2 blocks at least"),
+        ("--gpu-cache-tokens", "40", "--gpu-cache-tokens must hold 2 blocks at least"),
+        ("--cpu-cache-tokens", "-1", "--cpu-cache-tokens must be 0 (no CPU tier) or hold"),
+        ("--cpu-cache-tokens", "8", "--cpu-cache-tokens must be 0 (no CPU tier) or hold"),
+        ("--gpu-cache-gb", "-1", "--gpu-cache-gb must be more than 0"),
+        ("--gpu-cache-gb", "0", "--gpu-cache-gb must be more than 0"),
+        ("--gpu-cache-gb", "0.00001", "--gpu-cache-gb 1e-05 holds 0 blocks"),
+        ("--cpu-cache-gb", "-2", "--cpu-cache-gb must be 0 (no CPU tier) or more"),
+        ("--block-size", "24", "--block-size must be a power of two"),
+    ],
+)
+def test_a_cache_size_out_of_range_names_its_option(tmp_path, flag, value, words) -> None:
+    done = serve("--model", "smollm2", "--data-dir", str(tmp_path / "data"), flag, value)
+    assert_clean_error(done, words)
+
+
+def test_a_wrong_model_leaves_nothing_behind(tmp_path) -> None:
+    """No data dir, store, nats-server files or pid file for a model that does not load, and
+    nothing new in a data dir already there."""
+    fresh, kept = tmp_path / "fresh", tmp_path / "kept"
+    kept.mkdir()
+    (kept / "mine.txt").write_text("a file of the user's")
+    for data in (fresh, kept):
+        done = serve("--model", str(tmp_path / "no-such-model"), "--data-dir", str(data))
+        assert_clean_error(done, "model not found")
+    assert not fresh.exists()
+    assert [p.name for p in kept.iterdir()] == ["mine.txt"]
+
+
+@pytest.mark.slow
+def test_serve_takes_its_model_and_port_as_vllm_serve_does(tmp_path) -> None:
+    """`pensieve serve MODEL --host H --port P`: the OpenAI API of that model on H:P, as
+    `vllm serve` would serve it (and --max-num-batched-tokens, vLLM's name of a step's tokens)."""
+    import aiohttp
+
+    from pensieve.ops.nats_server import free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "pensieve.ops.cli", "serve", "smollm2", "--insecure"]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--nats-port", str(free_port())]
+    command += ["--data-dir", str(tmp_path / "data"), "--max-num-batched-tokens", "256"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        said = ""
+        while "OpenAI-compatible API on" not in said:
+            line = proc.stderr.readline()
+            assert line, said
+            said += line
+        assert f"http://127.0.0.1:{port}/v1 (model 'smollm2'" in said, said
+
+        async def models() -> list[str]:
+            url = f"http://127.0.0.1:{port}/v1/models"
+            async with aiohttp.ClientSession() as session, session.get(url) as response:
+                return [m["id"] for m in (await response.json())["data"]]
+
+        assert asyncio.run(models()) == ["smollm2"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_vllm_options_pensieve_spells_otherwise_get_a_line_naming_its_own(capsys) -> None:
+    from pensieve.ops.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "smollm2", "--max-num-batched-tokens", "256"])
+    assert (args.model_word, args.max_batch_tokens) == ("smollm2", 256)
+    for option, value, words in (
+        ("--gpu-memory-utilization", "0.9", "--gpu-cache-gb GB or --gpu-cache-tokens N"),
+        ("--api-key", "k", "pensieve tenant add NAME --out FILE"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(["serve", "smollm2", option, value])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and f"{option} is vLLM's: " in err and words in err, err
+    assert main(["serve", "a", "--model", "b"]) == 2
+    assert "two models: 'a' and --model 'b'" in capsys.readouterr().err
+    assert main(["serve"]) == 2
+    assert "pensieve serve MODEL (or --model MODEL)" in capsys.readouterr().err
 
 
 def test_a_cpu_engine_gets_the_same_threads_in_replay_and_serve() -> None:

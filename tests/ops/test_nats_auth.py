@@ -7,10 +7,12 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -614,3 +616,80 @@ def test_a_tenant_removed_while_the_reload_fails_keeps_neither_its_key_nor_its_l
         assert asyncio.run(_refused(alice, server.url))
         with pytest.raises(OpenAIError):
             ApiKeys(tmp_path).tenant(key)
+
+
+def test_tenant_add_and_rotate_write_a_line_only_its_user_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--out FILE`: the line goes into FILE, mode 0600 whatever the umask (a shell's `>`
+    makes it 0644), nothing secret on the terminal; `rotate --out` replaces it with a line that
+    connects where the old one is refused."""
+    data, line = tmp_path / "data", tmp_path / "me.json"
+    old_umask = os.umask(0o022)
+    try:
+        assert main(["tenant", "add", "me", "--data-dir", str(data), "--out", str(line)]) == 0
+        out, err = capsys.readouterr()
+        assert line.stat().st_mode & 0o777 == 0o600
+        first = json.loads(line.read_text())
+        assert out == "" and first["nats"]["password"] not in err and str(line) in err
+        line.chmod(0o644)  # rotate replaces even a file made wider since
+        assert main(["tenant", "rotate", "me", "--data-dir", str(data), "--out", str(line)]) == 0
+        assert line.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old_umask)
+    second = json.loads(line.read_text())
+    assert second["nats"]["password"] != first["nats"]["password"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+    async def go(url: str) -> None:
+        assert await _refused(first["nats"], url)
+        server, connect = tenant_options(line)
+        bus = await Bus.connect(url, options=connect)
+        await bus.close()
+
+    with EmbeddedNats(auth_data_dir=data) as server:
+        asyncio.run(go(server.url))
+
+
+def test_chat_and_bench_refused_say_so_and_name_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sharegpt20: Path
+) -> None:
+    """`pensieve chat` and `pensieve bench` against a server that asks who connects, without
+    credentials or with a tenant's old ones: the first refusal ends the command with what was
+    refused and what to pass (they retried for 10 s, then said no server answers, or nothing)."""
+    alice = tmp_path / "alice.json"
+    assert main(["tenant", "add", "alice", "--data-dir", str(tmp_path), "--out", str(alice)]) == 0
+    old = alice.read_text()
+    assert main(["tenant", "rotate", "alice", "--data-dir", str(tmp_path)]) == 0
+    capsys.readouterr()
+    stale = tmp_path / "stale.json"
+    stale.write_text(old)
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        url = ["--nats-url", server.url]
+        bench = ["bench", str(sharegpt20), "--num-conversations", "1"]
+        runs = {
+            "chat, anonymous": (["chat", *url], "without credentials", "--tenant FILE"),
+            "bench, anonymous": ([*bench, *url], "without credentials", "--tenant FILE"),
+            "chat, stale": (
+                ["chat", *url, "--tenant", str(stale)],
+                "user 'tenant-alice'",
+                "rotate",
+            ),
+            "bench, stale": (
+                [*bench, *url, "--tenant", str(stale)],
+                "user 'tenant-alice'",
+                "rotate",
+            ),
+        }
+        for name, (args, who, fix) in runs.items():
+            done = subprocess.run(
+                [sys.executable, "-m", "pensieve.ops.cli", *args],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            said = done.stderr.strip().splitlines()[-1]
+            assert done.returncode == 2, (name, done.stderr)
+            assert "refused" in said and who in said and "authorization" in said, (name, said)
+            assert fix in said and "Authorization Violation" not in done.stderr, (name, said)

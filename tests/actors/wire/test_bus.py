@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from contextlib import aclosing
 
 import nats
 import pytest
 
-from pensieve.actors.wire.bus import Bus, Incoming, ServiceInfo
+from pensieve.actors.wire.bus import (
+    AuthorizationRefused,
+    Bus,
+    ConnectOptions,
+    Incoming,
+    ServiceInfo,
+)
 from pensieve.actors.wire.schemas import ApiError
+from pensieve.ops.nats_accounts import add_tenant, rotate_tenant
 from pensieve.ops.nats_server import EmbeddedNats
 
 
@@ -143,3 +151,36 @@ def test_a_message_that_would_pass_the_payload_limit_is_refused_before_it_is_sen
 
     with EmbeddedNats() as server:
         asyncio.run(go(server.url))
+
+
+def test_credentials_refused_are_never_tried_again(tmp_path, caplog) -> None:
+    """A first connection the server refuses raises at once (nats-py would try forever); a
+    reconnection refused, once the credentials are revoked, closes the bus for good."""
+
+    async def go(url: str) -> None:
+        with pytest.raises(AuthorizationRefused, match="without credentials"):
+            await asyncio.wait_for(Bus.connect(url), 10)
+        alice = add_tenant(tmp_path, "alice")
+        as_alice = ConnectOptions(
+            user=alice["user"], password=alice["password"], inbox_prefix=alice["inbox_prefix"]
+        )
+        wrong = dataclasses.replace(as_alice, password="wrong")
+        with pytest.raises(AuthorizationRefused, match="user 'tenant-alice'"):
+            await asyncio.wait_for(Bus.connect(url, options=wrong), 10)
+        bus = await Bus.connect(url, options=as_alice)
+        first = bus.client
+        await asyncio.to_thread(rotate_tenant, tmp_path, "alice")  # closes its connections
+        for _ in range(250):
+            if bus.refused is not None and bus.client.is_closed:
+                break
+            await asyncio.sleep(0.02)
+        assert bus.refused is not None and bus.client is first and first.is_closed
+        await asyncio.sleep(2.5)  # nats-py's wait between tries: none comes
+        assert bus.client is first and bus.num_recoveries == 0
+        await bus.close()
+
+    caplog.set_level(logging.INFO, logger="pensieve.actors.wire.bus")
+    with EmbeddedNats(auth_data_dir=tmp_path) as server:
+        asyncio.run(go(server.url))
+    said = [r.getMessage() for r in caplog.records]
+    assert any("stays closed" in text or "connection is closed" in text for text in said), said
