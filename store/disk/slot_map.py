@@ -68,8 +68,9 @@ class SlotMap:
 
     def hold(self, key: bytes, entry: Entry) -> None:
         """A reserved slot now named by `key`'s committed entry."""
-        if self._reserved.pop(key) != entry.slot:
+        if self._reserved.get(key) != entry.slot:
             raise ValueError(f"slot {entry.slot} was not reserved for this chunk")
+        del self._reserved[key]
         self._held[key] = entry
 
     def pin(self, key: bytes) -> Entry | None:
