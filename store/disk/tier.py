@@ -98,6 +98,7 @@ class DiskTier:
         if num_slots < 1:
             raise DiskTierError(f"a disk budget of {config.budget_bytes} bytes holds no chunk")
         lock_fd = lock_directory(path)
+        index: DiskIndex | None = None
         try:
             fingerprint = fingerprint_digest(model_fingerprint)
             header = Header(LAYOUT_VERSION, fingerprint, geometry, num_slots)
@@ -106,11 +107,12 @@ class DiskTier:
             held = _load(index, header, file_slots, path)
             size_slot_file(path / SLOT_FILE, num_slots * geometry.slot_bytes)
             io = ThreadedSlotIO(path / SLOT_FILE, geometry, config.io_method, config.num_threads)
-        except OSError as error:
+        except BaseException as error:
+            if index is not None:
+                index.close()
             os.close(lock_fd)
-            raise DiskTierError(f"disk cache directory {path}: {error}") from error
-        except BaseException:
-            os.close(lock_fd)
+            if isinstance(error, OSError):
+                raise DiskTierError(f"disk cache directory {path}: {error}") from error
             raise
         logger.info(
             "disk tier at %s: %d slots of %d bytes, %d chunks kept, %s I/O",
@@ -151,7 +153,8 @@ class DiskTier:
     def write(self, chunks: Sequence[Chunk]) -> list[bytes]:
         """Put chunks on disk as far as free slots go, in the order of the module's docstring;
         the keys written. A key on disk already is skipped (a content key names its bytes).
-        Writes nothing once writes are off (after a write failed: disk full, I/O error)."""
+        Writes nothing once writes are off (after a write failed: disk full, I/O error). The
+        chunks' buffers must not change until it returns."""
         pieces_of = dict(self._checked(chunks))
         if not self.writable:
             return []
