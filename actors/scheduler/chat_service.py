@@ -415,7 +415,6 @@ class ChatService:
             )
             return
         text = self.text.finish(turn)
-        text = self.text.finish(turn)
         user, results = last_sent(turn.messages)
         calls = tuple(call.as_openai() for call in turn.tool_calls)
         sent = len(results) + (1 if turn.messages[-1]["role"] == "user" else 0)
