@@ -539,6 +539,8 @@ def _answers(kind: str, body: dict[str, Any], reply: Any, expected: Expected) ->
             "busy",
             "ended",
             "next_cursor",
+            "created_at",
+            "opening",
         }
         return set(reply) == keys and reply["conversation_id"] == body["conversation_id"]
     if kind == "list":
