@@ -87,7 +87,7 @@ class ToolCall(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     type: Literal["function"] = "function"
 
 
-class ChatTurn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class ChatTurn(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """A message: an assistant's that only calls tools has no `content`; a tool's answers the
     call `tool_call_id`."""
 
