@@ -10,5 +10,5 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=benchmarks/gpu_env.sh
 source benchmarks/gpu_env.sh
-python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -25
+python3 -m pytest -q -m gpu -p no:cacheprovider --durations=12 tests 2>&1 | tail -40
 [ "$#" -gt 0 ] && python3 -m benchmarks.bench_gpu "$@"

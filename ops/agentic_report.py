@@ -63,7 +63,37 @@ def table(label: str, runs: Sequence[dict[str, Any]]) -> str:
             lines.append(f"{name} server prefix cache: {_prefix_cache(cache)}")
         if (long := run.get("long_prompt")) is not None:
             lines.append(f"{name} long prompt: {_long_prompt(long)}")
+        for step in run.get("server", {}).get("slow_steps", [])[:SLOW_STEPS]:
+            lines.append(f"{name} slow step: {_slow_step(step)}")
     return "\n".join(lines)
+
+
+SLOW_STEPS = 3  # the longest step intervals shown under a run
+
+
+def _slow_step(step: dict[str, Any]) -> str:
+    """One of the engine's longest step intervals (`actors/scheduler/step_log.py`): its host
+    work before the step, then the step's phases and what it did, in ms."""
+    between, phases = step["between"], step["phases"]
+    text = (
+        f"{step['interval_s'] * 1000:.0f} ms at {step['at_s']:.0f} s: before it "
+        f"{between['commands']} calls {between['commands_s'] * 1000:.1f} ms"
+        + (
+            f" ({between['slowest_command']} {between['slowest_command_s'] * 1000:.1f})"
+            if between["commands"]
+            else ""
+        )
+        + f", snapshot {between['snapshot_s'] * 1000:.1f}; step {step['step_s'] * 1000:.1f}"
+    )
+    if phases is None:
+        return text
+    return text + (
+        f" = schedule {phases['schedule_s'] * 1000:.1f} launch {phases['launch_s'] * 1000:.1f} "
+        f"wait {phases['wait_s'] * 1000:.1f} update {phases['update_s'] * 1000:.1f}; "
+        f"{phases['kind']}: {phases['decodes']} decodes over {phases['decode_positions']} "
+        f"positions, {phases['prefill_tokens']} prefill tokens, {phases['swap_in']} blocks in, "
+        f"{phases['swap_out']} out"
+    )
 
 
 def _prefix_cache(cache: dict[str, Any]) -> str:

@@ -241,6 +241,12 @@ async def server_stats(bus: Bus, fresh_within_s: float = 2.0) -> dict[str, Any] 
         await asyncio.sleep(0.01)
 
 
+def slowest_between(before: dict[str, Any], after: dict[str, Any], keep: int = 8) -> list[Any]:
+    """The `keep` longest step intervals of the engine's log (stats' `slow_steps`, longest
+    first) that ended after `before`'s was read: those of the load, not of a warm-up."""
+    return [step for step in after["slowest"] if step["at_s"] > before["now_s"]][:keep]
+
+
 def server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What the engine did during the load, by its own totals: requests finished, suspensions,
     prompt tokens by source, and swaps in each direction with their rate over the device time
@@ -266,6 +272,8 @@ def server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
         out["device"] = {**device, "idle_fraction": device["idle_s"] / total if total else None}
     for swap in out["swaps"].values():
         swap["gb_per_s"] = swap["bytes"] / swap["seconds"] / 1e9 if swap["seconds"] > 0 else None
+    if "slow_steps" in after and "slow_steps" in before:
+        out["slow_steps"] = slowest_between(before["slow_steps"], after["slow_steps"])
     if "prefix_cache" in after and "prefix_cache" in before:  # counters moved; the rest as after
         cache, was = after["prefix_cache"], before["prefix_cache"]
         out["prefix_cache"] = {

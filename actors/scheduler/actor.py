@@ -405,7 +405,8 @@ class ChatServer(Actor):
                 fresh.cancel()
             taken, stats = self.engine.snapshot
             age = time.monotonic() - taken
-        stats = {**stats, "age_s": round(age, 3)}
+        # the engine thread's slowest step intervals, read here: a snapshot leaves them out
+        stats = {**stats, "age_s": round(age, 3), "slow_steps": self.service.step_log.stats()}
         # objects frozen out of garbage collection (`pensieve serve` freezes its start-up heap)
         process = {"gc_frozen_objects": gc.get_freeze_count()}
         await msg.send(orjson.dumps({"engine_id": self.engine_id, **stats, "process": process}))

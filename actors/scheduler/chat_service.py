@@ -39,6 +39,7 @@ from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.metrics import Metrics
 from pensieve.actors.scheduler.reply_text import ReplyText
 from pensieve.actors.scheduler.request import FinishReason
+from pensieve.actors.scheduler.step_log import StepLog
 from pensieve.actors.scheduler.turn import Turn, TurnSink
 from pensieve.actors.scheduler.turn_commit import TurnCommitter, last_sent, turn_record
 from pensieve.actors.scheduler.turn_tracing import TurnTracer
@@ -93,6 +94,7 @@ class ChatService:
         self.text = ReplyText(chat, self.turns, self._stop_at, self._complete)
         self.commits = TurnCommitter(store, writer, self.metrics)
         self.tracer = TurnTracer(self.turns, self.convs.by_id, engine, model)
+        self.step_log = StepLog()  # the engine thread's slowest step intervals
         # the executor traces each turn's phases and copies in its trace, learnt from here
         self.engine.trace_requests(self.tracer.context, self.tracer.copy_contexts)
         self.engine.while_waiting = self.text.while_waiting

@@ -51,6 +51,7 @@ class EngineThread:
         # the service's stats as of a recent step, for a stats request that finds the thread
         # busy: it never waits for a step (refreshed at most every SNAPSHOT_EVERY_S)
         self.snapshot: tuple[float, dict[str, Any]] = (time.monotonic(), service.stats())
+        self.log = service.step_log
         self.stepping = False  # in a step now: a stats request takes the snapshot
         service.metrics.follow_engine(lambda: self.snapshot[1])  # read at each scrape
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -90,21 +91,29 @@ class EngineThread:
                 command = command or self._commands.get(block=not busy)
             except queue.Empty:
                 command = None
+            if not busy:
+                self.log.idle()  # no step waited while it slept
             if isinstance(command, _StepDone):  # that wait ended already
                 continue
             if command is _STOP:
                 self.service.fail_all(ApiError("internal", "the server is shutting down"))
                 return
             if command is not None:
+                began = time.perf_counter()
                 _run_command(command, broken)
+                self.log.command(_name(command[0]), time.perf_counter() - began)
                 continue  # take every queued command before the next step
             try:
                 self.stepping = True
+                began = time.perf_counter()
                 self.service.step()
+                self.log.stepped(time.perf_counter() - began, self.service.engine.last_timing)
                 self.stepping = False
                 stepped = True
                 if time.monotonic() - self.snapshot[0] > SNAPSHOT_EVERY_S:
+                    began = time.perf_counter()
                     self.snapshot, stepped = (time.monotonic(), self.service.stats()), False
+                    self.log.snapshot(time.perf_counter() - began)
             except Exception as error:
                 self.stepping = False
                 logger.exception("engine step failed; resetting the engine")
@@ -150,3 +159,7 @@ def _run_command(command: tuple[Any, ...], broken: ApiError | None) -> None:
         future.set_result(fn(*args))
     except BaseException as error:  # handed to the caller, who answers with it
         future.set_exception(error)
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)

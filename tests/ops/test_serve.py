@@ -36,7 +36,7 @@ from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import ERROR_HEADER, Bus
 from pensieve.actors.wire.schemas import ERROR_STATUS, ApiError, parse_chat
 from pensieve.ops.factory import EngineOptions, assemble
-from pensieve.ops.load import LoadOptions, run_load
+from pensieve.ops.load import LoadOptions, run_load, server_moved
 from pensieve.ops.nats_server import EmbeddedNats, free_port
 from pensieve.ops.sharegpt import load_conversations
 from pensieve.ops.telemetry import setup_tracing
@@ -281,6 +281,9 @@ def _stats(url: str, connect: dict | None = None) -> dict[str, Any]:
     return replies[-1]
 
 
+KINDS = ("decode", "mixed", "prefill")
+
+
 def test_the_stats_subject_adds_up_what_the_turns_reported(served) -> None:
     """`pensieve.v1.stats`: over four conversations of two turns at once on tiny tiers, the
     engine's totals move by exactly the sums of the replies' usage, every token that came
@@ -342,6 +345,14 @@ def test_the_stats_subject_adds_up_what_the_turns_reported(served) -> None:
     assert cpu["total"] == TIERS["cpu_cache_tokens"] // block
     assert 0 <= gpu["free"] + gpu["reclaimable"] <= gpu["total"]
     assert 0 <= cpu["free"] <= cpu["total"]
+    # the load's slowest step intervals, with where their time went
+    slow = server_moved(before, after)["slow_steps"]
+    assert slow and all(s["at_s"] > before["slow_steps"]["now_s"] for s in slow)
+    assert [s["interval_s"] for s in slow] == sorted((s["interval_s"] for s in slow), reverse=True)
+    for step in slow:
+        assert step["interval_s"] >= step["step_s"] > 0
+        assert step["phases"] is None or step["phases"]["kind"].split("+")[0] in KINDS
+    assert any(s["phases"] and s["phases"]["prefill_tokens"] for s in slow)
 
 
 def test_a_stats_request_that_is_not_an_object_is_refused(server) -> None:

@@ -1,0 +1,114 @@
+"""The engine thread's slowest step intervals, to find what makes a token late.
+
+A session's next token is as late as the interval from one step's start to the next: the host
+work between steps (the API calls the engine thread runs there, such as admitting a turn, and the
+stats snapshot) plus the step itself, whose phases `StepTiming` splits (scheduling, launch,
+waiting for the device, applying the tokens). The log keeps the `keep` longest intervals of each
+`WINDOW_S` of the last `WINDOWS` with that breakdown, for the stats (`slow_steps`), so a tail seen
+by clients can be put on its cause from the server's stats read before and after a load (the
+intervals that ended between the two, which leaves out a warm-up's compilation).
+
+The engine thread records; the actor's stats request reads (under the log's lock).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pensieve.actors.scheduler.engine import StepTiming
+
+KEEP = 4
+WINDOW_S = 15.0
+WINDOWS = 40
+
+
+@dataclass
+class _Between:
+    """What ran on the engine thread since the last step ended."""
+
+    began: float
+    commands: int = 0
+    commands_s: float = 0.0
+    slowest_command: str = ""
+    slowest_command_s: float = 0.0
+    snapshot_s: float = 0.0
+
+
+@dataclass(order=True)
+class SlowStep:
+    interval_s: float  # from the end of the step before to the end of this one
+    at_s: float = field(compare=False)  # when it ended, seconds since the log began
+    between: dict[str, Any] = field(compare=False)
+    step_s: float = field(compare=False)  # the service's step call, wall
+    phases: dict[str, Any] | None = field(compare=False)  # the engine's `StepTiming`
+
+
+class StepLog:
+    """The `keep` longest step intervals of each recent window, with where their time went."""
+
+    def __init__(self, keep: int = KEEP) -> None:
+        self.keep = keep
+        self._start = time.monotonic()
+        self._between = _Between(self._start)
+        # window number -> a min-heap of its kept intervals
+        self._windows: dict[int, list[tuple[float, int, SlowStep]]] = {}
+        self._order = itertools.count()
+        self._lock = threading.Lock()
+
+    def now_s(self) -> float:
+        """Seconds since the log began, the clock of `SlowStep.at_s`."""
+        return time.monotonic() - self._start
+
+    def command(self, name: str, seconds: float) -> None:
+        """An API call ran on the engine thread between steps."""
+        between = self._between
+        between.commands += 1
+        between.commands_s += seconds
+        if seconds > between.slowest_command_s:
+            between.slowest_command, between.slowest_command_s = name, seconds
+
+    def snapshot(self, seconds: float) -> None:
+        self._between.snapshot_s += seconds
+
+    def idle(self) -> None:
+        """The thread had no work and slept: the next interval starts when it wakes."""
+        self._between = _Between(time.monotonic())
+
+    def stepped(self, step_s: float, timing: StepTiming | None) -> None:
+        """A step call ended, taking `step_s`; `timing` is the engine's breakdown of it."""
+        now = time.monotonic()
+        between, self._between = self._between, _Between(now)
+        interval, at = now - between.began, now - self._start
+        window = int(at // WINDOW_S)
+        kept = self._windows.get(window)
+        if kept is None:
+            with self._lock:
+                kept = self._windows[window] = []
+                for old in [w for w in self._windows if w <= window - WINDOWS]:
+                    del self._windows[old]
+        if len(kept) == self.keep and interval <= kept[0][0]:
+            return
+        record = SlowStep(
+            interval,
+            at,
+            {k: v for k, v in asdict(between).items() if k != "began"},
+            step_s,
+            None if timing is None else {**asdict(timing), "kind": timing.kind},
+        )
+        entry = (interval, next(self._order), record)
+        with self._lock:
+            if len(kept) < self.keep:
+                heapq.heappush(kept, entry)
+            else:
+                heapq.heapreplace(kept, entry)
+
+    def stats(self) -> dict[str, Any]:
+        """The log's clock now and every kept interval, longest first."""
+        with self._lock:
+            entries = sorted((e for kept in self._windows.values() for e in kept), reverse=True)
+        return {"now_s": self.now_s(), "slowest": [asdict(e[2]) for e in entries]}
