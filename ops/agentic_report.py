@@ -65,6 +65,11 @@ def table(label: str, runs: Sequence[dict[str, Any]]) -> str:
             lines.append(f"{name} long prompt: {_long_prompt(long)}")
         for step in run.get("server", {}).get("slow_steps", [])[:SLOW_STEPS]:
             lines.append(f"{name} slow step: {_slow_step(step)}")
+        if stalls := run.get("server", {}).get("loop_stalls"):
+            lines.append(
+                f"{name} event loop's longest stalls: "
+                + ", ".join(f"{s['lag_s'] * 1000:.0f} ms at {s['run_s']:.1f} s" for s in stalls[:4])
+            )
     return "\n".join(lines)
 
 
@@ -76,7 +81,7 @@ def _slow_step(step: dict[str, Any]) -> str:
     work before the step, then the step's phases and what it did, in ms."""
     between, phases = step["between"], step["phases"]
     text = (
-        f"{step['interval_s'] * 1000:.0f} ms at {step['at_s']:.0f} s: before it "
+        f"{step['interval_s'] * 1000:.0f} ms at {step.get('run_s', step['at_s']):.1f} s: before it "
         f"{between['commands']} calls {between['commands_s'] * 1000:.1f} ms"
         + (
             f" ({between['slowest_command']} {between['slowest_command_s'] * 1000:.1f})"
@@ -112,6 +117,19 @@ def _long_prompt(long: dict[str, Any]) -> str:
         f"itl p50/p99 while it waited {_at(during, 'p50', 1000)}/{_at(during, 'p99', 1000)} "
         f"ms, otherwise {_at(rest, 'p50', 1000)}/{_at(rest, 'p99', 1000)} ms"
         + ("" if long["error"] is None else f" (error {long['error']})")
+        + _longest(long.get("longest_during", []))
+    )
+
+
+def _longest(gaps: list[dict[str, Any]]) -> str:
+    """The longest gap while it waited, and how many of the longest ended within 0.1 s of it."""
+    if not gaps:
+        return ""
+    top = gaps[0]
+    together = sum(abs(g["end_s"] - top["end_s"]) <= 0.1 for g in gaps)
+    return (
+        f"; longest gap {top['gap_s'] * 1000:.0f} ms ended at {top['end_s']:.1f} s, with "
+        f"{together - 1} of the next {len(gaps) - 1} longest within 0.1 s of it"
     )
 
 

@@ -164,17 +164,27 @@ def reuse(turns: list[TurnResult]) -> dict[str, Any]:
     }
 
 
+LONGEST_GAPS = 24
+
+
 def long_prompt(outcome: Outcome) -> dict[str, Any]:
     """The long prompt's figures, and the sessions' inter-token gaps that ended while it
     waited for its first token (`itl_during_s`) against the others (`itl_rest_s`)."""
     found = outcome.long_prompt
     assert found is not None
     until = found.done if found.first is None else found.first
+    begin = found.sent - found.at_s
     during: list[float] = []
     rest: list[float] = []
+    longest: list[tuple[float, float, str]] = []  # gap, its end from the run's start, session
     for turn in outcome.turns:
         for a, b in pairwise(turn.arrived):
-            (during if found.sent <= b <= until else rest).append(b - a)
+            if found.sent <= b <= until:
+                during.append(b - a)
+                longest.append((b - a, b - begin, turn.session))
+            else:
+                rest.append(b - a)
+    longest.sort(reverse=True)
     return {
         "at_s": found.at_s,
         "prompt_tokens": found.prompt_tokens,
@@ -184,4 +194,10 @@ def long_prompt(outcome: Outcome) -> dict[str, Any]:
         "itl_during_s": stats(during),
         "itl_rest_s": stats(rest),
         "gaps": {"during": len(during), "rest": len(rest)},
+        # the longest gaps while it waited, to set beside the engine's slowest steps: many
+        # sessions' gaps ending together are a stall of everything, not of one turn
+        "longest_during": [
+            {"gap_s": gap, "end_s": end, "session": session}
+            for gap, end, session in longest[:LONGEST_GAPS]
+        ],
     }

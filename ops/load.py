@@ -241,10 +241,17 @@ async def server_stats(bus: Bus, fresh_within_s: float = 2.0) -> dict[str, Any] 
         await asyncio.sleep(0.01)
 
 
-def slowest_between(before: dict[str, Any], after: dict[str, Any], keep: int = 8) -> list[Any]:
-    """The `keep` longest step intervals of the engine's log (stats' `slow_steps`, longest
-    first) that ended after `before`'s was read: those of the load, not of a warm-up."""
-    return [step for step in after["slowest"] if step["at_s"] > before["now_s"]][:keep]
+def slowest_between(
+    before: dict[str, Any], after: dict[str, Any], kind: str = "slowest", keep: int = 8
+) -> list[Any]:
+    """The `keep` longest step intervals (or event loop stalls, `kind="loop_stalls"`) of the
+    engine's log (stats' `slow_steps`, longest first) that ended after `before`'s was read:
+    those of the load, not of a warm-up; each with `run_s`, when it ended from that read (about
+    when the load began)."""
+    since = before["now_s"]
+    return [
+        {**found, "run_s": found["at_s"] - since} for found in after[kind] if found["at_s"] > since
+    ][:keep]
 
 
 def server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -274,6 +281,9 @@ def server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
         swap["gb_per_s"] = swap["bytes"] / swap["seconds"] / 1e9 if swap["seconds"] > 0 else None
     if "slow_steps" in after and "slow_steps" in before:
         out["slow_steps"] = slowest_between(before["slow_steps"], after["slow_steps"])
+        out["loop_stalls"] = slowest_between(
+            before["slow_steps"], after["slow_steps"], "loop_stalls"
+        )
     if "prefix_cache" in after and "prefix_cache" in before:  # counters moved; the rest as after
         cache, was = after["prefix_cache"], before["prefix_cache"]
         out["prefix_cache"] = {

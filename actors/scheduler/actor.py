@@ -26,6 +26,7 @@ from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig
 from pensieve.actors.scheduler.chat_service import ChatService, Reservation
 from pensieve.actors.scheduler.engine_thread import EngineThread
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
+from pensieve.actors.scheduler.step_log import watching_loop
 from pensieve.actors.scheduler.sweeper import sweeping
 from pensieve.actors.wire import subjects, tracing
 from pensieve.actors.wire.actor import Actor
@@ -175,6 +176,7 @@ class ChatServer(Actor):
         await self.serve("metrics", self._metrics)
         self._sweeping = contextlib.AsyncExitStack()
         await self._sweeping.enter_async_context(sweeping(self.engine, self.expiry))
+        await self._sweeping.enter_async_context(watching_loop(self.service.step_log))
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Draining stop: take no more requests, give those in hand `grace_s` (default: the

@@ -13,10 +13,13 @@ The engine thread records; the actor's stats request reads (under the log's lock
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import heapq
 import itertools
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -48,20 +51,59 @@ class SlowStep:
     phases: dict[str, Any] | None = field(compare=False)  # the engine's `StepTiming`
 
 
-class StepLog:
-    """The `keep` longest step intervals of each recent window, with where their time went."""
+class _Windows:
+    """The `keep` largest records of each `WINDOW_S` window of the last `WINDOWS` (records are
+    ordered by their first field). Written by one thread, read by others."""
 
-    def __init__(self, keep: int = KEEP) -> None:
+    def __init__(self, keep: int, start: float) -> None:
         self.keep = keep
-        self._start = time.monotonic()
-        self._between = _Between(self._start)
-        # window number -> a min-heap of its kept intervals
-        self._windows: dict[int, list[tuple[float, int, SlowStep]]] = {}
+        self._start = start
+        self._windows: dict[int, list[tuple[float, int, Any]]] = {}  # number -> a min-heap
         self._order = itertools.count()
         self._lock = threading.Lock()
 
+    def offer(self, size: float, at: float, record: Callable[[], Any]) -> None:
+        """A record of `size` at `at` (seconds since the log began), made only if kept."""
+        window = int(at // WINDOW_S)
+        kept = self._windows.get(window)
+        if kept is None:
+            with self._lock:
+                kept = self._windows[window] = []
+                for old in [w for w in self._windows if w <= window - WINDOWS]:
+                    del self._windows[old]
+        if len(kept) == self.keep and size <= kept[0][0]:
+            return
+        entry = (size, next(self._order), record())
+        with self._lock:
+            if len(kept) < self.keep:
+                heapq.heappush(kept, entry)
+            else:
+                heapq.heapreplace(kept, entry)
+
+    def largest(self) -> list[dict[str, Any]]:
+        with self._lock:
+            entries = sorted((e for kept in self._windows.values() for e in kept), reverse=True)
+        return [asdict(e[2]) for e in entries]
+
+
+@dataclass
+class LoopStall:
+    lag_s: float  # how late the event loop woke a task that slept
+    at_s: float  # when it woke, seconds since the log began
+
+
+class StepLog:
+    """The `keep` longest step intervals of each recent window, with where their time went, and
+    the event loop's longest stalls (the scheduler actor's loop, which sends the replies)."""
+
+    def __init__(self, keep: int = KEEP) -> None:
+        self._start = time.monotonic()
+        self._between = _Between(self._start)
+        self._steps = _Windows(keep, self._start)
+        self._stalls = _Windows(keep, self._start)
+
     def now_s(self) -> float:
-        """Seconds since the log began, the clock of `SlowStep.at_s`."""
+        """Seconds since the log began, the clock of `at_s`."""
         return time.monotonic() - self._start
 
     def command(self, name: str, seconds: float) -> None:
@@ -84,31 +126,50 @@ class StepLog:
         now = time.monotonic()
         between, self._between = self._between, _Between(now)
         interval, at = now - between.began, now - self._start
-        window = int(at // WINDOW_S)
-        kept = self._windows.get(window)
-        if kept is None:
-            with self._lock:
-                kept = self._windows[window] = []
-                for old in [w for w in self._windows if w <= window - WINDOWS]:
-                    del self._windows[old]
-        if len(kept) == self.keep and interval <= kept[0][0]:
-            return
-        record = SlowStep(
+        self._steps.offer(
             interval,
             at,
-            {k: v for k, v in asdict(between).items() if k != "began"},
-            step_s,
-            None if timing is None else {**asdict(timing), "kind": timing.kind},
+            lambda: SlowStep(
+                interval,
+                at,
+                {k: v for k, v in asdict(between).items() if k != "began"},
+                step_s,
+                None if timing is None else {**asdict(timing), "kind": timing.kind},
+            ),
         )
-        entry = (interval, next(self._order), record)
-        with self._lock:
-            if len(kept) < self.keep:
-                heapq.heappush(kept, entry)
-            else:
-                heapq.heapreplace(kept, entry)
+
+    def loop_stall(self, lag_s: float) -> None:
+        """The event loop woke a sleeping task `lag_s` late (from its own thread)."""
+        at = self.now_s()
+        self._stalls.offer(lag_s, at, lambda: LoopStall(lag_s, at))
 
     def stats(self) -> dict[str, Any]:
-        """The log's clock now and every kept interval, longest first."""
-        with self._lock:
-            entries = sorted((e for kept in self._windows.values() for e in kept), reverse=True)
-        return {"now_s": self.now_s(), "slowest": [asdict(e[2]) for e in entries]}
+        """The log's clock now, every kept interval and every kept stall, longest first."""
+        return {
+            "now_s": self.now_s(),
+            "slowest": self._steps.largest(),
+            "loop_stalls": self._stalls.largest(),
+        }
+
+
+LOOP_TICK_S = 0.01
+
+
+@contextlib.asynccontextmanager
+async def watching_loop(log: StepLog, tick_s: float = LOOP_TICK_S) -> AsyncIterator[None]:
+    """While open: a task on the running loop that sleeps `tick_s` at a time and tells `log`
+    how late it woke (`loop_stall`), so a stall of the loop that sends the replies shows."""
+
+    async def watch() -> None:
+        while True:
+            began = time.monotonic()
+            await asyncio.sleep(tick_s)
+            log.loop_stall(max(time.monotonic() - began - tick_s, 0.0))
+
+    task = asyncio.create_task(watch(), name="pensieve-loop-watch")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

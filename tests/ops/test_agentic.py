@@ -229,6 +229,10 @@ def test_the_long_prompt_splits_the_sessions_inter_token_gaps_at_its_first_token
     assert found["itl_during_s"]["p50"] == pytest.approx(0.5)  # 10.5 and 11.0 end inside
     assert found["itl_during_s"]["mean"] == pytest.approx(0.5)
     assert found["gaps"] == {"during": 2, "rest": 21}
+    # with when they ended, from the run's start (7.2 s before the prompt was sent at 3.0 s)
+    assert [
+        (g["session"], round(g["gap_s"], 6), round(g["end_s"], 6)) for g in found["longest_during"]
+    ] == [("a", 0.5, 3.8), ("a", 0.5, 3.3)]
     assert found["itl_rest_s"]["p99"] == pytest.approx(0.1) and found["itl_rest_s"]["p50"] == (
         pytest.approx(0.01)
     )

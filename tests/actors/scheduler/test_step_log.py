@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from pensieve.actors.scheduler import step_log
 from pensieve.actors.scheduler.engine import StepTiming
-from pensieve.actors.scheduler.step_log import StepLog
+from pensieve.actors.scheduler.step_log import StepLog, watching_loop
 from pensieve.ops.load import slowest_between
 
 TIMING = StepTiming(0.001, 0.002, 0.0, 0.01, 0.001, 3, 64, 2, 0, 0, 300)
@@ -61,3 +62,18 @@ def test_each_window_keeps_its_longest_and_a_read_takes_those_after_it(monkeypat
     log.idle()
     step(0.001)
     assert intervals(log.stats()["slowest"]) == [0.001]
+
+
+def test_a_blocked_event_loop_shows_as_a_stall_of_about_its_length() -> None:
+    log = StepLog()
+
+    async def go() -> None:
+        async with watching_loop(log, tick_s=0.005):
+            await asyncio.sleep(0.05)
+            time.sleep(0.2)  # something holds the loop
+            await asyncio.sleep(0.05)
+
+    asyncio.run(go())
+    stalls = log.stats()["loop_stalls"]
+    assert 0.18 <= stalls[0]["lag_s"] < 1.0
+    assert all(s["lag_s"] < 0.1 for s in stalls[1:])
