@@ -148,6 +148,7 @@ class _Streamed:
 
     sent: float
     arrived: list[float] = field(default_factory=list)  # each chunk
+    shown: list[int] = field(default_factory=list)  # the reply's tokens shown with each chunk
     text: list[str] = field(default_factory=list)
     reply: dict[str, Any] = field(default_factory=dict)  # the last message
     done: float = 0.0
@@ -167,6 +168,7 @@ async def _stream(chat: ChatClient, body: dict[str, Any], timeout_s: float) -> _
             if "delta" not in reply:
                 break
             streamed.arrived.append(time.perf_counter())
+            streamed.shown.append(reply.get("completion_tokens", 0))
             streamed.text.append(reply["delta"])
     streamed.done = time.perf_counter()
     return streamed
@@ -235,6 +237,7 @@ def _turn_result(
         usage["completion_tokens"],
         {k: usage["cached_tokens"].get(k, 0) for k in CACHED},
         allowed,
+        tuple(streamed.shown),
     )
 
 

@@ -116,8 +116,19 @@ def _long_prompt(long: dict[str, Any]) -> str:
         f"{long['prompt_tokens']} tokens sent at {long['at_s']:.1f} s, ttft {ttft}; sessions' "
         f"itl p50/p99 while it waited {_at(during, 'p50', 1000)}/{_at(during, 'p99', 1000)} "
         f"ms, otherwise {_at(rest, 'p50', 1000)}/{_at(rest, 'p99', 1000)} ms"
+        + _per_token(long)
         + ("" if long["error"] is None else f" (error {long['error']})")
         + _longest(long.get("longest_during", []))
+    )
+
+
+def _per_token(long: dict[str, Any]) -> str:
+    during, rest = long.get("itl_token_during_s"), long.get("itl_token_rest_s")
+    if during is None and rest is None:
+        return ""
+    return (
+        f" (between tokens {_at(during, 'p50', 1000)}/{_at(during, 'p99', 1000)} and "
+        f"{_at(rest, 'p50', 1000)}/{_at(rest, 'p99', 1000)} ms)"
     )
 
 

@@ -42,11 +42,25 @@ class TurnResult:
     completion_tokens: int
     cached: dict[str, int]  # by `CACHED`
     allowed: int | None  # prompt tokens the workload lets come from the cache (None: turn 0)
+    # the reply's tokens shown with each chunk (the server's `completion_tokens`; empty or 0
+    # where it does not say)
+    shown: tuple[int, ...] = ()
 
     @property
     def gaps_s(self) -> list[float]:
         """Between streamed chunks."""
         return [b - a for a, b in pairwise(self.arrived)]
+
+    def token_gaps(self) -> list[tuple[float, float]]:
+        """Between tokens: a chunk that shows k tokens after a gap g counts k gaps of g / k (a
+        character of several tokens shows when it is whole, so one chunk may carry many), each
+        as (gap, when its chunk came); none where the server does not count them."""
+        if len(self.shown) != len(self.arrived) or not any(self.shown):
+            return []
+        found = []
+        for (a, n), (b, m) in pairwise(zip(self.arrived, self.shown, strict=True)):
+            found += [((b - a) / (m - n), b)] * (m - n) if m > n else []
+        return found
 
     @property
     def tpot_s(self) -> float | None:
@@ -131,6 +145,7 @@ def summarize(outcome: Outcome, seconds: float, slo: Slo) -> dict[str, Any]:
         "ttft_later_s": stats([t.ttft_s for t in turns if t.index > 0]),
         "tpot_s": stats([s for t in turns if (s := t.tpot_s) is not None]),
         "itl_s": stats([gap for t in turns for gap in t.gaps_s]),
+        "itl_token_s": stats([gap for t in turns for gap, _ in t.token_gaps()]),
         "latency_s": stats([t.latency_s for t in turns]),
         "session_s": stats(outcome.session_s),
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
@@ -185,6 +200,11 @@ def long_prompt(outcome: Outcome) -> dict[str, Any]:
             else:
                 rest.append(b - a)
     longest.sort(reverse=True)
+    token_during: list[float] = []
+    token_rest: list[float] = []
+    for turn in outcome.turns:
+        for gap, b in turn.token_gaps():
+            (token_during if found.sent <= b <= until else token_rest).append(gap)
     return {
         "at_s": found.at_s,
         "prompt_tokens": found.prompt_tokens,
@@ -194,6 +214,9 @@ def long_prompt(outcome: Outcome) -> dict[str, Any]:
         "itl_during_s": stats(during),
         "itl_rest_s": stats(rest),
         "gaps": {"during": len(during), "rest": len(rest)},
+        # the same, between tokens (see `TurnResult.token_gaps`; None where not counted)
+        "itl_token_during_s": stats(token_during),
+        "itl_token_rest_s": stats(token_rest),
         # the longest gaps while it waited, to set beside the engine's slowest steps: many
         # sessions' gaps ending together are a stall of everything, not of one turn
         "longest_during": [

@@ -72,8 +72,8 @@ class _Reply:
     def _put(self, kind: str, value: Any) -> None:
         self.loop.call_soon_threadsafe(self.items.put_nowait, (kind, value))
 
-    def delta(self, text: str) -> None:
-        self._put("delta", text)
+    def delta(self, text: str, tokens: int) -> None:
+        self._put("delta", (text, tokens))
 
     def done(self, reply: dict[str, Any]) -> None:
         self._put("done", reply)
@@ -316,7 +316,7 @@ class ChatServer(Actor):
                 asking = probe if now - probed_at >= PROBE_EVERY_S else ""
                 probed_at = now if asking else probed_at
                 # with the id: a new conversation's turn can be cancelled
-                delta = encode_body(ChatDelta(value, conv_id))
+                delta = encode_body(ChatDelta(value[0], conv_id, value[1]))
                 await msg.send(delta, probe=asking)
             elif kind == "error":
                 raise value

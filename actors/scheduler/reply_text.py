@@ -113,7 +113,7 @@ class ReplyText:
             if turn.stream and turn.request.stop_at is None:
                 end = min(len(turn.text) - turn.holdback, _before_calls(turn))
                 if end > turn.sent:
-                    turn.sink.delta(turn.text[turn.sent : end])
+                    turn.sink.delta(turn.text[turn.sent : end], update.read)
                     turn.sent = end
             asked.append(turn)
         self.ask(asked)
@@ -147,7 +147,7 @@ class ReplyText:
                     turn.conv.conv_id,
                 )
             elif len(text) > turn.sent:
-                turn.sink.delta(text[turn.sent :])
+                turn.sink.delta(text[turn.sent :], len(turn.request.output_ids))
         return text
 
     def _detokenize_here(self, request: DetokenizeRequest) -> None:

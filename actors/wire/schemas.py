@@ -501,10 +501,13 @@ class ChatReply(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class ChatDelta(msgspec.Struct, frozen=True):
-    """A streamed turn's new text; the id lets a new conversation's turn be cancelled."""
+    """A streamed turn's new text; the id lets a new conversation's turn be cancelled.
+    `completion_tokens`: the reply's tokens whose text has gone out so far (a delta may carry
+    several tokens, e.g. the bytes of one character), as vLLM's continuous usage stats."""
 
     delta: str
     conversation_id: str
+    completion_tokens: int = 0
 
 
 class ErrorBody(msgspec.Struct, frozen=True):

@@ -218,6 +218,20 @@ def test_the_summary_splits_first_turns_and_counts_goodput_under_the_objective()
     assert summarize(Outcome(), 1.0, Slo())["reuse"]["share_of_allowed"] is None
 
 
+def test_a_chunk_of_several_tokens_counts_as_that_many_gaps_between_tokens() -> None:
+    """The server counts the tokens each chunk shows: a character of three byte tokens comes in
+    one chunk after three steps, which is three gaps of a step each between tokens."""
+    shown = dataclasses.replace(
+        turn("a", 1, 0.1, 1.0, 4), arrived=(1.0, 1.01, 1.04, 1.05), shown=(1, 2, 5, 6)
+    )
+    gaps = [round(gap, 6) for gap, _ in shown.token_gaps()]
+    assert gaps == [0.01] * 5 and [round(g, 6) for g in shown.gaps_s] == [0.01, 0.03, 0.01]
+    assert turn("b", 1, 0.1, 1.0, 4).token_gaps() == []  # not counted (the OpenAI API)
+    summary = summarize(Outcome([shown]), 1.0, Slo())
+    assert summary["itl_token_s"]["p99"] == pytest.approx(0.01)
+    assert summary["itl_s"]["p99"] == pytest.approx(0.03, rel=0.1)
+
+
 def test_the_long_prompt_splits_the_sessions_inter_token_gaps_at_its_first_token() -> None:
     """Gaps that ended from its sending to its first token count as `during`, the rest not."""
     slow = dataclasses.replace(turn("a", 1, 0.1, 1.0, 5), arrived=(10.0, 10.5, 11.0, 11.1, 11.2))

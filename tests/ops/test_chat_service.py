@@ -30,7 +30,7 @@ class Sink:
         self.reply: dict[str, Any] | None = None
         self.refused: ApiError | None = None
 
-    def delta(self, text: str) -> None:
+    def delta(self, text: str, tokens: int) -> None:
         pass
 
     def done(self, reply: dict[str, Any]) -> None:

@@ -363,7 +363,7 @@ def test_a_stats_request_that_is_not_an_object_is_refused(server) -> None:
     assert _stats(server)["requests"]["running"] == 0  # and the subject still answers
 
 
-def test_streamed_deltas_add_up_to_the_reply(server, reference) -> None:
+def test_streamed_deltas_add_up_to_the_reply(server, reference, smollm2_chat) -> None:
     replies, _ = ask(
         server, subjects.CHAT, {"message": CHAT[0], "max_tokens": MAX_TOKENS, "stream": True}
     )
@@ -371,6 +371,14 @@ def test_streamed_deltas_add_up_to_the_reply(server, reference) -> None:
     assert len(deltas) > 1 and final["done"] is True
     assert "".join(d["delta"] for d in deltas) == final["text"]
     assert final["token_ids"] == reference[0]
+    # each delta counts the reply's tokens shown so far: its text is theirs, decoded
+    shown = [d["completion_tokens"] for d in deltas]
+    assert shown == sorted(shown) and shown[0] > 0 and shown[-1] <= len(reference[0])
+    text = ""
+    for d in deltas:
+        text += d["delta"]
+        decoded = smollm2_chat.tokenizer.decode(reference[0][: d["completion_tokens"]])
+        assert decoded.startswith(text)
 
 
 def test_a_stateless_client_resending_its_history_hits_the_cache(server, reference) -> None:

@@ -347,7 +347,7 @@ class Sink:
     def __init__(self) -> None:
         self.reply: dict[str, Any] | None = None
 
-    def delta(self, text: str) -> None:
+    def delta(self, text: str, tokens: int) -> None:
         pass
 
     def done(self, reply: dict[str, Any]) -> None:
