@@ -272,7 +272,7 @@ def test_bench_reports_what_vllm_bench_serve_reports_and_plots_a_closed_loop(
         assert run["total_output_tokens"] == 24
         assert run["request_goodput"] == run["request_throughput"]  # every request within
         assert run["mean_ttft_ms"] > 0 and run["p99_e2el_ms"] >= run["median_e2el_ms"] > 0
-        assert 0 < run["mean_tpot_ms"] and run["mean_itl_ms"] > 0
+        assert run["mean_tpot_ms"] > 0 and run["mean_itl_ms"] > 0
         assert [t["turn"] for t in run["per_turn"]] == [0, 1]
         assert [t["completed"] for t in run["per_turn"]] == [3, 3]
     (rate_run,) = strict((tmp_path / "rates.json").read_text())["runs"]
