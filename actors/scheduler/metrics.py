@@ -33,7 +33,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pensieve.actors.scheduler.request import Request
+from pensieve.actors.scheduler.request import FinishReason, Request
 from pensieve.actors.wire.messages import KvEvent, KvEventKind
 
 PREFIX = "pensieve:"
@@ -207,6 +207,8 @@ class Metrics:
             self.prompt_sources.labels(model_name, source)
         for event in ("evicted", "dropped"):
             self.chunks.labels(model_name, event)
+        for reason in FinishReason:
+            self.success.labels(model_name, reason.value)
         for plain in (
             self.prompt_tokens,
             self.prefix_queries,

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+import re
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -203,3 +206,35 @@ def test_every_series_has_vllms_name_and_the_model_name(served, sharegpt20) -> N
     assert {"num_cpu_blocks", "enable_prefix_caching"} <= labels.keys()
     assert after[("process_cpu_seconds_total", ())] > 0
     assert after[("process_resident_memory_bytes", ())] > 0
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "ops/grafana/pensieve-dashboard.json"
+# a series name in PromQL: not a function, keyword or label (those are followed by `(`, or
+# sit inside braces or after `by`)
+SERIES = re.compile(r"\b((?:pensieve:|process_)[a-z0-9_:]+)")
+
+
+def test_the_grafana_dashboard_asks_only_for_series_a_scrape_has(served) -> None:
+    """The dashboard loads as Grafana's JSON model (its required keys, one panel per id, each
+    query a PromQL expression on the provisioned data source), and every series its queries
+    and variables name is in a real scrape of a served engine."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert {"uid", "title", "schemaVersion", "panels", "templating"} <= dashboard.keys()
+    assert isinstance(dashboard["schemaVersion"], int)
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    queries = [v["definition"] for v in dashboard["templating"]["list"]]
+    for panel in panels:
+        assert panel["type"] in {"timeseries", "heatmap", "table", "stat", "gauge"}
+        assert {"h", "w", "x", "y"} <= panel["gridPos"].keys() and panel["targets"]
+        assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"])
+        queries += [target["expr"] for target in panel["targets"]]
+    samples = {name for name, _ in scrape(served["http"] + "/metrics")}
+    named = set()
+    for query in queries:
+        found = SERIES.findall(query)
+        assert found, f"names no series: {query}"
+        named.update(found)
+    assert not named - samples, sorted(named - samples)
+    for wanted in ("inter_token_latency_seconds", "request_prefill_time_seconds", "cache_config"):
+        assert any(wanted in name for name in named), wanted
