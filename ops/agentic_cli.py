@@ -40,8 +40,8 @@ from pensieve.ops.agentic_load import (
 )
 from pensieve.ops.agentic_report import AGENTIC, plot, read_agentic, table
 from pensieve.ops.agentic_summary import Slo
-from pensieve.ops.bench_metrics import report_of
 from pensieve.ops.chat import connect_client
+from pensieve.ops.load_report import report_of
 from pensieve.ops.sharegpt import SHAREGPT
 from pensieve.ops.sweep import (
     Server,

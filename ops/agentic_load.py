@@ -35,8 +35,8 @@ from pensieve.ops.agentic_summary import (
     TurnResult,
     summarize,
 )
-from pensieve.ops.bench_metrics import Report
 from pensieve.ops.load import ChatClient, server_moved, server_stats
+from pensieve.ops.load_report import Report
 
 LONG_PROMPT_MAX_TOKENS = 8
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from pensieve.ops.bench_metrics import Report, Request, serving_metrics
+from pensieve.ops.load_report import Report, Request, serving_metrics
 
 REPORT = Report()  # `vllm bench serve`'s defaults
 SOURCES = ("gpu", "cpu", "recomputed")  # with the new tokens, a turn's prompt

@@ -7,7 +7,7 @@ previous reply is complete: K conversations at once (closed loop, `run_load`), o
 arriving as a Poisson process with a think time before each next turn (`run_poisson`). The
 time to the first streamed delta is the time to first token. At the end: turns, output tokens
 per second, time to first token, latency and normalized latency (latency / output tokens)
-percentiles, what `vllm bench serve` reports under its names (`ops/bench_metrics.py`), prompt
+percentiles, what `vllm bench serve` reports under its names (`ops/load_report.py`), prompt
 tokens by where their KV came from, errors by code, and (`server`) what the
 engine's own totals on `pensieve.v1.stats` moved by meanwhile: token sources and swap volumes
 and rates.
@@ -41,7 +41,7 @@ import orjson
 
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import Bus
-from pensieve.ops.bench_metrics import Report, Request, serving_metrics
+from pensieve.ops.load_report import Report, Request, serving_metrics
 from pensieve.ops.sharegpt import Conversation, Role, human_turns, load_conversations
 
 

@@ -3,7 +3,7 @@
 Closed loop (`--concurrency N`: N conversations at once), or a sweep of Poisson arrival rates
 (`--rates 1,2,4`: new conversations a second, each next turn sent after a think time). A
 progress bar while it runs; at the end, each run's figures as `vllm bench serve` prints them
-(`ops/bench_metrics.py`) and a table of all; each run's summary (`ops/load.py`) in `--json`
+(`ops/load_report.py`) and a table of all; each run's summary (`ops/load.py`) in `--json`
 under `--label`; and `--plot FILE.png` draws normalized latency and time to first token against
 the request rate (closed loop: against the concurrency), one line per labelled sweep (this one
 and those of `--compare` files), so two servers or two policies are one picture.
@@ -23,9 +23,9 @@ from typing import Any
 from tqdm import tqdm
 
 from pensieve.actors.wire.bus import ConnectOptions
-from pensieve.ops.bench_metrics import Report, add_report_args, finite, format_result, report_of
 from pensieve.ops.chat import add_connection_args, connect_client
 from pensieve.ops.load import ChatClient, LoadOptions, NatsClient, Window, run_load, run_poisson
+from pensieve.ops.load_report import Report, add_report_args, finite, format_result, report_of
 from pensieve.ops.sharegpt import Conversation, human_turns, load_conversations
 
 COLUMNS = (

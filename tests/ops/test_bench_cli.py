@@ -289,8 +289,8 @@ def test_bench_reports_what_vllm_bench_serve_reports_and_plots_a_closed_loop(
 def test_a_bench_with_nothing_measured_writes_null_never_nan(tmp_path) -> None:
     """A run whose every turn was refused: a summary of nothing, which a strict JSON parser
     reads."""
-    from pensieve.ops.bench_metrics import Report
     from pensieve.ops.load import _summary, _Turns
+    from pensieve.ops.load_report import Report
     from pensieve.ops.sweep import write_json
 
     empty = _Turns()
