@@ -73,8 +73,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="conversations, or agentic sessions",
     )
-    load.add_argument("--max-turns", type=int, default=3, metavar="N")
-    load.add_argument("--max-tokens", type=int, default=128, metavar="N")
+    load.add_argument(
+        "--max-turns", type=int, default=3, metavar="N", help="turns of each conversation at most"
+    )
+    load.add_argument(
+        "--max-tokens", type=int, default=128, metavar="N", help="tokens per reply at most"
+    )
     load.add_argument("--ignore-eos", action="store_true", help="every reply max-tokens long")
     load.add_argument(
         "--concurrency",
@@ -110,7 +114,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         help="with --duration: count only the turns sent after S seconds, once "
         "the server has filled up",
     )
-    load.add_argument("--seed", type=int, default=0)
+    load.add_argument(
+        "--seed", type=int, default=0, help="of the arrivals, think times and agentic sessions"
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--label", default="pensieve", help="this sweep's name in JSON and plots")
     out.add_argument("--json", type=Path, metavar="FILE", help="write the sweep's runs here")
