@@ -54,6 +54,9 @@ def test_each_actor_service_runs_that_actor_with_options_the_cli_accepts(files: 
         assert args.device == ("cuda" if gpu else "cpu")
     # the engine's tokenizers are their own service; only the executor holds the GPU
     assert _command(services["scheduler"])[:4] == ["actor", "scheduler", "--tokenizers", "0"]
+    # the scheduler hears of closed tenant connections (their turns end) with and without GPUs
+    scheduler = build_parser().parse_args(_command(services["scheduler"]))
+    assert str(scheduler.nats_events_password_file) == "/data/nats/events.password"
     assert services["tokenizer"]["deploy"]["replicas"] == 2
     holding = [a for a in ACTORS if "resources" in services[a].get("deploy", {})]
     assert holding == (["executor"] if gpu else [])
