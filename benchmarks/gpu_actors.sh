@@ -64,10 +64,11 @@ for variant in "${variants[@]}"; do
         open_nats=()
         python3 -m pensieve.ops.cli serve --help | grep -q -- --insecure && open_nats=(--insecure)
         case $mode in
-            before) serve=(serve "${open_nats[@]}") ;;
-            direct) serve=(serve "${open_nats[@]}" --step-channel direct) ;;
-            nats) serve=(serve "${open_nats[@]}" --step-channel nats) ;;
-            nats-t*) serve=(serve "${open_nats[@]}" --step-channel nats --tokenizers "${mode#nats-t}") ;;
+            before) serve=(serve "${open_nats[@]}" --nats-port "$port") ;;
+            direct) serve=(serve "${open_nats[@]}" --nats-port "$port" --step-channel direct) ;;
+            nats) serve=(serve "${open_nats[@]}" --nats-port "$port" --step-channel nats) ;;
+            nats-t*) serve=(serve "${open_nats[@]}" --nats-port "$port" --step-channel nats
+                            --tokenizers "${mode#nats-t}") ;;
             procs)
                 nats-server -a 127.0.0.1 -p "$port" > "$logs/nats.txt" 2>&1 &
                 pids+=($!)
@@ -88,7 +89,7 @@ for variant in "${variants[@]}"; do
                 serve=(actor scheduler --tokenizers 0 --nats-url "nats://127.0.0.1:$port") ;;
         esac
         # shellcheck disable=SC2086
-        python3 -m pensieve.ops.cli "${serve[@]}" $model --nats-port "$port" \
+        python3 -m pensieve.ops.cli "${serve[@]}" $model \
             --data-dir "$logs/data_$variant" > "$log" 2>&1 &
         server=$!
         url=$(wait_line "$log" "$server") || { echo "$variant did not start"; kill "${pids[@]}" 2>/dev/null; exit 1; }

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
 import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,8 +41,18 @@ from pensieve.ops.agentic_load import (
 from pensieve.ops.agentic_report import AGENTIC, plot, read_agentic, table
 from pensieve.ops.agentic_summary import Slo
 from pensieve.ops.chat import connect_client
+from pensieve.ops.load_report import report_of
 from pensieve.ops.sharegpt import SHAREGPT
-from pensieve.ops.sweep import Server, connect, parse_counts, parse_rates, server_of
+from pensieve.ops.sweep import (
+    Server,
+    check_plot,
+    connect,
+    parse_counts,
+    parse_rates,
+    results,
+    server_of,
+    write_json,
+)
 
 DEFAULTS = AgenticConfig()
 SLO = Slo()
@@ -177,6 +186,7 @@ def options_of(args: argparse.Namespace) -> AgenticOptions:
         Replies(args.replies),
         ignore_eos=not args.stop_at_eos,
         slo=Slo(args.slo_ttft_s, args.slo_tpot_ms / 1000),
+        report=report_of(args),
     )
 
 
@@ -206,6 +216,7 @@ def bench_agentic(args: argparse.Namespace, url: str, connect_as: ConnectOptions
     if server.http is not None and args.nats_url is not None:
         stats_at = dataclasses.replace(server, connect=connect_as, http=None)
     options = options_of(args)
+    check_plot(args, closed=not rates)
     config = config_of(args)
     corpus = Corpus.load(chat_tokenizer(args.tokenizer), corpus_chars(config), args.sharegpt)
     workload = generate(config, corpus)
@@ -213,7 +224,7 @@ def bench_agentic(args: argparse.Namespace, url: str, connect_as: ConnectOptions
     def save(runs: list[dict[str, Any]]) -> None:
         if args.json is not None:
             found = {"label": args.label, "workload": AGENTIC, "generated": workload.summary()}
-            args.json.write_text(json.dumps({**found, "runs": runs}, indent=1))
+            write_json(args.json, {**found, "runs": runs})
 
     runs = asyncio.run(
         agentic_sweep(
@@ -227,6 +238,7 @@ def bench_agentic(args: argparse.Namespace, url: str, connect_as: ConnectOptions
             args.run_salt,
         )
     )
+    print(results(args.label, runs, options.report))
     print(table(args.label, runs))
     if args.plot is not None:
         plot(args.plot, {args.label: runs, **read_agentic(args.compare)})

@@ -36,6 +36,7 @@ from pensieve.ops.agentic_summary import (
     summarize,
 )
 from pensieve.ops.load import ChatClient, server_moved, server_stats
+from pensieve.ops.load_report import Report
 
 LONG_PROMPT_MAX_TOKENS = 8
 
@@ -58,6 +59,7 @@ class AgenticOptions:
     replies: Replies = Replies.GENERATED
     ignore_eos: bool = True  # every reply as long as the session asked
     slo: Slo = Slo()
+    report: Report = Report()  # the `vllm bench serve` figures' percentiles and goodput
     timeout_s: float = 600.0
     on_turn: Callable[[], None] | None = None  # told after each turn (a progress bar)
     cache_salt: str | None = None  # sent with every request: cached prefixes are shared only
@@ -135,7 +137,7 @@ async def _measured(
     if workload.long_prompt is not None:
         work = [*work, _long_prompt(chat, workload, options, outcome, begin)]
     await asyncio.gather(*work)
-    summary = summarize(outcome, time.perf_counter() - begin, options.slo)
+    summary = summarize(outcome, time.perf_counter() - begin, options.slo, options.report)
     after = None if chat.bus is None else await server_stats(chat.bus)
     if before is not None and after is not None and before["engine_id"] == after["engine_id"]:
         summary["server"] = server_moved(before, after)

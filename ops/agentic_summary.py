@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from pensieve.ops.load_report import Report, Request, serving_metrics
+
+REPORT = Report()  # `vllm bench serve`'s defaults
 SOURCES = ("gpu", "cpu", "recomputed")  # with the new tokens, a turn's prompt
 CACHED = (*SOURCES, "shared")  # shared: of gpu and cpu, found in another conversation's chunks
 
@@ -110,7 +113,9 @@ def stats(values: list[float]) -> dict[str, float] | None:
     return {"mean": sum(ordered) / len(ordered), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
 
 
-def summarize(outcome: Outcome, seconds: float, slo: Slo) -> dict[str, Any]:
+def summarize(
+    outcome: Outcome, seconds: float, slo: Slo, report: Report = REPORT
+) -> dict[str, Any]:
     turns = outcome.turns
     prompt = sum(t.prompt_tokens for t in turns)
     output = sum(t.completion_tokens for t in turns)
@@ -155,7 +160,23 @@ def summarize(outcome: Outcome, seconds: float, slo: Slo) -> dict[str, Any]:
             "sessions_per_s": per_s(good_sessions),
             "sessions_share": good_sessions / outcome.started if outcome.started else 0.0,
         },
+        **serving_metrics(
+            [_request(t) for t in turns], sum(outcome.errors.values()), seconds, report
+        ),
     } | ({} if outcome.long_prompt is None else {"long_prompt": long_prompt(outcome)})
+
+
+def _request(turn: TurnResult) -> Request:
+    first = turn.arrived[0] if turn.arrived else turn.ttft_s
+    sent = first - turn.ttft_s
+    return Request(
+        sent,
+        turn.arrived,
+        sent + turn.latency_s,
+        turn.prompt_tokens,
+        turn.completion_tokens,
+        turn.index,
+    )
 
 
 def reuse(turns: list[TurnResult]) -> dict[str, Any]:

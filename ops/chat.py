@@ -1,9 +1,13 @@
-"""`pensieve chat`: talk to a running server from a terminal, over NATS.
+"""`pensieve chat`: talk to a running server from a terminal, over NATS, or (`--http`) over the
+OpenAI API of any server that has one.
 
-Each line typed is the next message of one conversation, and the reply streams in as the engine
-generates it; a line under it says where the prompt's KV came from. Commands: `/new` starts
-another conversation, `/history` shows this one's turns, `/stats` the engine's state, `/quit`
-(or the end of input) leaves.
+Each line typed is the next message of one conversation (with readline's line editing and
+history), and the reply streams in as the engine generates it; a line under it says where the
+prompt's KV came from. Ctrl-C stops the reply being streamed (the server is told to cancel the
+turn) and the conversation goes on. Commands: `/new` starts another conversation, `/history`
+shows this one's turns, `/stats` the engine's state, `/quit` (or the end of input) leaves.
+`--message TEXT` (`-` for standard input) sends one message, prints the reply and exits. Over
+HTTP the client keeps the chat and resends it every turn, as OpenAI's API has it.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ import orjson
 from pensieve.actors.config import DEFAULTS
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import Bus, ConnectOptions
+from pensieve.ops.load import ChatClient, NatsClient
 
 HELP = "/new: another conversation   /history: its turns   /stats: the engine   /quit: leave"
 Reader = Callable[[str], Awaitable[str | None]]  # a prompt -> the line typed (None: no more)
@@ -35,6 +41,11 @@ class ChatOptions:
     max_tokens: int = DEFAULTS.max_tokens
     temperature: float = 0.0
     timeout_s: float = 300.0  # silence after which a reply is given up
+    system: str | None = None  # the system message each conversation starts with
+    message: str | None = None  # one message to send; its reply printed alone (None: a session)
+    http: str | None = None  # the OpenAI API's URL, instead of NATS
+    api_key: str = "EMPTY"
+    model: str | None = None  # over HTTP (None: the first the server lists)
 
 
 def tenant_options(path: Path) -> tuple[str, ConnectOptions]:
@@ -55,13 +66,20 @@ def tenant_options(path: Path) -> tuple[str, ConnectOptions]:
 
 
 class ChatSession:
-    """One terminal's conversation with the server: what it sends and what it prints."""
+    """One terminal's conversation with the server: what it sends and what it prints. `client`
+    sends the turns (`ops/load.py`'s `ChatClient`); `bus` answers /history and /stats (None:
+    over HTTP, none)."""
 
-    def __init__(self, bus: Bus, options: ChatOptions, out: TextIO) -> None:
+    def __init__(
+        self, client: ChatClient, options: ChatOptions, out: TextIO, bus: Bus | None = None
+    ) -> None:
+        self.client = client
         self.bus = bus
         self.options = options
         self.out = out
         self.conversation_id: str | None = None
+        self.chat: list[dict[str, str]] = []  # over HTTP: the chat so far, resent every turn
+        self.replying: asyncio.Task[None] | None = None  # the turn streaming in
 
     async def run(self, read: Reader) -> None:
         self.say(HELP)
@@ -70,8 +88,10 @@ class ChatSession:
             if line == "/quit":
                 return
             if line == "/new":
-                self.conversation_id = None
+                self.conversation_id, self.chat = None, []
                 self.say("(a new conversation)")
+            elif line in ("/history", "/stats") and self.bus is None:
+                self.say(f"({line} asks the engine over NATS; this chat is over HTTP)")
             elif line == "/history":
                 await self.history()
             elif line == "/stats":
@@ -79,42 +99,78 @@ class ChatSession:
             elif line.startswith("/"):
                 self.say(f"unknown command {line!r}; {HELP}")
             elif line:
-                try:
-                    await self.turn(line)
-                except (ConnectionError, TimeoutError) as error:  # the server is away
-                    self.say(f"\n[{error}]")
+                await self.reply_to(line)
+
+    async def reply_to(self, message: str) -> None:
+        """One turn, stopped by `interrupt` (Ctrl-C): the turn is cancelled on the server, and
+        the conversation goes on with what it kept."""
+        self.replying = asyncio.ensure_future(self.turn(message))
+        try:
+            await self.replying
+        except asyncio.CancelledError:
+            if not self.replying.cancelled():
+                raise  # this task itself is being cancelled
+            self.say("\n[stopped]")
+            await self.cancel_on_server()
+        except (ConnectionError, TimeoutError) as error:  # the server is away
+            self.say(f"\n[{error}]")
+        finally:
+            self.replying = None
+
+    def interrupt(self) -> bool:
+        """Ctrl-C: stop the reply streaming in (False: none is)."""
+        if self.replying is None or self.replying.done():
+            return False
+        self.replying.cancel()
+        return True
+
+    async def cancel_on_server(self) -> None:
+        if self.bus is None or self.conversation_id is None:
+            return  # over HTTP, the closed stream ends the turn
+        body = orjson.dumps({"conversation_id": self.conversation_id})
+        with contextlib.suppress(ConnectionError, TimeoutError, StopAsyncIteration):
+            async with contextlib.aclosing(self.bus.ask(subjects.CHAT_CANCEL, body, 10)) as a:
+                await anext(a)
 
     async def turn(self, message: str) -> None:
         options = self.options
         body: dict[str, Any] = {
-            "message": message,
             "max_tokens": options.max_tokens,
             "temperature": options.temperature,
             "stream": True,
         }
-        if self.conversation_id is not None:
-            body["conversation_id"] = self.conversation_id
-        answer = self.bus.ask(subjects.CHAT, orjson.dumps(body), self.options.timeout_s)
-        async with contextlib.aclosing(answer) as messages:
-            async for data in messages:
-                reply = orjson.loads(data)
+        system = [{"role": "system", "content": options.system}] if options.system else []
+        if self.bus is None:  # the OpenAI API: the whole chat, every turn
+            self.chat = self.chat or system
+            body["messages"] = [*self.chat, {"role": "user", "content": message}]
+        elif self.conversation_id is not None:
+            body |= {"conversation_id": self.conversation_id, "message": message}
+        elif system:
+            body["messages"] = [*system, {"role": "user", "content": message}]
+        else:
+            body["message"] = message
+        text: list[str] = []
+        async with contextlib.aclosing(self.client.turn(body, options.timeout_s)) as answer:
+            async for reply in answer:
                 if "error" in reply:
                     self.say(f"\n[error {reply['error']['code']}: {reply['error']['message']}]")
                     return
-                if not reply.get("done"):
+                if "delta" in reply:
+                    self.conversation_id = reply.get("conversation_id") or self.conversation_id
+                    text.append(reply["delta"])
                     self.out.write(reply["delta"])
                     self.out.flush()
                     continue
-                self.conversation_id = reply["conversation_id"]
-                usage = reply["usage"]
-                cached = usage["cached_tokens"]
-                self.say(
-                    f"\n[turn {reply['turn']} of {self.conversation_id}: "
-                    f"{usage['prompt_tokens']} prompt tokens (gpu {cached['gpu']}, cpu "
-                    f"{cached['cpu']}, recomputed {cached['recomputed']}), "
-                    f"{usage['completion_tokens']} completion tokens, "
-                    f"{reply['finish_reason']}]"
-                )
+                self.conversation_id = reply.get("conversation_id") or self.conversation_id
+                if self.bus is None:
+                    self.chat = [
+                        *body["messages"],
+                        {"role": "assistant", "content": "".join(text)},
+                    ]
+                if options.message is None:  # a session: where the prompt's KV came from
+                    self.say("\n" + _turn_line(reply, self.conversation_id))
+                else:
+                    self.say("")
                 return
 
     async def history(self) -> None:
@@ -151,6 +207,7 @@ class ChatSession:
 
     async def ask(self, subject: str, body: dict[str, Any]) -> dict[str, Any]:
         """One answer to a request; an error is printed and comes back as it is."""
+        assert self.bus is not None  # over NATS
         answer = self.bus.ask(subject, orjson.dumps(body), self.options.timeout_s)
         async with contextlib.aclosing(answer) as messages:
             got: dict[str, Any] = orjson.loads(await anext(messages))
@@ -164,7 +221,10 @@ class ChatSession:
 
 
 async def read_terminal(prompt: str) -> str | None:
-    """A line from standard input, off the event loop (None at the end of input)."""
+    """A line from standard input, off the event loop (None at the end of input), with
+    readline's line editing and history where the terminal has them."""
+    with contextlib.suppress(ImportError):  # not on every platform
+        import readline  # noqa: F401  (input() edits lines and recalls them once imported)
 
     def read() -> str | None:
         try:
@@ -173,6 +233,20 @@ async def read_terminal(prompt: str) -> str | None:
             return None
 
     return await asyncio.to_thread(read)
+
+
+def _turn_line(reply: dict[str, Any], conversation_id: str | None) -> str:
+    """The line under a reply: its tokens, and where the prompt's KV came from."""
+    usage = reply["usage"]
+    cached = usage["cached_tokens"]
+    where = "" if conversation_id is None else f" of {conversation_id}"
+    turn = f"turn {reply['turn']}{where}" if "turn" in reply else f"reply{where}"
+    tail = f", {reply['finish_reason']}" if "finish_reason" in reply else ""
+    return (
+        f"[{turn}: {usage['prompt_tokens']} prompt tokens (gpu {cached.get('gpu', 0)}, cpu "
+        f"{cached.get('cpu', 0)}, recomputed {cached.get('recomputed', 0)}), "
+        f"{usage['completion_tokens']} completion tokens{tail}]"
+    )
 
 
 async def connect_client(url: str, name: str, connect: ConnectOptions | None) -> Bus:
@@ -185,13 +259,37 @@ async def connect_client(url: str, name: str, connect: ConnectOptions | None) ->
 
 
 async def chat(options: ChatOptions, read: Reader = read_terminal, out: TextIO = sys.stdout) -> int:
-    """Talk to the server at `options.url` until `/quit` or the end of input."""
-    bus = await connect_client(options.url, "pensieve-chat", options.connect)
-    try:
-        await ChatSession(bus, options, out).run(read)
-    finally:
-        await bus.close()
+    """Talk to the server until `/quit` or the end of input, or send `options.message` alone."""
+    async with contextlib.AsyncExitStack() as stack:
+        bus = None
+        if options.http is None:
+            bus = await connect_client(options.url, "pensieve-chat", options.connect)
+            stack.push_async_callback(bus.close)
+            client: ChatClient = NatsClient(bus)
+        else:
+            from pensieve.ops.openai_client import OpenAIChatClient, base_url
+
+            http = OpenAIChatClient(base_url(options.http), options.api_key, options.model)
+            stack.push_async_callback(http.close)
+            await http.served_model()  # fails here if nothing answers
+            client = http
+        session = ChatSession(client, options, out, bus)
+        if options.message is not None:
+            await session.turn(options.message)
+            return 0
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError):  # no signal handlers on Windows' loop
+            loop.add_signal_handler(signal.SIGINT, _interrupt, session, out)
+            stack.callback(loop.remove_signal_handler, signal.SIGINT)
+        await session.run(read)
     return 0
+
+
+def _interrupt(session: ChatSession, out: TextIO) -> None:
+    """Ctrl-C: stops the reply streaming in; at the prompt, says how to leave."""
+    if not session.interrupt():
+        out.write("\n(/quit or Ctrl-D leaves)\n> ")
+        out.flush()
 
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
@@ -211,5 +309,34 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
 
 def add_chat_args(parser: argparse.ArgumentParser) -> None:
     add_connection_args(parser)
-    parser.add_argument("--max-tokens", type=int, default=DEFAULTS.max_tokens, metavar="N")
-    parser.add_argument("--temperature", type=float, default=0.0, metavar="T")
+    parser.add_argument(
+        "--http",
+        metavar="URL",
+        help="talk to the OpenAI API at URL (http://HOST:PORT/v1) of any server instead of NATS,"
+        " with the --tenant file's key, else $OPENAI_API_KEY (default: NATS)",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="NAME",
+        help="with --http: the model to ask for (default: the first the server lists)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=DEFAULTS.max_tokens,
+        metavar="N",
+        help="tokens per reply at most",
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0: greedy")
+    parser.add_argument(
+        "--system",
+        metavar="TEXT",
+        help="the system message each conversation starts with (default: none)",
+    )
+    parser.add_argument(
+        "-m",
+        "--message",
+        metavar="TEXT",
+        help="send TEXT ('-': standard input) as one message, print the reply and exit "
+        "(default: a session, a message a line)",
+    )

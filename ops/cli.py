@@ -189,7 +189,7 @@ def _actor_parser(commands: Any) -> None:
     )
     actor.add_argument("name", choices=ACTOR_NAMES, help="which actor")
     engine_args(actor)
-    server_args(actor)
+    server_args(actor, embedded=False)
     nats_auth_args(actor, embedded=False)
     log_arg(actor)
     actor.set_defaults(run=_actor)
@@ -214,8 +214,10 @@ def _chat_parser(commands: Any) -> None:
         commands,
         "chat",
         _summary("chat"),
-        "Chat with a running server over NATS: each line is the next message of one "
-        "conversation, the reply streams in. /new, /history, /stats, /quit.",
+        "Chat with a running server over NATS (or, with --http, any OpenAI-compatible server): "
+        "each line is the next message of one conversation, the reply streams in; Ctrl-C stops "
+        "it and keeps the conversation. /new, /history, /stats, /quit. With -m TEXT: one "
+        "message, its reply printed alone.",
     )
     add_chat_args(chat)
     chat.set_defaults(run=_chat)
@@ -224,8 +226,26 @@ def _chat_parser(commands: Any) -> None:
 def _chat(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.chat import ChatOptions, chat
 
-    url, connect = _client_connection(args)
-    return asyncio.run(chat(ChatOptions(url, connect, args.max_tokens, args.temperature)))
+    message = sys.stdin.read() if args.message == "-" else args.message
+    if args.http is None:
+        url, connect = _client_connection(args)
+        key = "EMPTY"
+    else:
+        from pensieve.ops.openai_client import api_key
+
+        url, connect, key = "", None, api_key(args.tenant)
+    options = ChatOptions(
+        url,
+        connect,
+        args.max_tokens,
+        args.temperature,
+        system=args.system,
+        message=message,
+        http=args.http,
+        api_key=key,
+        model=args.model,
+    )
+    return asyncio.run(chat(options))
 
 
 def _bench_parser(commands: Any) -> None:

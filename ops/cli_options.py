@@ -18,16 +18,16 @@ ACTOR_NAMES = ("ingress", "http", "tokenizer", "scheduler", "recompute-planner",
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Shows each option's default after its help, unless there is none to show."""
+    """Shows each option's default after its help ('none' where it has none), unless the help
+    says it, or the option is a flag (off unless given)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        hidden = default is None or isinstance(default, bool) or default == argparse.SUPPRESS
-        shown = not hidden and "default" not in text
-        if shown and action.option_strings:
-            text += f" (default: {default})"
-        return text
+        hidden = isinstance(default, bool) or default == argparse.SUPPRESS  # a flag: off
+        if hidden or "default" in text or not action.option_strings:
+            return text
+        return text + f" (default: {'none' if default is None else default})"
 
 
 class VllmHint(argparse.Action):
@@ -63,18 +63,30 @@ def nats_auth_args(p: argparse.ArgumentParser, embedded: bool, engine: bool = Tr
         add_embedded_args(p)
 
 
-def server_args(p: argparse.ArgumentParser) -> None:
+def server_args(p: argparse.ArgumentParser, embedded: bool = True) -> None:
+    """The server's options; `embedded`: it may start a nats-server of its own (`serve`; an
+    actor meets the others on one at --nats-url)."""
     server = p.add_argument_group("server")
-    server.add_argument(
-        "--nats-port",
-        type=int,
-        metavar="PORT",
-        default=DEFAULTS.nats_port,
-        help="port of the nats-server started here, on 127.0.0.1",
-    )
-    server.add_argument(
-        "--nats-url", metavar="URL", help="use the NATS server at this URL instead of starting one"
-    )
+    if embedded:
+        server.add_argument(
+            "--nats-port",
+            type=int,
+            metavar="PORT",
+            default=DEFAULTS.nats_port,
+            help="port of the nats-server started here, on 127.0.0.1",
+        )
+        server.add_argument(
+            "--nats-url",
+            metavar="URL",
+            help="use the NATS server at this URL instead of starting one",
+        )
+    else:
+        server.add_argument(
+            "--nats-url",
+            metavar="URL",
+            required=True,
+            help="the NATS server where the engine's actors meet (required)",
+        )
     server.add_argument(
         "--data-dir",
         type=Path,
@@ -456,7 +468,7 @@ def serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         events_auth=events_auth_from_args(args),
         auth_data_dir=auth_data_dir(args, data_dir),
         nats_url=args.nats_url,
-        nats_port=args.nats_port,
+        nats_port=getattr(args, "nats_port", DEFAULTS.nats_port),  # an actor starts none
         max_waiting=args.max_waiting,
         trace=args.trace,
         shutdown_grace_s=args.shutdown_grace,

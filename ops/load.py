@@ -7,7 +7,8 @@ previous reply is complete: K conversations at once (closed loop, `run_load`), o
 arriving as a Poisson process with a think time before each next turn (`run_poisson`). The
 time to the first streamed delta is the time to first token. At the end: turns, output tokens
 per second, time to first token, latency and normalized latency (latency / output tokens)
-percentiles, prompt tokens by where their KV came from, errors by code, and (`server`) what the
+percentiles, what `vllm bench serve` reports under its names (`ops/load_report.py`), prompt
+tokens by where their KV came from, errors by code, and (`server`) what the
 engine's own totals on `pensieve.v1.stats` moved by meanwhile: token sources and swap volumes
 and rates.
 
@@ -40,6 +41,7 @@ import orjson
 
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import Bus
+from pensieve.ops.load_report import Report, Request, serving_metrics
 from pensieve.ops.sharegpt import Conversation, Role, human_turns, load_conversations
 
 
@@ -55,6 +57,7 @@ class LoadOptions:
     # latencies the summary reports (0: none)
     probe_every_s: float = 0.2
     final: bool = False  # each conversation's last turn says "final": its KV goes at once
+    report: Report = Report()  # the `vllm bench serve` figures' percentiles and goodput
     on_turn: Callable[[], None] | None = None  # told after each turn (a progress bar)
 
 
@@ -121,6 +124,7 @@ class _Turns:
     prompt_tokens: int = 0
     cached: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
+    requests: list[Request] = field(default_factory=list)
 
 
 async def run_load(
@@ -142,7 +146,7 @@ async def run_load(
     probing = asyncio.ensure_future(_probe(chat.bus, every_s, probes))
     await asyncio.gather(*(client() for _ in range(options.concurrency)))
     probing.cancel()
-    summary = _summary(turns, time.perf_counter() - begin)
+    summary = _summary(turns, time.perf_counter() - begin, options.report)
     summary["concurrency"] = options.concurrency
     summary["management_s"] = {
         name: {"n": len(values), "p50": _percentile(values, 0.5), "p99": _percentile(values, 0.99)}
@@ -183,7 +187,7 @@ async def run_poisson(
         await asyncio.sleep(draw.expovariate(rate))
     await asyncio.gather(*talking)
     seconds = window.duration_s - window.warmup_s if window else time.perf_counter() - begin
-    summary = _summary(turns, seconds)
+    summary = _summary(turns, seconds, options.report)
     summary |= {"request_rate": rate, "think_s": think_s}
     if window is not None:
         summary["window_s"] = [window.warmup_s, window.duration_s]
@@ -337,13 +341,13 @@ async def _conversation(
         begin = time.perf_counter()
         if begin >= sent.until:
             return
-        first = None
+        arrived: list[float] = []
         reply: dict[str, Any] = {}
         async with aclosing(chat.turn(body, options.timeout_s)) as answer:
             async for reply in answer:
                 if "delta" not in reply:
                     break
-                first = first or time.perf_counter()
+                arrived.append(time.perf_counter())
         done = time.perf_counter()
         counted = begin >= sent.counted_from
         if "error" in reply:
@@ -356,7 +360,11 @@ async def _conversation(
         if not counted:  # sent while the server was still filling up
             continue
         usage = reply["usage"]
-        turns.ttft.append((first or done) - begin)
+        request = Request(
+            begin, tuple(arrived), done, usage["prompt_tokens"], usage["completion_tokens"], i
+        )
+        turns.requests.append(request)
+        turns.ttft.append(request.ttft_s)
         turns.latency.append(done - begin)
         turns.normalized.append((done - begin) / max(usage["completion_tokens"], 1))
         turns.output_tokens += usage["completion_tokens"]
@@ -364,14 +372,14 @@ async def _conversation(
         turns.cached.update(usage["cached_tokens"])
 
 
-def _percentile(values: list[float], q: float) -> float:
+def _percentile(values: list[float], q: float) -> float | None:
     if not values:
-        return float("nan")
+        return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _summary(turns: _Turns, seconds: float) -> dict[str, Any]:
+def _summary(turns: _Turns, seconds: float, report: Report) -> dict[str, Any]:
     cached = {k: turns.cached[k] for k in ("gpu", "cpu", "recomputed")}  # `shared`: of gpu, cpu
     return {
         "turns": len(turns.latency),
@@ -383,7 +391,7 @@ def _summary(turns: _Turns, seconds: float) -> dict[str, Any]:
         "prompt_tokens": turns.prompt_tokens,
         "cached_tokens": cached,
         "new_prompt_tokens": turns.prompt_tokens - sum(cached.values()),
-        "ttft_s_mean": sum(turns.ttft) / len(turns.ttft) if turns.ttft else float("nan"),
+        "ttft_s_mean": sum(turns.ttft) / len(turns.ttft) if turns.ttft else None,
         **{
             f"{name}_p{int(q * 100)}": _percentile(values, q)
             for name, values in (
@@ -393,6 +401,7 @@ def _summary(turns: _Turns, seconds: float) -> dict[str, Any]:
             )
             for q in (0.5, 0.9)
         },
+        **serving_metrics(turns.requests, sum(turns.errors.values()), seconds, report),
     }
 
 

@@ -110,7 +110,8 @@ class OpenAIChatClient:
                 if response.status != 200:
                     yield {"error": _error(await response.read(), str(response.status))}
                     return
-                conversation = response.headers[CONVERSATION_HEADER]
+                # Pensieve's; another server names none
+                conversation = response.headers.get(CONVERSATION_HEADER)
                 async for line in response.content:  # server-sent events, one per line
                     if not line.startswith(b"data:"):
                         continue

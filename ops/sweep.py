@@ -2,10 +2,11 @@
 
 Closed loop (`--concurrency N`: N conversations at once), or a sweep of Poisson arrival rates
 (`--rates 1,2,4`: new conversations a second, each next turn sent after a think time). A
-progress bar while it runs; a table at the end; each run's summary (`ops/load.py`) in `--json`
+progress bar while it runs; at the end, each run's figures as `vllm bench serve` prints them
+(`ops/load_report.py`) and a table of all; each run's summary (`ops/load.py`) in `--json`
 under `--label`; and `--plot FILE.png` draws normalized latency and time to first token against
-the request rate, one line per labelled sweep (this one and those of `--compare` files), so two
-servers or two policies are one picture.
+the request rate (closed loop: against the concurrency), one line per labelled sweep (this one
+and those of `--compare` files), so two servers or two policies are one picture.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tqdm import tqdm
 from pensieve.actors.wire.bus import ConnectOptions
 from pensieve.ops.chat import add_connection_args, connect_client
 from pensieve.ops.load import ChatClient, LoadOptions, NatsClient, Window, run_load, run_poisson
+from pensieve.ops.load_report import Report, add_report_args, finite, format_result, report_of
 from pensieve.ops.sharegpt import Conversation, human_turns, load_conversations
 
 COLUMNS = (
@@ -71,8 +73,12 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="conversations, or agentic sessions",
     )
-    load.add_argument("--max-turns", type=int, default=3, metavar="N")
-    load.add_argument("--max-tokens", type=int, default=128, metavar="N")
+    load.add_argument(
+        "--max-turns", type=int, default=3, metavar="N", help="turns of each conversation at most"
+    )
+    load.add_argument(
+        "--max-tokens", type=int, default=128, metavar="N", help="tokens per reply at most"
+    )
     load.add_argument("--ignore-eos", action="store_true", help="every reply max-tokens long")
     load.add_argument(
         "--concurrency",
@@ -108,7 +114,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         help="with --duration: count only the turns sent after S seconds, once "
         "the server has filled up",
     )
-    load.add_argument("--seed", type=int, default=0)
+    load.add_argument(
+        "--seed", type=int, default=0, help="of the arrivals, think times and agentic sessions"
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--label", default="pensieve", help="this sweep's name in JSON and plots")
     out.add_argument("--json", type=Path, metavar="FILE", help="write the sweep's runs here")
@@ -131,6 +139,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="load nothing: draw --plot from the --compare sweeps alone",
     )
+    add_report_args(parser)
 
 
 def parse_counts(text: str) -> list[int]:
@@ -236,10 +245,10 @@ def table(label: str, runs: Sequence[dict[str, Any]]) -> str:
                 f"{label} {mode}",
                 f"{run['turns_per_s']:.2f}",
                 f"{run['output_tok_per_s']:.1f}",
-                f"{run['ttft_s_p50']:.3f}",
-                f"{run['ttft_s_p90']:.3f}",
-                f"{run['norm_latency_s_p50']:.4f}",
-                f"{run['norm_latency_s_p90']:.4f}",
+                _seconds(run["ttft_s_p50"], 3),
+                _seconds(run["ttft_s_p90"], 3),
+                _seconds(run["norm_latency_s_p50"], 4),
+                _seconds(run["norm_latency_s_p90"], 4),
                 str(cached["gpu"]),
                 str(cached["cpu"]),
                 str(cached["recomputed"]),
@@ -253,9 +262,41 @@ def table(label: str, runs: Sequence[dict[str, Any]]) -> str:
     )
 
 
+def _seconds(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _closed(runs: Sequence[dict[str, Any]]) -> bool:
+    """Whether these are closed-loop runs (else rate runs)."""
+    return all("request_rate" not in run for run in runs)
+
+
+def check_plot(args: argparse.Namespace, closed: bool) -> None:
+    """Before a run: that `--plot` can draw what it will measure (`closed`: closed-loop runs)
+    beside the `--compare` sweeps, with matplotlib installed."""
+    if args.plot is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "--plot needs matplotlib, which is not installed: "
+            "pip install matplotlib (or pip install 'pensieve-serve[bench]')"
+        ) from None
+    for path in args.compare:
+        found = json.loads(path.read_text())
+        if found.get("workload") is None and found["runs"] and _closed(found["runs"]) != closed:
+            kinds = ("rate runs", "closed-loop runs")
+            raise ValueError(
+                f"--plot: {path} holds {kinds[not closed]}, this bench measures "
+                f"{kinds[closed]}: the two have no common x axis (concurrency, request rate)"
+            )
+
+
 def plot(path: Path, sweeps: dict[str, list[dict[str, Any]]]) -> None:
-    """Normalized latency (p90) and time to first token (p90) against the request rate, one
-    line per labelled sweep; closed-loop runs have no rate and are left out."""
+    """Normalized latency (p90) and time to first token (p90), one line per labelled sweep:
+    against the requests served a second for rate runs, against the concurrency for
+    closed-loop runs."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless
@@ -266,12 +307,14 @@ def plot(path: Path, sweeps: dict[str, list[dict[str, Any]]]) -> None:
         ("norm_latency_s_p90", "p90 normalized latency (s / token)"),
         ("ttft_s_p90", "p90 time to first token (s)"),
     )
+    closed = _closed([run for runs in sweeps.values() for run in runs])
+    x = "concurrency" if closed else "turns_per_s"
     for axis, (key, title) in zip(axes, panels, strict=True):
         for label, runs in sweeps.items():
-            points = sorted((r["turns_per_s"], r[key]) for r in runs if "request_rate" in r)
+            points = sorted((r[x], r[key]) for r in runs if r[key] is not None)
             if points:
                 axis.plot(*zip(*points, strict=True), marker="o", label=label)
-        axis.set_xlabel("requests served per second")
+        axis.set_xlabel("conversations at once" if closed else "requests served per second")
         axis.set_title(title)
         axis.grid(alpha=0.3)
     # one legend under both panels, off the data
@@ -279,6 +322,24 @@ def plot(path: Path, sweeps: dict[str, list[dict[str, Any]]]) -> None:
     figure.legend(handles, labels, loc="outside lower center", ncols=max(len(labels), 1))
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def results(label: str, runs: Sequence[dict[str, Any]], report: Report) -> str:
+    """Each run's figures as `vllm bench serve` prints them."""
+    return "\n".join(format_result(f"{label} {_mode(run)}", run, report) for run in runs)
+
+
+def _mode(run: dict[str, Any]) -> str:
+    if "request_rate" in run:
+        return f"{run['request_rate']:g}/s"
+    if "session_rate" in run:
+        return f"{run['session_rate']:g} sessions/s"
+    return f"c={run['concurrency']}"
+
+
+def write_json(path: Path, found: dict[str, Any]) -> None:
+    """`found` as JSON with null for what was not measured, never NaN."""
+    path.write_text(json.dumps(finite(found), indent=1, allow_nan=False))
 
 
 def read_sweeps(paths: Sequence[Path]) -> dict[str, list[dict[str, Any]]]:
@@ -317,15 +378,22 @@ def bench(args: argparse.Namespace, url: str, connect: ConnectOptions | None) ->
     elif args.warmup:
         raise ValueError("--warmup needs --duration")
     concurrencies = parse_counts(args.concurrency)
+    report = report_of(args)
+    check_plot(args, closed=not rates)
     conversations = load_conversations(args.conversations, args.num_conversations)
     options = LoadOptions(
-        concurrencies[0], args.max_turns, args.max_tokens, args.ignore_eos, probe_every_s=0.0
+        concurrencies[0],
+        args.max_turns,
+        args.max_tokens,
+        args.ignore_eos,
+        probe_every_s=0.0,
+        report=report,
     )
     server = server_of(args, url, connect)
 
     def save(runs: list[dict[str, Any]]) -> None:
         if args.json is not None:
-            args.json.write_text(json.dumps({"label": args.label, "runs": runs}, indent=1))
+            write_json(args.json, {"label": args.label, "runs": runs})
 
     runs = asyncio.run(
         sweep(
@@ -340,6 +408,7 @@ def bench(args: argparse.Namespace, url: str, connect: ConnectOptions | None) ->
             concurrencies,
         )
     )
+    print(results(args.label, runs, report))
     print(table(args.label, runs))
     if args.plot is not None:
         plot(args.plot, {args.label: runs, **read_sweeps(args.compare)})

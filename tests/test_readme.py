@@ -189,3 +189,15 @@ def test_the_tracked_tree_speaks_of_the_product_only() -> None:
             if NARRATION.search(line) and name != "tests/test_readme.py":
                 found.append(f"{name}:{number}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_the_readme_says_when_a_request_is_traced() -> None:
+    """Tracing is on with `--trace`, which every actor of the compose stack gets."""
+    import yaml
+
+    said = " ".join((ROOT / "README.md").read_text().split())
+    (sentence,) = [s for s in said.split(". ") if "traced" in s]
+    assert "--trace otlp" in sentence and "compose" in sentence, sentence
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+    actors = [s for s in services.values() if str(s.get("command", "")).startswith("actor")]
+    assert actors and all("--trace otlp" in s["command"] for s in actors)

@@ -89,7 +89,7 @@ class ChatService:
         # the NATS shell sets it), where the swap manager keeps the CPU tier's spill index
         self.publish_kv = publish_kv
         # Prometheus metrics: each turn counted as its reply goes out (see `metrics.py`)
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(model)
         self.convs = Conversations(store, writer, new_id, engine.restore, self._forget_kv)
         self.text = ReplyText(chat, self.turns, self._stop_at, self._complete)
         self.commits = TurnCommitter(store, writer, self.metrics)
@@ -253,6 +253,9 @@ class ChatService:
 
     def step(self) -> None:
         outcome = self.engine.step()
+        timing = self.engine.last_timing  # of the step applied (None: none was)
+        if timing is not None and timing.decodes + timing.prefill_tokens:
+            self.metrics.observe_step(timing.decodes + timing.prefill_tokens)
         self._pass_kv_events()
         for suspension in outcome.suspended:
             suspended = self.turns.get(suspension.request.request_id)

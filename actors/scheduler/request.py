@@ -67,6 +67,8 @@ class Request:
     error: str | None = None
     admitted_at: float | None = None  # when the scheduler first admitted it (queued until then)
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    token_gaps: list[float] = field(default_factory=list)  # between its output tokens (ITL)
     finish_time: float | None = None
     # the block table of its conversation while running: pinned chunks never move, so it only
     # grows by the blocks of new chunks (rebuilt on admission)

@@ -236,6 +236,9 @@ class Scheduler:
             new_tokens[request.request_id] = token
             if request.first_token_time is None:
                 request.first_token_time = now
+            else:
+                request.token_gaps.append(now - (request.last_token_time or now))
+            request.last_token_time = now
             reason = request.finish_check(self.config.max_model_len)
             if reason is not None:
                 self._finish(request, reason, now)

@@ -143,4 +143,11 @@ def scrape(url: str) -> Samples:
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples[(f"pensieve:{name}", tuple(sorted(labels.items())))]
+    """The sample of `pensieve:{name}` with `labels` (and any model name)."""
+    found = [
+        v
+        for (n, got), v in samples.items()
+        if n == f"pensieve:{name}" and dict(got, model_name="") == dict(labels, model_name="")
+    ]
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
+    return found[0]

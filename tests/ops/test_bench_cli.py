@@ -189,3 +189,127 @@ def test_bench_drives_the_openai_api_and_reports_what_the_server_counted(
 
     assert moved("prompt_tokens_total") == summary["prompt_tokens"]
     assert moved("generation_tokens_total") == 24
+
+
+# `vllm bench serve`'s result fields (its JSON names), with the percentiles chosen below
+VLLM_FIELDS = (
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
+    *(
+        f"{stat}_{metric}_ms"
+        for metric in ("ttft", "tpot", "itl", "e2el")
+        for stat in ("mean", "median", "std", "p50", "p99")
+    ),
+)
+VLLM_LINES = (
+    "Successful requests:",
+    "Failed requests:",
+    "Maximum request concurrency:",
+    "Benchmark duration (s):",
+    "Total input tokens:",
+    "Total generated tokens:",
+    "Request throughput (req/s):",
+    "Request goodput (req/s):",
+    "Output token throughput (tok/s):",
+    "Peak output token throughput (tok/s):",
+    "Peak concurrent requests:",
+    "Total Token throughput (tok/s):",
+    *(
+        f"{stat} {metric} (ms):"
+        for metric in ("TTFT", "TPOT", "ITL", "E2EL")
+        for stat in ("Mean", "Median", "P50", "P99")
+    ),
+)
+
+
+def strict(text: str) -> Any:
+    """JSON as a strict parser reads it: NaN and infinities refused."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_bench_reports_what_vllm_bench_serve_reports_and_plots_a_closed_loop(
+    smollm2, smollm2_chat, sharegpt20, tmp_path, capsys
+) -> None:
+    built = assemble(EngineOptions(model="smollm2"), smollm2, smollm2_chat)
+    work = [str(sharegpt20), "--num-conversations", "3", "--max-turns", "2"]
+    work += ["--max-tokens", "4", "--ignore-eos", "--metric-percentiles", "50,99"]
+    with EmbeddedNats() as server, serve_on_thread(built, tmp_path / "data", server.url):
+        url = ["--nats-url", server.url]
+        closed = [*url, *work, "--concurrency", "1,2", "--goodput", "ttft:60000", "tpot:60000"]
+        closed += ["--json", str(tmp_path / "closed.json"), "--plot", str(tmp_path / "c.png")]
+        assert main(["bench", *closed]) == 0
+        out = capsys.readouterr().out
+        # a closed-loop plot beside rate runs has no common axis: said before anything runs
+        rates = [*url, *work, "--rates", "4", "--json", str(tmp_path / "rates.json")]
+        assert main(["bench", *rates]) == 0
+        mixed = [*closed[:-4], "--plot", str(tmp_path / "m.png")]
+        mixed += ["--compare", str(tmp_path / "rates.json")]
+        assert main(["bench", *mixed]) == 2
+        assert "no common x axis" in capsys.readouterr().err
+        assert not (tmp_path / "m.png").exists()
+    for line in VLLM_LINES:
+        assert out.count(line) == 2, line  # one block per run
+    assert "turn 1 (3 requests)" in out  # the multi-turn load, by turn index
+    runs = strict((tmp_path / "closed.json").read_text())["runs"]
+    assert [r["concurrency"] for r in runs] == [1, 2]
+    for run in runs:
+        missing = [name for name in VLLM_FIELDS if name not in run]
+        assert not missing, missing
+        assert run["completed"] == 6 and run["failed"] == 0
+        assert run["total_output_tokens"] == 24
+        assert run["request_goodput"] == run["request_throughput"]  # every request within
+        assert run["mean_ttft_ms"] > 0 and run["p99_e2el_ms"] >= run["median_e2el_ms"] > 0
+        assert run["mean_tpot_ms"] > 0 and run["mean_itl_ms"] > 0
+        assert [t["turn"] for t in run["per_turn"]] == [0, 1]
+        assert [t["completed"] for t in run["per_turn"]] == [3, 3]
+    (rate_run,) = strict((tmp_path / "rates.json").read_text())["runs"]
+    assert rate_run["request_goodput"] is None  # no --goodput: null, as vLLM writes it
+
+    from matplotlib import image
+
+    picture = image.imread(tmp_path / "c.png")
+    height, width = picture.shape[:2]
+    for panel in (picture[: int(height * 0.85), : width // 2], picture[:, width // 2 :]):
+        assert coloured(panel, FIRST).sum() > 80  # both concurrencies drawn in each panel
+
+
+def test_a_bench_with_nothing_measured_writes_null_never_nan(tmp_path) -> None:
+    """A run whose every turn was refused: a summary of nothing, which a strict JSON parser
+    reads."""
+    from pensieve.ops.load import _summary, _Turns
+    from pensieve.ops.load_report import Report
+    from pensieve.ops.sweep import write_json
+
+    empty = _Turns()
+    empty.errors["invalid_request"] += 3
+    write_json(tmp_path / "none.json", {"runs": [_summary(empty, 0.5, Report())]})
+    (run,) = strict((tmp_path / "none.json").read_text())["runs"]
+    assert run["completed"] == 0 and run["failed"] == 3
+    assert run["mean_ttft_ms"] is None and run["ttft_s_p50"] is None
+
+
+def test_plot_without_matplotlib_says_how_to_install_it_before_the_run(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    nobody = f"nats://127.0.0.1:{free_port()}"  # nothing listens: the check comes first
+    plot = ["--plot", str(tmp_path / "p.png")]
+    assert main(["bench", "--nats-url", nobody, "--concurrency", "2", *plot]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert main(["bench", "agentic", "--nats-url", nobody, *plot]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err

@@ -4,11 +4,13 @@ first left, and the commands show the conversation's history and the engine's st
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import select
 import subprocess
 import sys
+import termios
 import time
 
 import pytest
@@ -26,14 +28,22 @@ TURN_LINE = re.compile(
 
 
 class Terminal:
-    """A process on the slave side of a pseudo-terminal; what it prints is read as a user sees
-    it (with the terminal's \\r\\n turned back into \\n)."""
+    """A process on the slave side of a pseudo-terminal, its controlling terminal (so that
+    Ctrl-C typed there interrupts it); what it prints is read as a user sees it (with the
+    terminal's \\r\\n turned back into \\n)."""
 
     def __init__(self, command: list[str]) -> None:
         self.master, slave = os.openpty()
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TERM": "xterm"}
         self.proc = subprocess.Popen(
-            command, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True
+            command,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            close_fds=True,
+            start_new_session=True,  # then the terminal becomes its session's
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
         )
         os.close(slave)
         self.seen = ""
@@ -101,3 +111,72 @@ def test_two_turns_through_a_terminal(smollm2, smollm2_chat, tmp_path) -> None:
             if terminal.proc.poll() is None:
                 terminal.proc.kill()
             os.close(terminal.master)
+
+
+def test_ctrl_c_stops_a_reply_and_the_session_goes_on_with_its_history(
+    smollm2, smollm2_chat, tmp_path
+) -> None:
+    """Ctrl-C while a reply streams stops it and keeps the conversation; the up arrow recalls
+    the line typed before (readline); --system opens the conversation."""
+    built = assemble(EngineOptions(model="smollm2"), smollm2, smollm2_chat)
+    with EmbeddedNats() as server, serve_on_thread(built, tmp_path, server.url) as (_, service):
+        command = [sys.executable, "-m", "pensieve.ops.cli", "chat", "--nats-url", server.url]
+        command += ["--max-tokens", "48", "--system", "You are a pirate."]
+        terminal = Terminal(command)
+        try:
+            terminal.read_until("> ")
+            terminal.type("Tell me a very long story about the sea.")
+            terminal.read_until("sea.\n")
+            terminal.read_until(" ")  # the reply streams in
+            os.write(terminal.master, b"\x03")  # Ctrl-C, as the terminal sends it
+            stopped = terminal.read_until("> ")
+            assert "[stopped]" in stopped and not TURN_LINE.search(stopped), stopped
+            assert terminal.proc.poll() is None  # still there
+            os.write(terminal.master, b"\x1b[A")  # the up arrow: the line before, again
+            assert "a very long story" in terminal.read_until("sea.")
+            os.write(terminal.master, b"\x15")  # Ctrl-U: erase it, then a short one
+            terminal.type("Say hi.")
+            printed = terminal.read_until("> ")
+            found = TURN_LINE.search(printed)
+            assert found is not None, printed
+            conv_id = found.group(2)
+            stored = service.get(conv_id)
+            (system,) = stored.turns[0].history or []
+            assert (system.role, system.content) == ("system", "You are a pirate.")
+            assert [t.message for t in stored.turns][-1] == "Say hi."
+            assert len(stored.turns) == 2  # the stopped turn, then this one: one conversation
+            assert stored.turns[0].finish_reason == "cancelled"
+            assert int(found.group(1)) == 1
+            terminal.type("/quit")
+            assert terminal.proc.wait(30) == 0
+        finally:
+            if terminal.proc.poll() is None:
+                terminal.proc.kill()
+            os.close(terminal.master)
+
+
+def test_one_message_over_nats_or_http_prints_its_reply_alone(
+    smollm2, smollm2_chat, tmp_path
+) -> None:
+    from pensieve.actors.ingress.http_actor import HttpConfig
+    from pensieve.ops.nats_server import free_port
+
+    built = assemble(EngineOptions(model="smollm2"), smollm2, smollm2_chat)
+    port = free_port()
+    http = HttpConfig(port, model="smollm2")
+    with EmbeddedNats() as server, serve_on_thread(built, tmp_path, server.url, http=http):
+        chat = [sys.executable, "-m", "pensieve.ops.cli", "chat", "--max-tokens", "8"]
+        replies = []
+        for way, stdin in (
+            (["--nats-url", server.url, "-m", "What is the capital of France?"], None),
+            (["--nats-url", server.url, "-m", "-"], "What is the capital of France?"),
+            (["--http", f"http://127.0.0.1:{port}", "-m", "What is the capital of France?"], None),
+        ):
+            done = subprocess.run(
+                [*chat, *way], input=stdin or "", capture_output=True, text=True, timeout=120
+            )
+            assert done.returncode == 0, done.stderr
+            assert "> " not in done.stdout and "/quit" not in done.stdout
+            replies.append(done.stdout.strip())
+        # greedy: the same reply each way
+        assert replies[0] and replies == [replies[0]] * 3, replies

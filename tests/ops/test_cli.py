@@ -84,6 +84,43 @@ def test_every_option_explains_itself_and_shows_its_default() -> None:
     assert {"server"} <= {group.title for group in commands.choices["serve"]._action_groups}
 
 
+def test_chat_and_bench_help_show_every_option_s_default() -> None:
+    """Each option that takes a value says what it is without one ('none' where nothing);
+    flags are off unless given."""
+    from pensieve.ops.cli import build_parser
+
+    for name in ("chat", "bench"):
+        parser = build_parser(name)
+        (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        sub = commands.choices[name]
+        entries = [" ".join(e.split()) for e in re.split(r"\n(?=  -)", sub.format_help())]
+        for action in sub._actions:
+            hidden = action.help == argparse.SUPPRESS
+            if not action.option_strings or action.nargs == 0 or hidden:  # a flag, --help
+                continue
+            (entry,) = [e for e in entries if e.startswith(action.option_strings[0] + " ")]
+            assert "default" in entry, f"pensieve {name}: {entry}"
+
+
+def test_actor_help_shows_only_what_an_actor_takes() -> None:
+    """An actor starts no nats-server: it has no --nats-port, and --nats-url is required."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pensieve.ops.cli", "actor", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "--nats-url URL" in done.stdout and "--nats-port" not in done.stdout
+    assert "--insecure" not in done.stdout
+    refused = subprocess.run(
+        [sys.executable, "-m", "pensieve.ops.cli", "actor", "ingress"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "--nats-url" in refused.stderr
+
+
 def test_the_defaults_come_from_one_table() -> None:
     from pensieve.actors.config import DEFAULTS, CacheConfig, SchedulerConfig
     from pensieve.ops.cli import build_parser

@@ -7,8 +7,10 @@ a package folder the image does not copy.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 import yaml
 
 from pensieve.ops.cli import build_parser
+from pensieve.ops.nats_server import find_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,6 +54,9 @@ def test_each_actor_service_runs_that_actor_with_options_the_cli_accepts(files: 
         assert args.device == ("cuda" if gpu else "cpu")
     # the engine's tokenizers are their own service; only the executor holds the GPU
     assert _command(services["scheduler"])[:4] == ["actor", "scheduler", "--tokenizers", "0"]
+    # the scheduler hears of closed tenant connections (their turns end) with and without GPUs
+    scheduler = build_parser().parse_args(_command(services["scheduler"]))
+    assert str(scheduler.nats_events_password_file) == "/data/nats/events.password"
     assert services["tokenizer"]["deploy"]["replicas"] == 2
     holding = [a for a in ACTORS if "resources" in services[a].get("deploy", {})]
     assert holding == (["executor"] if gpu else [])
@@ -92,3 +98,40 @@ def test_the_image_copies_every_package_folder() -> None:
     assert lines[0] == "*"  # everything is left out but what is let in again
     let_in = {ln[1:] for ln in lines if ln.startswith("!")}
     assert folders | {"pyproject.toml", "README.md"} <= let_in, folders - let_in
+
+
+def test_prometheus_scrapes_the_http_ingress_and_grafana_shows_the_dashboard() -> None:
+    services = _load("compose.yaml")["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    (mounted,) = prometheus["volumes"]
+    config = yaml.safe_load((ROOT / mounted.split(":")[0]).read_text())
+    (job,) = config["scrape_configs"]
+    (target,) = job["static_configs"][0]["targets"]
+    host, port = target.split(":")
+    assert host == "http" and int(port) in _ports(services["http"])
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    mounts = dict(v.split(":")[:2] for v in grafana["volumes"])
+    provisioning = ROOT / next(k for k, v in mounts.items() if v == "/etc/grafana/provisioning")
+    (source,) = yaml.safe_load((provisioning / "datasources/prometheus.yaml").read_text())[
+        "datasources"
+    ]
+    assert source["url"] == f"http://prometheus:{_ports(prometheus).pop()}"
+    (provider,) = yaml.safe_load((provisioning / "dashboards/pensieve.yaml").read_text())[
+        "providers"
+    ]
+    folder = provider["options"]["path"]
+    dashboards = [k for k, v in mounts.items() if v.startswith(folder + "/")]
+    assert dashboards == ["./ops/grafana/pensieve-dashboard.json"]
+    panels = json.loads((ROOT / dashboards[0]).read_text())["panels"]
+    assert {p["datasource"]["uid"] for p in panels} == {source["uid"]}
+
+
+def test_compose_runs_the_nats_server_the_package_ships_and_jaeger_v2() -> None:
+    services = _load("compose.yaml")["services"]
+    shipped = subprocess.run(
+        [find_binary(), "--version"], capture_output=True, text=True, check=True
+    ).stdout  # "nats-server: v2.15.1"
+    version = shipped.split("v")[-1].strip()
+    assert services["nats"]["image"] == f"nats:{version}-alpine"
+    image, tag = services["jaeger"]["image"].split(":")
+    assert image == "jaegertracing/jaeger" and tag.split(".")[0] == "2"

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+import re
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -119,7 +122,7 @@ def test_counters_move_by_exactly_what_the_replies_usage_says(served, sharegpt20
     assert value(after, "request_success_total", finished_reason="length") == turns
     for histogram in (
         "time_to_first_token_seconds",
-        "time_per_output_token_seconds",
+        "request_time_per_output_token_seconds",
         "e2e_request_latency_seconds",
         "request_queue_time_seconds",
     ):
@@ -153,3 +156,85 @@ def test_the_metrics_read_the_same_on_every_way_out(served) -> None:
     ]
     for name in counters:
         assert len({value(samples, name) for samples in got}) == 1, name
+
+
+def test_every_series_has_vllms_name_and_the_model_name(served, sharegpt20) -> None:
+    """vLLM's series, as a dashboard made for it asks for them (`pensieve:` for `vllm:`), each
+    with the served model's name; the TPOT histogram named for its one sample per request
+    beside the inter-token latency's one per token; and the process's own."""
+    chats = [[t.text for t in human_turns(c)][:2] for c in load_conversations(sharegpt20)[4:6]]
+    url = served["http"] + "/metrics"
+    before = scrape(url)
+    usages: list[Any] = []
+
+    async def load() -> None:
+        api = AsyncOpenAI(base_url=served["http"] + "/v1", api_key="none", max_retries=0)
+        await asyncio.gather(*(converse(api, chat, usages) for chat in chats))
+        await api.close()
+
+    asyncio.run(load())
+    after = scrape(url)
+    turns = len(usages)
+    assert turns == 4
+
+    def moved(name: str) -> float:
+        return value(after, name) - value(before, name)
+
+    ours = [(name, dict(labels)) for name, labels in after if name.startswith("pensieve:")]
+    assert ours and all(labels.get("model_name") == "smollm2" for _, labels in ours), [
+        name for name, labels in ours if labels.get("model_name") != "smollm2"
+    ]
+    # one gap between each two of a reply's tokens
+    assert moved("inter_token_latency_seconds_count") == turns * (MAX_TOKENS - 1)
+    assert moved("request_time_per_output_token_seconds_count") == turns
+    assert not any(name.startswith("pensieve:time_per_output_token") for name, _ in ours)
+    assert moved("request_prompt_tokens_count") == turns
+    assert moved("request_prompt_tokens_sum") == sum(u.prompt_tokens for u in usages)
+    assert moved("request_generation_tokens_sum") == turns * MAX_TOKENS
+    for phase in ("prefill", "decode"):
+        assert moved(f"request_{phase}_time_seconds_count") == turns
+        assert moved(f"request_{phase}_time_seconds_sum") > 0
+    # each step's tokens: every reply token after the first is fed back in a step, and each
+    # prompt's uncached tokens are computed
+    new = sum(u.prompt_tokens - u.prompt_tokens_details.cached_tokens for u in usages)
+    assert moved("iteration_tokens_total_sum") >= turns * (MAX_TOKENS - 1) + new
+    assert moved("iteration_tokens_total_count") >= MAX_TOKENS
+    ((labels, info),) = [
+        (dict(labels), v) for (name, labels), v in after.items() if name.endswith("config_info")
+    ]
+    assert info == 1 and int(labels["block_size"]) > 0 and int(labels["num_gpu_blocks"]) > 0
+    assert {"num_cpu_blocks", "enable_prefix_caching"} <= labels.keys()
+    assert after[("process_cpu_seconds_total", ())] > 0
+    assert after[("process_resident_memory_bytes", ())] > 0
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "ops/grafana/pensieve-dashboard.json"
+# a series name in PromQL: not a function, keyword or label (those are followed by `(`, or
+# sit inside braces or after `by`)
+SERIES = re.compile(r"\b((?:pensieve:|process_)[a-z0-9_:]+)")
+
+
+def test_the_grafana_dashboard_asks_only_for_series_a_scrape_has(served) -> None:
+    """The dashboard loads as Grafana's JSON model (its required keys, one panel per id, each
+    query a PromQL expression on the provisioned data source), and every series its queries
+    and variables name is in a real scrape of a served engine."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert {"uid", "title", "schemaVersion", "panels", "templating"} <= dashboard.keys()
+    assert isinstance(dashboard["schemaVersion"], int)
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    queries = [v["definition"] for v in dashboard["templating"]["list"]]
+    for panel in panels:
+        assert panel["type"] in {"timeseries", "heatmap", "table", "stat", "gauge"}
+        assert {"h", "w", "x", "y"} <= panel["gridPos"].keys() and panel["targets"]
+        assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"])
+        queries += [target["expr"] for target in panel["targets"]]
+    samples = {name for name, _ in scrape(served["http"] + "/metrics")}
+    named = set()
+    for query in queries:
+        found = SERIES.findall(query)
+        assert found, f"names no series: {query}"
+        named.update(found)
+    assert not named - samples, sorted(named - samples)
+    for wanted in ("inter_token_latency_seconds", "request_prefill_time_seconds", "cache_config"):
+        assert any(wanted in name for name in named), wanted

@@ -263,3 +263,22 @@ def test_a_reply_that_calls_tools_is_answered_as_openai_does_whole_and_streamed(
         {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]},
     ]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_the_docs_say_how_the_http_and_nats_sampling_defaults_differ() -> None:
+    """Without `temperature`, HTTP samples at OpenAI's 1.0 and NATS greedily: docs/http.md says
+    both, with the figures the code uses."""
+    import re
+    from pathlib import Path
+
+    from pensieve.actors.ingress.openai_api import to_chat
+
+    user = {"role": "user", "content": "Hi"}
+    http = to_chat(orjson.dumps({"messages": [user]}), "m", None).chat["temperature"]
+    nats = parse_chat(orjson.dumps({"message": "Hi"})).temperature
+    docs = Path(__file__).resolve().parents[3] / "docs/http.md"
+    said = " ".join(docs.read_text().split())
+    found = re.search(r"\*\*Sampling defaults[^*]*\*\*(.*?)(?:\n\n|$)", said)
+    assert found is not None, "docs/http.md says nothing of the sampling defaults"
+    assert f"default of {http}" in found[1] and f"greedily ({nats})" in found[1]
+    assert '"temperature": 0' in found[1]

@@ -26,5 +26,5 @@ def test_a_shared_chunk_swapped_out_counts_once() -> None:
     assert [e.kind for e in events].count(KvEventKind.SWAPPED_OUT) == 3 * 2 + 2
     metrics = Metrics()
     metrics.count_kv_events(events)
-    evicted = {"event": "evicted"}
+    evicted = {"model_name": "", "event": "evicted"}
     assert metrics.registry.get_sample_value("pensieve:kv_chunks_total", evicted) == 5
