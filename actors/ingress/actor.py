@@ -120,7 +120,7 @@ class IngressActor(Actor):
                 request = refused
             conv_id = getattr(request, "conversation_id", None)
             owner = subjects.owner(conv_id)
-            if subject in OWNED and isinstance(conv_id, str) and self.jetstream is not None:
+            if subject in OWNED and owner is not None and self.jetstream is not None:
                 owner = await self._holder(conv_id, owner)
             if subject in OWNED and owner is not None and owner != self.engine_id:
                 await self._forward(subject, msg, owner)

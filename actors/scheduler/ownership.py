@@ -23,16 +23,19 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from pensieve.actors.scheduler.conversations import not_found
+from pensieve.actors.wire import subjects
 from pensieve.actors.wire.jetstream import Fenced, JetStream, Owner
 from pensieve.actors.wire.schemas import ApiError
 from pensieve.store import ConversationStore, StoreWriter, turn_log
 
 logger = logging.getLogger(__name__)
 
+START_TIMEOUT_S = 60.0
 LEASE_TTL_S = 2.0  # an engine killed is given up this long after its last renewal, at most
 ADOPT_TRIES = 3  # reads of a log that its old owner was still appending to
 
@@ -69,10 +72,21 @@ class Ownership:
         self._renewing: asyncio.Task[None] | None = None
         self._writer_id = f"{engine_id}.{secrets.token_hex(4)}"  # this process's appends
 
-    async def start(self) -> None:
-        """Make the log and buckets if need be, take the lease and keep renewing it."""
-        await self.js.ensure(self.replicas, self.lease_ttl_s)
-        self._lease = await self.js.renew(self.engine_id, None)
+    async def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Make the log and buckets if need be, take the lease and keep renewing it. A cluster
+        just started (or a bucket just made) answers once its replicas elect a leader: until
+        then, and `timeout_s` at most, this tries again."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await self.js.ensure(self.replicas, self.lease_ttl_s)
+                self._lease = await self.js.renew(self.engine_id, None)
+                break
+            except Exception as error:
+                if time.monotonic() > deadline:
+                    raise
+                logger.info("JetStream is not ready (%s); trying again", error)
+                await asyncio.sleep(0.5)
         self._renewing = asyncio.get_running_loop().create_task(self._renew())
 
     async def __aenter__(self) -> Ownership:
@@ -103,6 +117,8 @@ class Ownership:
         """Make sure this engine holds the conversation and its store has the log's copy
         (`drop` forgets the copy in memory, on the engine thread); raises ApiError
         (`not_found` for another tenant's, `unavailable` if another engine holds it)."""
+        if subjects.owner(conv_id) is None:  # not an engine's id: no engine has it in the log
+            return
         held = self._held.get(conv_id)
         if held is not None:
             owner = await self.js.owner(conv_id)
@@ -161,7 +177,7 @@ class Ownership:
     async def append(self, conv_id: str, entry: bytes) -> None:
         """Append a store write of the conversation to its log; Fenced if another engine
         wrote the log since this one last did (then this engine no longer holds it)."""
-        if conv_id in self._local:
+        if conv_id in self._local or subjects.owner(conv_id) is None:
             return
         held = self._held.get(conv_id)
         try:

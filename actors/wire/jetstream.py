@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from dataclasses import dataclass
 
 import nats.errors
@@ -49,8 +50,19 @@ class Owner:
     revision: int
 
 
+_KEY = re.compile(r"[A-Za-z0-9_-]{1,200}")  # one subject token and a KV key, no wildcard
+
+
+def check_key(key: str) -> str:
+    """`key` if it names one log subject and one bucket key; ValueError otherwise (a wildcard
+    in a subject would read every conversation's log)."""
+    if not _KEY.fullmatch(key):
+        raise ValueError(f"{key!r} cannot name a log or a key")
+    return key
+
+
 def log_subject(conv_id: str) -> str:
-    return f"{LOG_PREFIX}.{conv_id}"
+    return f"{LOG_PREFIX}.{check_key(conv_id)}"
 
 
 def cluster_size(bus: Bus) -> int:
@@ -145,7 +157,7 @@ class JetStream:
     async def owner(self, conv_id: str) -> Owner | None:
         owners = await self._bucket(OWNERS)
         try:
-            entry = await owners.get(conv_id)
+            entry = await owners.get(check_key(conv_id))
         except nats.js.errors.KeyNotFoundError:  # never held, released, or deleted
             return None
         if not entry.value:
@@ -155,6 +167,7 @@ class JetStream:
     async def claim(self, conv_id: str, engine: str, over: Owner | None) -> int:
         """Make `engine` the owner if the key is still as read (`over`); its new revision."""
         owners = await self._bucket(OWNERS)
+        check_key(conv_id)
         try:
             if over is None:
                 return int(await owners.create(conv_id, engine.encode()))

@@ -92,3 +92,25 @@ def test_the_image_copies_every_package_folder() -> None:
     assert lines[0] == "*"  # everything is left out but what is let in again
     let_in = {ln[1:] for ln in lines if ln.startswith("!")}
     assert folders | {"pyproject.toml", "README.md"} <= let_in, folders - let_in
+
+
+def test_the_many_engine_stack_runs_two_engines_on_a_three_node_jetstream_cluster() -> None:
+    services = _load("ops/compose.engines.yaml")["services"]
+    nodes = {name: s for name, s in services.items() if name.startswith("nats-")}
+    assert len(nodes) == 3
+    for name, node in nodes.items():
+        command = node["command"].split()
+        assert "-js" in command and command[command.index("-n") + 1] == name
+        routes = command[command.index("--routes") + 1].split(",")
+        assert sorted(routes) == sorted(f"nats://{n}:6222" for n in nodes if n != name)
+    engines = [s for name, s in services.items() if name.startswith("engine-")]
+    assert len(engines) == 2
+    stores = set()
+    for engine in engines:
+        args = build_parser().parse_args(_command(engine))
+        assert args.run.__name__ == "_serve" and args.turn_log == "jetstream"
+        assert args.nats_url.removeprefix("nats://").split(":")[0] in nodes
+        stores.update(engine["volumes"])
+    assert len(stores) == 2  # each engine its own store: the log is what they share
+    published = [p for s in services.values() for p in s.get("ports", [])]
+    assert published and all(p.startswith("127.0.0.1:") for p in published)
