@@ -118,7 +118,7 @@ class IngressActor(Actor):
                 request: msgspec.Struct | ApiError = parse(msg.data)
             except ApiError as refused:  # refused in the request's span
                 request = refused
-            conv_id = getattr(request, "conversation_id", None)
+            conv_id: str = getattr(request, "conversation_id", None) or ""
             owner = subjects.owner(conv_id)
             if subject in OWNED and owner is not None and self.jetstream is not None:
                 owner = await self._holder(conv_id, owner)
