@@ -5,8 +5,8 @@
 - an actor reaches another only through `wire/` (the few exceptions are named below);
 - the engine core (the scheduler but its async shell) imports neither torch, nats nor asyncio,
   directly or through any project module;
-- one module each imports nats, configures OpenTelemetry; only `store/` imports lmdb; only
-  `kernels/` holds Triton kernels.
+- nats is imported by the bus and by JetStream's module alone, OpenTelemetry configured by one
+  module; only `store/` imports lmdb; only `kernels/` holds Triton kernels.
 """
 
 from __future__ import annotations
