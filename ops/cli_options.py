@@ -140,6 +140,30 @@ def server_args(p: argparse.ArgumentParser, embedded: bool = True) -> None:
         "(fastest in one process); 'nats' runs it in an executor actor that takes each step "
         "plan as a message on the bus, as `pensieve actor executor` does in its own process",
     )
+    engines = p.add_argument_group("many engines (docs/many-engines.md)")
+    engines.add_argument(
+        "--turn-log",
+        choices=["lmdb", "jetstream"],
+        default="lmdb",
+        help="where committed turns go: 'lmdb' the local store alone (one engine); 'jetstream' "
+        "also a replicated log on NATS JetStream, before each reply, so that another engine "
+        "adopts the conversations of one that dies or drains (with leases)",
+    )
+    engines.add_argument(
+        "--turn-log-replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="copies of the turn log (0: as many servers as the cluster has, at most 3)",
+    )
+    engines.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds an engine's lease lives unrenewed: its conversations move this long after "
+        "it dies, at most",
+    )
     http = p.add_argument_group("HTTP (OpenAI-compatible API and Prometheus metrics)")
     http.add_argument(
         "--http-port",
@@ -479,4 +503,7 @@ def serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         api_keys_required=not getattr(args, "insecure", False),
         metrics_port=args.metrics_port,
         metrics_host=args.http_host,
+        turn_log=args.turn_log == "jetstream",
+        turn_log_replicas=args.turn_log_replicas,
+        lease_ttl_s=args.lease_ttl,
     )

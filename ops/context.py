@@ -52,6 +52,11 @@ class ServeOptions:
     api_keys_required: bool = True  # False: an HTTP request without a key is the service's
     metrics_port: int | None = None  # /metrics on a port of its own (None: none)
     metrics_host: str = "127.0.0.1"
+    # committed turns also go to a replicated log on NATS JetStream, and the engine holds its
+    # conversations through a lease (docs/many-engines.md); False: the local store alone
+    turn_log: bool = False
+    turn_log_replicas: int = 0  # 0: as many servers as the cluster has, at most 3
+    lease_ttl_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:
@@ -60,6 +65,13 @@ class ServeOptions:
             raise ValueError("--shutdown-grace must be >= 0")
         if self.tokenizers < 0:
             raise ValueError("--tokenizers must be >= 0 (0: tokenizer actors run elsewhere)")
+        if self.turn_log_replicas < 0 or self.lease_ttl_s <= 0:
+            raise ValueError("--turn-log-replicas must be >= 0 and --lease-ttl > 0")
+        if self.turn_log and self.nats_url is None and self.auth_data_dir is not None:
+            raise ValueError(
+                "--turn-log jetstream with the embedded server's accounts is not supported: "
+                "pass --nats-url to a server with JetStream, or --nats-auth none"
+            )
         if not 0 < self.nats_port < 65536:
             raise ValueError(f"--nats-port must be a TCP port, got {self.nats_port}")
         for name, port in (

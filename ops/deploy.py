@@ -34,10 +34,12 @@ from pensieve.actors.ingress.http_actor import HttpConfig, HttpIngressActor, ser
 from pensieve.actors.planner.actor import RecomputePlannerActor
 from pensieve.actors.scheduler.actor import ChatServer
 from pensieve.actors.scheduler.chat_service import ChatService
+from pensieve.actors.scheduler.ownership import Ownership
 from pensieve.actors.scheduler.remote_runner import connect_executor
 from pensieve.actors.tokenizer.actor import tokenizer_replicas
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.jetstream import JetStream, cluster_size
 from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.context import Context, ServeOptions
 from pensieve.ops.factory import build_runner, freeze_start_up, load_config_only
@@ -193,14 +195,27 @@ async def _scheduler(ctx: Context) -> AsyncIterator[ChatServer]:
             events=events,  # closed by the actor
             expiry=serve.expiry,
             grace_s=serve.shutdown_grace_s,
+            ownership=_ownership(ctx, bus, writer),
         )
         async with server:
             yield server
 
 
+def _ownership(ctx: Context, bus: Bus, writer: StoreWriter) -> Ownership | None:
+    """With the turn log on: the engine's lease and held conversations over `bus`."""
+    serve = ctx.serve
+    if not serve.turn_log:
+        return None
+    replicas = serve.turn_log_replicas or min(3, cluster_size(bus))
+    js = JetStream(bus)
+    return Ownership(js, ctx.engine_id, ctx.store, writer, serve.lease_ttl_s, replicas)
+
+
 @contextlib.asynccontextmanager
 async def _ingress(ctx: Context) -> AsyncIterator[IngressActor]:
-    async with IngressActor(await ctx.nats.bus(), ctx.engine_id) as actor:
+    bus = await ctx.nats.bus()
+    jetstream = JetStream(bus) if ctx.serve.turn_log else None
+    async with IngressActor(bus, ctx.engine_id, jetstream) as actor:
         yield actor
 
 

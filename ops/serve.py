@@ -81,8 +81,14 @@ def _started(options: ServeOptions) -> Iterator[tuple[ConversationStore, Nats, N
         url, auth, events = options.nats_url, options.nats_auth, options.events_auth
         if url is None:
             begin = time.monotonic()
+            # with the turn log on, JetStream keeps its files beside the store's
+            jetstream = options.data_dir / "jetstream" if options.turn_log else None
             server = stack.enter_context(
-                EmbeddedNats(options.nats_port, auth_data_dir=options.auth_data_dir)
+                EmbeddedNats(
+                    options.nats_port,
+                    auth_data_dir=options.auth_data_dir,
+                    jetstream_dir=jetstream,
+                )
             )
             url, auth, events = server.url, server.service_auth, server.events_auth
             logger.info("nats-server listening on %s (%.1f s)", url, time.monotonic() - begin)

@@ -5,8 +5,8 @@
 - an actor reaches another only through `wire/` (the few exceptions are named below);
 - the engine core (the scheduler but its async shell) imports neither torch, nats nor asyncio,
   directly or through any project module;
-- one module each imports nats, configures OpenTelemetry; only `store/` imports lmdb; only
-  `kernels/` holds Triton kernels.
+- nats is imported by the bus and by JetStream's module alone, OpenTelemetry configured by one
+  module; only `store/` imports lmdb; only `kernels/` holds Triton kernels.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("actors", "kernels", "models", "ops", "store")
 ACTORS = ("wire", "ingress", "tokenizer", "planner", "scheduler", "executor")
 # the scheduler's async shell: the rest of actors/scheduler/ is the engine core
-SCHEDULER_SHELL = {"actor", "engine_thread", "sweeper", "remote_runner"}
+SCHEDULER_SHELL = {"actor", "engine_thread", "sweeper", "remote_runner", "ownership"}
 # an actor that uses another's sans-I/O core in its own process, on purpose
 CROSSINGS = {
     # the reply text is found on the engine thread when no tokenizer actor runs elsewhere
@@ -161,7 +161,7 @@ def test_the_engine_core_imports_neither_torch_nor_nats_nor_asyncio() -> None:
 
 
 def test_one_module_each_speaks_nats_and_configures_telemetry() -> None:
-    assert _importers("nats") == {"pensieve.actors.wire.bus"}
+    assert _importers("nats") == {"pensieve.actors.wire.bus", "pensieve.actors.wire.jetstream"}
     assert _importers("opentelemetry.sdk") == {"pensieve.ops.telemetry"}
     assert {_package(m) for m in _importers("lmdb")} == {"store"}
 

@@ -30,11 +30,13 @@ from pensieve.actors.wire.actor import Actor
 from pensieve.actors.wire.bus import (
     REQUESTER_HEADER,
     TENANT_HEADER,
+    Bus,
     Handler,
     Incoming,
     ServiceInfo,
     requester,
 )
+from pensieve.actors.wire.jetstream import JetStream
 from pensieve.actors.wire.schemas import (
     ApiError,
     encode_body,
@@ -71,8 +73,16 @@ OWNED = (
 
 
 class IngressActor(Actor):
+    """With `jetstream` (many engines sharing a replicated turn log), a conversation goes to
+    the engine that holds it in the owner bucket while that engine's lease lives, and to this
+    engine's scheduler, which adopts it, once the lease has lapsed (or the owner let it go)."""
+
     name: ClassVar[str] = "ingress"
     description: ClassVar[str] = "the client API: checks requests, hands them to the scheduler"
+
+    def __init__(self, bus: Bus, engine_id: str, jetstream: JetStream | None = None) -> None:
+        super().__init__(bus, engine_id)
+        self.jetstream = jetstream
 
     async def setup(self) -> None:
         """Answer the shared subjects (with every engine) and this engine's own."""
@@ -108,13 +118,34 @@ class IngressActor(Actor):
                 request: msgspec.Struct | ApiError = parse(msg.data)
             except ApiError as refused:  # refused in the request's span
                 request = refused
-            owner = subjects.owner(getattr(request, "conversation_id", None))
+            conv_id: str = getattr(request, "conversation_id", None) or ""
+            owner = subjects.owner(conv_id)
+            if subject in OWNED and owner is not None and self.jetstream is not None:
+                owner = await self._holder(conv_id, owner)
             if subject in OWNED and owner is not None and owner != self.engine_id:
                 await self._forward(subject, msg, owner)
                 return
             await self._hand_to_scheduler(subject, verb, msg, request)
 
         return route
+
+    async def _holder(self, conv_id: str, named: str | None) -> str | None:
+        """The engine to serve the conversation: its owner while the owner's lease lives,
+        else (None) this one, which adopts it. A conversation nobody holds in the bucket (let
+        go by a drained engine, or made before the log) goes where its id says while that
+        engine answers."""
+        assert self.jetstream is not None
+        try:
+            held = await self.jetstream.owner(conv_id)
+            if held is None:
+                alive = named is not None and await self.bus.answers(subjects.engine_ping(named))
+                return named if alive or named == self.engine_id else None
+            if held.engine == self.engine_id or await self.jetstream.alive(held.engine):
+                return held.engine
+            return None
+        except Exception as error:  # JetStream away (a node down, a leader elected): by the id
+            logger.warning("the owner of %s is not known (%s); routing by its id", conv_id, error)
+            return named
 
     async def _forward(self, subject: str, msg: Incoming, owner: str) -> None:
         # a forwarded request nobody takes would leave its requester waiting out its

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
@@ -26,6 +27,7 @@ from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig
 from pensieve.actors.scheduler.chat_service import ChatService, Reservation
 from pensieve.actors.scheduler.engine_thread import EngineThread
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
+from pensieve.actors.scheduler.ownership import Ownership
 from pensieve.actors.scheduler.step_log import watching_loop
 from pensieve.actors.scheduler.sweeper import sweeping
 from pensieve.actors.wire import subjects, tracing
@@ -114,6 +116,7 @@ class ChatServer(Actor):
         events: Bus | None = None,
         expiry: ExpiryConfig = DEFAULT_EXPIRY,
         grace_s: float = DEFAULTS.shutdown_grace_s,
+        ownership: Ownership | None = None,
     ) -> None:
         super().__init__(bus, engine_id)
         # one scheduler per engine: its service instance is the engine (the HTTP ingress's
@@ -125,6 +128,8 @@ class ChatServer(Actor):
         self.events = events
         self.expiry = expiry
         self.grace_s = grace_s
+        # with many engines: the lease, the conversations held and the replicated turn log
+        self.ownership = ownership
         self._engine: EngineThread | None = None
         self._sweeping: contextlib.AsyncExitStack | None = None
         self._kv_stream = KvEventStream(engine_id)  # this process's KV event batches
@@ -161,6 +166,9 @@ class ChatServer(Actor):
             await self.events.flush()
         if self.remote_text:
             await self._call(self._detokenize_remotely, asyncio.get_running_loop())
+        if self.ownership is not None:
+            await self.ownership.start()
+            await self._call(self._replicate_turns, asyncio.get_running_loop())
         handlers: dict[str, Handler] = {
             "chat": self._chat,
             "cancel": self._cancel,
@@ -191,6 +199,8 @@ class ChatServer(Actor):
             left = await self.bus.settle(0.0)
             if self._engine is not None and left:
                 await self._close_turns(left)
+            if self.ownership is not None:  # its turns are done: other engines take over
+                await self.ownership.release()
             if self.events is not None:
                 await self.events.close()
         finally:  # off the event loop: a step in hand may need it to reach the executor
@@ -229,6 +239,31 @@ class ChatServer(Actor):
 
         self.service.detokenize = send
         self.service.take_text = self.engine.take_text
+
+    def _replicate_turns(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine thread: from now on every store write of a conversation goes to its
+        replicated log first (`Ownership.append`, on the event loop)."""
+        ownership = self.ownership
+        assert ownership is not None
+
+        def replicate(conv_id: str, entry: bytes) -> Future[Any]:
+            try:
+                return asyncio.run_coroutine_threadsafe(ownership.append(conv_id, entry), loop)
+            except RuntimeError as closed:  # the loop is closed: the turn cannot be stored
+                failed: Future[Any] = Future()
+                failed.set_exception(closed)
+                return failed
+
+        self.service.replicate_to(replicate)
+
+    async def _hold(self, conv_id: str | None, tenant: str | None) -> None:
+        """With many engines: make sure this engine holds the conversation (it adopts one whose
+        owner's lease lapsed), before anything of it is read or written."""
+        if self.ownership is not None and conv_id is not None:
+            await self.ownership.hold(conv_id, tenant, self._drop)
+
+    async def _drop(self, conv_id: str) -> bool:
+        return await self._call(self.service.drop, conv_id)
 
     def _send_text(self, request: DetokenizeRequest) -> None:
         task = asyncio.ensure_future(self._detokenize(request))
@@ -285,6 +320,7 @@ class ChatServer(Actor):
     async def _run_turn(self, msg: Incoming, span: trace.Span, sink: _Reply, probe: str) -> None:
         request = read_checked(msg.data, ChatRequest)  # checked by the ingress
         service = self.service
+        await self._hold(request.conversation_id, _tenant(msg))
         reservation = await self._call(service.reserve, request, _tenant(msg))
         # rendered in a tokenizer replica (this engine's), not between two engine steps; the
         # recompute planner is asked meanwhile, for a conversation with history
@@ -367,14 +403,18 @@ class ChatServer(Actor):
     async def _get(self, msg: Incoming) -> None:
         request = read_checked(msg.data, GetRequest)
         service, conv_id = self.service, request.conversation_id
+        await self._hold(conv_id, _tenant(msg))
         # off the engine thread: a read never waits for a step to end
         got = await asyncio.to_thread(service.get, conv_id, request.page, _tenant(msg))
         await msg.send(encode_body(got))
 
     async def _delete(self, msg: Incoming) -> None:
         conv_id = read_checked(msg.data, ConversationRef).conversation_id
+        await self._hold(conv_id, _tenant(msg))
         written = await self._call(self.service.delete, conv_id, _tenant(msg))
         await asyncio.wrap_future(written)
+        if self.ownership is not None:
+            await self.ownership.forget(conv_id)
         await msg.send(encode_body(DeleteReply(conv_id, True)))
 
     async def _create(self, msg: Incoming) -> None:

@@ -37,6 +37,7 @@ from pensieve.actors.scheduler.conversations import (
 )
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.metrics import Metrics
+from pensieve.actors.scheduler.replication import Replicate
 from pensieve.actors.scheduler.reply_text import ReplyText
 from pensieve.actors.scheduler.request import FinishReason
 from pensieve.actors.scheduler.step_log import StepLog
@@ -215,6 +216,16 @@ class ChatService:
     def delete(self, conv_id: str, tenant: str | None = None) -> Future[Any]:
         """Forget the conversation everywhere; the future resolves once the store forgot it."""
         return self.convs.delete(conv_id, tenant)
+
+    def drop(self, conv_id: str) -> bool:
+        """Forget the conversation's copy in memory and its KV (`Conversations.drop`)."""
+        return self.convs.drop(conv_id)
+
+    def replicate_to(self, replicate: Replicate | None) -> None:
+        """From now on every store write of a conversation goes to the replicated turn log
+        first (`replication.py`); None: the store alone."""
+        self.commits.replicate = replicate
+        self.convs.replicate = replicate
 
     def create(
         self, messages: Sequence[ChatMessage], tenant: str | None = None

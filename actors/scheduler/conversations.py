@@ -18,6 +18,7 @@ import msgspec
 from opentelemetry import trace
 
 from pensieve.actors.config import ExpiryConfig
+from pensieve.actors.scheduler.replication import Replicate, after_replicated
 from pensieve.actors.wire.messages import ChatMessage
 from pensieve.actors.wire.schemas import (
     MAX_PAGE,
@@ -32,7 +33,14 @@ from pensieve.actors.wire.schemas import (
     ToolResult,
     TurnSummary,
 )
-from pensieve.store import ConversationMeta, ConversationStore, Messages, StoreWriter, TurnRecord
+from pensieve.store import (
+    ConversationMeta,
+    ConversationStore,
+    Messages,
+    StoreWriter,
+    TurnRecord,
+    turn_log,
+)
 
 FIRST_PAGE = Page(None, MAX_PAGE)
 
@@ -83,6 +91,7 @@ class Conversations:
         self.forget_kv = forget_kv
         self.by_id: dict[str, Conversation] = {}
         self._deleting: set[str] = set()  # deleted here, not yet in the store
+        self.replicate: Replicate | None = None  # the replicated turn log (None: none)
 
     def claim(self, request: ChatRequest, tenant: str | None) -> Reservation:
         """The turn's conversation, new or found, marked busy (no other turn may start on it),
@@ -119,6 +128,16 @@ class Conversations:
         reservation.conv.busy = False
         if reservation.new:
             self.by_id.pop(reservation.conv.conv_id, None)
+
+    def drop(self, conv_id: str) -> bool:
+        """Forget the conversation's copy in memory and its KV (the store's copy changed under
+        it: another engine wrote its log); False if a turn of it is in progress."""
+        conv = self.by_id.get(conv_id)
+        if conv is not None and conv.busy:
+            return False
+        self.by_id.pop(conv_id, None)
+        self.forget_kv(conv_id)
+        return True
 
     def in_memory(self, conv_id: str, tenant: str | None) -> Conversation | None:
         """The tenant's conversation if memory has it; None if only the store has it. Raises
@@ -189,7 +208,12 @@ class Conversations:
         conv = Conversation(self.new_id(), list(messages), [], 0, tenant=tenant)
         self.by_id[conv.conv_id] = conv
         opening = tuple(dict(m) for m in messages)
-        created = self.writer.submit(self.store.create, conv.conv_id, opening, now, tenant)
+        created = after_replicated(
+            self.replicate,
+            conv.conv_id,
+            lambda: turn_log.created(opening, now, tenant),
+            lambda: self.writer.submit(self.store.create, conv.conv_id, opening, now, tenant),
+        )
 
         def settled(done: Future[Any]) -> None:
             if done.exception() is not None and self.by_id.get(conv.conv_id) is conv:

@@ -16,11 +16,12 @@ from typing import Any
 
 from pensieve.actors.scheduler.conversations import reply_message
 from pensieve.actors.scheduler.metrics import Metrics
+from pensieve.actors.scheduler.replication import Replicate, after_replicated
 from pensieve.actors.scheduler.request import Request, common_prefix
 from pensieve.actors.scheduler.turn import Turn
 from pensieve.actors.wire.messages import ChatMessage
 from pensieve.actors.wire.schemas import ApiError, chat_reply
-from pensieve.store import ConversationStore, Messages, StoreWriter, TurnRecord
+from pensieve.store import ConversationStore, Messages, StoreWriter, TurnRecord, turn_log
 
 logger = logging.getLogger(__name__)
 
@@ -92,27 +93,40 @@ def commit_turn(
 
 class TurnCommitter:
     """Commits finished turns (`submit`) and answers each once its commit settles
-    (`answer_when_stored`); each turn is counted in `metrics` as its reply goes out."""
+    (`answer_when_stored`); each turn is counted in `metrics` as its reply goes out. With
+    `replicate`, a turn goes to the replicated turn log first, and to the store once the log
+    has it."""
 
     def __init__(self, store: ConversationStore, writer: StoreWriter, metrics: Metrics) -> None:
         self.store = store
         self.writer = writer
         self.metrics = metrics
+        self.replicate: Replicate | None = None
 
     def submit(self, turn: Turn, record: TurnRecord, log: list[int]) -> Future[Any]:
-        """Hand the turn, whose token log is now `log`, to the store writer."""
+        """Hand the turn, whose token log is now `log`, to the log and the store writer."""
         conv = turn.conv
-        return commit_turn(
-            self.store,
-            self.writer,
-            conv.conv_id,
-            record,
-            conv.log,
-            log,
-            conv.stateless,
-            turn.final,
-            conv.tenant,
-        )
+        keep = common_prefix(conv.log, log)
+
+        def entry() -> bytes:
+            return turn_log.committed(
+                record, keep, log[keep:], conv.stateless, turn.final, conv.tenant
+            )
+
+        def write() -> Future[Any]:
+            return commit_turn(
+                self.store,
+                self.writer,
+                conv.conv_id,
+                record,
+                conv.log,
+                log,
+                conv.stateless,
+                turn.final,
+                conv.tenant,
+            )
+
+        return after_replicated(self.replicate, conv.conv_id, entry, write)
 
     def answer_when_stored(
         self, stored: Future[Any], turn: Turn, text: str, record: TurnRecord, log: list[int]

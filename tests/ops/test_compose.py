@@ -135,3 +135,25 @@ def test_compose_runs_the_nats_server_the_package_ships_and_jaeger_v2() -> None:
     assert services["nats"]["image"] == f"nats:{version}-alpine"
     image, tag = services["jaeger"]["image"].split(":")
     assert image == "jaegertracing/jaeger" and tag.split(".")[0] == "2"
+
+
+def test_the_many_engine_stack_runs_two_engines_on_a_three_node_jetstream_cluster() -> None:
+    services = _load("ops/compose.engines.yaml")["services"]
+    nodes = {name: s for name, s in services.items() if name.startswith("nats-")}
+    assert len(nodes) == 3
+    for name, node in nodes.items():
+        command = node["command"].split()
+        assert "-js" in command and command[command.index("-n") + 1] == name
+        routes = command[command.index("--routes") + 1].split(",")
+        assert sorted(routes) == sorted(f"nats://{n}:6222" for n in nodes if n != name)
+    engines = [s for name, s in services.items() if name.startswith("engine-")]
+    assert len(engines) == 2
+    stores = set()
+    for engine in engines:
+        args = build_parser().parse_args(_command(engine))
+        assert args.run.__name__ == "_serve" and args.turn_log == "jetstream"
+        assert args.nats_url.removeprefix("nats://").split(":")[0] in nodes
+        stores.update(engine["volumes"])
+    assert len(stores) == 2  # each engine its own store: the log is what they share
+    published = [p for s in services.values() for p in s.get("ports", [])]
+    assert published and all(p.startswith("127.0.0.1:") for p in published)
