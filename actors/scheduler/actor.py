@@ -14,7 +14,7 @@ import gc
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, ClassVar, TypeVar
 
@@ -28,7 +28,7 @@ from pensieve.actors.scheduler.chat_service import ChatService, Reservation
 from pensieve.actors.scheduler.engine_thread import EngineThread
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
 from pensieve.actors.scheduler.ownership import Ownership
-from pensieve.actors.scheduler.step_log import watching_loop
+from pensieve.actors.scheduler.step_log import StepLog
 from pensieve.actors.scheduler.sweeper import sweeping
 from pensieve.actors.wire import subjects, tracing
 from pensieve.actors.wire.actor import Actor
@@ -477,3 +477,26 @@ async def _render(bus: Bus, engine_id: str, reservation: Reservation, longest: i
 def _tenant(msg: Incoming) -> str | None:
     """The tenant the ingress received the request from (None: the service's own account)."""
     return msg.headers.get(TENANT_HEADER)
+
+
+LOOP_TICK_S = 0.01
+
+
+@contextlib.asynccontextmanager
+async def watching_loop(log: StepLog, tick_s: float = LOOP_TICK_S) -> AsyncIterator[None]:
+    """While open: a task on the running loop that sleeps `tick_s` at a time and tells `log`
+    how late it woke (`loop_stall`), so a stall of the loop that sends the replies shows."""
+
+    async def watch() -> None:
+        while True:
+            began = time.monotonic()
+            await asyncio.sleep(tick_s)
+            log.loop_stall(max(time.monotonic() - began - tick_s, 0.0))
+
+    task = asyncio.create_task(watch(), name="pensieve-loop-watch")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

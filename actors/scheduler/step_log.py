@@ -13,13 +13,11 @@ The engine thread records; the actor's stats request reads (under the log's lock
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import heapq
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -150,26 +148,3 @@ class StepLog:
             "slowest": self._steps.largest(),
             "loop_stalls": self._stalls.largest(),
         }
-
-
-LOOP_TICK_S = 0.01
-
-
-@contextlib.asynccontextmanager
-async def watching_loop(log: StepLog, tick_s: float = LOOP_TICK_S) -> AsyncIterator[None]:
-    """While open: a task on the running loop that sleeps `tick_s` at a time and tells `log`
-    how late it woke (`loop_stall`), so a stall of the loop that sends the replies shows."""
-
-    async def watch() -> None:
-        while True:
-            began = time.monotonic()
-            await asyncio.sleep(tick_s)
-            log.loop_stall(max(time.monotonic() - began - tick_s, 0.0))
-
-    task = asyncio.create_task(watch(), name="pensieve-loop-watch")
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
