@@ -143,9 +143,6 @@ class Completion:
 def to_chat(data: bytes, model: str, conversation_header: str | None) -> Completion:
     """Parse a `POST /v1/chat/completions` body for the model served as `model`."""
     body = checked_body(data, model, _UNSUPPORTED)
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise invalid("only the text response format is supported", "response_format")
     messages = _messages(body.get("messages"))
     stream = flag(body, "stream")
     chat: dict[str, Any] = {"stream": stream}
@@ -168,6 +165,8 @@ def to_chat(data: bytes, model: str, conversation_header: str | None) -> Complet
             chat[name] = body[name]
     if body.get("tools"):  # checked by the client API, as its own `tools`
         chat["tools"] = body["tools"]
+    if body.get("response_format") is not None:  # and so is this
+        chat["response_format"] = body["response_format"]
     return Completion(
         chat,
         model,

@@ -459,5 +459,5 @@ def _sampling(
         top_p=request.top_p,
         seed=seed,
         ignore_eos=request.ignore_eos,
-        grammar=request.grammar,
+        grammar=request.response_format,
     )

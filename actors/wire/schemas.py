@@ -192,7 +192,8 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice = "none"
     # the messages the turn adds after the conversation's last reply, before `message`
     tool_results: tuple[ChatMessage, ...] = ()
-    grammar: Grammar | None = None  # what the reply must match (`response_format`)
+    # the grammar `response_format` asks of the reply (None: free text)
+    response_format: Grammar | None = None
 
     @property
     def forces_call(self) -> bool:
@@ -362,7 +363,7 @@ def parse_chat(data: bytes) -> ChatRequest:
             {"role": "tool", "content": r.content, "tool_call_id": r.tool_call_id}
             for r in results or ()
         ),
-        grammar=grammar,
+        response_format=grammar,
     )
 
 

@@ -83,7 +83,7 @@ def test_plans_cross_as_diffs_and_come_back_whole() -> None:
     # after a step without it, a request goes in full; then its unchanged table is not sent
     running = StepPlan((SeqPiece("a", (PLACEHOLDER,), 5, 6, (14, 12, 15), HOT, 3),))
     first = encoder.encode(9, running, None)
-    assert b"[14,12,15]" in first and b"[0.7,0.9,null,3]" in first
+    assert b"[14,12,15]" in first and b"[0.7,0.9,null,3,null]" in first
     assert decoder.decode(first).plan == as_executor_sees(running)  # type: ignore[union-attr]
     again = encoder.encode(10, running, 9)
     assert b"[14,12,15]" not in again and b"0.7" not in again
@@ -109,7 +109,7 @@ def test_a_running_decode_of_a_long_context_sends_only_its_new_block() -> None:
     grown = StepPlan((SeqPiece("r", (PLACEHOLDER,), 2048, 2049, (*table, 7), GREEDY, 9),))
     decoder.decode(encoder.encode(1, first, None))
     data = encoder.encode(2, grown, 1)
-    assert orjson.loads(data)[5] == [["r", 2048, 2049, [PLACEHOLDER], 64, [7], True, None, 9]]
+    assert orjson.loads(data)[5] == [["r", 2048, 2049, [PLACEHOLDER], 64, [7], True, None, 9, None]]
     got = decoder.decode(data)
     assert got is not None and got.plan.pieces[0].block_table == (*table, 7)
 
