@@ -141,6 +141,16 @@ def test_a_json_object_reply_parses(api) -> None:
     assert isinstance(json.loads(choice.message.content), dict)
 
 
+def test_a_responses_text_format_is_enforced(api) -> None:
+    schema = SCHEMAS[0]
+    fmt = {"type": "json_schema", "name": "weather", "schema": schema, "strict": True}
+    answer = api.responses.create(
+        model=MODEL, input=PROMPTS[0], text={"format": fmt}, temperature=0, max_output_tokens=120
+    )
+    assert answer.status == "completed"
+    jsonschema.validate(json.loads(answer.output_text), schema)
+
+
 def test_an_invalid_schema_is_refused_naming_the_field(api) -> None:
     bad = _json_schema({"type": "objekt"})
     with pytest.raises(openai.BadRequestError) as refused:
