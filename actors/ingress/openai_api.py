@@ -165,8 +165,11 @@ def to_chat(data: bytes, model: str, conversation_header: str | None) -> Complet
             chat[name] = body[name]
     if body.get("tools"):  # checked by the client API, as its own `tools`
         chat["tools"] = body["tools"]
-    if body.get("response_format") is not None:  # and so is this
-        chat["response_format"] = body["response_format"]
+    response_format = body.get("response_format")
+    if response_format is not None:  # its grammar is checked by the client API too
+        if not isinstance(response_format, dict):
+            raise invalid("'response_format' must be an object", "response_format")
+        chat["response_format"] = response_format
     return Completion(
         chat,
         model,
