@@ -25,6 +25,7 @@ from pensieve.actors.wire.step_codec import (
     StepResult,
     reset_message,
 )
+from pensieve.actors.wire.structured import Grammar
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 HOT = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=3, stop_token_ids=(2,))
@@ -197,3 +198,22 @@ def test_executor_info_round_trips_and_is_versioned() -> None:
     for bad in ({"v": 2}, {"block_size": "32"}, {"extra": 1}):
         with pytest.raises(MessageError, match="ExecutorInfo"):
             ExecutorInfo.decode(orjson.dumps({**body, **bad}))
+
+
+def test_a_constrained_request_sends_its_grammar_once_and_its_output_when_given() -> None:
+    constrained = SamplingParams(max_tokens=8, grammar=Grammar.json_schema({"type": "object"}))
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    first = StepPlan((SeqPiece("c", (1, 2), 0, 2, (10,), constrained, 3, (5, 6, 7)),))
+    second = StepPlan((SeqPiece("c", (PLACEHOLDER,), 2, 3, (10,), constrained, 4),))
+    got = decoder.decode(encoder.encode(1, first, None))
+    assert got is not None
+    (piece,) = got.plan.pieces
+    assert piece.sampling is not None and piece.sampling.grammar == constrained.grammar
+    assert piece.output_ids == (5, 6, 7)
+    data = encoder.encode(2, second, 1)
+    assert b"object" not in data  # the executor holds the grammar already
+    got = decoder.decode(data)
+    assert got is not None
+    (piece,) = got.plan.pieces
+    assert piece.sampling is not None and piece.sampling.grammar == constrained.grammar
+    assert piece.output_ids is None
