@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,6 +52,7 @@ class GrammarMasks:
         self._make_tokenizer = tokenizer
         self._tokenizer: Any = None
         self._executor: Any = None
+        self._warming: Future[Any] | None = None
         self.vocab_size = vocab_size
         self._states: dict[str, _Constrained] = {}
 
@@ -66,6 +68,12 @@ class GrammarMasks:
             return llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=eos or None)
 
         return GrammarMasks(make, vocab_size)
+
+    def warm(self) -> None:
+        """Start making the llguidance tokenizer on a thread of its own now, rather than in the
+        step that first samples a constrained request (where it holds up the whole batch)."""
+        if self._tokenizer is None and self._warming is None:
+            self._warming = ThreadPoolExecutor(1, "pensieve-grammar").submit(self._make_tokenizer)
 
     @property
     def num_constrained(self) -> int:
@@ -148,7 +156,8 @@ class GrammarMasks:
         if self._tokenizer is None:
             from llguidance import LLExecutor
 
-            self._tokenizer = self._make_tokenizer()
+            warming = self._warming
+            self._tokenizer = self._make_tokenizer() if warming is None else warming.result()
             self._executor = LLExecutor()
         return self._tokenizer
 
