@@ -341,10 +341,11 @@ class ModelRunner:
     def _constrain(self, logits: torch.Tensor, sampling: list[SeqPiece]) -> bool:
         """Mask the logits [sampling pieces, V] of constrained requests to what their grammars
         allow next; False if none is constrained."""
-        if self.grammars is None:
-            if any(p.sampling.grammar is not None for p in sampling):  # type: ignore[union-attr]
-                raise ValueError("a constrained request, but this executor has no grammars")
+        if all(p.sampling.grammar is None for p in sampling):  # type: ignore[union-attr]
             return False
+        if self.grammars is None:
+            raise ValueError("a constrained request, but this executor has no grammars")
+        self.swap.issue_out()  # before waiting for the tokens of the steps before
         found = self.grammars.masks(sampling)
         if found is None:
             return False
