@@ -91,7 +91,7 @@ def run(
 
 def _allowed(tokenizer: Any, output: list[int]) -> bool:
     """Whether the grammar accepts `output` as a start (checked with a fresh matcher)."""
-    matcher = LLMatcher(tokenizer, Grammar.json_schema(SCHEMA).compiled())
+    matcher = LLMatcher(tokenizer, Grammar.json_schema(SCHEMA).compiled(), log_level=0)
     return bool(matcher.consume_tokens(output)) and not matcher.is_error()
 
 
@@ -122,8 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     built = build(options)
     engine, chat = built.engine, built.chat
+    if built.loaded.config.vocab_size < len(chat.tokenizer):
+        raise SystemExit(
+            f"the model's vocabulary ({built.loaded.config.vocab_size} tokens) is smaller than "
+            f"the tokenizer's ({len(chat.tokenizer)}): the schema needs tokens it cannot write"
+        )
     text = "Report the weather of many cities as JSON readings, one object per city. " * 40
-    ids = chat.tokenizer.encode(text, add_special_tokens=False)
+    ids = chat.encode(text)
     # distinct prompts: no request reuses another's KV
     prompts = [[i + 1, *ids[: args.prompt_tokens - 1]] for i in range(args.batch)]
     tokenizer = llguidance.hf.from_tokenizer(chat.tokenizer)
