@@ -39,8 +39,16 @@ WHEELS = (
     "openai",
     "hypothesis",
     "pytest",
+    "llguidance",
+    "jsonschema",
 )
-WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+# llguidance is built for glibc 2.31 and newer
+WHEEL_PLATFORMS = (
+    "manylinux_2_31_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)
 
 
 def write_sharegpt(out: Path, num: int) -> int:

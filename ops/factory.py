@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pensieve.actors.config import DEFAULTS, CacheConfig, Policy, SchedulerConfig
+from pensieve.actors.executor.grammar import GrammarMasks
 from pensieve.actors.executor.model_runner import ModelRunner
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.kv.chunk_keys import PublicKeys
@@ -145,6 +146,8 @@ def build_runner(options: EngineOptions) -> ModelRunner:
     loaded = load_weights(options)
     begin = time.perf_counter()
     runner = model_runner(options, loaded)
+    chat = _chat(options, loaded)
+    runner.grammars = grammar_masks(chat, loaded.config.vocab_size, options.device)
     cache = runner.cache
     logger.info(
         "model runner ready in %.1f s: GPU tier %d tokens, CPU tier %d tokens",
@@ -197,7 +200,17 @@ def cpu_threads(options: EngineOptions) -> int | None:
 def assemble(options: EngineOptions, loaded: LoadedModel, chat: ChatTokenizer) -> Built:
     """A fresh engine (empty caches) around an already loaded model."""
     runner = model_runner(options, loaded)
+    runner.grammars = grammar_masks(chat, loaded.config.vocab_size, options.device)
     return _around(runner, runner.cache, options, loaded, chat)
+
+
+def grammar_masks(chat: ChatTokenizer, vocab_size: int, device: str) -> GrammarMasks:
+    """What samples constrained requests, over the chat tokenizer's vocabulary. On a GPU its
+    tokenizer is made now, beside the start-up; on the CPU (tests, replays) when first used."""
+    masks = GrammarMasks.from_hf(chat.tokenizer, chat.eos_token_ids, vocab_size)
+    if device != "cpu":
+        masks.warm()
+    return masks
 
 
 def model_runner(options: EngineOptions, loaded: LoadedModel) -> ModelRunner:
@@ -229,7 +242,8 @@ def rank_runner(
         device,
     )
     cache = agree(cache_config(options, loaded.config, device, dtype))
-    return ModelRunner(loaded.model, cache, device, dtype, shard=shard)
+    grammars = grammar_masks(_chat(options, loaded), loaded.config.vocab_size, options.device)
+    return ModelRunner(loaded.model, cache, device, dtype, shard=shard, grammars=grammars)
 
 
 def load_config_only(options: EngineOptions) -> tuple[LoadedModel, ChatTokenizer]:

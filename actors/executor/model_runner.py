@@ -20,8 +20,9 @@ import torch
 from pensieve.actors.config import CacheConfig, ExecutorConfig
 from pensieve.actors.executor.cuda_graphs import DecodeGraphs
 from pensieve.actors.executor.device_clock import DeviceClock
+from pensieve.actors.executor.grammar import GrammarMasks
 from pensieve.actors.executor.piecewise_graphs import PiecewiseGraphs
-from pensieve.actors.executor.sampler import sample_async
+from pensieve.actors.executor.sampler import apply_token_mask, sample_async
 from pensieve.actors.executor.step_tracing import StepTracer
 from pensieve.actors.executor.swap import SwapEngine
 from pensieve.actors.executor.swap_tracing import SwapTracer
@@ -54,10 +55,20 @@ class Launched:
     # traces the copies done by then, of this step and those before (None: not traced)
     swaps: SwapTracer | None = field(default=None, init=False)
 
+    _values: list[int] | None = field(default=None, init=False)
+
     def __post_init__(self) -> None:
         ran = self.plan if self.executed is None else self.executed
         sampling = (p.request_id for p in ran.pieces if p.sampling is not None)
         self.rows = {request_id: row for row, request_id in enumerate(sampling)}
+
+    def host_tokens(self) -> list[int]:
+        """The sampled tokens in the order executed (waits for the step; no tracing)."""
+        if self._values is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self._values = self.host.tolist()
+        return self._values
 
     def result(self) -> list[int]:
         """The sampled tokens in `plan`'s order (waits for the step)."""
@@ -122,12 +133,15 @@ class ModelRunner:
         swap_batched: bool = True,
         shard: TensorShard | None = None,
         switches: ExecutorConfig | None = None,
+        grammars: GrammarMasks | None = None,
     ) -> None:
+        """`grammars`: the matchers of constrained requests (None: a step with one fails)."""
         # None: the defaults, as the environment overrides them
         self.switches = switches or ExecutorConfig.from_environment()
         use_fast_launch(self.switches.fast_launch)
         self.model = model
         self.shard = shard  # this rank's part of a model split over ranks (None: all of it)
+        self.grammars = grammars
         self.config = model.config
         self.cache = cache
         self.device = device
@@ -283,6 +297,8 @@ class ModelRunner:
         return launched
 
     def _launch(self, plan: StepPlan, feed: Launched | None) -> Launched:
+        if self.grammars is not None:
+            self.grammars.forget_absent(plan.pieces)
         if not plan.pieces:
             self.swap.issue(plan.orders)
             empty = torch.empty(0, dtype=torch.long)
@@ -301,6 +317,7 @@ class ModelRunner:
             logits = self._forward(inputs)
         sampling = [p for p in ordered.pieces if p.sampling is not None]
         params = [p.sampling for p in sampling]
+        constrained = self._constrain(logits, sampling)  # while the forward runs
         tokens = sample_async(logits, params, [p.sample_index for p in sampling])  # type: ignore[arg-type]
         if self.shard is not None and not all(p.greedy for p in params):  # type: ignore[union-attr]
             # every rank holds the same logits, but an unseeded draw differs by rank: all take
@@ -308,14 +325,35 @@ class ModelRunner:
             broadcast_from_first(tokens, self.shard)
         self.swap.issue_out()  # while the device runs the forward
         if tokens.device.type != "cuda":
-            return Launched(plan, tokens, tokens, None, executed)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        if self.clock is not None and began is not None:
-            self.clock.end(began, continues=feed is not None)
-        ready = torch.cuda.Event(enable_timing=True)
-        ready.record()
-        return Launched(plan, tokens, host, ready, executed)
+            launched = Launched(plan, tokens, tokens, None, executed)
+        else:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            if self.clock is not None and began is not None:
+                self.clock.end(began, continues=feed is not None)
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record()
+            launched = Launched(plan, tokens, host, ready, executed)
+        if constrained:
+            self.grammars.sampled(launched, sampling)  # type: ignore[union-attr]
+        return launched
+
+    def _constrain(self, logits: torch.Tensor, sampling: list[SeqPiece]) -> bool:
+        """Mask the logits [sampling pieces, V] of constrained requests to what their grammars
+        allow next; False if none is constrained."""
+        if all(p.sampling.grammar is None for p in sampling):  # type: ignore[union-attr]
+            return False
+        if self.grammars is None:
+            raise ValueError("a constrained request, but this executor has no grammars")
+        self.swap.issue_out()  # before waiting for the tokens of the steps before
+        found = self.grammars.masks(sampling)
+        if found is None:
+            return False
+        rows, bitmask = found
+        device = logits.device
+        rows_t = upload(torch.tensor(rows, dtype=torch.long), device)
+        apply_token_mask(logits, rows_t, bitmask.to(device, non_blocking=True))
+        return True
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan, feed: Launched | None = None) -> torch.Tensor:

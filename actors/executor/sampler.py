@@ -25,6 +25,19 @@ def sample_async(
     return tokens
 
 
+def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Mask the logits of the rows `rows` [R] to the tokens `bitmask` [R, W] int32 allows (bit j
+    of word i: token 32 * i + j; tokens past 32 * W are refused) with -inf, in place; every
+    other row is left as it is. All three on one device."""  # logits: [N, V]
+    vocab = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)  # [R, W * 32]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    masked = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))  # [R, V]
+    logits.index_copy_(0, rows, masked)
+
+
 def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:  # logits: [V]
     # Shifted so the largest logit is 0 before dividing: however small the temperature (the API
     # accepts any positive one), every value stays finite or becomes -inf, never +inf or NaN.

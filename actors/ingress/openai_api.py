@@ -143,9 +143,6 @@ class Completion:
 def to_chat(data: bytes, model: str, conversation_header: str | None) -> Completion:
     """Parse a `POST /v1/chat/completions` body for the model served as `model`."""
     body = checked_body(data, model, _UNSUPPORTED)
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise invalid("only the text response format is supported", "response_format")
     messages = _messages(body.get("messages"))
     stream = flag(body, "stream")
     chat: dict[str, Any] = {"stream": stream}
@@ -168,6 +165,11 @@ def to_chat(data: bytes, model: str, conversation_header: str | None) -> Complet
             chat[name] = body[name]
     if body.get("tools"):  # checked by the client API, as its own `tools`
         chat["tools"] = body["tools"]
+    response_format = body.get("response_format")
+    if response_format is not None:  # its grammar is checked by the client API too
+        if not isinstance(response_format, dict):
+            raise invalid("'response_format' must be an object", "response_format")
+        chat["response_format"] = response_format
     return Completion(
         chat,
         model,

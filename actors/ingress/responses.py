@@ -92,11 +92,7 @@ class ResponsesRequest:
 def to_request(data: bytes, model: str) -> ResponsesRequest:
     """Parse a `POST /v1/responses` body for the model served as `model`."""
     body = checked_body(data, model, _UNSUPPORTED)
-    text = body.get("text")
-    if text not in (None, {}) and (
-        not isinstance(text, dict) or text.get("format") not in (None, {"type": "text"})
-    ):
-        raise invalid("only the text format is supported", "text")
+    response_format = _text_format(body.get("text"))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise invalid("'instructions' must be a string", "instructions")
@@ -119,6 +115,8 @@ def to_request(data: bytes, model: str) -> ResponsesRequest:
     }
     if body.get("top_p") is not None:
         sampling["top_p"] = body["top_p"]
+    if response_format is not None:
+        sampling["response_format"] = response_format
     return ResponsesRequest(
         items=input_items(body.get("input"), "input"),
         instructions=instructions,
@@ -130,6 +128,23 @@ def to_request(data: bytes, model: str) -> ResponsesRequest:
         model=model,
         created_at=int(time.time()),
     )
+
+
+def _text_format(text: object) -> dict[str, Any] | None:
+    """`text.format` as the client API's `response_format` (None: free text). The Responses
+    API gives a JSON schema's name, schema and strictness beside its type, not under
+    `json_schema`; the client API checks the schema."""
+    if text is None:
+        return None
+    if not isinstance(text, dict) or not isinstance(text.get("format", {}), dict):
+        raise invalid("'text' must be {'format': {'type': ...}}", "text")
+    fmt = dict(text.get("format") or {"type": "text"})
+    if fmt.get("type") == "text":
+        return None
+    if fmt.get("type") != "json_schema":
+        return fmt
+    kind = fmt.pop("type")
+    return {"type": kind, "json_schema": fmt}
 
 
 def _conversation(value: object) -> str | None:
@@ -267,13 +282,22 @@ def response(
         "store": request.store if request is not None else True,
         "temperature": sampling.get("temperature"),
         "top_p": sampling.get("top_p", 1.0 if request is not None else None),
-        "text": {"format": {"type": "text"}},
+        "text": {"format": _format_of(sampling.get("response_format"))},
         "tool_choice": "none",
         "tools": [],
         "truncation": "disabled",
         "usage": None if finished is None else finished["usage"],
         "metadata": {},
     }
+
+
+def _format_of(response_format: dict[str, Any] | None) -> dict[str, Any]:
+    """The `text.format` a response shows for the client API's `response_format`."""
+    if response_format is None:
+        return {"type": "text"}
+    if response_format.get("type") != "json_schema":
+        return response_format
+    return {"type": "json_schema", **response_format.get("json_schema", {})}
 
 
 def stored_response(ref: ResponseRef, turn: dict[str, Any], model: str) -> dict[str, Any]:

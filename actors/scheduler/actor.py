@@ -470,7 +470,6 @@ async def _render(bus: Bus, engine_id: str, reservation: Reservation, longest: i
         RENDER_TIMEOUT_S,
         longest,
         tools=reservation.request.tools,
-        prefill=reservation.prefill,
     )
 
 

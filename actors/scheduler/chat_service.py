@@ -55,6 +55,7 @@ from pensieve.actors.wire.messages import (
 from pensieve.actors.wire.schemas import ApiError, ChatRequest, ConversationReply, ListReply, Page
 from pensieve.actors.wire.step import Launch, SamplingParams
 from pensieve.actors.wire.step_codec import ExecutorLost
+from pensieve.actors.wire.structured import Grammar, tool_call_grammar
 from pensieve.store import ConversationStore, StoreWriter
 
 logger = logging.getLogger(__name__)
@@ -137,11 +138,6 @@ class ChatService:
             raise ApiError("overloaded", f"{self.max_waiting} turns are waiting already; retry")
         reservation = self.convs.claim(request, tenant)
         self.num_reserved += 1
-        if request.tool_name is not None:  # the reply starts as the call's opening
-            opening = self.chat.tool_parser.opening(
-                request.tool_name, _takes_arguments(request.tools, request.tool_name)
-            )
-            reservation = dataclasses.replace(reservation, prefill=opening)
         return reservation
 
     def release(self, reservation: Reservation) -> None:
@@ -166,6 +162,8 @@ class ChatService:
             if self._closed is not None:
                 raise self._closed
             sampling = _sampling(request, conv, prompt, self.max_context, self.chat.vocab_size)
+            if request.forces_call:
+                sampling = dataclasses.replace(sampling, grammar=self._call_grammar(request))
             engine_request = self.engine.add_request(
                 conv.conv_id,
                 prompt,
@@ -180,9 +178,6 @@ class ChatService:
             self.convs.free(reservation)
             raise ApiError("invalid_request", str(error)) from None
         stop = request.stop
-        closer = self.chat.tool_parser.closer
-        if request.tool_name is not None and closer is not None:  # one call, and no more
-            stop = (*stop, closer)
         followed = request.stream or bool(stop)
         turn = Turn(
             conv,
@@ -197,8 +192,6 @@ class ChatService:
             final=request.final,
             cancel_at=None if request.timeout_s is None else time.monotonic() + request.timeout_s,
             tool_parser=None if request.tool_choice == "none" else self.chat.tool_parser,
-            tool_name=request.tool_name,
-            prefill=reservation.prefill,
         )
         self.turns[engine_request.request_id] = turn
         if followed:
@@ -206,6 +199,17 @@ class ChatService:
         if request.timeout_s is not None:
             self._timed[engine_request.request_id] = turn
         self.tracer.started(span, conv, request, sampling, len(prompt))
+
+    def _call_grammar(self, request: ChatRequest) -> Grammar:
+        """A reply that is one call, in the tool call parser's format, of the function
+        `tool_choice` names (or of any of `tools`, for "required")."""
+        parser = self.chat.tool_parser
+        names = tuple(t["function"]["name"] for t in request.tools)
+        if request.tool_name is not None:
+            names = (request.tool_name,)
+        return tool_call_grammar(
+            request.tools, names, parser.forced_prefix, parser.closer or "", parser.arguments_key
+        )
 
     def get(
         self, conv_id: str, page: Page = FIRST_PAGE, tenant: str | None = None
@@ -471,13 +475,5 @@ def _sampling(
         top_p=request.top_p,
         seed=seed,
         ignore_eos=request.ignore_eos,
+        grammar=request.response_format,
     )
-
-
-def _takes_arguments(tools: Sequence[dict[str, Any]], name: str) -> bool:
-    """Whether the function `name` of `tools` declares arguments (else its call's are {})."""
-    for tool in tools:
-        if tool["function"]["name"] == name:
-            parameters = tool["function"].get("parameters") or {}
-            return bool(parameters.get("properties", True))
-    return True

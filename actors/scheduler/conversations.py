@@ -67,7 +67,6 @@ class Reservation:
     conv: Conversation
     messages: list[ChatMessage]  # to render
     new: bool  # a conversation this turn creates
-    prefill: str = ""  # the start of the reply, rendered after the messages (a forced call)
 
 
 class Conversations:

@@ -195,11 +195,10 @@ def _before_calls(turn: Turn) -> int:
     parser = turn.tool_parser
     if parser is None:
         return len(turn.text)
-    written = turn.prefill + turn.text
-    start = parser.start(written)
+    start = parser.start(turn.text)
     if start is not None:
-        return max(start - len(turn.prefill), 0)
-    return len(turn.text) - parser.held(written)
+        return start
+    return len(turn.text) - parser.held(turn.text)
 
 
 def _read_calls(turn: Turn, text: str) -> str:
@@ -207,11 +206,8 @@ def _read_calls(turn: Turn, text: str) -> str:
     no calls, when it makes none or a malformed one)."""
     parser = turn.tool_parser
     assert parser is not None
-    if turn.tool_name is not None:
-        parsed = parser.parse_forced(turn.tool_name, turn.prefill, text)
-    else:
-        parsed = parser.parse(turn.prefill + text)
+    parsed = parser.parse(text)
     if parsed is None:
-        return turn.prefill + text
+        return text
     turn.tool_calls = parsed.calls
     return parsed.content

@@ -260,6 +260,9 @@ class Scheduler:
         for start, end in taken:
             samples = end == request.num_tokens and not request.pending
             index = len(request.output_ids) + request.inflight  # which output token it samples
+            output = None
+            if samples and request.sampling.grammar is not None and not request.inflight:
+                output = tuple(request.output_ids)
             if samples:
                 request.expect_sample(self.config.max_model_len)
             pieces.append(
@@ -271,6 +274,7 @@ class Scheduler:
                     table,
                     request.sampling if samples else None,
                     index,
+                    output,
                 )
             )
         return pieces

@@ -47,11 +47,8 @@ class Turn:
     sent: int = 0  # characters of text already streamed
     ended: bool = False  # the engine is done with it: its final text is being found
     whole: str | None = None  # the reply's final text
-    # tool calls read from the reply (None: its text is not read for calls); a reply asked to
-    # call `tool_name` began with `prefill` (`tool_parsers.py`)
+    # tool calls read from the reply (None: its text is not read for calls)
     tool_parser: ToolParser | None = None
-    tool_name: str | None = None
-    prefill: str = ""
     tool_calls: tuple[ToolCall, ...] = ()  # those found in the reply
     holdback: int = field(init=False)
 

@@ -9,9 +9,8 @@ no call, or one it cannot read, and the reply stays plain text (never an error).
     llama3_json  {"name": ..., "parameters": {...}}, optionally after <|python_tag|>, several
                  separated by ";" (Llama 3.1+)
 
-`tool_choice` naming a function is enforced, until constrained decoding comes, by starting the
-assistant's reply with the call's `opening`; the model writes its arguments
-(`parse_forced`).
+`tool_choice` "required" or naming a function is enforced by a grammar of a call in the
+parser's format (`forced_prefix`, the call's JSON object, `closer`; `actors/wire/structured.py`).
 """
 
 from __future__ import annotations
@@ -47,23 +46,14 @@ class ParsedReply:
 
 @dataclass(frozen=True)
 class ToolParser:
-    """One family's format: where calls start (`markers`), the opening of a forced call."""
+    """One family's format: where calls start (`markers`), how a forced call is written."""
 
     name: str
     markers: tuple[str, ...]  # a call begins at the first of these
-    arguments_key: str  # the key of a call's arguments, in the opening of a forced call
+    arguments_key: str  # the key of a call's arguments, in a forced call
     forced_prefix: str  # what comes before the call's JSON object
     whole_reply: bool = False  # calls only where the reply begins with them (no content)
     closer: str | None = None  # what ends a call: a forced call's reply stops there
-
-    def opening(self, function: str, takes_arguments: bool = True) -> str:
-        """The start of a reply that calls `function`: the model continues with the arguments
-        (from their first key's name, for a function that takes some: a small model told only
-        `"arguments": ` may write anything, a schema say, where a key name leaves it no room)."""
-        start = ARGUMENTS_OPENING if takes_arguments else ""
-        return (
-            f'{self.forced_prefix}{{"name": {json.dumps(function)}, "{self.arguments_key}": {start}'
-        )
 
     def start(self, text: str) -> int | None:
         """Where the first call begins in `text` (None: no marker in it)."""
@@ -95,21 +85,7 @@ class ToolParser:
         calls = None if bodies is None else _calls(bodies)
         return None if not calls else ParsedReply(text[:begin], calls)
 
-    def parse_forced(self, function: str, opening: str, generated: str) -> ParsedReply | None:
-        """The reply to a request that named `function`: the reply began with `opening`, and
-        the model wrote `generated`, whose first JSON value (with the part of it `opening`
-        holds) is the arguments."""
-        start = ARGUMENTS_OPENING if opening.endswith(ARGUMENTS_OPENING) else ""
-        try:
-            arguments, _ = _JSON.raw_decode(start + generated if start else generated.lstrip())
-        except ValueError:
-            return None
-        if not isinstance(arguments, dict):
-            return None
-        return ParsedReply("", (_call(function, arguments),))
 
-
-ARGUMENTS_OPENING = '{"'  # of a JSON object with a key
 HERMES = ToolParser("hermes", ("<tool_call>",), "arguments", "<tool_call>\n", closer="</tool_call>")
 # a Llama 3 call is the whole reply: it starts the reply, after <|python_tag|> or not
 LLAMA3_JSON = ToolParser("llama3_json", ("<|python_tag|>", "{"), "parameters", "", whole_reply=True)

@@ -18,6 +18,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from pensieve.actors.wire.messages import ChatMessage
+from pensieve.actors.wire.structured import Grammar, GrammarError, ResponseFormat, grammar_of
 from pensieve.store import validate_conversation_id
 
 # every error code, with the HTTP-like status the NATS service error header carries for it
@@ -136,7 +137,9 @@ class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     a stateless client) or `prompt` (a raw completion: text encoded as it is, or token ids; it
     continues no conversation and ends after the turn). `tools` go to the chat template;
     `tool_choice` is "auto" (the reply may call them), "none" (its text is not read for
-    calls), or names a function (the reply calls it)."""
+    calls), "required" (the reply calls one of them) or names a function (the reply calls
+    it); the last two are enforced by a grammar, as `response_format` is (JSON, JSON that a
+    schema validates, a regular expression or a Lark grammar)."""
 
     conversation_id: str | None = None  # absent: a new conversation; the reply returns its id
     # absent, not null: one of the three is given
@@ -162,6 +165,7 @@ class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tools: tuple[ToolDef, ...] = ()
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     tool_results: Annotated[tuple[ToolResult, ...], NonEmptyArray] | UnsetType = UNSET
+    response_format: ResponseFormat | None = None
 
 
 class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -183,10 +187,18 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     prompt: str | tuple[int, ...] | None = None
     cache_salt: str | None = None
     tools: tuple[dict[str, Any], ...] = ()  # OpenAI's function definitions, as given
-    # "none": the reply's text is not read for calls; a named one is enforced (`tool_name`)
-    tool_choice: Literal["none", "auto"] | NamedToolChoice = "none"
+    # "none": the reply's text is not read for calls; "required" and a named one are enforced
+    # by a grammar of the tool call parser's format
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice = "none"
     # the messages the turn adds after the conversation's last reply, before `message`
     tool_results: tuple[ChatMessage, ...] = ()
+    # the grammar `response_format` asks of the reply (None: free text)
+    response_format: Grammar | None = None
+
+    @property
+    def forces_call(self) -> bool:
+        """Whether the reply must be a tool call."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def tool_name(self) -> str | None:
@@ -254,6 +266,9 @@ _RULES = {
     "tool_choice": "'tool_choice' must be 'auto', 'none', 'required' or "
     "{'type': 'function', 'function': {'name'}}",
     "tool_results": "'tool_results' must be a non-empty array of {'tool_call_id', 'content'}",
+    "response_format": "'response_format' must be {'type': 'text' | 'json_object' | "
+    "'json_schema' | 'regex' | 'grammar'}, with 'json_schema': {'name', 'schema', 'strict'}, "
+    "'regex' or 'grammar' (Lark) for the last three",
     "cursor": "'cursor' must be a 'next_cursor' from a reply",
     "limit": f"'limit' must be an integer in [1, {MAX_PAGE}]",
 }
@@ -324,6 +339,10 @@ def parse_chat(data: bytes) -> ChatRequest:
             "invalid_request", "a 'prompt' continues no conversation: leave out 'conversation_id'"
         )
     stop = (body.stop,) if isinstance(body.stop, str) else body.stop
+    try:
+        grammar = grammar_of(body.response_format)
+    except GrammarError as error:
+        raise ApiError("invalid_request", str(error)) from None
     return ChatRequest(
         conversation_id=conv_id,
         message=message,
@@ -344,6 +363,7 @@ def parse_chat(data: bytes) -> ChatRequest:
             {"role": "tool", "content": r.content, "tool_call_id": r.tool_call_id}
             for r in results or ()
         ),
+        response_format=grammar,
     )
 
 
@@ -353,11 +373,13 @@ def _tool_use(body: ChatBody, raw: bool) -> dict[str, Any]:
     if tools and raw:
         raise ApiError("invalid_request", "a 'prompt' has no chat template to show 'tools' in")
     choice = body.tool_choice or ("auto" if tools else "none")
-    if choice == "required":
+    if choice == "required" and not tools:
+        raise ApiError("invalid_request", "tool_choice 'required' needs 'tools'")
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    if forced and body.response_format is not None and body.response_format.type != "text":
         raise ApiError(
             "invalid_request",
-            "tool_choice 'required' is not supported yet (it needs constrained decoding); "
-            "name the function to call, or use 'auto'",
+            "a reply cannot be both a forced tool call and a 'response_format': give one",
         )
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pensieve.actors.config import DEFAULTS
+from pensieve.actors.wire.structured import Grammar
 
 # request id -> the traceparent of its turn's span (None: not traced); see
 # `actors/executor/step_tracing.py`
@@ -32,6 +33,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # what the reply must match (`actors/wire/structured.py`)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -112,6 +114,9 @@ class SeqPiece:
     block_table: tuple[int, ...]
     sampling: SamplingParams | None  # None: no token is sampled from this piece
     sample_index: int = 0  # which output token this sample is (keys seeded generators)
+    # a constrained request's output so far, when none of its tokens is being sampled: the
+    # executor's grammar matcher starts from it when it has none for the request (`grammar.py`)
+    output_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

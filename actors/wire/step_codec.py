@@ -34,8 +34,9 @@ from pensieve.actors.wire.step import (
     SwapOrders,
     SwapStats,
 )
+from pensieve.actors.wire.structured import Grammar
 
-STEP_VERSION = 3  # the schema version of the plan and result arrays
+STEP_VERSION = 4  # the schema version of the plan and result arrays
 UNKNOWN_STEP = 0  # the step of a result to a plan the executor could not read (steps start at 1)
 
 
@@ -53,14 +54,19 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     top_p: float
     top_k: int | None
     seed: int | None
+    grammar: Grammar | None = None  # what a constrained reply must match
 
     @staticmethod
     def of(params: SamplingParams) -> Sampling:
-        return Sampling(params.temperature, params.top_p, params.top_k, params.seed)
+        return Sampling(params.temperature, params.top_p, params.top_k, params.seed, params.grammar)
 
     def params(self) -> SamplingParams:
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            grammar=self.grammar,
         )
 
 
@@ -78,6 +84,7 @@ class PieceDiff(msgspec.Struct, frozen=True, array_like=True):
     samples: bool  # a token is sampled from this piece
     sampling: Sampling | None
     sample_index: int
+    output_ids: tuple[int, ...] | None = None  # `SeqPiece.output_ids`
 
 
 class Orders(msgspec.Struct, frozen=True, array_like=True):
@@ -284,6 +291,7 @@ class PlanEncoder:
                     params is not None,
                     sampling,
                     piece.sample_index,
+                    piece.output_ids,
                 )
             )
             self._known[rid] = _Known(piece.block_table, held.sampling)
@@ -347,7 +355,14 @@ class PlanDecoder:
             params = held.sampling if diff.samples else None
             pieces.append(
                 SeqPiece(
-                    rid, diff.token_ids, diff.start, diff.end, table, params, diff.sample_index
+                    rid,
+                    diff.token_ids,
+                    diff.start,
+                    diff.end,
+                    table,
+                    params,
+                    diff.sample_index,
+                    diff.output_ids,
                 )
             )
             self._known[rid] = _Known(table, held.sampling)

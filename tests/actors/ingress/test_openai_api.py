@@ -104,6 +104,11 @@ def test_sampling_fields_carry_over_and_text_parts_join() -> None:
     }
 
 
+def test_a_response_format_goes_to_the_client_api_as_given() -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object"}}}
+    assert chat({"messages": [USER], "response_format": fmt})["response_format"] == fmt
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
@@ -115,7 +120,7 @@ def test_sampling_fields_carry_over_and_text_parts_join() -> None:
         ({"messages": [USER], "logprobs": True}, 400, "logprobs"),
         ({"messages": [USER], "functions": [{"name": "f"}]}, 400, "functions"),
         ({"messages": [USER, {"role": "assistant", "tool_calls": 1}]}, 400, "messages"),
-        ({"messages": [USER], "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"messages": [USER], "response_format": "json"}, 400, "response_format"),
         ({"messages": [USER], "stream": "yes"}, 400, "stream"),
         ({"messages": [USER], "conversation_id": 7}, 400, "conversation_id"),
     ],

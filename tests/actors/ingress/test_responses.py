@@ -48,7 +48,7 @@ def test_instructions_replace_the_head_system_message_and_the_input_ends_with_th
     [
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"metadata": {"k": "v"}}, "metadata"),
-        ({"text": {"format": {"type": "json_object"}}}, "text"),
+        ({"text": "json"}, "text"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
         ({"previous_response_id": "resp_0_c", "conversation": "c"}, "previous_response_id"),
         ({"conversation": "c", "store": False}, "store"),
@@ -59,6 +59,22 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(body: dict, param: 
     with pytest.raises(OpenAIError) as refused:
         request(**body)
     assert (refused.value.status, refused.value.param) == (400, param)
+
+
+def test_a_text_format_asks_the_client_apis_response_format() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "name": "r", "schema": schema, "strict": True}
+    asked = request(text={"format": fmt})
+    assert asked.sampling["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "r", "schema": schema, "strict": True},
+    }
+    shown = responses.response(ResponseRef("c-0123abcd-ff_x", 1), asked, "m", None)
+    assert shown["text"] == {"format": fmt}
+    assert request(text={"format": {"type": "json_object"}}).sampling["response_format"] == {
+        "type": "json_object"
+    }
+    assert "response_format" not in request(text={"format": {"type": "text"}}).sampling
 
 
 def test_a_chat_is_rebuilt_from_its_turns_and_their_history() -> None:

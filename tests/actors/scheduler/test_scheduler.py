@@ -12,6 +12,7 @@ from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager
 from pensieve.actors.scheduler.request import Request, RequestStatus
 from pensieve.actors.scheduler.scheduler import Scheduler
 from pensieve.actors.wire.step import PLACEHOLDER, SamplingParams, StepPlan
+from pensieve.actors.wire.structured import Grammar
 
 SEQS = 16  # admit group: min(admit_batch, 16 // 8) = 2 with the default admit_batch
 
@@ -208,3 +209,19 @@ def test_planning_a_step_ahead_gives_the_same_tokens(requests, gpu_blocks) -> No
     assert {k: v[:2] for k, v in ahead.items()} == {k: v[:2] for k, v in sync.items()}
     if any(max_tokens > 2 for _, max_tokens in requests):
         assert all(v[2] for v in ahead.values())  # decodes were fed from the step in flight
+
+
+def test_a_constrained_request_sends_its_output_when_none_of_its_tokens_is_in_flight() -> None:
+    kv = KVCacheManager(CacheConfig(4, 4096, 0), cost=lambda context: 1.0)
+    scheduler = Scheduler(SchedulerConfig(512, SEQS, 4096, 8), kv)
+    constrained = SamplingParams(max_tokens=8, ignore_eos=True, grammar=Grammar("regex", "a+"))
+    scheduler.add(Request("r", "c", [3, 4, 5], constrained, 0.0))
+    scheduler.add(Request("f", "d", [3, 4, 6], SamplingParams(max_tokens=8), 0.0))
+    first = scheduler.schedule(0.01)  # the prompts: their first samples, nothing in flight
+    second = scheduler.schedule(0.02)  # planned ahead: the first samples are in flight
+    assert [p.output_ids for p in first.pieces] == [(), None]
+    assert [p.output_ids for p in second.pieces] == [None, None]
+    scheduler.update(first, [7, 7], 0.03)
+    scheduler.update(second, [8, 8], 0.04)
+    third = scheduler.schedule(0.05)  # the engine applied both: the output so far goes along
+    assert [p.output_ids for p in third.pieces] == [(7, 8), None]

@@ -255,7 +255,7 @@ def test_tools_and_tool_calls_are_rendered_by_a_template_that_shows_them() -> No
     assert '"name": "get_time"' in text  # the definitions
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text  # not JSON text
     assert f"<tool_response>\n{RESULT}\n</tool_response>" in text
-    opening = chat.tool_parser.opening("get_weather")
+    opening = '<tool_call>\n{"name": "get_weather", "arguments": {"'  # text that starts the reply
     forced = chat.render(messages[:1], tools=TOOLS, prefill=opening)
     assert chat.tokenizer.decode(forced).endswith("<|im_start|>assistant\n" + opening)
     assert forced[: len(chat.render(messages[:1], tools=TOOLS))] == chat.render(

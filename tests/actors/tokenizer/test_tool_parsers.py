@@ -76,18 +76,6 @@ def test_a_reply_with_no_call_or_a_malformed_one_is_plain_text(parser, text) -> 
     assert parser.parse(text) is None
 
 
-def test_a_forced_call_is_its_opening_and_the_arguments_the_model_wrote() -> None:
-    opening = HERMES.opening("get_weather")
-    assert opening == '<tool_call>\n{"name": "get_weather", "arguments": {"'
-    parsed = HERMES.parse_forced("get_weather", opening, 'city": "Paris"}}\n')
-    assert parsed is not None and calls(parsed) == [("get_weather", {"city": "Paris"})]
-    assert HERMES.parse_forced("get_weather", opening, '"city" Paris') is None
-    # a function without arguments: the model writes the (empty) object itself
-    bare = LLAMA3_JSON.opening("now", takes_arguments=False)
-    assert bare == '{"name": "now", "parameters": '
-    assert calls(LLAMA3_JSON.parse_forced("now", bare, " {}}")) == [("now", {})]
-
-
 def test_a_streamed_reply_keeps_back_only_what_may_begin_a_call() -> None:
     assert HERMES.start("Sure. <tool_call>{") == 6
     assert HERMES.held("Sure. <tool") == len("<tool") and HERMES.held("Sure.") == 0

@@ -85,9 +85,38 @@ def test_the_checked_request_is_normalized() -> None:
         (orjson.dumps({"messages": [{"role": "robot", "content": "x"}]}), "messages[0].role"),
         (orjson.dumps({"messages": [{"role": "tool", "content": "x"}]}), "'tool_call_id'"),
         (orjson.dumps({"message": "hi", "tools": [{"type": "function"}]}), "'tools'"),
+        (orjson.dumps({"message": "hi", "tool_choice": "required"}), "needs 'tools'"),
         (
-            orjson.dumps({"message": "hi", "tool_choice": "required", "tools": TOOLS}),
-            "not supported yet",
+            orjson.dumps(
+                {
+                    "message": "hi",
+                    "tool_choice": "required",
+                    "tools": TOOLS,
+                    "response_format": {"type": "json_object"},
+                }
+            ),
+            "give one",
+        ),
+        (orjson.dumps({"message": "hi", "response_format": {"type": "xml"}}), "'response_format'"),
+        (
+            orjson.dumps({"message": "hi", "response_format": {"type": "json_schema"}}),
+            "response_format.json_schema: required",
+        ),
+        (
+            orjson.dumps(
+                {
+                    "message": "hi",
+                    "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "x", "schema": {"type": "objekt"}},
+                    },
+                }
+            ),
+            "response_format.json_schema.schema: not a grammar",
+        ),
+        (
+            orjson.dumps({"message": "hi", "response_format": {"type": "regex", "regex": "(a"}}),
+            "response_format.regex: not a grammar",
         ),
         (
             orjson.dumps({"message": "hi", "tool_choice": NAMED, "tools": TOOLS}),

@@ -25,6 +25,7 @@ from pensieve.actors.wire.step_codec import (
     StepResult,
     reset_message,
 )
+from pensieve.actors.wire.structured import Grammar
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 HOT = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=3, stop_token_ids=(2,))
@@ -83,7 +84,7 @@ def test_plans_cross_as_diffs_and_come_back_whole() -> None:
     # after a step without it, a request goes in full; then its unchanged table is not sent
     running = StepPlan((SeqPiece("a", (PLACEHOLDER,), 5, 6, (14, 12, 15), HOT, 3),))
     first = encoder.encode(9, running, None)
-    assert b"[14,12,15]" in first and b"[0.7,0.9,null,3]" in first
+    assert b"[14,12,15]" in first and b"[0.7,0.9,null,3,null]" in first
     assert decoder.decode(first).plan == as_executor_sees(running)  # type: ignore[union-attr]
     again = encoder.encode(10, running, 9)
     assert b"[14,12,15]" not in again and b"0.7" not in again
@@ -109,7 +110,7 @@ def test_a_running_decode_of_a_long_context_sends_only_its_new_block() -> None:
     grown = StepPlan((SeqPiece("r", (PLACEHOLDER,), 2048, 2049, (*table, 7), GREEDY, 9),))
     decoder.decode(encoder.encode(1, first, None))
     data = encoder.encode(2, grown, 1)
-    assert orjson.loads(data)[5] == [["r", 2048, 2049, [PLACEHOLDER], 64, [7], True, None, 9]]
+    assert orjson.loads(data)[5] == [["r", 2048, 2049, [PLACEHOLDER], 64, [7], True, None, 9, None]]
     got = decoder.decode(data)
     assert got is not None and got.plan.pieces[0].block_table == (*table, 7)
 
@@ -197,3 +198,22 @@ def test_executor_info_round_trips_and_is_versioned() -> None:
     for bad in ({"v": 2}, {"block_size": "32"}, {"extra": 1}):
         with pytest.raises(MessageError, match="ExecutorInfo"):
             ExecutorInfo.decode(orjson.dumps({**body, **bad}))
+
+
+def test_a_constrained_request_sends_its_grammar_once_and_its_output_when_given() -> None:
+    constrained = SamplingParams(max_tokens=8, grammar=Grammar.json_schema({"type": "object"}))
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    first = StepPlan((SeqPiece("c", (1, 2), 0, 2, (10,), constrained, 3, (5, 6, 7)),))
+    second = StepPlan((SeqPiece("c", (PLACEHOLDER,), 2, 3, (10,), constrained, 4),))
+    got = decoder.decode(encoder.encode(1, first, None))
+    assert got is not None
+    (piece,) = got.plan.pieces
+    assert piece.sampling is not None and piece.sampling.grammar == constrained.grammar
+    assert piece.output_ids == (5, 6, 7)
+    data = encoder.encode(2, second, 1)
+    assert b"object" not in data  # the executor holds the grammar already
+    got = decoder.decode(data)
+    assert got is not None
+    (piece,) = got.plan.pieces
+    assert piece.sampling is not None and piece.sampling.grammar == constrained.grammar
+    assert piece.output_ids is None
