@@ -28,7 +28,7 @@ from pensieve.actors.scheduler.request import Request
 from pensieve.actors.wire.messages import KvEvent, KvEventKind
 
 PREFIX = "pensieve:"
-SOURCES = ("gpu", "cpu", "recomputed", "new")
+SOURCES = ("gpu", "cpu", "disk", "recomputed", "new")
 # vLLM's buckets, so dashboards made for it read these the same way
 TTFT_BUCKETS = (
     0.001,
@@ -111,8 +111,8 @@ class Metrics:
         )
         self.prompt_sources = Counter(
             PREFIX + "prompt_tokens_by_source",
-            "Prompt tokens by where their KV came from: the GPU tier, the CPU tier, recomputed "
-            "from the stored tokens, or new",
+            "Prompt tokens by where their KV came from: the GPU tier, the CPU tier, the disk "
+            "tier, recomputed from the stored tokens, or new",
             ["source"],
             registry=r,
         )
@@ -180,7 +180,7 @@ class Metrics:
         for source in SOURCES:
             self.prompt_sources.labels(source).inc(getattr(sources, source))
         self.prefix_queries.inc(len(request.prompt_ids))
-        self.prefix_hits.inc(sources.gpu + sources.cpu)
+        self.prefix_hits.inc(sources.gpu + sources.cpu + sources.disk)
         self.prefix_shared_hits.inc(sources.shared)
         num_output = len(request.output_ids)
         self.generation_tokens.inc(num_output)
