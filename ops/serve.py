@@ -71,6 +71,7 @@ def _write_back(built: Built) -> None:
     disk = built.engine.disk
     if disk is None:
         return
+    logger.info("disk tier: writing the KV tiers back")
     begin = time.monotonic()
     held = built.engine.write_back()
     logger.info("disk tier: %d chunks written back in %.1f s", held, time.monotonic() - begin)
