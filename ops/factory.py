@@ -32,7 +32,7 @@ from pensieve.models.loader import LoadedModel, ModelLoadError, load_model
 from pensieve.models.shard_loader import load_shard
 from pensieve.models.tensor_parallel import TensorShard
 from pensieve.ops.public_prompts import public_keys
-from pensieve.store.disk import DiskConfig, DiskTier
+from pensieve.store.disk import DiskConfig, DiskTier, DiskTierError
 from pensieve.store.disk.directory import check_directory
 
 logger = logging.getLogger("pensieve")
@@ -112,6 +112,10 @@ class EngineOptions:
             )
         if self.tensor_parallel > 1:
             raise ValueError("--disk-cache-dir is not yet supported with --tensor-parallel > 1")
+        try:  # missing or read-only: a clear error before the model loads
+            check_directory(Path(self.disk_cache_dir))
+        except DiskTierError as error:
+            raise ValueError(str(error)) from None
 
     @property
     def disk_tier(self) -> bool:
@@ -248,15 +252,16 @@ def open_disk_cache(options: EngineOptions, runner: ModelRunner, rank: int) -> D
     """The disk tier of one rank, in its own folder of `--disk-cache-dir`; chunks of another
     model, dtype, shard or layout found there are not loaded (see docs/disk-tier.md)."""
     assert options.disk_cache_dir is not None and options.disk_cache_gb is not None
-    base = Path(options.disk_cache_dir)
-    check_directory(base)  # missing or read-only: a clear error before anything is made in it
-    path = base / f"rank{rank}"
+    path = Path(options.disk_cache_dir) / f"rank{rank}"
     path.mkdir(exist_ok=True)
     geometry = chunk_geometry(runner.cpu_caches)
     shard = "" if runner.shard is None else f"|rank={rank}/{runner.shard.world_size}"
     fingerprint = f"{model_identity(options)}|block={options.block_size}{shard}"
     budget = int(options.disk_cache_gb * GIB)
-    tier = DiskTier.open(DiskConfig(path, budget), geometry, fingerprint)
+    try:
+        tier = DiskTier.open(DiskConfig(path, budget), geometry, fingerprint)
+    except DiskTierError as error:  # e.g. another process serves from it: one clear line
+        raise ValueError(str(error)) from None
     rate = options.disk_read_gbps * 1e9
     return DiskCache(tier, runner.gpu_caches, runner.cpu_caches, rate)
 

@@ -136,10 +136,10 @@ class DiskCache:
         self, cpu: Collection[tuple[int, bytes]], gpu: Collection[tuple[int, bytes]]
     ) -> int:
         if self.tier.writable:
-            for slot, key in cpu:
-                self._queue(key, self._snapshot(self.cpu_caches, slot))
-            for block, key in gpu:
-                self._queue(key, self._snapshot(self.gpu_caches, block))
+            for caches, places in ((self.cpu_caches, cpu), (self.gpu_caches, gpu)):
+                for index, key in places:
+                    if key not in self.tier:
+                        self._queue(key, self._snapshot(caches, index))
         self.flush()
         return sum(key in self.tier for _, key in (*cpu, *gpu))
 

@@ -19,6 +19,8 @@ from pensieve.actors.wire.step import SamplingParams
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops.factory import EngineOptions, assemble
 
+pytestmark = pytest.mark.slow
+
 BLOCK = 32
 # 8 GPU blocks and 2 CPU slots: each long prompt evicts what is idle down the tiers
 TINY = dict(gpu_cache_tokens=8 * BLOCK, cpu_cache_tokens=2 * BLOCK, admission_reserve=0.0)
@@ -40,6 +42,12 @@ def smollm2() -> LoadedModel:
 @pytest.fixture(scope="module")
 def chat(smollm2: LoadedModel) -> ChatTokenizer:
     return ChatTokenizer(smollm2.tokenizer, smollm2.config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def roomy(smollm2, chat) -> Run:
+    """The conversations on tiers that hold them all: every history from the GPU."""
+    return conversations(engine(smollm2, chat, ROOMY))
 
 
 @dataclass
@@ -91,9 +99,8 @@ def conversations(run: Run) -> Run:
 
 
 def test_greedy_tokens_are_the_same_from_gpu_cpu_disk_and_recomputation(
-    smollm2, chat, tmp_path
+    smollm2, chat, roomy, tmp_path
 ) -> None:
-    roomy = conversations(engine(smollm2, chat, ROOMY))
     recomputed = conversations(engine(smollm2, chat, TINY))
     on_disk = conversations(engine(smollm2, chat, TINY, tmp_path))
     assert on_disk.outputs() == roomy.outputs() == recomputed.outputs()
@@ -132,18 +139,18 @@ def restarted(smollm2, chat, before: Run, disk: Path) -> Run:
     return run
 
 
-def test_a_restarted_engine_reads_the_history_from_disk(smollm2, chat, tmp_path) -> None:
-    reference = conversations(engine(smollm2, chat, ROOMY))
+def test_a_restarted_engine_reads_the_history_from_disk(smollm2, chat, roomy, tmp_path) -> None:
+    reference = roomy.outputs()
     before = first_turns(smollm2, chat, ROOMY, tmp_path)  # every chunk on the GPU at the stop
     after = restarted(smollm2, chat, before, tmp_path)
-    assert before.outputs() + after.outputs() == reference.outputs()
+    assert before.outputs() + after.outputs() == reference
     history = sum(len(log) - 1 for log in before.logs.values())
     assert after.sources().disk >= history // BLOCK * BLOCK - 3 * BLOCK, after.sources()
     assert after.sources().gpu == after.sources().cpu == 0
 
 
-def test_a_corrupted_chunk_on_disk_is_recomputed(smollm2, chat, tmp_path) -> None:
-    reference = conversations(engine(smollm2, chat, ROOMY))
+def test_a_corrupted_chunk_on_disk_is_recomputed(smollm2, chat, roomy, tmp_path) -> None:
+    reference = roomy.outputs()
     before = first_turns(smollm2, chat, ROOMY, tmp_path)
     slots = tmp_path / "rank0" / "slots.bin"
     data = bytearray(slots.read_bytes())
@@ -151,13 +158,14 @@ def test_a_corrupted_chunk_on_disk_is_recomputed(smollm2, chat, tmp_path) -> Non
         data[offset] ^= 0xFF
     slots.write_bytes(bytes(data))
     after = restarted(smollm2, chat, before, tmp_path)
-    assert before.outputs() + after.outputs() == reference.outputs()
+    assert before.outputs() + after.outputs() == reference
     assert after.sources().disk == 0
     assert after.sources().recomputed >= 4 * BLOCK
 
 
-def test_a_full_disk_budget_keeps_serving_with_the_same_tokens(smollm2, chat, tmp_path) -> None:
-    roomy = conversations(engine(smollm2, chat, ROOMY))
+def test_a_full_disk_budget_keeps_serving_with_the_same_tokens(
+    smollm2, chat, roomy, tmp_path
+) -> None:
     chunk = 30 * 2 * BLOCK * 3 * 64 * 4  # SmolLM2 in fp32: 30 layers of K and V, 3 heads of 64
     small = conversations(engine(smollm2, chat, TINY, tmp_path, gb=3.5 * chunk / (1 << 30)))
     assert small.outputs() == roomy.outputs()
