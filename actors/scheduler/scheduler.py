@@ -360,7 +360,8 @@ class Scheduler:
         self.kv.truncate(conv, reuse)
         shared = 0
         if self.kv.config.prefix_sharing:
-            found = self.kv.lookup(conv, target[: len(target) - 1])
+            on_disk = request.disk_read.found() if request.disk_read is not None else ()
+            found = self.kv.lookup(conv, target[: len(target) - 1], on_disk)
             reuse = max(reuse, found.num_positions)
             shared = found.gpu_tokens + found.cpu_tokens
         self.histories[request.conv_id] = list(target)

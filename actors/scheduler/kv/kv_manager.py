@@ -27,7 +27,7 @@ subscriber to the KV event plane can follow each conversation's chunks from tier
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
@@ -348,10 +348,12 @@ class KVCacheManager:
         """Key the idle conversation's chunks in `namespace` from now on (`ContentSharing`)."""
         self.sharing.rekey(conv, namespace)
 
-    def lookup(self, conv: ConversationKV, tokens: Sequence[int]) -> Found:
+    def lookup(
+        self, conv: ConversationKV, tokens: Sequence[int], on_disk: Collection[bytes] = ()
+    ) -> Found:
         """Attach to the idle conversation the longest cached run of leading full chunks of
-        `tokens`, its own or found by content (`ContentSharing`)."""
-        return self.sharing.lookup(conv, tokens)
+        `tokens`, its own or found by content, or read from disk (`ContentSharing`)."""
+        return self.sharing.lookup(conv, tokens, on_disk)
 
     def swap_out_ahead(self, now: float) -> int:
         """Swap out ahead of time while the free GPU share is under the threshold; returns moves."""

@@ -32,6 +32,8 @@ OPENINGS = {
     "c": "Write about two cats on a boat and the storm they sail through at night. " * 7,
 }
 NEXT = {"a": "And the museums?", "b": "What do they bake at noon?", "c": "How does it end?"}
+# a new conversation that opens as "a" did: its prefix found by content (on disk when a's is)
+LATE = ("d", OPENINGS["a"] + "Answer briefly.")
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +91,12 @@ def engine(smollm2, chat, tiers: dict, disk: Path | None = None, gb: float = 0.1
 
 
 def conversations(run: Run) -> Run:
-    """Three conversations of two turns each, interleaved: with tiny tiers each one's history
-    is pushed off the GPU and the CPU tier by the others' before its second turn."""
+    """Three conversations of two turns each, interleaved, and a fourth that opens as the first
+    did: with tiny tiers each one's history is pushed off the GPU and the CPU tier by the
+    others' before its second turn."""
     for conv_id, text in OPENINGS.items():
         run.turn(conv_id, text)
+    run.turn(*LATE)
     for conv_id, text in NEXT.items():
         run.turn(conv_id, text)
     return run
@@ -128,11 +132,12 @@ def first_turns(smollm2, chat, tiers: dict, disk: Path) -> Run:
 
 def restarted(smollm2, chat, before: Run, disk: Path) -> Run:
     """A fresh engine on the same directory, knowing the conversations from their token logs
-    only (as after a restart), running each one's second turn."""
+    only (as after a restart), running the fourth conversation and each one's second turn."""
     run = engine(smollm2, chat, ROOMY, disk)
     for conv_id, log in before.logs.items():
         run.engine.restore(conv_id, log)
         run.logs[conv_id] = log
+    run.turn(*LATE)
     for conv_id, text in NEXT.items():
         run.turn(conv_id, text)
     run.engine.disk.close()
@@ -146,7 +151,8 @@ def test_a_restarted_engine_reads_the_history_from_disk(smollm2, chat, roomy, tm
     assert before.outputs() + after.outputs() == reference
     history = sum(len(log) - 1 for log in before.logs.values())
     assert after.sources().disk >= history // BLOCK * BLOCK - 3 * BLOCK, after.sources()
-    assert after.sources().gpu == after.sources().cpu == 0
+    late = after.turns[0].sources
+    assert late.disk >= 3 * BLOCK and late.new < BLOCK, late  # all of a's full chunks, by key
 
 
 def test_a_corrupted_chunk_on_disk_is_recomputed(smollm2, chat, roomy, tmp_path) -> None:
