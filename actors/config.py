@@ -53,6 +53,7 @@ class Defaults:
     gpu_memory_fraction: float = 0.85  # of the free GPU memory, for the GPU tier
     cpu_cache_gib: float = 8.0  # the CPU tier on a GPU machine (4x the GPU tier on a CPU one)
     cpu_gpu_cache_tokens: int = 16384  # the "GPU" tier when the model runs on the CPU
+    disk_read_gbps: float = 2.0  # a local NVMe drive's read rate, roughly (the disk tier)
     # the executor's switches (see `ExecutorConfig`): on in serving, off only to compare
     mixed_graphs: bool = True
     fast_launch: bool = True
@@ -138,6 +139,9 @@ class CacheConfig:
     # full chunks are found by content (any conversation of the namespace), not only by the
     # conversation's own token log (`kv/chunk_keys.py`)
     prefix_sharing: bool = True
+    # chunks the CPU tier evicts go to the executor's disk tier by content key, and come back
+    # from it (`actors/executor/disk_cache.py`); needs prefix sharing (the keys)
+    disk_tier: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

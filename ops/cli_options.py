@@ -313,6 +313,24 @@ def engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> N
         "--cpu-cache-gb", type=float, metavar="GB", help="CPU tier size in GiB instead"
     )
     cache.add_argument(
+        "--disk-cache-dir",
+        metavar="DIR",
+        help="a disk tier below the CPU tier in this existing directory (a folder per rank in "
+        "it): chunks the CPU tier evicts are kept there and read back, also after a restart "
+        "(default: none)",
+    )
+    cache.add_argument(
+        "--disk-cache-gb", type=float, metavar="GB", help="the disk tier size in GiB (a hard bound)"
+    )
+    cache.add_argument(
+        "--disk-read-gbps",
+        type=float,
+        metavar="GB/S",
+        default=DEFAULTS.disk_read_gbps,
+        help="the disk's read rate: a chunk is read back where that takes less time than "
+        "recomputing it",
+    )
+    cache.add_argument(
         "--gpu-memory-utilization",
         action=VllmHint,
         hint="the GPU tier's size is --gpu-cache-gb GB or --gpu-cache-tokens N (default: "
@@ -455,6 +473,9 @@ def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         cpu_threads=positive(args.cpu_threads, "--cpu-threads"),
         tensor_parallel=args.tensor_parallel,
         max_model_len=args.max_model_len,
+        disk_cache_dir=args.disk_cache_dir,
+        disk_cache_gb=args.disk_cache_gb,
+        disk_read_gbps=args.disk_read_gbps,
     )
 
 

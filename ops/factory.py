@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from pensieve.actors.config import DEFAULTS, CacheConfig, Policy, SchedulerConfig
+from pensieve.actors.executor.disk_cache import DiskCache
+from pensieve.actors.executor.disk_views import chunk_geometry
 from pensieve.actors.executor.grammar import GrammarMasks
 from pensieve.actors.executor.model_runner import ModelRunner
 from pensieve.actors.scheduler.engine import Engine
@@ -31,6 +33,8 @@ from pensieve.models.loader import LoadedModel, ModelLoadError, load_model
 from pensieve.models.shard_loader import load_shard
 from pensieve.models.tensor_parallel import TensorShard
 from pensieve.ops.public_prompts import public_keys
+from pensieve.store.disk import DiskConfig, DiskTier, DiskTierError
+from pensieve.store.disk.directory import check_directory
 
 logger = logging.getLogger("pensieve")
 
@@ -71,6 +75,12 @@ class EngineOptions:
     tensor_parallel: int = 1
     # the longest conversation (prompt and reply) a turn may reach; None: see `context_limit`
     max_model_len: int | None = None
+    # the disk tier below the CPU tier: an existing directory (a folder per rank is made in
+    # it) and its budget in GiB; None: no disk tier. Reading a chunk back is weighed against
+    # recomputing it at `disk_read_gbps` GB/s
+    disk_cache_dir: str | None = None
+    disk_cache_gb: float | None = None
+    disk_read_gbps: float = DEFAULTS.disk_read_gbps
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
@@ -85,6 +95,32 @@ class EngineOptions:
         if self.public_prompts is not None and not self.prefix_sharing:
             raise ValueError("--public-prompts shares prefixes: it needs prefix sharing on")
         self._check_cache_sizes()
+        self._check_disk()
+
+    def _check_disk(self) -> None:
+        if (self.disk_cache_dir is None) != (self.disk_cache_gb is None):
+            raise ValueError("give both --disk-cache-dir and --disk-cache-gb, or neither")
+        if self.disk_cache_dir is None:
+            return
+        if self.disk_cache_gb is not None and self.disk_cache_gb <= 0:
+            raise ValueError(f"--disk-cache-gb must be more than 0, got {self.disk_cache_gb:g}")
+        if self.disk_read_gbps <= 0:
+            raise ValueError(f"--disk-read-gbps must be more than 0, got {self.disk_read_gbps:g}")
+        if not self.prefix_sharing or self.policy not in (Policy.PENSIEVE, Policy.LRU):
+            raise ValueError(
+                "--disk-cache-dir keeps chunks by content key below the CPU tier: it needs "
+                "prefix sharing and a policy with a CPU tier (pensieve, lru)"
+            )
+        if self.tensor_parallel > 1:
+            raise ValueError("--disk-cache-dir is not yet supported with --tensor-parallel > 1")
+        try:  # missing or read-only: a clear error before the model loads
+            check_directory(Path(self.disk_cache_dir))
+        except DiskTierError as error:
+            raise ValueError(str(error)) from None
+
+    @property
+    def disk_tier(self) -> bool:
+        return self.disk_cache_dir is not None
 
     def _check_cache_sizes(self) -> None:
         """Each size option named, before the model loads (a GiB size's blocks are counted
@@ -214,11 +250,33 @@ def grammar_masks(chat: ChatTokenizer, vocab_size: int, device: str) -> GrammarM
 
 
 def model_runner(options: EngineOptions, loaded: LoadedModel) -> ModelRunner:
-    """A model runner (empty KV tiers, sized as `options` say) around an already loaded model."""
+    """A model runner (empty KV tiers, sized as `options` say) around an already loaded model,
+    with the disk tier below them if `options` give one (what a run before left there kept)."""
     device = next(loaded.model.parameters()).device
     dtype = DTYPES[options.dtype]
     cache = cache_config(options, loaded.config, device, dtype)
-    return ModelRunner(loaded.model, cache, device, dtype)
+    runner = ModelRunner(loaded.model, cache, device, dtype)
+    if options.disk_tier and cache.uses_cpu_tier:
+        runner.disk = open_disk_cache(options, runner, rank=0)
+    return runner
+
+
+def open_disk_cache(options: EngineOptions, runner: ModelRunner, rank: int) -> DiskCache:
+    """The disk tier of one rank, in its own folder of `--disk-cache-dir`; chunks of another
+    model, dtype, shard or layout found there are not loaded (see docs/disk-tier.md)."""
+    assert options.disk_cache_dir is not None and options.disk_cache_gb is not None
+    path = Path(options.disk_cache_dir) / f"rank{rank}"
+    path.mkdir(exist_ok=True)
+    geometry = chunk_geometry(runner.cpu_caches)
+    shard = "" if runner.shard is None else f"|rank={rank}/{runner.shard.world_size}"
+    fingerprint = f"{model_identity(options)}|block={options.block_size}{shard}"
+    budget = int(options.disk_cache_gb * GIB)
+    try:
+        tier = DiskTier.open(DiskConfig(path, budget), geometry, fingerprint)
+    except DiskTierError as error:  # e.g. another process serves from it: one clear line
+        raise ValueError(str(error)) from None
+    rate = options.disk_read_gbps * 1e9
+    return DiskCache(tier, runner.gpu_caches, runner.cpu_caches, rate)
 
 
 def rank_runner(
@@ -299,6 +357,9 @@ def _around(
     eos = chat.eos_token_ids
     step_time = _step_time(options, loaded, cost)
     public = _public_keys(options, chat)
+    disk = runner.disk if isinstance(runner, ModelRunner) else None
+    if disk is not None:
+        cache = dataclasses.replace(cache, disk_tier=True)
     engine = Engine(
         runner,
         cache,
@@ -309,6 +370,7 @@ def _around(
         model_id=model_identity(options),
         step_time=step_time,
         public=public,
+        disk=disk,
     )
     return Built(engine, loaded, chat, options)
 

@@ -20,6 +20,7 @@ import torch
 from pensieve.actors.config import CacheConfig, ExecutorConfig
 from pensieve.actors.executor.cuda_graphs import DecodeGraphs
 from pensieve.actors.executor.device_clock import DeviceClock
+from pensieve.actors.executor.disk_cache import DiskCache
 from pensieve.actors.executor.grammar import GrammarMasks
 from pensieve.actors.executor.piecewise_graphs import PiecewiseGraphs
 from pensieve.actors.executor.sampler import apply_token_mask, sample_async
@@ -27,7 +28,15 @@ from pensieve.actors.executor.step_tracing import StepTracer
 from pensieve.actors.executor.swap import SwapEngine
 from pensieve.actors.executor.swap_tracing import SwapTracer
 from pensieve.actors.wire import tracing
-from pensieve.actors.wire.step import PLACEHOLDER, DeviceTime, Launch, SeqPiece, StepPlan, SwapStats
+from pensieve.actors.wire.step import (
+    PLACEHOLDER,
+    DeviceTime,
+    Launch,
+    SeqPiece,
+    StepPlan,
+    SwapOrders,
+    SwapStats,
+)
 from pensieve.kernels import AttentionImpl, AttentionMetadata, build_metadata
 from pensieve.kernels.launch import use_fast_launch
 from pensieve.kernels.metadata import upload
@@ -161,6 +170,7 @@ class ModelRunner:
             self.gpu_caches, self.cpu_caches, out_dma=swap_out_dma, batched=swap_batched
         )
         self.scale = self.config.attn_scale
+        self.disk: DiskCache | None = None  # the disk tier below the CPU tier (None: none)
         # fed only while tracing is on
         self.tracer = StepTracer()
         self.swap_tracer = SwapTracer(self.block_bytes, self.clock)
@@ -219,6 +229,15 @@ class ModelRunner:
             yield
         finally:
             self.graphs, self.mixed_graphs = kept
+
+    def _issue(self, orders: SwapOrders, defer_out: bool = False) -> None:
+        """The step's copies: chunks leaving the CPU tier kept for the disk first (their slots
+        may be reused now), chunks read from disk loaded into their blocks last."""
+        if self.disk is not None:
+            self.disk.save(orders.disk_save)
+        self.swap.issue(orders, defer_out=defer_out)
+        if self.disk is not None:
+            self.disk.load(orders.disk_load)
 
     @property
     def block_bytes(self) -> int:
@@ -300,20 +319,20 @@ class ModelRunner:
         if self.grammars is not None:
             self.grammars.forget_absent(plan.pieces)
         if not plan.pieces:
-            self.swap.issue(plan.orders)
+            self._issue(plan.orders)
             empty = torch.empty(0, dtype=torch.long)
             return Launched(plan, empty, empty, None)
         ordered = decodes_first(plan)  # the order the device runs; results keep `plan`'s
         executed = None if ordered is plan else ordered
         began = self.clock.start() if self.clock is not None else None
         if self.graphs is not None and self.graphs.fits(ordered):
-            self.swap.issue(ordered.orders, defer_out=True)
+            self._issue(ordered.orders, defer_out=True)
             logits = self._replay(self.graphs, ordered, feed)
         else:
             # the step's inputs go up first: behind the swap-ins they would share the
             # host-to-device copy queue with them and hold back the first layer
             inputs = self._inputs(ordered, feed)
-            self.swap.issue(ordered.orders, defer_out=True)
+            self._issue(ordered.orders, defer_out=True)
             logits = self._forward(inputs)
         sampling = [p for p in ordered.pieces if p.sampling is not None]
         params = [p.sampling for p in sampling]

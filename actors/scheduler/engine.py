@@ -31,6 +31,8 @@ from pensieve.actors.wire.messages import KvEvent
 from pensieve.actors.wire.step import (
     ConversationTraces,
     CopyTrace,
+    DiskRead,
+    DiskReads,
     Launch,
     SamplingParams,
     StepPlan,
@@ -95,10 +97,13 @@ class Engine:
         model_id: str = "",
         step_time: StepTimeModel | None = None,  # caps prefill beside decodes (None: no cap)
         public: PublicKeys | None = None,
+        disk: DiskReads | None = None,
     ) -> None:
         """`model_id` names the model in the chunk keys (`namespace`); `public`: the keys of
-        the prompts the operator names public, shared across tenants."""
+        the prompts the operator names public, shared across tenants; `disk`: the executor's
+        disk tier (in this process), with a cache config that uses it."""
         self.runner = runner
+        self.disk = disk if cache.disk_tier else None
         self.model_id = model_id
         self.public = public
         self.kv = KVCacheManager(cache, cost, self.namespace(None))
@@ -139,6 +144,7 @@ class Engine:
             cache_namespace=cache_namespace,
         )
         self.scheduler.add(request)
+        request.disk_read = self._read_from_disk(request)
         return request
 
     def has_work(self) -> bool:
@@ -253,6 +259,16 @@ class Engine:
             self.kv.restore(conv_id, max(len(tokens) - 1, 0), now)
         return aborted
 
+    def write_back(self) -> int:
+        """On a clean stop (no step in flight): write every sealed chunk of the GPU and CPU
+        tiers to the disk tier, so a restarted engine reads them back; the chunks on disk now.
+        A crash skips this and loses them, as it loses the tiers."""
+        if self.disk is None:
+            return 0
+        self.runner.settle()
+        gpu, cpu = self.kv.sealed_places()
+        return self.disk.write_back(cpu, gpu)
+
     # ---- the step loop ------------------------------------------------------------------
 
     def step(self) -> StepOutcome:
@@ -262,6 +278,9 @@ class Engine:
         plan = self.scheduler.schedule(self.clock())
         scheduled = time.perf_counter()
         launched_step = self._launch(plan)
+        for read in self.scheduler.disk_reads_done:  # their chunks are loaded: copies issued
+            read.release()
+        self.scheduler.disk_reads_done.clear()
         launched = time.perf_counter()
         # while the device runs: choose the next ahead-of-time swap-outs (their copies go out
         # with the next step); nothing here depends on sampled tokens
@@ -302,6 +321,29 @@ class Engine:
             self._count(request)
         return self._with_rejected(outcome)
 
+    def _read_from_disk(self, request: Request) -> DiskRead | None:
+        """Start reading the chunks of the turn's history that are on the disk tier only, where
+        reading one back costs less than recomputing it (`Cost(l)` of the chunk ending at `l`
+        against its bytes over the disk's read rate: the leading chunks of a short context may
+        be cheaper to recompute). The turn is admitted once the read is done."""
+        if self.disk is None:
+            return None
+        kv, block = self.kv, self.kv.config.block_size
+        conv = kv.get(request.conv_id)
+        space = request.cache_namespace or (conv.namespace if conv is not None else kv.namespace)
+        keys = list(conv.keys) if conv is not None and conv.namespace == space else []
+        space.extend(keys, request.prompt_ids[: len(request.prompt_ids) - 1], block)
+        read_s = self.disk.read_seconds_per_chunk
+        wanted = []
+        for i, key in enumerate(keys):
+            own = conv.chunks[i] if conv is not None and i < len(conv.chunks) else None
+            sealed = kv.index.get(key)
+            if (own is not None and kv.place(own)) or (sealed is not None and kv.place(sealed)):
+                continue  # cached on the GPU or the CPU tier
+            if self.kv.cost((i + 1) * block) > read_s:
+                wanted.append(key)
+        return self.disk.read(wanted) if wanted else None
+
     def _count(self, request: Request) -> None:
         """A finished request, in the totals."""
         self.totals.requests += 1
@@ -339,7 +381,7 @@ class Engine:
             "prefix_cache": {
                 "sharing": kv.config.prefix_sharing,
                 "queries": totals.prompt_tokens,
-                "hits": totals.sources.gpu + totals.sources.cpu,
+                "hits": totals.sources.gpu + totals.sources.cpu + totals.sources.disk,
                 "shared_hits": totals.sources.shared,
                 "shared_chunks": kv.num_shared_chunks,
                 "bytes_saved": kv.num_copies_saved() * self.runner.block_bytes,

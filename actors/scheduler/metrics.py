@@ -37,7 +37,7 @@ from pensieve.actors.scheduler.request import FinishReason, Request
 from pensieve.actors.wire.messages import KvEvent, KvEventKind
 
 PREFIX = "pensieve:"
-SOURCES = ("gpu", "cpu", "recomputed", "new")
+SOURCES = ("gpu", "cpu", "disk", "recomputed", "new")
 # vLLM's buckets, so dashboards made for it read these the same way
 TTFT_BUCKETS = (
     0.001,
@@ -135,8 +135,8 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.prompt_sources = counter(
             "prompt_tokens_by_source",
-            "Prompt tokens by where their KV came from: the GPU tier, the CPU tier, recomputed "
-            "from the stored tokens, or new",
+            "Prompt tokens by where their KV came from: the GPU tier, the CPU tier, the disk "
+            "tier, recomputed from the stored tokens, or new",
             ["source"],
         )
         self.prefix_queries = counter(
@@ -226,7 +226,7 @@ class Metrics:
         for source in SOURCES:
             self.prompt_sources.labels(model, source).inc(getattr(sources, source))
         self.prefix_queries.labels(model).inc(num_prompt)
-        self.prefix_hits.labels(model).inc(sources.gpu + sources.cpu)
+        self.prefix_hits.labels(model).inc(sources.gpu + sources.cpu + sources.disk)
         self.prefix_shared_hits.labels(model).inc(sources.shared)
         self.generation_tokens.labels(model).inc(num_output)
         self.prompt_lengths.observe(num_prompt)

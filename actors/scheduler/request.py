@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pensieve.actors.scheduler.kv.chunk_keys import Namespace
-from pensieve.actors.wire.step import PLACEHOLDER, SamplingParams
+from pensieve.actors.wire.step import PLACEHOLDER, DiskRead, SamplingParams
 
 
 class FinishReason(enum.Enum):
@@ -32,6 +32,7 @@ class TokenSources:
     new: int = 0
     # of `gpu` and `cpu`: found by content in chunks another conversation computed
     shared: int = 0
+    disk: int = 0  # read back from the disk tier
 
     def __add__(self, other: TokenSources) -> TokenSources:
         return TokenSources(
@@ -40,6 +41,7 @@ class TokenSources:
             self.recomputed + other.recomputed,
             self.new + other.new,
             self.shared + other.shared,
+            self.disk + other.disk,
         )
 
 
@@ -64,6 +66,8 @@ class Request:
     swapped_in_blocks: int = 0
     swapped_out_blocks: int = 0
     finish_reason: FinishReason | None = None
+    # its history's chunks being read from the disk tier since it arrived (None: none)
+    disk_read: DiskRead | None = None
     error: str | None = None
     admitted_at: float | None = None  # when the scheduler first admitted it (queued until then)
     first_token_time: float | None = None

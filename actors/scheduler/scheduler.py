@@ -32,7 +32,7 @@ from pensieve.actors.scheduler.step_budget import (
     StepTimeModel,
     is_decode,
 )
-from pensieve.actors.wire.step import SeqPiece, StepPlan
+from pensieve.actors.wire.step import DiskRead, SeqPiece, StepPlan
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,9 @@ class Scheduler:
         self.rejected: list[Request] = []  # drained by the engine
         self.suspended: list[Suspension] = []  # drained by the engine
         self.live: dict[str, Request] = {}  # unfinished requests, waiting or running
+        # disk reads of requests admitted since the last step was launched: the engine
+        # releases them once that step's loads are issued
+        self.disk_reads_done: list[DiskRead] = []
 
     def add(self, request: Request) -> None:
         if request.num_tokens >= self.config.max_model_len:
@@ -130,6 +133,7 @@ class Scheduler:
         (the caller forgets all of it); returns them."""
         aborted = [*self.running, *self.waiting]
         for request in aborted:
+            _release_read(request)
             request.pending = []
             request.inflight = 0
             request.status = RequestStatus.FINISHED
@@ -172,8 +176,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if not prefill.has_room():
                 break
-            if self.waiting[0].inflight or not self._admit(self.waiting[0], now):
-                # (a suspended request whose last token is still being sampled waits for it)
+            head = self.waiting[0]
+            reading = head.disk_read is not None and not head.disk_read.done()
+            if head.inflight or reading or not self._admit(head, now):
+                # (a suspended request whose last token is still being sampled waits for it,
+                # and one whose history is being read from disk for that read)
                 break
             request = self.waiting.popleft()
             taken = request.take(prefill.limit(request.pending, budget))
@@ -315,7 +322,8 @@ class Scheduler:
             return False
         reuse, shared = self._reuse(request, conv, target)
         try:
-            acquired = self.kv.acquire(conv, len(target), now)
+            on_disk = request.disk_read.found() if request.disk_read is not None else frozenset()
+            acquired = self.kv.acquire(conv, len(target), now, on_disk)
         except OutOfBlocks:
             if not self.running:
                 self._reject(request, now)  # it can never fit, even on an idle GPU
@@ -335,8 +343,12 @@ class Scheduler:
                 recomputed=acquired.recomputed_tokens,
                 new=len(target) - reuse,
                 shared=shared,
+                disk=acquired.disk_tokens,
             )
         request.swapped_in_blocks += acquired.swapped_in
+        if request.disk_read is not None:  # loaded by the step this admission goes into
+            self.disk_reads_done.append(request.disk_read)
+            request.disk_read = None
         if request.admitted_at is None:  # a suspended turn readmitted keeps its first admission
             request.admitted_at = now
         request.status = RequestStatus.RUNNING
@@ -355,7 +367,8 @@ class Scheduler:
         self.kv.truncate(conv, reuse)
         shared = 0
         if self.kv.config.prefix_sharing:
-            found = self.kv.lookup(conv, target[: len(target) - 1])
+            on_disk = request.disk_read.found() if request.disk_read is not None else ()
+            found = self.kv.lookup(conv, target[: len(target) - 1], on_disk)
             reuse = max(reuse, found.num_positions)
             shared = found.gpu_tokens + found.cpu_tokens
         self.histories[request.conv_id] = list(target)
@@ -368,6 +381,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = FinishReason.ABORT
         request.error = "too_long: the conversation does not fit in the GPU KV cache"
+        _release_read(request)
         request.finish_time = now
         self.rejected.append(request)
 
@@ -379,6 +393,7 @@ class Scheduler:
         request.finish_time = now
         request.pending = []
         request.inflight = 0
+        _release_read(request)
         del self.live[request.request_id]
         if request in self.running:
             self.running.remove(request)
@@ -404,3 +419,10 @@ class Scheduler:
         conv = self.kv.conversations.get(request.conv_id)
         if conv is not None:  # its last token is never fed: the KV ends before it
             self.kv.truncate(conv, len(request.all_ids) - 1)
+
+
+def _release_read(request: Request) -> None:
+    """A turn that ends before its admission needs its disk read no more."""
+    if request.disk_read is not None:
+        request.disk_read.release()
+        request.disk_read = None

@@ -137,6 +137,7 @@ class TurnCommitter:
         cached = {
             "gpu": record.cached_gpu,
             "cpu": record.cached_cpu,
+            "disk": request.sources.disk,
             "recomputed": record.cached_recomputed,
             "shared": request.sources.shared,
         }
@@ -185,13 +186,15 @@ def _log_turn(conv_id: str, record: TurnRecord, request: Request) -> None:
     first = request.first_token_time or request.arrival
     finish = request.finish_time or first
     logger.info(
-        "turn %d of %s: %d prompt tokens (gpu %d, cpu %d, recomputed %d, new %d; shared %d), "
+        "turn %d of %s: %d prompt tokens (gpu %d, cpu %d, disk %d, recomputed %d, new %d; "
+        "shared %d), "
         "%d completion tokens, %s; first token %.3f s, done %.3f s",
         record.turn,
         conv_id,
         record.prompt_tokens,
         record.cached_gpu,
         record.cached_cpu,
+        request.sources.disk,
         record.cached_recomputed,
         record.new_prompt_tokens,
         request.sources.shared,

@@ -77,6 +77,7 @@ class TurnTracer:
             {
                 "pensieve.cached_tokens.gpu": record.cached_gpu,
                 "pensieve.cached_tokens.cpu": record.cached_cpu,
+                "pensieve.cached_tokens.disk": request.sources.disk,
                 "pensieve.cached_tokens.recomputed": record.cached_recomputed,
                 "pensieve.cached_tokens.shared": request.sources.shared,
                 "pensieve.new_prompt_tokens": record.new_prompt_tokens,

@@ -492,12 +492,13 @@ def _is_hex(text: str) -> bool:
 class CachedTokens(msgspec.Struct, frozen=True):
     """Prompt tokens whose KV was found on the GPU or the CPU, or recomputed from the log;
     `shared`: those of `gpu` and `cpu` found by content in chunks another conversation
-    computed (a common prefix)."""
+    computed (a common prefix); `disk`: read back from the disk tier."""
 
     gpu: int
     cpu: int
     recomputed: int
     shared: int = 0
+    disk: int = 0
 
 
 class Usage(msgspec.Struct, frozen=True):

@@ -56,6 +56,24 @@ class CopyOp:
     cpu_slot: int
 
 
+@dataclass(frozen=True)
+class DiskSave:
+    """The chunk in CPU slot `cpu_slot`, sealed under content `key`, leaves the CPU tier: the
+    executor keeps its bytes for the disk tier before this step's copies reuse the slot."""
+
+    cpu_slot: int
+    key: bytes
+
+
+@dataclass(frozen=True)
+class DiskLoad:
+    """The chunk of content `key`, read from the disk tier when its turn arrived (`DiskReads`),
+    goes into GPU block `gpu_block` in place of being recomputed."""
+
+    key: bytes
+    gpu_block: int
+
+
 @dataclass
 class SwapOrders:
     """Copies the executor must issue for one step, in this order.
@@ -66,12 +84,16 @@ class SwapOrders:
        CPU->GPU copy of the step (swap-in has priority) and overlap the step's compute.
     `fence`: a block reused this step was swapped out in an earlier step; that copy must finish
     before this step writes into the block.
+    With a disk tier, `disk_save` is taken before all of them (this step's copies may reuse the
+    slots it names) and `disk_load` issued after them (its blocks may be evicted first).
     """
 
     evict_first: list[CopyOp] = field(default_factory=list)
     swap_in: list[CopyOp] = field(default_factory=list)
     swap_out: list[CopyOp] = field(default_factory=list)
     fence: bool = False
+    disk_save: list[DiskSave] = field(default_factory=list)
+    disk_load: list[DiskLoad] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (self.evict_first or self.swap_in or self.swap_out)
@@ -194,4 +216,46 @@ class StepRunner(Protocol):
 
     def device_time(self) -> DeviceTime:
         """Device time in steps and idle between them (see `actors/executor/device_clock.py`)."""
+        ...
+
+
+class DiskRead(Protocol):
+    """Chunks being read from the disk tier for one turn, started when it arrived."""
+
+    def done(self) -> bool:
+        """Whether the read has finished (never waits)."""
+        ...
+
+    def found(self) -> frozenset[bytes]:
+        """The content keys read whole and checked (once `done`): a `DiskLoad` may name them
+        until `release`."""
+        ...
+
+    def release(self) -> None:
+        """The turn needs the chunks read no more (idempotent)."""
+        ...
+
+
+class DiskReads(Protocol):
+    """The executor's disk tier, as the engine in its process asks it: reads started when a
+    turn arrives, and the write-back of the KV tiers on a clean stop."""
+
+    @property
+    def read_seconds_per_chunk(self) -> float:
+        """What reading one chunk back costs, to weigh against recomputing it."""
+        ...
+
+    def read(self, keys: Collection[bytes]) -> DiskRead | None:
+        """Start reading those of `keys` the tier holds; None if it holds none of them."""
+        ...
+
+    def write_back(
+        self, cpu: Collection[tuple[int, bytes]], gpu: Collection[tuple[int, bytes]]
+    ) -> int:
+        """Write these chunks, (CPU slot, key) and (GPU block, key), to disk and wait until
+        every write is durable (a clean stop); how many of them the disk tier holds then."""
+        ...
+
+    def close(self) -> None:
+        """Write what is saved, and release the tier's directory."""
         ...

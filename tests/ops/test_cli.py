@@ -301,6 +301,30 @@ def test_a_cache_size_out_of_range_names_its_option(tmp_path, flag, value, words
     assert_clean_error(done, words)
 
 
+def test_a_disk_cache_that_cannot_be_used_is_a_clear_error_before_the_model_loads(
+    tmp_path,
+) -> None:
+    model = ["--model", "smollm2", "--data-dir", str(tmp_path / "data")]
+    missing = tmp_path / "nowhere"
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o500)
+    for args, words in (
+        (["--disk-cache-dir", str(missing), "--disk-cache-gb", "1"], "does not exist"),
+        (["--disk-cache-dir", str(tmp_path)], "give both --disk-cache-dir and --disk-cache-gb"),
+        (["--disk-cache-dir", str(tmp_path), "--disk-cache-gb", "0"], "must be more than 0"),
+        (
+            ["--disk-cache-dir", str(tmp_path), "--disk-cache-gb", "1", "--policy", "gpu-only"],
+            "needs prefix sharing and a policy with a CPU tier",
+        ),
+    ):
+        done = serve(*model, *args)
+        assert_clean_error(done, words)
+        assert "model smollm2 loaded" not in done.stderr
+    if os.geteuid() != 0:  # root writes anywhere
+        done = serve(*model, "--disk-cache-dir", str(read_only), "--disk-cache-gb", "1")
+        assert_clean_error(done, "is not writable")
+
+
 def test_a_wrong_model_leaves_nothing_behind(tmp_path) -> None:
     """No data dir, store, nats-server files or pid file for a model that does not load, and
     nothing new in a data dir already there."""

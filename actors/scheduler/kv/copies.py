@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
 from pensieve.actors.scheduler.kv.kv_cache import Chunk
-from pensieve.actors.wire.step import CopyOp, SwapOrders
+from pensieve.actors.wire.step import CopyOp, DiskLoad, DiskSave, SwapOrders
 
 
 class TierCopies:
@@ -93,6 +93,16 @@ class TierCopies:
     def evict_first(self, block: int, slot: int) -> None:
         """Copy `block` into `slot` before this step's writes reuse the block."""
         self.orders.evict_first.append(CopyOp(block, slot))
+
+    def save_to_disk(self, slot: int, key: bytes) -> None:
+        """The chunk in `slot` leaves the CPU tier: the executor keeps its bytes for the disk
+        tier, unless a copy of this step targets the slot (then it holds no whole chunk yet)."""
+        if all(op.cpu_slot != slot for op in (*self.orders.swap_out, *self.orders.evict_first)):
+            self.orders.disk_save.append(DiskSave(slot, key))
+
+    def load_from_disk(self, key: bytes, block: int) -> None:
+        """Copy the chunk of `key`, read from the disk tier, into `block`."""
+        self.orders.disk_load.append(DiskLoad(key, block))
 
     def cancel_swap_out(self, chunk: Chunk) -> bool:
         """Withdraw a swap-out not yet issued, so its slot can be reused safely."""

@@ -77,6 +77,7 @@ class Acquired:
     cpu_tokens: int
     recompute_ranges: tuple[tuple[int, int], ...]  # position ranges to recompute, in order
     swapped_in: int = 0  # blocks copied in from the CPU tier for it
+    disk_tokens: int = 0  # loaded from chunks read back from the disk tier
 
     @property
     def recomputed_tokens(self) -> int:

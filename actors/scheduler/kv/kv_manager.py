@@ -27,7 +27,7 @@ subscriber to the KV event plane can follow each conversation's chunks from tier
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
@@ -137,6 +137,17 @@ class KVCacheManager:
             conv.num_positions = num_positions
         return conv
 
+    def sealed_places(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
+        """Every sealed chunk on a tier, as (GPU block, key) where it has a block (its KV is
+        there whatever copy is pending) and else as (CPU slot, key). Ask between steps."""
+        gpu, cpu = [], []
+        for key, chunk in self.index.by_key.items():
+            if chunk.gpu_block is not None:
+                gpu.append((chunk.gpu_block, key))
+            elif chunk.cpu_slot is not None:
+                cpu.append((chunk.cpu_slot, key))
+        return gpu, cpu
+
     def take_orders(self) -> SwapOrders:
         """The copies decided since the last call; blocks swapped out now become reusable."""
         return self.copies.take_orders()
@@ -179,12 +190,19 @@ class KVCacheManager:
         after = available - self.blocks_to_admit(conv, num_positions)
         return after > self.config.admission_reserve * self.gpu.capacity
 
-    def acquire(self, conv: ConversationKV, num_positions: int, now: float) -> Acquired:
+    def acquire(
+        self,
+        conv: ConversationKV,
+        num_positions: int,
+        now: float,
+        on_disk: frozenset[bytes] = frozenset(),
+    ) -> Acquired:
         """Pin `conv` and put every chunk of positions [0, num_positions) on the GPU.
 
-        CPU chunks are swapped in, dropped chunks get blocks and are reported for recomputation,
-        chunks past `conv.num_positions` are new. Raises OutOfBlocks (changing nothing) if the
-        GPU cannot hold them even after evicting every unpinned chunk.
+        CPU chunks are swapped in; dropped chunks get blocks and are loaded from disk where
+        their content key is in `on_disk` (read for this turn), else reported for
+        recomputation; chunks past `conv.num_positions` are new. Raises OutOfBlocks (changing
+        nothing) if the GPU cannot hold them even after evicting every unpinned chunk.
         """
         self.eviction.start_operation()
         reusable = self.gpu.num_free + self.copies.num_reclaimable
@@ -205,7 +223,7 @@ class KVCacheManager:
                 self.copies.free_cpu_copy(chunk)
                 self.events.emit(KvEventKind.CPU_FREED, chunk)
         self._ensure_free_gpu(self.blocks_to_admit(conv, num_positions), now)
-        gpu_tokens = cpu_tokens = swapped_in = 0
+        gpu_tokens = cpu_tokens = disk_tokens = swapped_in = 0
         recompute: list[tuple[int, int]] = []
         for i in range(self.num_chunks(num_positions)):
             chunk = conv.chunks[i] if i < len(conv.chunks) else self.users.new_chunk(conv)
@@ -226,11 +244,15 @@ class KVCacheManager:
                 swapped_in += 1
             else:
                 chunk.gpu_block = self._take_gpu_block(chunk)
-                if end > start:
+                key = conv.keys[i] if full and i < len(conv.keys) else None
+                if key is not None and key in on_disk:
+                    self.copies.load_from_disk(key, chunk.gpu_block)
+                    disk_tokens += end - start
+                elif end > start:
                     _extend(recompute, start, end)
                 kind = KvEventKind.RECOMPUTED if end > start else KvEventKind.STORED
                 self.events.emit(kind, chunk)
-        return Acquired(gpu_tokens, cpu_tokens, tuple(recompute), swapped_in)
+        return Acquired(gpu_tokens, cpu_tokens, tuple(recompute), swapped_in, disk_tokens)
 
     def grow(self, conv: ConversationKV, num_positions: int, now: float) -> bool:
         """Give a running conversation blocks up to `num_positions`; False if the GPU is full."""
@@ -326,10 +348,12 @@ class KVCacheManager:
         """Key the idle conversation's chunks in `namespace` from now on (`ContentSharing`)."""
         self.sharing.rekey(conv, namespace)
 
-    def lookup(self, conv: ConversationKV, tokens: Sequence[int]) -> Found:
+    def lookup(
+        self, conv: ConversationKV, tokens: Sequence[int], on_disk: Collection[bytes] = ()
+    ) -> Found:
         """Attach to the idle conversation the longest cached run of leading full chunks of
-        `tokens`, its own or found by content (`ContentSharing`)."""
-        return self.sharing.lookup(conv, tokens)
+        `tokens`, its own or found by content, or read from disk (`ContentSharing`)."""
+        return self.sharing.lookup(conv, tokens, on_disk)
 
     def swap_out_ahead(self, now: float) -> int:
         """Swap out ahead of time while the free GPU share is under the threshold; returns moves."""
@@ -458,6 +482,8 @@ class KVCacheManager:
         chunk = self.eviction.cpu_victim(candidate, now, ahead=ahead)
         if chunk is None:
             return None
+        if self.config.disk_tier and chunk.key is not None and chunk.cpu_slot is not None:
+            self.copies.save_to_disk(chunk.cpu_slot, chunk.key)  # GPU -> CPU -> disk
         self._drop(chunk)
         self.events.emit(KvEventKind.DROPPED, chunk)
         return self.cpu.allocate()

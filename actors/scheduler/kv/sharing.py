@@ -11,7 +11,7 @@ are parts of the cache manager's books (`kv_manager.py`), whose invariants they 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from pensieve.actors.scheduler.kv.chunk_keys import Namespace
@@ -135,10 +135,14 @@ class ContentSharing:
         conv.keys.clear()
         conv.namespace = namespace
 
-    def lookup(self, conv: ConversationKV, tokens: Sequence[int]) -> Found:
+    def lookup(
+        self, conv: ConversationKV, tokens: Sequence[int], on_disk: Collection[bytes] = ()
+    ) -> Found:
         """Attach to the idle conversation the longest run of leading full chunks of `tokens`
-        that are cached (on the GPU or the CPU tier), its own or found by content; returns how
-        many positions that run covers, and how many of them it found by content where.
+        that are cached (on the GPU or the CPU tier), its own or found by content, or read from
+        the disk tier for this turn (keys in `on_disk`: attached dropped, `acquire` loads them);
+        returns how many positions that run covers, and how many of them it found by content
+        where.
 
         `tokens` begin with the conversation's token log (cut first, with `truncate`, where they
         differ from it) and end before the positions the caller computes anyway (at least the
@@ -153,6 +157,12 @@ class ContentSharing:
             sealed = kv.index.get(conv.keys[i])
             mine = own is not None and (own is sealed or own.key is None) and kv.place(own)
             if mine and (i + 1) * block <= conv.num_positions:  # full, and its own
+                found = i + 1
+                continue
+            uncached = sealed is None or not kv.place(sealed)
+            if uncached and conv.keys[i] in on_disk and (own is None or not kv.place(own)):
+                if own is None:  # dropped, as a conversation restored from its token log
+                    kv.events.emit(KvEventKind.DROPPED, kv.users.new_chunk(conv))
                 found = i + 1
                 continue
             if sealed is None or not kv.place(sealed):

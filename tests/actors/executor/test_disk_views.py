@@ -16,12 +16,12 @@ SHAPE = (8, 2, 32, 3, 64)  # [num_blocks, 2, block_size, Hkv, D]: SmolLM2-135M's
 
 def cpu_tier(pin: bool) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return [
-        torch.randn(SHAPE, generator=generator).to(torch.bfloat16).pin_memory()
-        if pin
-        else torch.randn(SHAPE, generator=generator).to(torch.bfloat16)
-        for _ in range(4)
-    ]
+    caches = []
+    for _ in range(4):
+        # pinned as the executor's CPU tier is (`ModelRunner`): allocated pinned, then filled
+        cache = torch.empty(SHAPE, dtype=torch.bfloat16, pin_memory=pin)
+        caches.append(cache.copy_(torch.randn(SHAPE, generator=generator)))
+    return caches
 
 
 def round_trip(tmp_path: Path, caches: list[torch.Tensor], method: IoMethod) -> DiskTier:

@@ -1,0 +1,261 @@
+"""The executor's disk tier in service: chunks leaving the CPU tier go to disk in the background,
+and chunks a turn needs come back from it, read when the turn arrives.
+
+    step N's copies reuse CPU slot s  --save-->  snapshot (host memory)  --writer thread-->  disk
+    turn arrives  --read-->  reader thread: disk (or a snapshot not yet written) -> staged buffer
+    the turn is admitted  --load-->  staged buffer -> its GPU block, in place of recomputing
+
+`save` copies the slot's bytes (a memcpy, no I/O) before the step's copies may reuse it; the
+disk write, its fdatasync and the index commit run on the writer thread. A turn waits in the
+queue only for its own read. A chunk the tier cannot give back whole (never written, dropped
+for room, failing its checksum) is not `found`, and the turn recomputes it: where a chunk's KV
+comes from never changes a token.
+
+When the tier is full, the chunks least recently written or read leave it first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from pensieve.actors.wire.step import DiskLoad, DiskSave
+from pensieve.store.disk import DiskTier
+
+logger = logging.getLogger(__name__)
+MAX_BATCH = 64  # chunks per disk write: one fdatasync and one index transaction each
+
+
+class DiskCache:
+    """The disk tier beside the runner's KV tiers (`gpu_caches`, `cpu_caches`: per layer
+    [num_blocks, 2, block_size, Hkv, D]). Its methods are called from the engine's thread;
+    the I/O runs on its own two threads."""
+
+    def __init__(
+        self,
+        tier: DiskTier,
+        gpu_caches: Sequence[torch.Tensor],
+        cpu_caches: Sequence[torch.Tensor],
+        read_bytes_per_s: float,
+    ) -> None:
+        self.tier = tier
+        self.gpu_caches = gpu_caches
+        self.cpu_caches = cpu_caches
+        self.read_bytes_per_s = read_bytes_per_s
+        self._pin = gpu_caches[0].is_cuda
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, torch.Tensor] = {}  # saved, not yet on disk
+        self._recent: OrderedDict[bytes, None] = OrderedDict.fromkeys(tier.keys())  # LRU first
+        self._staged: dict[bytes, tuple[torch.Tensor, int]] = {}  # read: buffer, readers
+        self._writes: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="disk-read")
+        self._writer = threading.Thread(target=self._write_loop, name="disk-write", daemon=True)
+        self._writer.start()
+        self.num_saved = self.num_written = self.num_read = self.num_missed = 0
+
+    @property
+    def read_seconds_per_chunk(self) -> float:
+        return self.tier.geometry.chunk_bytes / self.read_bytes_per_s
+
+    # ---- on a step's path: no I/O ----------------------------------------------------------
+
+    def save(self, saves: Collection[DiskSave]) -> None:
+        """Keep the bytes of these CPU slots for the disk (before the step's copies run)."""
+        if not saves or not self.tier.writable:
+            return
+        if self._pin:  # an earlier step's swap-out into a slot may still be running
+            torch.cuda.synchronize(self.gpu_caches[0].device)
+        for save in saves:
+            self._queue(save.key, self._snapshot(self.cpu_caches, save.cpu_slot))
+
+    def load(self, loads: Collection[DiskLoad]) -> None:
+        """Copy staged chunks into their GPU blocks (after the step's own copies are issued)."""
+        if not loads:
+            return
+        if self._pin:  # after the step's evict-first copies out of these blocks
+            torch.cuda.synchronize(self.gpu_caches[0].device)
+        for load in loads:
+            buffer, _ = self._staged[load.key]
+            for layer, cache in enumerate(self.gpu_caches):
+                block = cache[load.gpu_block].view(torch.uint8).view(-1)
+                block.copy_(buffer[layer], non_blocking=True)
+
+    # ---- reads, started when a turn arrives ------------------------------------------------
+
+    def read(self, keys: Collection[bytes]) -> DiskRead | None:
+        with self._lock:
+            wanted = [k for k in dict.fromkeys(keys) if k in self._pending or k in self.tier]
+        if not wanted:
+            return None
+        read = DiskRead(self)
+        read.future = self._reader.submit(self._read, wanted)
+        return read
+
+    def _read(self, keys: list[bytes]) -> frozenset[bytes]:
+        found: dict[bytes, torch.Tensor] = {}
+        todo: list[tuple[bytes, torch.Tensor]] = []
+        with self._lock:
+            for key in keys:
+                staged = self._staged.get(key)
+                buffer = staged[0] if staged is not None else self._pending.get(key)
+                if buffer is not None:
+                    found[key] = buffer  # a snapshot never changes once taken
+                else:
+                    todo.append((key, self._buffer()))
+        if todo:
+            whole = self.tier.read([(key, _pieces(buffer)) for key, buffer in todo])
+            found.update((key, buf) for (key, buf), ok in zip(todo, whole, strict=True) if ok)
+        with self._lock:
+            for key, buffer in found.items():
+                held = self._staged.get(key)
+                self._staged[key] = (buffer, 1) if held is None else (held[0], held[1] + 1)
+                if key in self._recent:
+                    self._recent.move_to_end(key)
+            self.num_read += len(found)
+            self.num_missed += len(keys) - len(found)
+        return frozenset(found)
+
+    def unstage(self, keys: Collection[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                buffer, readers = self._staged[key]
+                if readers > 1:
+                    self._staged[key] = (buffer, readers - 1)
+                else:
+                    del self._staged[key]
+
+    # ---- writes, on the writer thread ------------------------------------------------------
+
+    def write_back(
+        self, cpu: Collection[tuple[int, bytes]], gpu: Collection[tuple[int, bytes]]
+    ) -> int:
+        if self.tier.writable:
+            for caches, places in ((self.cpu_caches, cpu), (self.gpu_caches, gpu)):
+                for index, key in places:
+                    if key not in self.tier:
+                        self._queue(key, self._snapshot(caches, index))
+        self.flush()
+        return sum(key in self.tier for _, key in (*cpu, *gpu))
+
+    def flush(self) -> None:
+        """Wait until every chunk saved so far is written (or given up)."""
+        self._writes.join()
+
+    def close(self) -> None:
+        """Write what is saved, stop the threads and release the directory."""
+        self.flush()
+        self._writes.put(None)
+        self._writer.join()
+        self._reader.shutdown(wait=True)
+        self.tier.close()
+
+    def _queue(self, key: bytes, buffer: torch.Tensor) -> None:
+        with self._lock:
+            if key in self._pending:
+                return
+            self._pending[key] = buffer
+        self.num_saved += 1
+        self._writes.put((key, buffer))
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                self._writes.task_done()
+                return
+            batch = [item]
+            while len(batch) < MAX_BATCH:
+                try:
+                    more = self._writes.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._writes.put(None)  # stop after this batch
+                    self._writes.task_done()
+                    break
+                batch.append(more)
+            try:
+                self._write(batch)
+            except Exception:  # noqa: BLE001 - a write is a cache fill: log, never stop serving
+                logger.exception("disk tier: a write-back batch failed")
+            finally:
+                with self._lock:
+                    for key, _ in batch:
+                        self._pending.pop(key, None)
+                for _ in batch:
+                    self._writes.task_done()
+
+    def _write(self, batch: list[tuple[bytes, torch.Tensor]]) -> None:
+        chunks = [(key, buf) for key, buf in batch if key not in self.tier]
+        if not chunks or not self.tier.writable:
+            return
+        self._make_room(len(chunks))
+        written = self.tier.write([(key, _pieces(buffer)) for key, buffer in chunks])
+        with self._lock:
+            self._recent.update(dict.fromkeys(written))
+            self.num_written += len(written)
+
+    def _make_room(self, num_chunks: int) -> None:
+        """The disk budget is a hard bound: the least recently used chunks leave for new ones."""
+        short = min(num_chunks, self.tier.num_slots) - self.tier.num_free
+        if short <= 0:
+            return
+        with self._lock:
+            victims = list(self._recent)[:short]
+            for key in victims:
+                del self._recent[key]
+        self.tier.remove(victims)
+
+    # ---- buffers ---------------------------------------------------------------------------
+
+    def _buffer(self) -> torch.Tensor:
+        geometry = self.tier.geometry
+        # [num_layers, layer_bytes]: a chunk's bytes as a slot holds them
+        return torch.empty(
+            (geometry.num_layers, geometry.layer_bytes), dtype=torch.uint8, pin_memory=self._pin
+        )
+
+    def _snapshot(self, caches: Sequence[torch.Tensor], index: int) -> torch.Tensor:
+        buffer = self._buffer()
+        for layer, cache in enumerate(caches):
+            buffer[layer].copy_(cache[index].view(torch.uint8).view(-1))
+        return buffer
+
+
+class DiskRead:
+    """One turn's read (`DiskCache.read`); see `actors.wire.step.DiskRead`."""
+
+    def __init__(self, cache: DiskCache) -> None:
+        self.cache = cache
+        self.future: Future[frozenset[bytes]] | None = None
+        self._released = False
+
+    def done(self) -> bool:
+        return self.future is not None and self.future.done()
+
+    def found(self) -> frozenset[bytes]:
+        assert self.future is not None
+        if self._released:
+            return frozenset()
+        try:
+            return self.future.result()
+        except Exception:  # noqa: BLE001 - an unreadable tier: the turn recomputes
+            logger.exception("disk tier: a read failed; its chunks are recomputed")
+            return frozenset()
+
+    def release(self) -> None:
+        if self._released or self.future is None:
+            return
+        found = self.found()
+        self._released = True
+        self.cache.unstage(found)
+
+
+def _pieces(buffer: torch.Tensor) -> list[memoryview]:
+    return [memoryview(row.numpy().data) for row in buffer]

@@ -1,0 +1,181 @@
+"""The disk tier in serving, with the real SmolLM2 on the CPU (fp32), real files and LMDB in
+`tmp_path`: tiny GPU and CPU tiers push chunks down to disk, and a turn's greedy tokens are the
+same whether its history comes from the GPU, the CPU tier, the disk or recomputation; after a
+clean stop a restarted engine reads the history back from disk; a corrupted chunk is recomputed;
+a full disk budget keeps serving."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from pensieve.actors.scheduler.engine import Engine
+from pensieve.actors.scheduler.request import Request, TokenSources
+from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
+from pensieve.actors.wire.step import SamplingParams
+from pensieve.models.loader import LoadedModel, load_model
+from pensieve.ops.factory import EngineOptions, assemble
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 32
+# 8 GPU blocks and 2 CPU slots: each long prompt evicts what is idle down the tiers
+TINY = dict(gpu_cache_tokens=8 * BLOCK, cpu_cache_tokens=2 * BLOCK, admission_reserve=0.0)
+ROOMY = dict(gpu_cache_tokens=64 * BLOCK, cpu_cache_tokens=64 * BLOCK)
+FAST_DISK = 1e6  # GB/s: every chunk on disk is read back rather than recomputed
+OPENINGS = {
+    "a": "Tell me about the harbour of Lyon and its old bridges over the river. " * 7,
+    "b": "Describe a morning at a bakery in a small town by the sea, step by step. " * 7,
+    "c": "Write about two cats on a boat and the storm they sail through at night. " * 7,
+}
+NEXT = {"a": "And the museums?", "b": "What do they bake at noon?", "c": "How does it end?"}
+# a new conversation that opens as "a" did: its prefix found by content (on disk when a's is)
+LATE = ("d", OPENINGS["a"] + "Answer briefly.")
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedModel:
+    return load_model("smollm2", "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def chat(smollm2: LoadedModel) -> ChatTokenizer:
+    return ChatTokenizer(smollm2.tokenizer, smollm2.config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def roomy(smollm2, chat) -> Run:
+    """The conversations on tiers that hold them all: every history from the GPU."""
+    return conversations(engine(smollm2, chat, ROOMY))
+
+
+@dataclass
+class Run:
+    engine: Engine
+    chat: ChatTokenizer
+    logs: dict[str, list[int]] = field(default_factory=dict)
+    turns: list[Request] = field(default_factory=list)
+
+    def turn(self, conv_id: str, text: str) -> Request:
+        prompt = self.logs.get(conv_id, []) + self.chat.encode(text)
+        sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+        request = self.engine.add_request(conv_id, prompt, sampling)
+        while self.engine.has_work():
+            self.engine.step()
+            self.engine.kv.check_invariants()
+        assert request.finish_reason is not None and request.error is None
+        self.logs[conv_id] = request.all_ids
+        self.turns.append(request)
+        return request
+
+    def outputs(self) -> list[list[int]]:
+        return [r.output_ids for r in self.turns]
+
+    def sources(self) -> TokenSources:
+        return sum((r.sources for r in self.turns), TokenSources())
+
+
+def engine(smollm2, chat, tiers: dict, disk: Path | None = None, gb: float = 0.1) -> Run:
+    options = EngineOptions(
+        model="smollm2",
+        max_batch_tokens=512,
+        disk_cache_dir=None if disk is None else str(disk),
+        disk_cache_gb=None if disk is None else gb,
+        disk_read_gbps=FAST_DISK,
+        **tiers,
+    )
+    return Run(assemble(options, smollm2, chat).engine, chat)
+
+
+def conversations(run: Run) -> Run:
+    """Three conversations of two turns each, interleaved, and a fourth that opens as the first
+    did: with tiny tiers each one's history is pushed off the GPU and the CPU tier by the
+    others' before its second turn."""
+    for conv_id, text in OPENINGS.items():
+        run.turn(conv_id, text)
+    run.turn(*LATE)
+    for conv_id, text in NEXT.items():
+        run.turn(conv_id, text)
+    return run
+
+
+def test_greedy_tokens_are_the_same_from_gpu_cpu_disk_and_recomputation(
+    smollm2, chat, roomy, tmp_path
+) -> None:
+    recomputed = conversations(engine(smollm2, chat, TINY))
+    on_disk = conversations(engine(smollm2, chat, TINY, tmp_path))
+    assert on_disk.outputs() == roomy.outputs() == recomputed.outputs()
+    assert roomy.sources().gpu > 0 and roomy.sources().recomputed == 0
+    assert recomputed.sources().recomputed >= 4 * BLOCK and recomputed.sources().disk == 0
+    # the second turns' histories came back from disk, in place of most of the recomputing
+    disk = on_disk.sources()
+    assert disk.disk >= 4 * BLOCK, disk
+    assert disk.recomputed < recomputed.sources().recomputed
+    stats = on_disk.engine.stats()["tokens"]["prompt_sources"]
+    assert stats["disk"] == disk.disk
+    on_disk.engine.disk.close()
+
+
+def first_turns(smollm2, chat, tiers: dict, disk: Path) -> Run:
+    """Each conversation's first turn, then a clean stop: the tiers written back, the tier
+    closed."""
+    run = engine(smollm2, chat, tiers, disk)
+    for conv_id, text in OPENINGS.items():
+        run.turn(conv_id, text)
+    assert run.engine.write_back() > 0
+    run.engine.disk.close()
+    return run
+
+
+def restarted(smollm2, chat, before: Run, disk: Path) -> Run:
+    """A fresh engine on the same directory, knowing the conversations from their token logs
+    only (as after a restart), running the fourth conversation and each one's second turn."""
+    run = engine(smollm2, chat, ROOMY, disk)
+    for conv_id, log in before.logs.items():
+        run.engine.restore(conv_id, log)
+        run.logs[conv_id] = log
+    run.turn(*LATE)
+    for conv_id, text in NEXT.items():
+        run.turn(conv_id, text)
+    run.engine.disk.close()
+    return run
+
+
+def test_a_restarted_engine_reads_the_history_from_disk(smollm2, chat, roomy, tmp_path) -> None:
+    reference = roomy.outputs()
+    before = first_turns(smollm2, chat, ROOMY, tmp_path)  # every chunk on the GPU at the stop
+    after = restarted(smollm2, chat, before, tmp_path)
+    assert before.outputs() + after.outputs() == reference
+    history = sum(len(log) - 1 for log in before.logs.values())
+    assert after.sources().disk >= history // BLOCK * BLOCK - 3 * BLOCK, after.sources()
+    late = after.turns[0].sources
+    assert late.disk >= 3 * BLOCK and late.new < BLOCK, late  # all of a's full chunks, by key
+
+
+def test_a_corrupted_chunk_on_disk_is_recomputed(smollm2, chat, roomy, tmp_path) -> None:
+    reference = roomy.outputs()
+    before = first_turns(smollm2, chat, ROOMY, tmp_path)
+    slots = tmp_path / "rank0" / "slots.bin"
+    data = bytearray(slots.read_bytes())
+    for offset in range(1000, len(data), 4096):  # a flipped byte in every page of every slot
+        data[offset] ^= 0xFF
+    slots.write_bytes(bytes(data))
+    after = restarted(smollm2, chat, before, tmp_path)
+    assert before.outputs() + after.outputs() == reference
+    assert after.sources().disk == 0
+    assert after.sources().recomputed >= 4 * BLOCK
+
+
+def test_a_full_disk_budget_keeps_serving_with_the_same_tokens(
+    smollm2, chat, roomy, tmp_path
+) -> None:
+    chunk = 30 * 2 * BLOCK * 3 * 64 * 4  # SmolLM2 in fp32: 30 layers of K and V, 3 heads of 64
+    small = conversations(engine(smollm2, chat, TINY, tmp_path, gb=3.5 * chunk / (1 << 30)))
+    assert small.outputs() == roomy.outputs()
+    tier = small.engine.disk.tier
+    assert tier.num_slots == 3 and tier.num_chunks <= 3
+    assert small.engine.disk.num_written > tier.num_slots  # older chunks made room for newer
+    small.engine.disk.close()
