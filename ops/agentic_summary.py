@@ -18,7 +18,7 @@ from typing import Any
 from pensieve.ops.load_report import Report, Request, serving_metrics
 
 REPORT = Report()  # `vllm bench serve`'s defaults
-SOURCES = ("gpu", "cpu", "recomputed")  # with the new tokens, a turn's prompt
+SOURCES = ("gpu", "cpu", "disk", "recomputed")  # with the new tokens, a turn's prompt
 CACHED = (*SOURCES, "shared")  # shared: of gpu and cpu, found in another conversation's chunks
 
 

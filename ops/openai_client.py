@@ -137,7 +137,7 @@ class OpenAIChatClient:
         sources = details.get("sources")
         if sources is None:  # another server: its cached tokens, as if from the GPU
             sources = {"gpu": details.get("cached_tokens") or 0}
-        cached = {k: sources.get(k, 0) for k in ("gpu", "cpu", "recomputed", "shared")}
+        cached = {k: sources.get(k, 0) for k in ("gpu", "cpu", "disk", "recomputed", "shared")}
         yield {
             "conversation_id": conversation,
             "usage": {

@@ -77,7 +77,8 @@ def test_every_option_explains_itself_and_shows_its_default() -> None:
                 str,
             )
             if action.option_strings and shown:
-                (entry,) = [e for e in entries if e.startswith("  " + action.option_strings[0])]
+                name = "  " + action.option_strings[0]  # then its metavar or a comma
+                (entry,) = [e for e in entries if re.match(re.escape(name) + "[ ,\n]", e)]
                 assert f"(default: {action.default})" in " ".join(entry.split()), entry
         groups = {group.title for group in sub._action_groups}
         assert {"model", "cache", "scheduler"} <= groups

@@ -373,8 +373,8 @@ def test_admission_recomputes_the_ranges_the_planner_gave(
     admitted: dict[str, Acquired] = {}  # conversation -> its turn's admission
     acquire = kv.acquire
 
-    def spy(conv: ConversationKV, num_positions: int, now: float) -> Acquired:
-        admitted[conv.conv_id] = acquire(conv, num_positions, now)
+    def spy(conv: ConversationKV, num_positions: int, now: float, *more: Any) -> Acquired:
+        admitted[conv.conv_id] = acquire(conv, num_positions, now, *more)
         return admitted[conv.conv_id]
 
     monkeypatch.setattr(kv, "acquire", spy)
