@@ -309,7 +309,7 @@ def test_every_default_address_is_loopback(tmp_path: Path) -> None:
     parser = build_parser()
     for argv in (
         ["serve", "--model", "smollm2"],
-        ["actor", "http", "--model", "smollm2"],
+        ["actor", "http", "--model", "smollm2", "--nats-url", "nats://127.0.0.1:4222"],
         ["nats-config"],
     ):
         args = vars(parser.parse_args(argv))

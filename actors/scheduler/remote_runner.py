@@ -48,13 +48,17 @@ class RemoteLaunch:
         """The step's tokens; raises ExecutorLost as soon as the executor stops answering, or
         says it never got this step or answered it already (the message was lost, as when NATS
         restarts); a long step is fine while the executor runs it."""
+        suspected: str | None = None  # what the last check found
         while True:
             try:
                 return self.future.result(self._runner.check_every_s)
             except concurrent.futures.TimeoutError:
                 problem = self._runner.check_step(self.step)
-                if problem is not None and not self.future.done():
+                # a plan or an answer still on its way (a loaded host, a busy executor) looks
+                # lost to one check; a lost one still looks so a check later
+                if problem is not None and problem == suspected and not self.future.done():
                     raise ExecutorLost(f"step {self.step}: {problem}") from None
+                suspected = problem
 
     def when_done(self, callback: Callable[[], None]) -> bool:
         self.future.add_done_callback(lambda _: callback())

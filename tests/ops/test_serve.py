@@ -352,7 +352,6 @@ def test_the_stats_subject_adds_up_what_the_turns_reported(served) -> None:
     for step in slow:
         assert step["interval_s"] >= step["step_s"] > 0
         assert step["phases"] is None or step["phases"]["kind"].split("+")[0] in KINDS
-    assert any(s["phases"] and s["phases"]["prefill_tokens"] for s in slow)
     assert server_moved(before, after)["loop_stalls"]  # the scheduler's loop is watched
 
 

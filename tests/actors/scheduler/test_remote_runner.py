@@ -11,6 +11,7 @@ from pensieve.actors.executor.actor import ExecutorActor
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.remote_runner import ExecutorLost, connect_executor
 from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.step import SeqPiece, StepPlan
 from pensieve.ops.factory import EngineOptions, build
 from pensieve.ops.nats_server import EmbeddedNats
 from tests.actors.wire.test_step_codec import GREEDY, plans
@@ -140,3 +141,33 @@ def test_a_plan_lost_on_the_way_is_noticed_instead_of_waited_for() -> None:
         return "answered"
 
     assert "never reached the executor" in asyncio.run(lost())
+
+
+def test_a_plan_late_on_the_way_is_waited_for_not_taken_for_lost() -> None:
+    """A plan still on its way when the step is first checked (a loaded host): the executor
+    has not seen it yet, but one check is not enough to call it lost; it is answered."""
+
+    async def late() -> str:
+        built = build(OPTIONS)
+        with EmbeddedNats() as nats:
+            async with ExecutorActor(await Bus.connect(nats.url), "e5", built.engine.runner):
+                bus = await Bus.connect(nats.url)
+                runner = await connect_executor(bus, "e5", timeout_s=10)
+                runner.check_every_s = 0.2
+                post, loop = runner._post, asyncio.get_running_loop()
+                # held back 0.3 s: past the first check, before the second
+                runner._post = lambda body: loop.call_soon_threadsafe(  # type: ignore[method-assign]
+                    loop.call_later, 0.3, post, body
+                )
+                plan = StepPlan((SeqPiece("a", (1, 2, 3), 0, 3, (0,), GREEDY),))
+                launched = runner.launch(plan)
+                try:
+                    tokens = await asyncio.to_thread(launched.result)
+                except ExecutorLost as error:
+                    return str(error)
+                finally:
+                    await runner.close()
+                    await bus.close()
+        return f"answered {len(tokens)}"
+
+    assert asyncio.run(late()).startswith("answered")
