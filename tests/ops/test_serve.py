@@ -346,13 +346,16 @@ def test_the_stats_subject_adds_up_what_the_turns_reported(served) -> None:
     assert 0 <= gpu["free"] + gpu["reclaimable"] <= gpu["total"]
     assert 0 <= cpu["free"] <= cpu["total"]
     # the load's slowest step intervals, with where their time went
+    # (each window keeps its longest: a window's earlier ones may crowd out the load's)
+    logged = after["slow_steps"]
+    assert logged["slowest"] and logged["loop_stalls"]  # the steps and the loop are watched
     slow = server_moved(before, after)["slow_steps"]
-    assert slow and all(s["at_s"] > before["slow_steps"]["now_s"] for s in slow)
-    assert [s["interval_s"] for s in slow] == sorted((s["interval_s"] for s in slow), reverse=True)
-    for step in slow:
+    assert all(s["at_s"] > before["slow_steps"]["now_s"] for s in slow)
+    intervals = [s["interval_s"] for s in logged["slowest"]]
+    assert intervals == sorted(intervals, reverse=True)
+    for step in logged["slowest"]:
         assert step["interval_s"] >= step["step_s"] > 0
         assert step["phases"] is None or step["phases"]["kind"].split("+")[0] in KINDS
-    assert server_moved(before, after)["loop_stalls"]  # the scheduler's loop is watched
 
 
 def test_a_stats_request_that_is_not_an_object_is_refused(server) -> None:
