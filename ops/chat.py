@@ -80,6 +80,8 @@ class ChatSession:
         self.conversation_id: str | None = None
         self.chat: list[dict[str, str]] = []  # over HTTP: the chat so far, resent every turn
         self.replying: asyncio.Task[None] | None = None  # the turn streaming in
+        self.stopped = False  # Ctrl-C stopped the turn streaming in; its end is awaited
+        self._cancelling: asyncio.Future[None] | None = None  # the cancel asked of the server
 
     async def run(self, read: Reader) -> None:
         self.say(HELP)
@@ -104,6 +106,7 @@ class ChatSession:
     async def reply_to(self, message: str) -> None:
         """One turn, stopped by `interrupt` (Ctrl-C): the turn is cancelled on the server, and
         the conversation goes on with what it kept."""
+        self.stopped = False
         self.replying = asyncio.ensure_future(self.turn(message))
         try:
             await self.replying
@@ -118,10 +121,16 @@ class ChatSession:
             self.replying = None
 
     def interrupt(self) -> bool:
-        """Ctrl-C: stop the reply streaming in (False: none is)."""
+        """Ctrl-C: stop the reply streaming in (False: none is). Over NATS the server is asked
+        to cancel the turn, and the stream is read to its final message, which comes once the
+        stopped turn is committed, so the next message never finds it in progress."""
         if self.replying is None or self.replying.done():
             return False
-        self.replying.cancel()
+        if self.bus is None or self.conversation_id is None or self.stopped:
+            self.replying.cancel()  # over HTTP, or before the id: closing the stream ends it
+        else:
+            self.stopped = True
+            self._cancelling = asyncio.ensure_future(self.cancel_on_server())
         return True
 
     async def cancel_on_server(self) -> None:
@@ -158,10 +167,14 @@ class ChatSession:
                 if "delta" in reply:
                     self.conversation_id = reply.get("conversation_id") or self.conversation_id
                     text.append(reply["delta"])
-                    self.out.write(reply["delta"])
-                    self.out.flush()
+                    if not self.stopped:
+                        self.out.write(reply["delta"])
+                        self.out.flush()
                     continue
                 self.conversation_id = reply.get("conversation_id") or self.conversation_id
+                if self.stopped:  # the stopped turn is committed: the session goes on
+                    self.say("\n[stopped]")
+                    return
                 if self.bus is None:
                     self.chat = [
                         *body["messages"],
