@@ -100,7 +100,7 @@ def invalid(message: str, param: str | None = None) -> OpenAIError:
 def from_api_error(error: ApiError) -> OpenAIError:
     status, kind = _ERRORS[error.code]
     code = "context_length_exceeded" if error.code == "too_long" else error.code
-    return OpenAIError(status, error.message, kind, code)
+    return OpenAIError(status, error.message, kind, code, error.param)
 
 
 def from_reply_error(body: dict[str, Any]) -> OpenAIError:
@@ -109,7 +109,10 @@ def from_reply_error(body: dict[str, Any]) -> OpenAIError:
     code = error.get("code")
     if code not in _ERRORS:
         return OpenAIError(500, str(error.get("message", body)), "server_error", "internal")
-    return from_api_error(ApiError(code, str(error.get("message", ""))))
+    param = error.get("param")
+    return from_api_error(
+        ApiError(code, str(error.get("message", "")), param if isinstance(param, str) else None)
+    )
 
 
 def unauthorized(message: str) -> OpenAIError:
