@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from pensieve.actors.ingress.openai_api import OpenAIError
+from pensieve.actors.ingress.openai_errors import OpenAIError
 from pensieve.actors.ingress.responses import ResponseRef, message_item, output_text
 
 

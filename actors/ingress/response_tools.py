@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pensieve.actors.ingress.openai_api import invalid
+from pensieve.actors.ingress.openai_errors import invalid
 
 Message = dict[str, Any]
 _CHOICES = ("auto", "none", "required")

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pensieve.actors.ingress import response_tools
-from pensieve.actors.ingress.openai_api import ROLES, OpenAIError, checked_body, flag, invalid
+from pensieve.actors.ingress.openai_api import ROLES, checked_body, flag
+from pensieve.actors.ingress.openai_errors import OpenAIError, invalid
 from pensieve.actors.wire.schemas import MAX_TOKENS_LIMIT
 
 Message = dict[str, Any]

@@ -148,7 +148,7 @@ def test_a_responses_text_format_is_enforced_and_kept(api) -> None:
     jsonschema.validate(json.loads(answer.output_text), schema)
     stored = api.responses.retrieve(answer.id)
     assert stored.text is not None and stored.text.format is not None
-    assert stored.text.format.model_dump(exclude_none=True) == fmt
+    assert stored.text.format.model_dump(exclude_none=True, by_alias=True) == fmt
 
 
 def test_an_invalid_schema_is_refused_naming_the_field(api) -> None:
