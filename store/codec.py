@@ -77,10 +77,20 @@ def _little_endian(tokens: array[int]) -> array[int]:
     return tokens
 
 
+# a turn record's fields left out when they hold this (their default)
+_UNUSED_TURN_FIELDS: dict[str, Any] = {
+    "history": None,
+    "response_format": None,
+    "tools": (),
+    "tool_choice": "none",
+}
+
+
 def encode_turn(record: TurnRecord) -> bytes:
     fields = dataclasses.asdict(record)
-    if record.history is None:  # the common case, written as before the field existed
-        del fields["history"]
+    for name, unused in _UNUSED_TURN_FIELDS.items():
+        if fields[name] == unused:  # the common case, written as before the field existed
+            del fields[name]
     return orjson.dumps(fields)
 
 

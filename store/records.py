@@ -72,9 +72,14 @@ class TurnRecord:
     # {"id", "type", "function": {"name", "arguments"}}); () when none
     tool_results: tuple[dict[str, Any], ...] = ()
     tool_calls: tuple[dict[str, Any], ...] = ()
+    # what the turn asked of its reply's shape, as its request gave it: the response format
+    # (None: free text), the tools shown to the model and the tool choice
+    response_format: dict[str, Any] | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str | dict[str, Any] = "none"
 
     def __post_init__(self) -> None:
-        for name in ("tool_results", "tool_calls"):  # as JSON reads them back: lists
+        for name in ("tool_results", "tool_calls", "tools"):  # as JSON reads them back: lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if not isinstance(self.output_token_ids, tuple):
             raise TypeError("output_token_ids must be a tuple of ints")

@@ -6,7 +6,9 @@ the engine plans and launches step N+1 before it has read step N's tokens, so on
 can read the token step N sampled for a request before step N+1 samples the next. It reads it
 after step N+1's forward is issued, so advancing the matchers and computing the masks run on
 the host while the device runs the forward; the sampler then waits only for the masks' copy up.
-Rows of unconstrained requests are never touched.
+Both are batched over the step's constrained rows on llguidance's own threads (`LLExecutor`):
+the matchers take their tokens together, then the masks are filled together. Rows of
+unconstrained requests are never touched.
 
 A matcher is forgotten when a step leaves its request out, as the step channel forgets what it
 caches of a request. The scheduler sends such a request's output so far with its next sampling
@@ -98,8 +100,7 @@ class GrammarMasks:
         words = (tokenizer.vocab_size + 31) // 32
         bitmask = torch.zeros((len(rows), words), dtype=torch.int32, pin_memory=_pinned())
         live: list[tuple[Any, int]] = []
-        for k, row in enumerate(rows):
-            state = self._catch_up(sampling[row])
+        for k, state in enumerate(self._catch_up([sampling[row] for row in rows])):
             if state.matcher.is_stopped() or state.matcher.is_error():
                 # its turn is over (this token is discarded), or the grammar failed: only an
                 # end-of-sequence token ends it
@@ -120,18 +121,33 @@ class GrammarMasks:
             if state is not None:
                 state.unread.append((launched, row))
 
-    def _catch_up(self, piece: SeqPiece) -> _Constrained:
-        """The request's matcher, having taken every output token before this sample."""
-        state = self._states.get(piece.request_id)
-        if state is not None:
-            while state.unread and state.consumed < piece.sample_index:
+    def _catch_up(self, pieces: Sequence[SeqPiece]) -> list[_Constrained]:
+        """The requests' matchers, each having taken every output token before its sample:
+        the matchers behind take their next token together, on llguidance's threads, until
+        none is behind (one round, unless a step was read late)."""
+        states = [self._states.get(piece.request_id) for piece in pieces]
+        while True:
+            behind = [
+                (piece, state)
+                for piece, state in zip(pieces, states, strict=True)
+                if state is not None and state.unread and state.consumed < piece.sample_index
+            ]
+            if not behind:
+                break
+            taken = []
+            for _, state in behind:
                 launched, row = state.unread.pop(0)
-                if not state.matcher.consume_token(launched.host_tokens()[row]):
-                    logger.warning("%s: %s", piece.request_id, state.matcher.get_error())
+                taken.append((state.matcher, launched.host_tokens()[row]))
                 state.consumed += 1
-        if state is None or state.consumed != piece.sample_index:
-            state = self._start(piece)
-        return state
+            for (piece, state), ok in zip(
+                behind, self._executor.consume_token_par(taken), strict=True
+            ):
+                if not ok:
+                    logger.warning("%s: %s", piece.request_id, state.matcher.get_error())
+        return [
+            self._start(piece) if state is None or state.consumed != piece.sample_index else state
+            for piece, state in zip(pieces, states, strict=True)
+        ]
 
     def _start(self, piece: SeqPiece) -> _Constrained:
         """A fresh matcher for the request, having taken its output so far."""

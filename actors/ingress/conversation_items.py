@@ -2,10 +2,11 @@
 
 A conversation over HTTP is a conversation of the NATS API (`pensieve.v1.conversations.*`),
 under its own id. Its items are its chat as the next turn continues it: the messages it was
-made with, each turn's input and reply; an item's id is its place in that chat
-(`msg_<index>`), so a turn that edits the chat (a response whose `instructions` change the
-system message) renumbers the items after the edit. Lists page as OpenAI's do: `limit`
-(1 to 100, default 20), `after` an item id, `order` `asc` or `desc` (default).
+made with, each turn's input and reply; an item's id is its place in that chat (`msg_<index>`;
+a tool's result `fco_<index>`, an assistant's calls `fc_<index>_<k>`), so a turn that edits the
+chat (a response whose `instructions` change the system message) renumbers the items after the
+edit. Lists page as OpenAI's do: `limit` (1 to 100, default 20), `after` an item id, `order`
+`asc` or `desc` (default).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from pensieve.actors.ingress.openai_api import invalid
 
-Message = dict[str, str]
+Message = dict[str, Any]
 MAX_LIMIT = 100
 
 
@@ -26,19 +27,38 @@ def deleted(conv_id: str) -> dict[str, Any]:
     return {"id": conv_id, "object": "conversation.deleted", "deleted": True}
 
 
-def item(index: int, message: Message) -> dict[str, Any]:
-    """A message of the chat as a conversation item."""
+def _items(index: int, message: Message) -> list[dict[str, Any]]:
+    """A message of the chat as conversation items: a tool's result as a
+    `function_call_output`; an assistant's as its text (if it has some, or no calls), then
+    its calls as `function_call`s."""
+    if message["role"] == "tool":
+        output = {"type": "function_call_output", "id": f"fco_{index}", "status": "completed"}
+        return [{**output, "call_id": message["tool_call_id"], "output": message["content"]}]
+    calls = [
+        {
+            "type": "function_call",
+            "id": f"fc_{index}_{k}",
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"],
+            "status": "completed",
+        }
+        for k, call in enumerate(message.get("tool_calls") or ())
+    ]
+    if calls and not message["content"]:
+        return calls
     kind = "output_text" if message["role"] == "assistant" else "input_text"
     part: dict[str, Any] = {"type": kind, "text": message["content"]}
     if kind == "output_text":
         part["annotations"] = []
-    return {
+    text = {
         "type": "message",
         "id": f"msg_{index}",
         "status": "completed",
         "role": message["role"],
         "content": [part],
     }
+    return [text, *calls]
 
 
 def page(chat: list[Message], query: dict[str, str]) -> dict[str, Any]:
@@ -47,7 +67,7 @@ def page(chat: list[Message], query: dict[str, str]) -> dict[str, Any]:
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid("'order' must be 'asc' or 'desc'", "order")
-    items = [item(i, message) for i, message in enumerate(chat)]
+    items = [shown for i, message in enumerate(chat) for shown in _items(i, message)]
     if order == "desc":
         items.reverse()
     after = query.get("after")

@@ -27,15 +27,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pensieve.actors.ingress.openai_api import ROLES, OpenAIError, checked_body, flag, invalid
+from pensieve.actors.ingress import response_tools
+from pensieve.actors.ingress.openai_api import ROLES, checked_body, flag
+from pensieve.actors.ingress.openai_errors import OpenAIError, invalid
 from pensieve.actors.wire.schemas import MAX_TOKENS_LIMIT
 
-Message = dict[str, str]
+Message = dict[str, Any]
 _RESPONSE_ID = re.compile(r"resp_(\d{1,10})_(.+)", re.DOTALL)
 # options of the Responses API the engine cannot honour, and the values that ask for nothing
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "reasoning": (None, {}),
     "include": (None, []),
     "background": (None, False),
@@ -84,7 +84,9 @@ class ResponsesRequest:
     conversation: str | None
     store: bool
     stream: bool
-    sampling: dict[str, Any]  # of the `pensieve.v1.chat` request: max_tokens, temperature, top_p
+    # of the `pensieve.v1.chat` request: max_tokens, temperature, top_p, response_format,
+    # tools, tool_choice
+    sampling: dict[str, Any]
     model: str
     created_at: int
 
@@ -117,6 +119,7 @@ def to_request(data: bytes, model: str) -> ResponsesRequest:
         sampling["top_p"] = body["top_p"]
     if response_format is not None:
         sampling["response_format"] = response_format
+    sampling.update(response_tools.chat_tools(body))
     return ResponsesRequest(
         items=input_items(body.get("input"), "input"),
         instructions=instructions,
@@ -157,18 +160,22 @@ def _conversation(value: object) -> str | None:
 
 
 def input_items(value: object, param: str) -> list[Message]:
-    """Input items (a string: one user message) as chat messages; only messages of text."""
+    """Input items (a string: one user message) as chat messages: messages of text, function
+    calls and their outputs (`response_tools.input_item`)."""
     if value is None and param == "items":
         return []
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or (param == "input" and not value):
         raise invalid(f"'{param}' must be a string or an array of message items", param)
-    messages = []
+    messages: list[Message] = []
     for i, item in enumerate(value):
+        if isinstance(item, dict) and response_tools.input_item(item, f"{param}[{i}]", messages):
+            continue
         if not isinstance(item, dict) or item.get("type", "message") != "message":
             raise invalid(
-                f"{param}[{i}] must be a message item (no other type is supported)", param
+                f"{param}[{i}] must be a message, function_call or function_call_output item",
+                param,
             )
         role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
         if role is None:
@@ -195,32 +202,66 @@ def _content(content: object, where: str) -> str:
 def chat_until(opening: list[Message], turns: list[dict[str, Any]], upto: int) -> list[Message]:
     """A conversation's chat after turn `upto` (-1: before its first), from what
     `conversations.get` answers: the messages it was made with, and its turns in order."""
-    chat = [dict(m) for m in opening]
+    chat = [_message(m) for m in opening]
     for turn in turns[: upto + 1]:
         if turn.get("history") is not None:
-            chat = [{"role": m["role"], "content": m.get("content")} for m in turn["history"]]
-        chat.append({"role": "user", "content": turn["message"]})
-        chat.append({"role": "assistant", "content": turn["text"]})
+            chat = [_message(m) for m in turn["history"]]
+        results = turn.get("tool_results", [])
+        chat += [{"role": "tool", **result} for result in results]
+        if turn["message"] or not results:
+            chat.append({"role": "user", "content": turn["message"]})
+        reply: Message = {"role": "assistant", "content": turn["text"]}
+        if turn.get("tool_calls"):
+            reply["tool_calls"] = turn["tool_calls"]
+        chat.append(reply)
     return chat
+
+
+def _message(message: dict[str, Any]) -> Message:
+    """A chat message as `conversations.get` answers it (an assistant's that only calls
+    tools has no content), as the turns' messages are written here."""
+    return {**message, "content": message.get("content") or ""}
 
 
 def with_input(context: list[Message], request: ResponsesRequest) -> list[Message]:
     """The whole chat of the turn: `context`, its head system message `instructions` where
-    given, then the new input, which must end with the user's message."""
+    given, then the new input, which must end with the user's message or a tool's result."""
     chat = list(context)
     if request.instructions is not None:
         system = {"role": "system", "content": request.instructions}
         chat = [system, *chat[1:]] if chat and chat[0]["role"] == "system" else [system, *chat]
     chat += request.items
-    if not chat or chat[-1]["role"] != "user":
-        raise invalid("the input must end with a user message", "input")
+    if not chat or chat[-1]["role"] not in ("user", "tool"):
+        raise invalid("the input must end with a user message or a function_call_output", "input")
     return chat
+
+
+def last_sent(chat: list[Message]) -> int:
+    """How many of the chat's last messages a turn sends after its conversation's last reply:
+    the user's message, or the tool results that end it, with the tool results before the
+    user's."""
+    num = 1 if chat[-1]["role"] == "user" else 0
+    while num < len(chat) and chat[-1 - num]["role"] == "tool":
+        num += 1
+    return num
+
+
+def in_request_terms(error: OpenAIError) -> OpenAIError:
+    """A chat request's error as the Responses request's: its `response_format` is the
+    request's `text.format`, whose JSON schema's fields are not under `json_schema`."""
+    param = error.param or ""
+    if not param.startswith("response_format"):
+        return error
+    param = param.replace("response_format", "text.format", 1).replace(".json_schema", "", 1)
+    message = error.message.replace(error.param or "", param, 1)
+    return OpenAIError(error.status, message, error.kind, error.code, param)
 
 
 def next_turn(conv_id: str, context: list[Message], chat: list[Message]) -> dict[str, Any]:
     """The chat request for the next turn of `conv_id`, whose chat so far is `context`."""
-    if chat[:-1] == context:
-        return {"conversation_id": conv_id, "message": chat[-1]["content"]}
+    alone = response_tools.sent_alone(chat[len(context) :])
+    if chat[: len(context)] == context and alone is not None:
+        return {"conversation_id": conv_id, **alone}
     return {"conversation_id": conv_id, "messages": chat}
 
 
@@ -250,7 +291,9 @@ def response(
     finished: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """A `response` object; `finished`: the reply (None: in progress), with `text`,
-    `finish_reason` and `usage` (OpenAI's). Its `conversation` names the one that holds it."""
+    `finish_reason`, `usage` (OpenAI's) and any `tool_calls`; `request` None: a stored turn's,
+    whose `finished` also holds what it asked (`sampling`). Its `conversation` names the one
+    that holds it."""
     status, incomplete = "in_progress", None
     output = []
     if finished is not None:
@@ -259,8 +302,9 @@ def response(
         )
         if status == "incomplete":
             incomplete = {"reason": "max_output_tokens"}
-        output = [message_item(ref, finished["text"], "completed")]
-    sampling = request.sampling if request is not None else {}
+        output = output_items(ref, finished["text"], finished.get("tool_calls") or [])
+    sampling = request.sampling if request is not None else (finished or {}).get("sampling", {})
+    tools = sampling.get("tools", [])
     return {
         "id": ref.id,
         "object": "response",
@@ -283,8 +327,8 @@ def response(
         "temperature": sampling.get("temperature"),
         "top_p": sampling.get("top_p", 1.0 if request is not None else None),
         "text": {"format": _format_of(sampling.get("response_format"))},
-        "tool_choice": "none",
-        "tools": [],
+        "tool_choice": response_tools.response_choice(sampling.get("tool_choice"), tools),
+        "tools": response_tools.response_tools(tools),
         "truncation": "disabled",
         "usage": None if finished is None else finished["usage"],
         "metadata": {},
@@ -302,9 +346,12 @@ def _format_of(response_format: dict[str, Any] | None) -> dict[str, Any]:
 
 def stored_response(ref: ResponseRef, turn: dict[str, Any], model: str) -> dict[str, Any]:
     """`GET /v1/responses/{id}`: the response of a stored turn (a `conversations.get` turn)."""
+    asked = {k: turn[k] for k in ("response_format", "tools", "tool_choice") if k in turn}
     finished = {
         "text": turn["text"],
         "finish_reason": turn["finish_reason"],
+        "tool_calls": turn.get("tool_calls"),
+        "sampling": asked,
         "usage": token_usage(
             # a summary leaves out what is at its default (0)
             turn["prompt_tokens"],
@@ -314,6 +361,16 @@ def stored_response(ref: ResponseRef, turn: dict[str, Any], model: str) -> dict[
         "created_at": int(turn.get("started_at", 0)),
     }
     return response(ref, None, model, finished)
+
+
+def output_items(ref: ResponseRef, text: str, calls: list[dict[str, Any]]) -> list[Message]:
+    """A finished reply's output: its message (left out when the reply is calls alone), then
+    its function calls."""
+    message = [message_item(ref, text, "completed")] if text or not calls else []
+    return message + [
+        response_tools.call_item(ref.turn, ref.conv_id, i, call, "completed")
+        for i, call in enumerate(calls)
+    ]
 
 
 def message_item(ref: ResponseRef, text: str, status: str) -> dict[str, Any]:

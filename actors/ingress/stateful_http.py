@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from pensieve.actors.ingress import conversation_items, responses
+from pensieve.actors.ingress import conversation_items, response_tools, responses
 from pensieve.actors.ingress.http_limits import read_body
 from pensieve.actors.ingress.openai_api import OpenAIError, checked_body
 from pensieve.actors.ingress.response_events import ResponseEvents
@@ -34,7 +34,7 @@ from pensieve.actors.wire.schemas import MAX_PAGE
 if TYPE_CHECKING:
     from pensieve.actors.ingress.http_actor import Answer, HttpIngressActor
 
-Message = dict[str, str]
+Message = dict[str, Any]
 Plan = tuple[dict[str, Any], int]  # a chat request, and the number its turn will have
 
 
@@ -62,7 +62,10 @@ class StatefulRoutes:
         chat, turn = await self._plan(asked, tenant)
         if not asked.store:
             chat["final"] = True  # its KV freed at once; the conversation goes after the reply
-        first, answer = await actor.first({**chat, **asked.sampling}, tenant, guess_chat=False)
+        try:
+            first, answer = await actor.first({**chat, **asked.sampling}, tenant, False)
+        except OpenAIError as refused:
+            raise responses.in_request_terms(refused) from None
         ref = ResponseRef(first["conversation_id"], turn)
         try:
             if asked.stream:
@@ -90,10 +93,9 @@ class StatefulRoutes:
         if previous is not None:
             num_turns = (await self._stored_turn(previous, tenant))[1]
             latest = asked.store and previous.turn == num_turns - 1
-            one_message = [item["role"] for item in asked.items] == ["user"]
-            if latest and asked.instructions is None and one_message:  # no need of the chat
-                message = asked.items[0]["content"]
-                return {"conversation_id": previous.conv_id, "message": message}, num_turns
+            alone = response_tools.sent_alone(asked.items)
+            if latest and asked.instructions is None and alone is not None:  # no need of the chat
+                return {"conversation_id": previous.conv_id, **alone}, num_turns
             opening, turns = await self._turns(previous.conv_id, tenant, previous.turn)
             context = responses.chat_until(opening, turns, previous.turn)
             if latest:
@@ -104,9 +106,11 @@ class StatefulRoutes:
             return {"message": chat[0]["content"]}, 0
         if not asked.store:
             return {"messages": chat}, 0
-        opening_body = {"messages": chat[:-1]}
+        sent = responses.last_sent(chat)  # made with the rest, then continued by these
+        opening_body = {"messages": chat[: len(chat) - sent]}
         made = await self.actor.request(subjects.CONVERSATIONS_CREATE, opening_body, tenant)
-        return {"conversation_id": made["conversation_id"], "message": chat[-1]["content"]}, 0
+        alone = response_tools.sent_alone(chat[len(chat) - sent :])
+        return {"conversation_id": made["conversation_id"], **(alone or {})}, 0
 
     async def _stream(
         self,
@@ -128,8 +132,8 @@ class StatefulRoutes:
         message = first
         try:
             while "delta" in message:
-                if message["delta"]:
-                    await stream.write(events.delta(message["delta"]))
+                for event in events.delta(message["delta"]) if message["delta"] else ():
+                    await stream.write(event)
                 message = await self.actor.next_message(answer)
             await self._unless_stored(asked, ref, tenant)
             for event in events.closing(self._finished(asked, ref, message)):

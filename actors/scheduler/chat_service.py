@@ -192,6 +192,7 @@ class ChatService:
             final=request.final,
             cancel_at=None if request.timeout_s is None else time.monotonic() + request.timeout_s,
             tool_parser=None if request.tool_choice == "none" else self.chat.tool_parser,
+            structure=request.structure,
         )
         self.turns[engine_request.request_id] = turn
         if followed:
@@ -442,6 +443,7 @@ class ChatService:
         record = turn_record(
             conv.turns, user, text, request, turn.started_at, history, results, calls
         )
+        record = dataclasses.replace(record, **turn.structure)
         self.tracer.finished(turn, record)
         log = request.all_ids
         stored = self.commits.submit(turn, record, log)
@@ -475,5 +477,5 @@ def _sampling(
         top_p=request.top_p,
         seed=seed,
         ignore_eos=request.ignore_eos,
-        grammar=request.response_format,
+        grammar=request.grammar,
     )

@@ -30,9 +30,12 @@ from pensieve.actors.wire.schemas import (
     ListReply,
     Page,
     ToolCall,
+    ToolChoice,
+    ToolDef,
     ToolResult,
     TurnSummary,
 )
+from pensieve.actors.wire.structured import ResponseFormat
 from pensieve.store import (
     ConversationMeta,
     ConversationStore,
@@ -180,6 +183,7 @@ class Conversations:
                     r.started_at,
                     msgspec.convert(r.tool_results, tuple[ToolResult, ...]),
                     msgspec.convert(r.tool_calls, tuple[ToolCall, ...]),
+                    **_structure(r),
                 )
             )
         following = first + len(turns)
@@ -320,6 +324,15 @@ def reply_message(text: str, tool_calls: Sequence[dict[str, Any]]) -> ChatMessag
     if tool_calls:
         message["tool_calls"] = list(tool_calls)
     return message
+
+
+def _structure(record: TurnRecord) -> dict[str, Any]:
+    """What the turn asked its reply to be, as `TurnSummary` says it."""
+    return {
+        "response_format": msgspec.convert(record.response_format, ResponseFormat | None),
+        "tools": msgspec.convert(record.tools, tuple[ToolDef, ...]),
+        "tool_choice": msgspec.convert(record.tool_choice, ToolChoice),
+    }
 
 
 def not_found(conv_id: str) -> ApiError:

@@ -50,6 +50,8 @@ class Turn:
     # tool calls read from the reply (None: its text is not read for calls)
     tool_parser: ToolParser | None = None
     tool_calls: tuple[ToolCall, ...] = ()  # those found in the reply
+    # what its request asked the reply to be, for its record (`ChatRequest.structure`)
+    structure: dict[str, Any] = field(default_factory=dict)
     holdback: int = field(init=False)
 
     def __post_init__(self) -> None:  # a streamed delta never reveals a stop string's beginning

@@ -50,16 +50,18 @@ _ENCODER = msgspec.json.Encoder()
 
 
 class ApiError(Exception):
-    """A request the service refuses; `code` is one of `ERROR_CODES`."""
+    """A request the service refuses; `code` is one of `ERROR_CODES`, `param` the request's
+    field at fault where one is (a dotted path: `response_format.json_schema.schema`)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
         assert code in ERROR_CODES, code
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
     def body(self) -> bytes:
-        return _ENCODER.encode(ErrorReply(ErrorBody(self.code, self.message)))  # type: ignore[arg-type]
+        return _ENCODER.encode(ErrorReply(ErrorBody(self.code, self.message, self.param)))  # type: ignore[arg-type]
 
 
 # ---- requests --------------------------------------------------------------------------------
@@ -121,6 +123,9 @@ class NamedToolChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     type: Literal["function"]
     function: NamedFunction
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
 
 
 class ToolResult(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -192,8 +197,24 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice = "none"
     # the messages the turn adds after the conversation's last reply, before `message`
     tool_results: tuple[ChatMessage, ...] = ()
-    # the grammar `response_format` asks of the reply (None: free text)
-    response_format: Grammar | None = None
+    # what the reply must match, as the request gave it (its grammar checked)
+    response_format: ResponseFormat | None = None
+
+    @property
+    def structure(self) -> dict[str, Any]:
+        """What the turn record keeps of what the reply was asked to be (`TurnRecord`):
+        `response_format`, `tools` and `tool_choice`, each only where the request gave it."""
+        asked = {"response_format": self.response_format, "tools": self.tools}
+        kept = {name: value for name, value in asked.items() if value}
+        if self.tool_choice != "none":
+            kept["tool_choice"] = self.tool_choice
+        built: dict[str, Any] = msgspec.to_builtins(kept)
+        return built
+
+    @property
+    def grammar(self) -> Grammar | None:
+        """The grammar `response_format` asks of the reply (None: free text)."""
+        return grammar_of(self.response_format, check=False)
 
     @property
     def forces_call(self) -> bool:
@@ -340,9 +361,9 @@ def parse_chat(data: bytes) -> ChatRequest:
         )
     stop = (body.stop,) if isinstance(body.stop, str) else body.stop
     try:
-        grammar = grammar_of(body.response_format)
+        grammar_of(body.response_format)
     except GrammarError as error:
-        raise ApiError("invalid_request", str(error)) from None
+        raise ApiError("invalid_request", str(error), error.field) from None
     return ChatRequest(
         conversation_id=conv_id,
         message=message,
@@ -363,7 +384,7 @@ def parse_chat(data: bytes) -> ChatRequest:
             {"role": "tool", "content": r.content, "tool_call_id": r.tool_call_id}
             for r in results or ()
         ),
-        response_format=grammar,
+        response_format=body.response_format,
     )
 
 
@@ -533,9 +554,10 @@ class ChatDelta(msgspec.Struct, frozen=True):
     completion_tokens: int = 0
 
 
-class ErrorBody(msgspec.Struct, frozen=True):
+class ErrorBody(msgspec.Struct, frozen=True, omit_defaults=True):
     code: ErrorCode
     message: str
+    param: str | None = None  # the request's field at fault, where one is
 
 
 class ErrorReply(msgspec.Struct, frozen=True):
@@ -569,6 +591,10 @@ class TurnSummary(msgspec.Struct, frozen=True, omit_defaults=True):
     started_at: float = 0.0  # unix time
     tool_results: tuple[ToolResult, ...] = ()  # said only when there are some
     tool_calls: tuple[ToolCall, ...] = ()  # the reply's, said only when there are some
+    # what the reply was asked to be, said only where the turn's request gave it
+    response_format: ResponseFormat | None = None
+    tools: tuple[ToolDef, ...] = ()
+    tool_choice: ToolChoice = "none"
 
 
 class ConversationReply(msgspec.Struct, frozen=True):

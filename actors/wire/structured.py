@@ -87,9 +87,12 @@ class GrammarError(ValueError):
         self.field = field
 
 
-def grammar_of(fmt: ResponseFormat | None, field: str = "response_format") -> Grammar | None:
+def grammar_of(
+    fmt: ResponseFormat | None, field: str = "response_format", check: bool = True
+) -> Grammar | None:
     """The grammar `fmt` asks for (None: free text); raises GrammarError naming the field of
-    `fmt` (itself under `field`) at fault."""
+    `fmt` (itself under `field`) at fault. `check` False: `fmt` was checked before, and is not
+    compiled again."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -108,7 +111,7 @@ def grammar_of(fmt: ResponseFormat | None, field: str = "response_format") -> Gr
             raise GrammarError(f"{field}.{key}", f"required (a non-empty string) for type {key!r}")
         grammar = Grammar("regex" if key == "regex" else "lark", source)
         at = f"{field}.{key}"
-    problem = grammar.problem()
+    problem = grammar.problem() if check else None
     if problem is not None:
         raise GrammarError(at, f"not a grammar this server can enforce: {problem}")
     return grammar

@@ -6,15 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import nats
@@ -25,99 +20,20 @@ from openai import OpenAI
 
 from pensieve.actors.ingress.http_actor import MAX_BODY_BYTES
 from pensieve.actors.wire import subjects
-from pensieve.ops.nats_server import free_port
+from tests.ops.http_server import MODEL, Server, client, serving
 from tests.ops.tool_calling import TOOLS
 
 pytestmark = pytest.mark.slow
 
-MODEL = "smollm2"
 CHAT = ["What is the capital of France?", "And of Italy?"]
 GREEDY = {"temperature": 0, "max_tokens": 24}
 TOKEN_IDS = {"return_token_ids": True}
 
 
-class Server:
-    """`pensieve serve --http-port` in a subprocess."""
-
-    def __init__(self, data_dir: Path, *options: str) -> None:
-        """`options`: more of `pensieve serve`'s."""
-        self.data_dir = data_dir
-        self.http_port, self.nats_port = free_port(), free_port()
-        command = [
-            sys.executable,
-            "-m",
-            "pensieve.ops.cli",
-            "serve",
-            "--model",
-            MODEL,
-            "--data-dir",
-            str(data_dir),
-            "--nats-port",
-            str(self.nats_port),
-            "--http-port",
-            str(self.http_port),
-            "--gpu-cache-tokens",
-            "256",
-            "--cpu-cache-tokens",
-            "256",
-            "--admission-reserve",
-            "0",
-            "--log-level",
-            "warning",
-            *options,
-        ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: list[str] = []
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = self.proc.stderr.readline()  # type: ignore[union-attr]
-            if not line:
-                break
-            self.lines.append(line)
-            if "OpenAI-compatible API on" in line:
-                return
-        raise AssertionError(f"the server did not start:\n{''.join(self.lines)}")
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/v1"
-
-    def tenant(self, name: str) -> dict[str, Any]:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pensieve.ops.cli",
-                "tenant",
-                "add",
-                name,
-                "--data-dir",
-                str(self.data_dir),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        return dict(json.loads(done.stdout))
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    running = Server(tmp_path_factory.mktemp("data"))
-    try:
+    with serving(tmp_path_factory.mktemp("data")) as running:
         yield running
-    finally:
-        assert running.stop() == 0
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +44,6 @@ def alice(server) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def bob(server) -> dict[str, Any]:
     return server.tenant("bob")
-
-
-def client(server: Server, tenant: dict[str, Any]) -> OpenAI:
-    """The official client, as a user makes it from the line of `pensieve tenant add`."""
-    return OpenAI(base_url=server.base_url, api_key=tenant["http"]["api_key"], max_retries=0)
 
 
 def ask(api: OpenAI, content: str, conv_id: str | None = None, **extra: Any) -> tuple[Any, str]:

@@ -12,7 +12,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.ops.test_prefix_sharing_http import MODEL, Server
+from tests.ops.http_server import MODEL, Server, serving
 
 pytestmark = pytest.mark.slow
 
@@ -23,11 +23,9 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    running = Server(tmp_path_factory.mktemp("data"))
-    try:
+    data = tmp_path_factory.mktemp("data")
+    with serving(data, "--gpu-cache-tokens", "8192", "--cpu-cache-tokens", "2048") as running:
         yield running
-    finally:
-        assert running.stop() == 0
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 from pensieve.actors.wire import subjects
-from tests.ops.test_http import MODEL, Server, client
+from tests.ops.http_server import MODEL, Server, client, serving
 from tests.ops.tool_calling import QUESTION, TOOLS, write_template
 
 pytestmark = pytest.mark.slow
@@ -96,15 +96,12 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     template = write_template(tmp_path_factory.mktemp("template"))
-    running = Server(
+    with serving(
         tmp_path_factory.mktemp("data"),
         *("--chat-template", str(template)),
         *("--gpu-cache-tokens", "8192", "--cpu-cache-tokens", "0"),
-    )
-    try:
+    ) as running:
         yield running
-    finally:
-        assert running.stop() == 0
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +138,7 @@ def test_a_json_object_reply_parses(api) -> None:
     assert isinstance(json.loads(choice.message.content), dict)
 
 
-def test_a_responses_text_format_is_enforced(api) -> None:
+def test_a_responses_text_format_is_enforced_and_kept(api) -> None:
     schema = SCHEMAS[0]
     fmt = {"type": "json_schema", "name": "weather", "schema": schema, "strict": True}
     answer = api.responses.create(
@@ -149,6 +146,9 @@ def test_a_responses_text_format_is_enforced(api) -> None:
     )
     assert answer.status == "completed"
     jsonschema.validate(json.loads(answer.output_text), schema)
+    stored = api.responses.retrieve(answer.id)
+    assert stored.text is not None and stored.text.format is not None
+    assert stored.text.format.model_dump(exclude_none=True, by_alias=True) == fmt
 
 
 def test_an_invalid_schema_is_refused_naming_the_field(api) -> None:
@@ -157,7 +157,13 @@ def test_an_invalid_schema_is_refused_naming_the_field(api) -> None:
         _ask(api, "Hello", response_format=bad)
     assert refused.value.status_code == 400
     assert "response_format.json_schema.schema" in refused.value.message
+    assert refused.value.param == "response_format.json_schema.schema"
     assert refused.value.body["type"] == "invalid_request_error"  # type: ignore[index]
+    fmt = {"type": "json_schema", "name": "bad", "schema": {"type": "objekt"}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.responses.create(model=MODEL, input="Hello", text={"format": fmt})
+    assert refused.value.param == "text.format.schema"
+    assert refused.value.body["param"] == "text.format.schema"  # type: ignore[index]
     assert _ask(api, "Hello", max_completion_tokens=4).finish_reason == "length"  # still serving
 
 
@@ -187,7 +193,7 @@ def test_tool_choice_required_writes_a_valid_call(api) -> None:
     jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
-def test_a_regular_expression_is_enforced_over_nats(server) -> None:
+def test_a_regular_expression_is_enforced_over_nats_and_kept_in_its_turn(server) -> None:
     pattern = r"(yes|no), because [a-z ]{1,40}\."
     credentials = server.tenant("bob")["nats"]
 
@@ -199,15 +205,26 @@ def test_a_regular_expression_is_enforced_over_nats(server) -> None:
                 "max_tokens": 60,
                 "response_format": {"type": "regex", "regex": pattern},
             }
-            answer = await nc.request(subjects.CHAT, orjson.dumps(body), timeout=120)
+            answer = orjson.loads(
+                (await nc.request(subjects.CHAT, orjson.dumps(body), timeout=120)).data
+            )
+            get = {"conversation_id": answer["conversation_id"]}
+            got = await nc.request(subjects.CONVERSATIONS_GET, orjson.dumps(get), timeout=60)
             bad = {"message": "hi", "response_format": {"type": "regex", "regex": "(a"}}
             refused = await nc.request(subjects.CHAT, orjson.dumps(bad), timeout=120)
-            return {"reply": orjson.loads(answer.data), "refused": orjson.loads(refused.data)}
+            return {
+                "reply": answer,
+                "got": orjson.loads(got.data),
+                "refused": orjson.loads(refused.data),
+            }
         finally:
             await nc.close()
 
     got = asyncio.run(ask())
     reply = got["reply"]
     assert reply["finish_reason"] == "stop" and re.fullmatch(pattern, reply["text"]), reply
+    (turn,) = got["got"]["turns"]  # the turn record keeps what it was asked
+    assert turn["response_format"] == {"type": "regex", "regex": pattern}
+    assert "tools" not in turn and "tool_choice" not in turn
     error = got["refused"]["error"]
-    assert error["code"] == "invalid_request" and "response_format.regex" in error["message"]
+    assert error["code"] == "invalid_request" and error["param"] == "response_format.regex"

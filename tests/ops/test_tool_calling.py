@@ -1,7 +1,8 @@
 """Tool calling end to end, with the official `openai` client and with nats-py, against
 `pensieve serve` running SmolLM2 on the CPU with a chat template that shows tools: a weather
 call asked by name, its result sent back, and the next turn served from the cache; streamed
-tool-call deltas add up to the whole reply."""
+tool-call deltas add up to the whole reply; the same over the Responses API (function_call
+items, function_call_output sent back with previous_response_id, streamed events)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from pensieve.actors.wire import subjects
-from tests.ops.test_http import MODEL, Server, client
+from tests.ops.http_server import MODEL, Server, client, serving
 from tests.ops.tool_calling import QUESTION, RESULT, TOOLS, WEATHER, write_template
 
 pytestmark = pytest.mark.slow
@@ -27,15 +28,12 @@ GREEDY = {"temperature": 0, "max_tokens": 40}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     template = write_template(tmp_path_factory.mktemp("template"))
-    running = Server(
+    with serving(
         tmp_path_factory.mktemp("data"),
         *("--chat-template", str(template)),
         *("--gpu-cache-tokens", "1024", "--cpu-cache-tokens", "1024"),  # room for the tools
-    )
-    try:
+    ) as running:
         yield running
-    finally:
-        assert running.stop() == 0
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +129,96 @@ def test_the_same_round_trip_over_nats(server, alice) -> None:
     assert turns[0]["tool_calls"] == first["tool_calls"] and turns[0]["message"] == QUESTION
     assert turns[1]["tool_results"] == [{"tool_call_id": call["id"], "content": RESULT}]
     assert turns[1]["message"] == "" and turns[1]["text"] == second["text"]
+    # and what each asked: the tools, the named function, then the default choice
+    assert (turns[0]["tools"], turns[0]["tool_choice"]) == (TOOLS, WEATHER)
+    assert (turns[1]["tools"], turns[1]["tool_choice"]) == (TOOLS, "auto")
+
+
+# the same tools as the Responses API writes them: flat, not under "function"
+RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+NAMED = {"type": "function", "name": "get_weather"}
+RESPONSE_GREEDY = {"temperature": 0, "max_output_tokens": 40}
+
+
+def _calls(response: Any) -> list[tuple[str, str, str, str]]:
+    return [
+        (item.type, item.name, item.arguments, item.status)
+        for item in response.output
+        if item.type == "function_call"
+    ]
+
+
+def test_a_named_function_is_called_over_responses_and_its_output_answered_from_the_cache(
+    server, alice
+) -> None:
+    api = client(server, alice)
+    first = api.responses.create(
+        model=MODEL, input=QUESTION, tools=RESPONSE_TOOLS, tool_choice=NAMED, **RESPONSE_GREEDY
+    )
+    assert first.status == "completed"
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id and call.status == "completed"
+    assert isinstance(json.loads(call.arguments).get("city"), str)
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": RESULT}
+    second = api.responses.create(
+        model=MODEL,
+        input=[output],
+        previous_response_id=first.id,
+        tools=RESPONSE_TOOLS,
+        **RESPONSE_GREEDY,
+    )
+    assert second.conversation and first.conversation
+    assert second.conversation.id == first.conversation.id
+    assert first.usage and second.usage
+    assert second.usage.input_tokens > first.usage.input_tokens + len(RESULT) // 8
+    # the first turn's prompt and its call were in the cache
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+    # the stored responses keep the call, the tools and the choice
+    again = api.responses.retrieve(first.id)
+    assert _calls(again) == _calls(first)
+    assert [tool.name for tool in again.tools] == ["get_weather", "get_time"]  # type: ignore[union-attr]
+    assert again.tool_choice.type == "function" and again.tool_choice.name == "get_weather"  # type: ignore[union-attr]
+    (added,) = api.responses.input_items.list(second.id)
+    assert (added.type, added.call_id, added.output) == (
+        "function_call_output",
+        call.call_id,
+        RESULT,
+    )  # type: ignore[union-attr]
+
+
+def test_streamed_response_events_add_up_to_the_whole_call(server, alice) -> None:
+    api = client(server, alice)
+    asked: dict[str, Any] = {
+        "model": MODEL,
+        "input": QUESTION,
+        "tools": RESPONSE_TOOLS,
+        "tool_choice": NAMED,
+        **RESPONSE_GREEDY,
+    }
+    whole = api.responses.create(**asked)
+    events = list(api.responses.create(stream=True, **asked))
+    added, arguments, done = {}, {}, {}
+    for event in events:
+        if event.type == "response.output_item.added":
+            added[event.output_index] = event.item
+            arguments[event.output_index] = ""
+        elif event.type == "response.function_call_arguments.delta":
+            arguments[event.output_index] += event.delta
+        elif event.type == "response.function_call_arguments.done":
+            assert event.arguments == arguments[event.output_index]
+        elif event.type == "response.output_item.done":
+            done[event.output_index] = event.item
+    assert [e.type for e in events[:3]] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+    ]
+    assert events[-1].type == "response.completed"
+    streamed = events[-1].response  # type: ignore[union-attr]
+    assert _calls(streamed) == _calls(whole) and len(_calls(whole)) == 1
+    (index,) = done
+    assert added[index].arguments == "" and added[index].status == "in_progress"  # type: ignore[union-attr]
+    assert arguments[index] == done[index].arguments == _calls(whole)[0][2]  # type: ignore[union-attr]
+    # the client's own stream helper follows the events to the same response
+    with api.responses.stream(**asked) as stream:
+        assert _calls(stream.get_final_response()) == _calls(whole)

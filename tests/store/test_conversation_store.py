@@ -339,3 +339,21 @@ def test_a_created_conversation_keeps_its_opening_until_its_first_turn(tmp_path:
         assert store.turns("c")[0].history == history
         assert store.list_page(None, 9, "alice")[0] == ["c"]
         assert store.delete("c") and store.list_page(None, 9, "alice")[0] == []
+
+
+def test_a_turn_keeps_what_its_reply_was_asked_to_be(tmp_path: Path) -> None:
+    """A turn's response format, tools and tool choice are read back as given; a turn that
+    asked none of them is stored without them."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    asked = {
+        "response_format": {"type": "regex", "regex": "[a-z]+"},
+        "tools": (tool,),
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+    }
+    with ConversationStore(tmp_path / "db") as store:
+        store.commit_turn("c", make_turn(0, **asked), 0, [1, 2])
+        store.commit_turn("c", make_turn(1), 2, [1, 2, 3, 4])
+        first, second = store.turns("c")
+    assert {name: getattr(first, name) for name in asked} == asked
+    assert (second.response_format, second.tools, second.tool_choice) == (None, (), "none")
+    assert b"tool_choice" not in codec.encode_turn(second)

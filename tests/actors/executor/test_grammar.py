@@ -92,3 +92,57 @@ def test_a_sampled_row_under_a_grammar_writes_what_it_allows() -> None:
     assert out[-1] == tokenizer.eos_token_id, tokenizer.decode(out)
     reply = json.loads(tokenizer.decode(out[:-1]))
     assert isinstance(reply["ok"], bool) and reply["n"] in (1, 2) and len(reply) == 2
+
+
+def test_a_batch_of_constrained_rows_gets_the_masks_each_row_gets_alone() -> None:
+    """The matchers of a step's constrained rows take their tokens and fill their masks
+    together (on llguidance's threads): every mask is the one a matcher of that row alone,
+    advanced and filled one call at a time, gives."""
+    import llguidance.hf
+    from llguidance import LLMatcher
+    from llguidance.torch import fill_next_token_bitmask
+
+    tokenizer = smollm2_tokenizer()
+    eos = tokenizer.eos_token_id
+    masks = GrammarMasks.from_hf(tokenizer, {eos}, len(tokenizer))
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "n": {"enum": [1, 2, 3]}},
+        "required": ["city", "n"],
+        "additionalProperties": False,
+    }
+    grammars = [
+        Grammar.json_schema(schema),
+        Grammar("regex", r"(yes|no), [a-z ]{1,12}\."),
+        None,  # a free row between constrained ones
+        Grammar.json_schema({"type": "array", "items": {"type": "integer"}, "maxItems": 3}),
+        Grammar.json_schema(schema),
+        None,
+    ]
+    params = [SamplingParams(grammar=g) for g in grammars]
+    alone_tokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=[eos])
+    alone = {
+        row: LLMatcher(alone_tokenizer, g.compiled(), log_level=0)
+        for row, g in enumerate(grammars)
+        if g is not None
+    }
+    vocab = len(tokenizer)
+    for index in range(30):
+        pieces = [SeqPiece(f"r{r}", (1,), 5, 6, (0,), p, index) for r, p in enumerate(params)]
+        rows, bitmask = masks.masks(pieces)  # type: ignore[misc]
+        assert rows == sorted(alone)
+        for k, row in enumerate(rows):
+            expected = torch.zeros((1, bitmask.shape[1]), dtype=torch.int32)
+            matcher = alone[row]
+            if matcher.is_stopped() or matcher.is_error():
+                expected[0] = _bitmask([[eos]], bitmask.shape[1])[0]
+            else:
+                fill_next_token_bitmask(matcher, expected)
+            assert torch.equal(bitmask[k], expected[0]), (index, row)
+        logits = torch.randn(len(pieces), vocab, generator=torch.Generator().manual_seed(index))
+        apply_token_mask(logits, torch.tensor(rows), bitmask)
+        tokens = sample_async(logits, params, [index] * len(pieces)).tolist()
+        masks.sampled(_Step(tokens), pieces)
+        for row, matcher in alone.items():
+            matcher.consume_token(tokens[row])
+    assert all(m.is_stopped() for m in alone.values())  # each wrote its whole grammar

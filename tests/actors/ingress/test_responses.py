@@ -1,5 +1,6 @@
 """The Responses and Conversations APIs' translation (no I/O): response ids, requests, the chat
-a turn is sent with, item pages and the numbering of streamed events."""
+a turn is sent with, function tools and their calls and results, item pages and the streamed
+events."""
 
 from __future__ import annotations
 
@@ -107,8 +108,8 @@ def test_streamed_events_are_numbered_in_order() -> None:
     reply = {"text": "Hello", "finish_reason": "length", "usage": responses.token_usage(3, 2, 1)}
     sent = [
         *events.opening(),
-        events.delta("Hel"),
-        events.delta("lo"),
+        *events.delta("Hel"),
+        *events.delta("lo"),
         *events.closing(responses.response(ref, asked, "m", reply)),
     ]
     bodies = [orjson.loads(event.split(b"data: ", 1)[1]) for event in sent]
@@ -118,4 +119,134 @@ def test_streamed_events_are_numbered_in_order() -> None:
     assert all(
         e.startswith(b"event: " + b["type"].encode() + b"\n")
         for e, b in zip(sent, bodies, strict=True)
+    )
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    "strict": True,
+}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+
+
+def test_flat_function_tools_and_a_named_choice_ask_the_client_apis_tools() -> None:
+    asked = request(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"})
+    function = {k: v for k, v in WEATHER.items() if k != "type"}
+    assert asked.sampling["tools"] == [{"type": "function", "function": function}]
+    assert asked.sampling["tool_choice"] == {
+        "type": "function",
+        "function": {"name": "get_weather"},
+    }
+    shown = responses.response(ResponseRef("c", 0), asked, "m", None)
+    assert shown["tools"] == [WEATHER]
+    assert shown["tool_choice"] == {"type": "function", "name": "get_weather"}
+    # no tools: a choice that needs none is dropped, as before tools were supported
+    assert "tool_choice" not in request(tool_choice="auto").sampling
+    assert request(tools=[WEATHER]).sampling.get("tool_choice") is None
+    for bad in ({"tool_choice": "sometimes"}, {"tools": [{**WEATHER, "extra": 1}]}):
+        with pytest.raises(OpenAIError) as refused:
+            request(**bad)
+        assert refused.value.param == next(iter(bad))
+
+
+def test_function_call_items_and_their_outputs_are_the_chats_calls_and_results() -> None:
+    call = {"type": "function_call", "call_id": "call_1", **CALL["function"]}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    items = responses.input_items([USER, call, output], "input")
+    result = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    assert items == [USER, {"role": "assistant", "content": "", "tool_calls": [CALL]}, result]
+    # the next turn of the conversation whose reply made the call: the result alone
+    context = items[:2]
+    chat = responses.with_input(context, request(input=[output]))
+    assert chat == items
+    assert responses.next_turn("c", context, chat) == {
+        "conversation_id": "c",
+        "tool_results": [{"tool_call_id": "call_1", "content": "sunny"}],
+    }
+    assert responses.last_sent(chat) == 1 and responses.last_sent([*chat, USER]) == 2
+
+
+def test_a_chat_is_rebuilt_with_its_turns_calls_and_results() -> None:
+    turns = [
+        {"message": "Weather?", "text": "", "tool_calls": [CALL]},
+        {
+            "message": "",
+            "text": "Sunny.",
+            "tool_results": [{"tool_call_id": "call_1", "content": "s"}],
+        },
+    ]
+    assert responses.chat_until([], turns, 1) == [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "s"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    page = conversation_items.page(responses.chat_until([], turns, 1), {"order": "asc"})
+    kinds = [(item["type"], item["id"]) for item in page["data"]]
+    assert kinds == [
+        ("message", "msg_0"),
+        ("function_call", "fc_1_0"),
+        ("function_call_output", "fco_2"),
+        ("message", "msg_3"),
+    ]
+
+
+def test_a_reply_that_calls_a_function_is_a_function_call_item_streamed_as_openai_does() -> None:
+    ref = ResponseRef("c", 2)
+    asked = request(tools=[WEATHER], tool_choice="required")
+    reply = {
+        "text": "",
+        "finish_reason": "tool_calls",
+        "tool_calls": [CALL],
+        "usage": responses.token_usage(3, 2, 1),
+    }
+    finished = responses.response(ref, asked, "m", reply)
+    assert finished["status"] == "completed"
+    assert finished["output"] == [
+        {
+            "type": "function_call",
+            "id": "fc_2_0_c",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+            "status": "completed",
+        }
+    ]
+    events = ResponseEvents(ref, responses.response(ref, asked, "m", None))
+    sent = [*events.opening(), *events.closing(finished)]
+    bodies = [orjson.loads(event.split(b"data: ", 1)[1]) for event in sent]
+    assert [b["type"] for b in bodies] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added, delta, done = bodies[2:5]
+    assert added["item"]["arguments"] == "" and added["item"]["status"] == "in_progress"
+    assert delta["delta"] == done["arguments"] == CALL["function"]["arguments"]
+    assert delta["item_id"] == done["item_id"] == "fc_2_0_c" and done["output_index"] == 0
+
+
+def test_a_text_formats_error_names_the_responses_field() -> None:
+    refused = OpenAIError(
+        400,
+        "response_format.json_schema.schema: not a grammar",
+        "invalid_request_error",
+        "invalid_request",
+        "response_format.json_schema.schema",
+    )
+    shown = responses.in_request_terms(refused)
+    assert (shown.param, shown.message) == (
+        "text.format.schema",
+        "text.format.schema: not a grammar",
     )

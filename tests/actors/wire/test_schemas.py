@@ -157,3 +157,23 @@ def test_pages_and_gets_are_checked_and_read_back() -> None:
     for data in (orjson.dumps({"cursor": "zz"}), orjson.dumps({"limit": 1001})):
         with pytest.raises(ApiError):
             parse_list(data)
+
+
+def test_a_grammar_that_cannot_compile_is_refused_naming_its_field_in_the_error_body() -> None:
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}
+    with pytest.raises(ApiError) as refused:
+        parse_chat(orjson.dumps({"message": "hi", "response_format": bad}))
+    assert refused.value.param == "response_format.json_schema.schema"
+    error = orjson.loads(refused.value.body())["error"]
+    assert error["param"] == "response_format.json_schema.schema"
+    assert "param" not in orjson.loads(ApiError("not_found", "no such").body())["error"]
+
+
+def test_a_turn_keeps_what_its_request_asked_the_reply_to_be() -> None:
+    fmt = {"type": "regex", "regex": "[a-z]+"}
+    asked = parse_chat(orjson.dumps({"message": "hi", "response_format": fmt}))
+    assert asked.structure == {"response_format": fmt}
+    assert asked.grammar is not None and asked.grammar.source == "[a-z]+"
+    called = parse_chat(orjson.dumps({"message": "hi", "tools": TOOLS, "tool_choice": WEATHER}))
+    assert called.structure == {"tools": tuple(TOOLS), "tool_choice": WEATHER}
+    assert parse_chat(orjson.dumps({"message": "hi"})).structure == {}
