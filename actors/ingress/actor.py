@@ -6,7 +6,9 @@ engine on to that engine, and hands the rest, as checked, to its engine's schedu
 (`Bus.hand_off`), which reads it without checking it again: the scheduler acknowledges the
 request at once and answers the client itself, streamed deltas included. So an ingress that
 goes away loses nothing it already handed over, and several ingress replicas (one queue group)
-serve one engine.
+serve one engine. A request that names no conversation and came on a shared subject is placed
+among the engines first (`placement.py`: by load, and a resent history by its cached prefix) and
+forwarded to the chosen one's own subject.
 
 A tenant's requests arrive on `pensieve.tenant.<tenant>.v1.*` (NATS maps them there from the
 tenant's own account; see `subjects.tenant_subject`): the ingress passes the tenant the subject
@@ -135,8 +137,8 @@ class IngressActor(Actor):
 
     def _route(self, subject: str) -> Handler:
         """The handler of `subject`: its body parsed once, here; a request whose conversation
-        lives on another engine goes on to that engine (whose ingress never forwards it
-        again), the others to this engine's scheduler as checked."""
+        lives on another engine, or placed on another engine, goes on to that engine (whose
+        ingress never forwards it again), the others to this engine's scheduler as checked."""
         parse, verb = ROUTES[subject]
 
         async def route(msg: Incoming) -> None:

@@ -256,11 +256,11 @@ def decode_kv_events(data: bytes) -> KvEventBatch:
 
 
 class LoadReport(Message, frozen=True):
-    """On `pensieve.v1.engine.<id>.load`, every `LOAD_REPORT_EVERY_S` while the engine serves:
-    what it has in hand, for the ingress to place new turns by (`actors/ingress/placement.py`).
-    `num_active_tokens`: the context of its running and waiting turns; `num_free_blocks`: GPU
-    blocks free or reclaimable at once, of `num_blocks`. `time`: when its engine thread took
-    these figures, in Unix seconds."""
+    """On `pensieve.v1.engine.<id>.load`, soon after its turns change and every
+    `LOAD_REPORT_EVERY_S` while the engine serves: what it has in hand, for the ingress to
+    place new turns by (`actors/ingress/placement.py`). `num_active_tokens`: the context of its
+    running and waiting turns; `num_free_blocks`: GPU blocks free or reclaimable at once, of
+    `num_blocks`. `time`: when it was sent, in Unix seconds."""
 
     engine_id: str
     time: float
