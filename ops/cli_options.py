@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 from pensieve.actors.config import DEFAULTS, ExpiryConfig, Policy, StepChannel
+from pensieve.actors.ingress.placement import PlacementConfig
+from pensieve.actors.ingress.placement import Policy as PlacementPolicy
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # `pensieve actor NAME`'s names, as ops/deploy.py's ACTORS has them: named here so that the
@@ -163,6 +165,23 @@ def server_args(p: argparse.ArgumentParser, embedded: bool = True) -> None:
         metavar="S",
         help="seconds an engine's lease lives unrenewed: its conversations move this long after "
         "it dies, at most",
+    )
+    engines.add_argument(
+        "--placement",
+        choices=[policy.value for policy in PlacementPolicy],
+        default=PlacementPolicy.PREFIX.value,
+        help="where the ingress sends a turn that names no conversation, among the engines on "
+        "this NATS: 'prefix' the engine holding most of a resent history's prompt, weighed "
+        "against load, and a new conversation the least loaded one; 'load' the least loaded "
+        "one; 'random' any live engine",
+    )
+    engines.add_argument(
+        "--prefix-weight",
+        type=float,
+        default=PlacementConfig.prefix_weight,
+        metavar="W",
+        help="with --placement prefix: an engine costs W x the prompt blocks it would prefill, "
+        "plus the blocks of the turns it has in hand; the cheapest is chosen",
     )
     http = p.add_argument_group("HTTP (OpenAI-compatible API and Prometheus metrics)")
     http.add_argument(
@@ -527,4 +546,5 @@ def serve_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
         turn_log=args.turn_log == "jetstream",
         turn_log_replicas=args.turn_log_replicas,
         lease_ttl_s=args.lease_ttl,
+        placement=PlacementConfig(PlacementPolicy(args.placement), args.prefix_weight),
     )

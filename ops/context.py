@@ -13,6 +13,7 @@ from typing import Any
 
 from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig, StepChannel
 from pensieve.actors.ingress.http_actor import HttpConfig
+from pensieve.actors.ingress.placement import PlacementConfig
 from pensieve.actors.scheduler.actor import ChatServer
 from pensieve.actors.scheduler.remote_runner import connect_executor
 from pensieve.actors.wire.bus import Bus, ConnectOptions
@@ -57,6 +58,8 @@ class ServeOptions:
     turn_log: bool = False
     turn_log_replicas: int = 0  # 0: as many servers as the cluster has, at most 3
     lease_ttl_s: float = 2.0
+    # where the ingress sends a turn that names no conversation (actors/ingress/placement.py)
+    placement: PlacementConfig = PlacementConfig()
 
     def __post_init__(self) -> None:
         if self.max_waiting < 1:

@@ -31,6 +31,7 @@ from pensieve.actors.executor.model_runner import ModelRunner
 from pensieve.actors.executor.spill_keeper import SpillKeeper
 from pensieve.actors.ingress.actor import IngressActor
 from pensieve.actors.ingress.http_actor import HttpConfig, HttpIngressActor, serve_metrics
+from pensieve.actors.ingress.placement import PromptKeys
 from pensieve.actors.planner.actor import RecomputePlannerActor
 from pensieve.actors.scheduler.actor import ChatServer
 from pensieve.actors.scheduler.chat_service import ChatService
@@ -42,7 +43,7 @@ from pensieve.actors.wire.bus import Bus
 from pensieve.actors.wire.jetstream import JetStream, cluster_size
 from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.context import Context, ServeOptions
-from pensieve.ops.factory import build_runner, freeze_start_up, load_config_only
+from pensieve.ops.factory import build_runner, freeze_start_up, load_config_only, model_identity
 from pensieve.store import StoreWriter
 
 logger = logging.getLogger("pensieve")
@@ -215,7 +216,10 @@ def _ownership(ctx: Context, bus: Bus, writer: StoreWriter) -> Ownership | None:
 async def _ingress(ctx: Context) -> AsyncIterator[IngressActor]:
     bus = await ctx.nats.bus()
     jetstream = JetStream(bus) if ctx.serve.turn_log else None
-    async with IngressActor(bus, ctx.engine_id, jetstream) as actor:
+    # keyed as this engine keys its chunks (public prompts: known where the engine runs)
+    public = ctx.built.engine.public if ctx.built is not None else None
+    keys = PromptKeys(model_identity(ctx.engine), ctx.engine.block_size, public)
+    async with IngressActor(bus, ctx.engine_id, jetstream, ctx.serve.placement, keys) as actor:
         yield actor
 
 

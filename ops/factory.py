@@ -21,12 +21,12 @@ from pensieve.actors.executor.disk_views import chunk_geometry
 from pensieve.actors.executor.grammar import GrammarMasks
 from pensieve.actors.executor.model_runner import ModelRunner
 from pensieve.actors.scheduler.engine import Engine
-from pensieve.actors.scheduler.kv.chunk_keys import PublicKeys
 from pensieve.actors.scheduler.kv.cost_model import CostModel
 from pensieve.actors.scheduler.remote_runner import RemoteRunner
 from pensieve.actors.scheduler.step_budget import StepTimeModel
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.tokenizer.tool_parsers import PARSERS
+from pensieve.actors.wire.chunk_keys import PublicKeys
 from pensieve.actors.wire.step import StepRunner
 from pensieve.models.config import ModelConfig
 from pensieve.models.loader import LoadedModel, ModelLoadError, load_model

@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-from pensieve.actors.scheduler.kv.chunk_keys import PublicKeys
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
+from pensieve.actors.wire.chunk_keys import PublicKeys
 from pensieve.actors.wire.messages import ChatMessage
 from pensieve.actors.wire.schemas import ChatTurn
 

@@ -19,7 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("actors", "kernels", "models", "ops", "store")
 ACTORS = ("wire", "ingress", "tokenizer", "planner", "scheduler", "executor")
 # the scheduler's async shell: the rest of actors/scheduler/ is the engine core
-SCHEDULER_SHELL = {"actor", "engine_thread", "sweeper", "remote_runner", "ownership"}
+SCHEDULER_SHELL = {
+    "actor",
+    "engine_thread",
+    "sweeper",
+    "remote_runner",
+    "ownership",
+    "load_reporter",
+}
 # an actor that uses another's sans-I/O core in its own process, on purpose
 CROSSINGS = {
     # the reply text is found on the engine thread when no tokenizer actor runs elsewhere

@@ -27,6 +27,7 @@ from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig
 from pensieve.actors.scheduler.chat_service import ChatService, Reservation
 from pensieve.actors.scheduler.engine_thread import EngineThread
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
+from pensieve.actors.scheduler.load_reporter import reporting_load
 from pensieve.actors.scheduler.ownership import Ownership
 from pensieve.actors.scheduler.step_log import StepLog
 from pensieve.actors.scheduler.sweeper import sweeping
@@ -185,6 +186,9 @@ class ChatServer(Actor):
         self._sweeping = contextlib.AsyncExitStack()
         await self._sweeping.enter_async_context(sweeping(self.engine, self.expiry))
         await self._sweeping.enter_async_context(watching_loop(self.service.step_log))
+        await self._sweeping.enter_async_context(
+            reporting_load(self.bus, self.engine_id, lambda: self.engine.snapshot[1])
+        )
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Draining stop: take no more requests, give those in hand `grace_s` (default: the

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pensieve.actors.config import CacheConfig, Policy, SchedulerConfig
-from pensieve.actors.scheduler.kv.chunk_keys import Namespace, PublicKeys, namespace
 from pensieve.actors.scheduler.kv.kv_manager import CostFn, KVCacheManager
 from pensieve.actors.scheduler.request import Request, TokenSources
 from pensieve.actors.scheduler.scheduler import Scheduler, StepOutcome
 from pensieve.actors.scheduler.step_budget import StepTimeModel
 from pensieve.actors.wire import tracing
+from pensieve.actors.wire.chunk_keys import Namespace, PublicKeys, turn_namespace
 from pensieve.actors.wire.messages import KvEvent
 from pensieve.actors.wire.step import (
     ConversationTraces,
@@ -152,11 +152,8 @@ class Engine:
 
     def namespace(self, tenant: str | None, cache_salt: str | None = None) -> Namespace:
         """The sharing namespace of a turn of `tenant` (None: the service's own) with
-        `cache_salt`: turns share cached prefixes only within one namespace, apart from the
-        chunks of public prompts. A salted turn shares nothing outside its salt, public prompts
-        included (as a salt in vLLM's keys)."""
-        seed = namespace(self.model_id, tenant, cache_salt)
-        return Namespace(seed, None if cache_salt else self.public)
+        `cache_salt` (`chunk_keys.turn_namespace`)."""
+        return turn_namespace(self.model_id, self.public, tenant, cache_salt)
 
     # ---- what callers ask of the engine -------------------------------------------------
 
@@ -366,6 +363,8 @@ class Engine:
                 "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "suspensions": self.scheduler.num_suspensions,
+                # the context of the turns in hand, running and waiting: the KV they need now
+                "active_tokens": self.scheduler.num_active_tokens,
             },
             # turns admitted with a recompute plan, by whether admission recomputed what it said
             "recompute_plans": dict(self.scheduler.recompute_plans),

@@ -81,11 +81,11 @@ class EngineThread:
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # this thread's parallel regions
         broken: ApiError | None = None  # set when a reset failed too: no more steps
-        stepped = False  # since the snapshot
+        changed = False  # since the snapshot: a step, or a command (a turn added, cancelled)
         while True:
             busy = broken is None and self.service.has_work()
-            if stepped and not busy:  # idle from here: the snapshot is exact until it steps
-                self.snapshot, stepped = (time.monotonic(), self.service.stats()), False
+            if changed and not busy:  # idle from here: the snapshot is exact until it steps
+                self.snapshot, changed = (time.monotonic(), self.service.stats()), False
             try:
                 command = self._deferred.popleft() if self._deferred else None
                 command = command or self._commands.get(block=not busy)
@@ -102,6 +102,7 @@ class EngineThread:
                 began = time.perf_counter()
                 _run_command(command, broken)
                 self.log.command(_name(command[0]), time.perf_counter() - began)
+                changed = True
                 continue  # take every queued command before the next step
             try:
                 self.stepping = True
@@ -109,10 +110,10 @@ class EngineThread:
                 self.service.step()
                 self.log.stepped(time.perf_counter() - began, self.service.engine.last_timing)
                 self.stepping = False
-                stepped = True
+                changed = True
                 if time.monotonic() - self.snapshot[0] > SNAPSHOT_EVERY_S:
                     began = time.perf_counter()
-                    self.snapshot, stepped = (time.monotonic(), self.service.stats()), False
+                    self.snapshot, changed = (time.monotonic(), self.service.stats()), False
                     self.log.snapshot(time.perf_counter() - began)
             except Exception as error:
                 self.stepping = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pensieve.actors.scheduler.kv.chunk_keys import Namespace
+from pensieve.actors.wire.chunk_keys import Namespace
 from pensieve.actors.wire.step import PLACEHOLDER, DiskRead, SamplingParams
 
 

@@ -91,6 +91,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_active_tokens(self) -> int:
+        """The tokens of the requests in hand, running and waiting: their KV is needed now."""
+        return sum(r.num_tokens for r in (*self.running, *self.waiting))
+
     def stop_at(self, request: Request, num_output: int, now: float) -> bool:
         """End a request with its first `num_output` tokens (a stop string completes at the
         last of them): at once if it runs, or cut back if it has ended meanwhile (an

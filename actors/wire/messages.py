@@ -255,6 +255,26 @@ def decode_kv_events(data: bytes) -> KvEventBatch:
     return decode(data, KvEventBatch)
 
 
+class LoadReport(Message, frozen=True):
+    """On `pensieve.v1.engine.<id>.load`, soon after its turns change and every
+    `LOAD_REPORT_EVERY_S` while the engine serves: what it has in hand, for the ingress to
+    place new turns by (`actors/ingress/placement.py`). `num_active_tokens`: the context of its
+    running and waiting turns; `num_free_blocks`: GPU blocks free or reclaimable at once, of
+    `num_blocks`. `time`: when it was sent, in Unix seconds."""
+
+    engine_id: str
+    time: float
+    block_size: Positive
+    num_running: NonNegative
+    num_waiting: NonNegative
+    num_active_tokens: NonNegative
+    num_free_blocks: NonNegative
+    num_blocks: NonNegative
+
+
+LOAD_REPORT_EVERY_S = 0.5
+
+
 # ---- recompute planner ----------------------------------------------------------------------
 
 

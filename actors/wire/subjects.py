@@ -110,3 +110,13 @@ def actor_service(actor: str) -> str:
 def kv_events(engine_id: str) -> str:
     """Where engine `engine_id` publishes what happened to its conversations' KV chunks."""
     return f"{PREFIX}.engine.{engine_id}.kv"
+
+
+def engine_load(engine_id: str) -> str:
+    """Where engine `engine_id` publishes its load (`messages.LoadReport`)."""
+    return f"{PREFIX}.engine.{engine_id}.load"
+
+
+# every engine's KV events and load reports, for an ingress that places turns
+ALL_KV_EVENTS = kv_events("*")
+ALL_LOADS = engine_load("*")

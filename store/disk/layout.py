@@ -25,7 +25,7 @@ import xxhash
 
 LAYOUT_VERSION = 1  # raised whenever the slot layout or a record below changes
 ALIGN = 4096  # slot offsets and lengths: a multiple of every logical block size in use
-KEY_BYTES = 16  # a chunk's content key (`actors/scheduler/kv/chunk_keys.py`)
+KEY_BYTES = 16  # a chunk's content key (`actors/wire/chunk_keys.py`)
 FINGERPRINT_BYTES = 16
 
 # the index's records, little-endian

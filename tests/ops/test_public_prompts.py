@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pensieve.actors.scheduler.kv.chunk_keys import Namespace, keys_of, namespace, public_seed
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
+from pensieve.actors.wire.chunk_keys import Namespace, keys_of, namespace, public_seed
 from pensieve.models.assets import smollm2_tokenizer
 from pensieve.ops.factory import EngineOptions
 from pensieve.ops.public_prompts import PublicPromptsError, public_keys, read_public_prompts

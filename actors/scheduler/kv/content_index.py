@@ -9,8 +9,8 @@ from the chunks of a single conversation, which are ranked as a chain.
 
 from __future__ import annotations
 
-from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey
 from pensieve.actors.scheduler.kv.kv_cache import Chunk, ConversationKV
+from pensieve.actors.wire.chunk_keys import ChunkKey
 
 
 class ContentIndex:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pensieve.actors.scheduler.kv.chunk_keys import ChunkKey, Namespace
+from pensieve.actors.wire.chunk_keys import ChunkKey, Namespace
 from pensieve.actors.wire.messages import Tier, tier_of
 
 

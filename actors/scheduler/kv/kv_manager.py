@@ -31,7 +31,6 @@ from collections.abc import Collection, Sequence
 
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
-from pensieve.actors.scheduler.kv.chunk_keys import Namespace
 from pensieve.actors.scheduler.kv.content_index import ContentIndex
 from pensieve.actors.scheduler.kv.copies import TierCopies
 from pensieve.actors.scheduler.kv.eviction import Candidate, CostFn, EvictionOrder
@@ -39,6 +38,7 @@ from pensieve.actors.scheduler.kv.invariants import check_invariants
 from pensieve.actors.scheduler.kv.kv_cache import Acquired, Chunk, ConversationKV, Found
 from pensieve.actors.scheduler.kv.kv_events import ChunkEvents
 from pensieve.actors.scheduler.kv.sharing import ChunkUsers, ContentSharing
+from pensieve.actors.wire.chunk_keys import Namespace
 from pensieve.actors.wire.messages import KvEvent, KvEventKind
 from pensieve.actors.wire.step import CopyKind, CopyOp, SwapOrders
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
-from pensieve.actors.scheduler.kv.chunk_keys import Namespace
 from pensieve.actors.scheduler.kv.content_index import ContentIndex
 from pensieve.actors.scheduler.kv.kv_cache import Chunk, ConversationKV, Found
+from pensieve.actors.wire.chunk_keys import Namespace
 from pensieve.actors.wire.messages import KvEventKind
 
 if TYPE_CHECKING:

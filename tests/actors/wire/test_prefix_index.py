@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from pensieve.actors.config import Policy
-from pensieve.actors.scheduler.kv.chunk_keys import keys_of, namespace
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import subjects
+from pensieve.actors.wire.chunk_keys import keys_of, namespace
 from pensieve.actors.wire.messages import (
     KvEvent,
     KvEventKind,

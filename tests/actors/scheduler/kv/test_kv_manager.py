@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.executor.spill_keeper import SpillChanges, SpillIndex
 from pensieve.actors.planner.tier_map import TierMap, TierSnapshot
-from pensieve.actors.scheduler.kv.chunk_keys import chunk_key
 from pensieve.actors.scheduler.kv.kv_cache import Chunk
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
 from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager, OutOfBlocks
+from pensieve.actors.wire.chunk_keys import chunk_key
 from pensieve.actors.wire.messages import KvEvent, Tier
 from pensieve.actors.wire.prefix_index import PrefixIndex
 from pensieve.actors.wire.step import SwapOrders

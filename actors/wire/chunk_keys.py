@@ -141,3 +141,14 @@ class Namespace:
         keys: list[ChunkKey] = []
         self.extend(keys, tokens, block_size)
         return keys
+
+
+def turn_namespace(
+    model: str, public: PublicKeys | None, tenant: str | None, cache_salt: str | None = None
+) -> Namespace:
+    """How an engine serving `model` keys the chunks of a turn of `tenant` (None: the service's
+    own) with `cache_salt`: turns share cached prefixes only within one namespace, apart from
+    the chunks of public prompts. A salted turn shares nothing outside its salt, public prompts
+    included (as a salt in vLLM's keys). The engine and the ingress's placement both key a
+    prompt through this."""
+    return Namespace(namespace(model, tenant, cache_salt), None if cache_salt else public)

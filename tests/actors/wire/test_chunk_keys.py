@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pensieve.actors.scheduler.kv.chunk_keys import (
+from pensieve.actors.wire.chunk_keys import (
     Namespace,
     PublicKeys,
     chunk_key,
