@@ -90,8 +90,9 @@ class DiskCache:
     # ---- on a step's path: no I/O ----------------------------------------------------------
 
     def drop(self, keys: Collection[bytes]) -> None:
-        """Remove these chunks from disk, before any save ordered after them."""
-        if not keys:
+        """Remove these chunks from disk, before any save ordered after them (to make room for
+        it: nothing is removed once writes are off)."""
+        if not keys or not self.tier.writable:
             return
         with self._lock:
             for key in keys:  # a save of it ordered later is written again
@@ -232,7 +233,8 @@ class DiskCache:
 
     def _remove(self, keys: list[bytes]) -> None:
         try:
-            self.tier.remove(keys)
+            if self.tier.writable:
+                self.tier.remove(keys)
         except Exception:  # noqa: BLE001 - a cache's removal: log, never stop serving
             logger.exception("disk tier: a removal failed")
         finally:

@@ -2,7 +2,8 @@
 `tmp_path`: tiny GPU and CPU tiers push chunks down to disk, and a turn's greedy tokens are the
 same whether its history comes from the GPU, the CPU tier, the disk or recomputation; after a
 clean stop a restarted engine reads the history back from disk; a corrupted chunk is recomputed;
-a full disk budget keeps serving."""
+a full disk budget keeps serving, and keeps the chunks of highest retention value; a file
+system that fills up turns writes off and serving goes on."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.step import SamplingParams
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops.factory import EngineOptions, assemble
+from tests.ops.test_disk_full import small_disk
 
 pytestmark = pytest.mark.slow
 
@@ -247,3 +249,28 @@ def test_the_disk_keeps_the_chunks_of_highest_retention_value_within_its_budget(
     index = lmdb.open(str(tmp_path / "rank0" / "index"), max_dbs=2, readonly=True)
     with index, index.begin() as txn:
         assert txn.stat(index.open_db(b"chunks", txn=txn))["entries"] <= NUM_DISK_SLOTS
+
+
+def test_a_file_system_that_fills_up_turns_writes_off_and_serving_goes_on(
+    smollm2, chat, roomy, tmp_path, caplog
+) -> None:
+    """A real ENOSPC: the tier on an 8 MiB tmpfs (room for 5 chunks) under a budget of 70."""
+    with small_disk(tmp_path / "disk", "8m") as mount:
+        run = engine(smollm2, chat, TINY, mount, gb=0.1)
+        cache = run.engine.disk
+        writes_off: list[int] = []  # chunks on disk after each turn once writes are off
+        for conv_id, text in [*OPENINGS.items(), LATE, *NEXT.items()]:
+            run.turn(conv_id, text)
+            cache.flush()
+            if not cache.writable:
+                writes_off.append(cache.tier.num_chunks)
+        assert run.outputs() == roomy.outputs()
+        off = [r for r in caplog.records if "writes are off" in r.getMessage()]
+        assert len(off) == 1 and "No space left on device" in off[0].getMessage(), off
+        assert len(writes_off) >= 3 and cache.tier.num_slots > 50
+        assert 0 < cache.tier.num_chunks * cache.tier.geometry.slot_bytes < 8 << 20
+        # once off: nothing is written, nor removed to make room for writes that never come
+        assert len(set(writes_off)) == 1
+        assert run.engine.kv.disk is not None and not run.engine.kv.disk.writable
+        assert run.sources().recomputed > roomy.sources().recomputed
+        cache.close()
