@@ -11,7 +11,10 @@ queue only for its own read. A chunk the tier cannot give back whole (never writ
 for room, failing its checksum) is not `found`, and the turn recomputes it: where a chunk's KV
 comes from never changes a token.
 
-When the tier is full, the chunks least recently written or read leave it first.
+Which chunks the tier keeps is the scheduler's choice, by the retention value (`actors/
+scheduler/kv/disk_books.py`): a step's orders name the keys to remove (`disk_drop`) before the
+chunks to save in their place, and the writer thread takes both in that order, so the tier holds
+no more chunks than the scheduler's books. A save that finds no free slot is not written.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +33,14 @@ from pensieve.store.disk import DiskTier
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 64  # chunks per disk write: one fdatasync and one index transaction each
+
+
+@dataclass(frozen=True)
+class _Removal:
+    keys: list[bytes]
+
+
+_Save = tuple[bytes, torch.Tensor]  # a content key and the chunk's bytes
 
 
 class DiskCache:
@@ -51,9 +62,8 @@ class DiskCache:
         self._pin = gpu_caches[0].is_cuda
         self._lock = threading.Lock()
         self._pending: dict[bytes, torch.Tensor] = {}  # saved, not yet on disk
-        self._recent: OrderedDict[bytes, None] = OrderedDict.fromkeys(tier.keys())  # LRU first
         self._staged: dict[bytes, tuple[torch.Tensor, int]] = {}  # read: buffer, readers
-        self._writes: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue()
+        self._writes: queue.Queue[_Save | _Removal | None] = queue.Queue()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="disk-read")
         self._writer = threading.Thread(target=self._write_loop, name="disk-write", daemon=True)
         self._writer.start()
@@ -63,16 +73,45 @@ class DiskCache:
     def read_seconds_per_chunk(self) -> float:
         return self.tier.geometry.chunk_bytes / self.read_bytes_per_s
 
+    @property
+    def num_slots(self) -> int:
+        return self.tier.num_slots
+
+    @property
+    def writable(self) -> bool:
+        return self.tier.writable
+
+    def keys(self) -> list[bytes]:
+        """The chunks on disk and those saved for it, not yet written."""
+        with self._lock:
+            pending = list(self._pending)
+        return list(dict.fromkeys([*self.tier.keys(), *pending]))
+
     # ---- on a step's path: no I/O ----------------------------------------------------------
 
+    def drop(self, keys: Collection[bytes]) -> None:
+        """Remove these chunks from disk, before any save ordered after them (to make room for
+        it: nothing is removed once writes are off)."""
+        if not keys or not self.tier.writable:
+            return
+        with self._lock:
+            for key in keys:  # a save of it ordered later is written again
+                self._pending.pop(key, None)
+        self._writes.put(_Removal(list(keys)))
+
     def save(self, saves: Collection[DiskSave]) -> None:
-        """Keep the bytes of these CPU slots for the disk (before the step's copies run)."""
+        """Keep the bytes of these CPU slots and GPU blocks for the disk (before the step's
+        copies run)."""
         if not saves or not self.tier.writable:
             return
         if self._pin:  # an earlier step's swap-out into a slot may still be running
             torch.cuda.synchronize(self.gpu_caches[0].device)
         for save in saves:
-            self._queue(save.key, self._snapshot(self.cpu_caches, save.cpu_slot))
+            if save.cpu_slot is not None:
+                self._queue(save.key, self._snapshot(self.cpu_caches, save.cpu_slot))
+            else:
+                assert save.gpu_block is not None
+                self._queue(save.key, self._snapshot(self.gpu_caches, save.gpu_block))
 
     def load(self, loads: Collection[DiskLoad]) -> None:
         """Copy staged chunks into their GPU blocks (after the step's own copies are issued)."""
@@ -115,8 +154,6 @@ class DiskCache:
             for key, buffer in found.items():
                 held = self._staged.get(key)
                 self._staged[key] = (buffer, 1) if held is None else (held[0], held[1] + 1)
-                if key in self._recent:
-                    self._recent.move_to_end(key)
             self.num_read += len(found)
             self.num_missed += len(keys) - len(found)
         return frozenset(found)
@@ -133,9 +170,13 @@ class DiskCache:
     # ---- writes, on the writer thread ------------------------------------------------------
 
     def write_back(
-        self, cpu: Collection[tuple[int, bytes]], gpu: Collection[tuple[int, bytes]]
+        self,
+        drops: Collection[bytes],
+        cpu: Collection[tuple[int, bytes]],
+        gpu: Collection[tuple[int, bytes]],
     ) -> int:
         if self.tier.writable:
+            self.drop(drops)
             for caches, places in ((self.cpu_caches, cpu), (self.gpu_caches, gpu)):
                 for index, key in places:
                     if key not in self.tier:
@@ -164,11 +205,16 @@ class DiskCache:
         self._writes.put((key, buffer))
 
     def _write_loop(self) -> None:
+        carried: _Save | _Removal | None = None  # taken from the queue after a batch of saves
         while True:
-            item = self._writes.get()
+            item = carried if carried is not None else self._writes.get()
+            carried = None
             if item is None:
                 self._writes.task_done()
                 return
+            if isinstance(item, _Removal):
+                self._remove(item.keys)
+                continue
             batch = [item]
             while len(batch) < MAX_BATCH:
                 try:
@@ -179,38 +225,42 @@ class DiskCache:
                     self._writes.put(None)  # stop after this batch
                     self._writes.task_done()
                     break
+                if isinstance(more, _Removal):
+                    carried = more
+                    break
                 batch.append(more)
-            try:
-                self._write(batch)
-            except Exception:  # noqa: BLE001 - a write is a cache fill: log, never stop serving
-                logger.exception("disk tier: a write-back batch failed")
-            finally:
-                with self._lock:
-                    for key, _ in batch:
-                        self._pending.pop(key, None)
-                for _ in batch:
-                    self._writes.task_done()
+            self._write_batch(batch)
 
-    def _write(self, batch: list[tuple[bytes, torch.Tensor]]) -> None:
+    def _remove(self, keys: list[bytes]) -> None:
+        try:
+            if self.tier.writable:
+                self.tier.remove(keys)
+        except Exception:  # noqa: BLE001 - a cache's removal: log, never stop serving
+            logger.exception("disk tier: a removal failed")
+        finally:
+            self._writes.task_done()
+
+    def _write_batch(self, batch: list[_Save]) -> None:
+        try:
+            self._write(batch)
+        except Exception:  # noqa: BLE001 - a write is a cache fill: log, never stop serving
+            logger.exception("disk tier: a write-back batch failed")
+        finally:
+            with self._lock:
+                for key, buffer in batch:
+                    if self._pending.get(key) is buffer:
+                        del self._pending[key]
+            for _ in batch:
+                self._writes.task_done()
+
+    def _write(self, batch: list[_Save]) -> None:
+        """Write what fits in free slots (the scheduler removed chunks to make room first)."""
         chunks = [(key, buf) for key, buf in batch if key not in self.tier]
         if not chunks or not self.tier.writable:
             return
-        self._make_room(len(chunks))
         written = self.tier.write([(key, _pieces(buffer)) for key, buffer in chunks])
         with self._lock:
-            self._recent.update(dict.fromkeys(written))
             self.num_written += len(written)
-
-    def _make_room(self, num_chunks: int) -> None:
-        """The disk budget is a hard bound: the least recently used chunks leave for new ones."""
-        short = min(num_chunks, self.tier.num_slots) - self.tier.num_free
-        if short <= 0:
-            return
-        with self._lock:
-            victims = list(self._recent)[:short]
-            for key in victims:
-                del self._recent[key]
-        self.tier.remove(victims)
 
     # ---- buffers ---------------------------------------------------------------------------
 

@@ -231,9 +231,11 @@ class ModelRunner:
             self.graphs, self.mixed_graphs = kept
 
     def _issue(self, orders: SwapOrders, defer_out: bool = False) -> None:
-        """The step's copies: chunks leaving the CPU tier kept for the disk first (their slots
-        may be reused now), chunks read from disk loaded into their blocks last."""
+        """The step's copies: chunks leaving the tiers kept for the disk first (their slots
+        and blocks may be reused now; the removals that make room for them before them), chunks
+        read from disk loaded into their blocks last."""
         if self.disk is not None:
+            self.disk.drop(orders.disk_drop)
             self.disk.save(orders.disk_save)
         self.swap.issue(orders, defer_out=defer_out)
         if self.disk is not None:

@@ -107,6 +107,8 @@ class Engine:
         self.model_id = model_id
         self.public = public
         self.kv = KVCacheManager(cache, cost, self.namespace(None))
+        if self.disk is not None:
+            self.kv.attach_disk(self.disk.num_slots, self.disk.keys())
         self.scheduler = Scheduler(scheduling, self.kv, step_time)
         self.eos_token_ids = eos_token_ids
         self.clock = clock
@@ -250,6 +252,8 @@ class Engine:
         for conv_id in list(self.kv.conversations):
             self.kv.forget(conv_id)
         self.kv.take_orders()  # the cancelled copies, and slots freed for the next step
+        if self.disk is not None:  # its cancelled removals and saves: the books afresh
+            self.kv.attach_disk(self.disk.num_slots, self.disk.keys())
         if self.kv.config.policy is Policy.STATELESS:
             self.scheduler.histories.clear()  # only turns in flight had one
         for conv_id, tokens in self.scheduler.histories.items():
@@ -263,8 +267,8 @@ class Engine:
         if self.disk is None:
             return 0
         self.runner.settle()
-        gpu, cpu = self.kv.sealed_places()
-        return self.disk.write_back(cpu, gpu)
+        drops, cpu, gpu = self.kv.disk_write_back(self.clock())
+        return self.disk.write_back(drops, cpu, gpu)
 
     # ---- the step loop ------------------------------------------------------------------
 
@@ -272,6 +276,8 @@ class Engine:
         """Plan and launch a step; apply the tokens of the step before it (with `overlap`) or
         of this one (without). The outcome is that of the step applied."""
         begin = time.perf_counter()
+        if self.disk is not None and not self.disk.writable:
+            self.kv.stop_disk_writes()
         plan = self.scheduler.schedule(self.clock())
         scheduled = time.perf_counter()
         launched_step = self._launch(plan)

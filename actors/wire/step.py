@@ -58,11 +58,17 @@ class CopyOp:
 
 @dataclass(frozen=True)
 class DiskSave:
-    """The chunk in CPU slot `cpu_slot`, sealed under content `key`, leaves the CPU tier: the
-    executor keeps its bytes for the disk tier before this step's copies reuse the slot."""
+    """The chunk sealed under content `key` leaves the tiers from CPU slot `cpu_slot`, or from
+    GPU block `gpu_block` (one of the two is set): the executor keeps its bytes for the disk
+    tier before this step's copies reuse the slot or the block."""
 
-    cpu_slot: int
+    cpu_slot: int | None
     key: bytes
+    gpu_block: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cpu_slot is None) == (self.gpu_block is None):
+            raise ValueError("a DiskSave names a CPU slot or a GPU block")
 
 
 @dataclass(frozen=True)
@@ -84,14 +90,17 @@ class SwapOrders:
        CPU->GPU copy of the step (swap-in has priority) and overlap the step's compute.
     `fence`: a block reused this step was swapped out in an earlier step; that copy must finish
     before this step writes into the block.
-    With a disk tier, `disk_save` is taken before all of them (this step's copies may reuse the
-    slots it names) and `disk_load` issued after them (its blocks may be evicted first).
+    With a disk tier, `disk_drop` (content keys the disk tier removes) and then `disk_save` are
+    taken before all of them (this step's copies may reuse the slots and blocks it names; the
+    removals make room for the saves), and `disk_load` issued after them (its blocks may be
+    evicted first).
     """
 
     evict_first: list[CopyOp] = field(default_factory=list)
     swap_in: list[CopyOp] = field(default_factory=list)
     swap_out: list[CopyOp] = field(default_factory=list)
     fence: bool = False
+    disk_drop: list[bytes] = field(default_factory=list)
     disk_save: list[DiskSave] = field(default_factory=list)
     disk_load: list[DiskLoad] = field(default_factory=list)
 
@@ -245,15 +254,33 @@ class DiskReads(Protocol):
         """What reading one chunk back costs, to weigh against recomputing it."""
         ...
 
+    @property
+    def num_slots(self) -> int:
+        """How many chunks the tier holds at most (its budget)."""
+        ...
+
+    @property
+    def writable(self) -> bool:
+        """False once a write failed (disk full, an I/O error): the tier writes no more."""
+        ...
+
+    def keys(self) -> list[bytes]:
+        """The content keys of the chunks on disk now (at start: those a run before left)."""
+        ...
+
     def read(self, keys: Collection[bytes]) -> DiskRead | None:
         """Start reading those of `keys` the tier holds; None if it holds none of them."""
         ...
 
     def write_back(
-        self, cpu: Collection[tuple[int, bytes]], gpu: Collection[tuple[int, bytes]]
+        self,
+        drops: Collection[bytes],
+        cpu: Collection[tuple[int, bytes]],
+        gpu: Collection[tuple[int, bytes]],
     ) -> int:
-        """Write these chunks, (CPU slot, key) and (GPU block, key), to disk and wait until
-        every write is durable (a clean stop); how many of them the disk tier holds then."""
+        """Remove the chunks of `drops`, then write these chunks, (CPU slot, key) and (GPU
+        block, key), to disk and wait until every write is durable (a clean stop); how many of
+        them the disk tier holds then."""
         ...
 
     def close(self) -> None:

@@ -94,11 +94,29 @@ class TierCopies:
         """Copy `block` into `slot` before this step's writes reuse the block."""
         self.orders.evict_first.append(CopyOp(block, slot))
 
-    def save_to_disk(self, slot: int, key: bytes) -> None:
-        """The chunk in `slot` leaves the CPU tier: the executor keeps its bytes for the disk
-        tier, unless a copy of this step targets the slot (then it holds no whole chunk yet)."""
-        if all(op.cpu_slot != slot for op in (*self.orders.swap_out, *self.orders.evict_first)):
-            self.orders.disk_save.append(DiskSave(slot, key))
+    def can_save(self, cpu_slot: int | None) -> bool:
+        """Whether a chunk leaving the tiers from `cpu_slot` (None: from its GPU block) can be
+        saved for the disk tier: not if a copy of this step targets the slot (it holds no whole
+        chunk yet; the chunk is recomputed when needed)."""
+        targets = (op.cpu_slot for op in (*self.orders.swap_out, *self.orders.evict_first))
+        return cpu_slot is None or all(slot != cpu_slot for slot in targets)
+
+    def save_to_disk(
+        self, key: bytes, removals: list[bytes], cpu_slot: int | None, gpu_block: int | None
+    ) -> None:
+        """The disk tier removes the chunks of `removals`, then the executor keeps the bytes of
+        the chunk leaving the tiers from `cpu_slot` or `gpu_block` for it (`DiskSave`). The
+        executor takes a step's removals before its saves, so a chunk saved earlier in this
+        step is removed by withdrawing its save (else its save would take the slot meant for
+        this one)."""
+        saves = self.orders.disk_save
+        for removal in removals:
+            withdrawn = [save for save in saves if save.key == removal]
+            for save in withdrawn:
+                saves.remove(save)
+            if not withdrawn:
+                self.orders.disk_drop.append(removal)
+        saves.append(DiskSave(cpu_slot, key, gpu_block))
 
     def load_from_disk(self, key: bytes, block: int) -> None:
         """Copy the chunk of `key`, read from the disk tier, into `block`."""

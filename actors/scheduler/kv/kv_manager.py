@@ -27,12 +27,13 @@ subscriber to the KV event plane can follow each conversation's chunks from tier
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
 from pensieve.actors.scheduler.kv.content_index import ContentIndex
 from pensieve.actors.scheduler.kv.copies import TierCopies
+from pensieve.actors.scheduler.kv.disk_books import DiskBooks
 from pensieve.actors.scheduler.kv.eviction import Candidate, CostFn, EvictionOrder
 from pensieve.actors.scheduler.kv.invariants import check_invariants
 from pensieve.actors.scheduler.kv.kv_cache import Acquired, Chunk, ConversationKV, Found
@@ -72,6 +73,18 @@ class KVCacheManager:
         )
         # every chunk move, and which chunk owns each GPU block / CPU slot
         self.events = ChunkEvents()
+        self.disk: DiskBooks | None = None  # the disk tier's books (`attach_disk`)
+
+    def attach_disk(self, num_slots: int, keys: Iterable[bytes]) -> None:
+        """Chunks leaving the GPU and CPU tiers go to a disk tier of `num_slots` chunks, which
+        holds `keys` now (left there by a run before), ranked by the same retention value."""
+        if self.config.disk_tier:
+            self.disk = DiskBooks(num_slots, keys, self.eviction)
+
+    def stop_disk_writes(self) -> None:
+        """The disk tier writes no more (disk full, an I/O error): nothing more is saved."""
+        if self.disk is not None:
+            self.disk.writable = False
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -137,16 +150,33 @@ class KVCacheManager:
             conv.num_positions = num_positions
         return conv
 
-    def sealed_places(self) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
-        """Every sealed chunk on a tier, as (GPU block, key) where it has a block (its KV is
-        there whatever copy is pending) and else as (CPU slot, key). Ask between steps."""
-        gpu, cpu = [], []
-        for key, chunk in self.index.by_key.items():
-            if chunk.gpu_block is not None:
-                gpu.append((chunk.gpu_block, key))
-            elif chunk.cpu_slot is not None:
-                cpu.append((chunk.cpu_slot, key))
-        return gpu, cpu
+    def disk_write_back(
+        self, now: float
+    ) -> tuple[list[bytes], list[tuple[int, bytes]], list[tuple[int, bytes]]]:
+        """What a clean stop writes to the disk tier: the keys to remove first, then the sealed
+        chunks of the CPU and GPU tiers not on disk yet (CPU slot or GPU block, key), the most
+        valuable first, as far as the disk's budget takes them (`DiskBooks.admit`). Ask between
+        steps."""
+        drops: list[bytes] = []
+        cpu: list[tuple[int, bytes]] = []
+        gpu: list[tuple[int, bytes]] = []
+        if self.disk is None:
+            return drops, cpu, gpu
+        books = self.disk
+        chunks = [chunk for chunk in self.index.by_key.values() if self.place(chunk)]
+        chunks.sort(key=lambda c: books.value(c.index, c.users.values(), now), reverse=True)
+        for chunk in chunks:
+            assert chunk.key is not None
+            victims = books.admit(chunk, chunk.key, now)
+            if victims is None:
+                continue
+            drops += victims
+            if chunk.gpu_block is not None:  # its KV is there whatever copy is pending
+                gpu.append((chunk.gpu_block, chunk.key))
+            else:
+                assert chunk.cpu_slot is not None
+                cpu.append((chunk.cpu_slot, chunk.key))
+        return drops, cpu, gpu
 
     def take_orders(self) -> SwapOrders:
         """The copies decided since the last call; blocks swapped out now become reusable."""
@@ -247,6 +277,8 @@ class KVCacheManager:
                 key = conv.keys[i] if full and i < len(conv.keys) else None
                 if key is not None and key in on_disk:
                     self.copies.load_from_disk(key, chunk.gpu_block)
+                    if self.disk is not None:
+                        self.disk.read_by(key, conv, i)
                     disk_tokens += end - start
                 elif end > start:
                     _extend(recompute, start, end)
@@ -326,7 +358,7 @@ class KVCacheManager:
         for chunk in conv.chunks:
             if chunk.gpu_block is not None and len(chunk.users) == 1:
                 slot = self._slot_for_eviction(chunk, None, now)
-                copied += self._evict_now(chunk, slot)
+                copied += self._evict_now(chunk, slot, now)
         return copied
 
     def forget(self, conv_id: str) -> None:
@@ -429,7 +461,7 @@ class KVCacheManager:
             if self.gpu.num_free + self.copies.num_reclaimable >= needed:
                 return
             chunk = candidate.chunk
-            self._evict_now(chunk, self._slot_for_eviction(chunk, candidate, now))
+            self._evict_now(chunk, self._slot_for_eviction(chunk, candidate, now), now)
         if self.gpu.num_free + self.copies.num_reclaimable < needed:
             raise OutOfBlocks(f"need {needed} GPU blocks, {self.gpu.num_free} free")
 
@@ -446,15 +478,18 @@ class KVCacheManager:
         self.events.gpu_where[block] = chunk
         return block
 
-    def _evict_now(self, chunk: Chunk, slot: int | None) -> bool:
+    def _evict_now(self, chunk: Chunk, slot: int | None, now: float) -> bool:
         """Free a GPU block for reuse within this step: copy it out first (unless its CPU copy
-        is valid already), or drop it. True if a copy was ordered."""
+        is valid already), or drop it (to the disk tier, if it is worth a place there). True if
+        a copy was ordered."""
         block = chunk.gpu_block
         assert block is not None and not self._reclaiming(chunk) and not chunk.pins
         copied = False
         if slot is not None and slot == chunk.cpu_slot:
             self.copies.unback(slot)
-        elif slot is not None:
+        elif slot is None:
+            self._to_disk(chunk, now, gpu_block=block)
+        else:
             self.copies.evict_first(block, slot)
             chunk.cpu_slot = slot
             self.events.cpu_where[slot] = chunk
@@ -482,11 +517,23 @@ class KVCacheManager:
         chunk = self.eviction.cpu_victim(candidate, now, ahead=ahead)
         if chunk is None:
             return None
-        if self.config.disk_tier and chunk.key is not None and chunk.cpu_slot is not None:
-            self.copies.save_to_disk(chunk.cpu_slot, chunk.key)  # GPU -> CPU -> disk
+        if chunk.cpu_slot is not None:
+            self._to_disk(chunk, now, cpu_slot=chunk.cpu_slot)  # GPU -> CPU -> disk
         self._drop(chunk)
         self.events.emit(KvEventKind.DROPPED, chunk)
         return self.cpu.allocate()
+
+    def _to_disk(
+        self, chunk: Chunk, now: float, cpu_slot: int | None = None, gpu_block: int | None = None
+    ) -> None:
+        """The chunk leaves the GPU and CPU tiers from `cpu_slot` or `gpu_block`: a sealed one
+        is written to the disk tier if it is worth a place there (`DiskBooks.admit`), after the
+        chunks it displaces are removed."""
+        if self.disk is None or chunk.key is None or not self.copies.can_save(cpu_slot):
+            return
+        victims = self.disk.admit(chunk, chunk.key, now)
+        if victims is not None:
+            self.copies.save_to_disk(chunk.key, victims, cpu_slot, gpu_block)
 
     def _swap_out(self, chunk: Chunk, slot: int) -> None:
         self.copies.swap_out(chunk, slot)

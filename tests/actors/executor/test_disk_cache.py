@@ -1,6 +1,7 @@
 """The executor's disk tier in service, on real files and LMDB in `tmp_path` (CPU tensors as both
 tiers): a chunk saved from a CPU slot comes back into a GPU block byte for byte, also after the
-tier is reopened; the budget evicts the least recently used; a chunk not on disk is not found."""
+tier is reopened; the budget is a hard bound, with room made by the removals ordered before a
+save; a chunk not on disk is not found."""
 
 from __future__ import annotations
 
@@ -66,16 +67,27 @@ def test_a_saved_chunk_loads_into_a_gpu_block_byte_for_byte_also_after_a_reopen(
     again.close()
 
 
-def test_the_budget_keeps_the_chunks_used_last(tmp_path) -> None:
+def test_the_budget_is_a_hard_bound_and_removals_ordered_first_make_room(tmp_path) -> None:
     gpu, cpu = tiers()
     cache = open_cache(tmp_path, gpu, cpu, num_chunks=3)
     cache.save([DiskSave(slot, key(slot)) for slot in range(3)])
     cache.flush()
-    assert read(cache, [key(0)]) == {key(0)}  # 0 used again: 1 is now the least recent
-    cache.save([DiskSave(3, key(3)), DiskSave(4, key(4))])
+    cache.save([DiskSave(3, key(3))])  # no free slot, and nothing removed for it: not written
+    cache.flush()
+    assert set(cache.tier.keys()) == {key(0), key(1), key(2)}
+    for layer in gpu:
+        layer[4].normal_()
+    cache.drop([key(1)])  # as a step's orders: the removal, then the save in its place
+    cache.save([DiskSave(None, key(9), gpu_block=4)])  # from a GPU block
     cache.flush()
     assert cache.tier.num_chunks == 3
-    assert set(cache.tier.keys()) == {key(0), key(3), key(4)}
+    assert set(cache.tier.keys()) == {key(0), key(2), key(9)}
+    assert (tmp_path / "slots.bin").stat().st_size == 3 * cache.tier.geometry.slot_bytes
+    handle = cache.read([key(9)])
+    assert handle is not None and handle.found() == {key(9)}
+    cache.load([DiskLoad(key(9), 0)])
+    handle.release()
+    assert all(torch.equal(layer[0], layer[4]) and layer[4].any() for layer in gpu)
     cache.close()
 
 

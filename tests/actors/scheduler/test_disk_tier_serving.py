@@ -2,13 +2,15 @@
 `tmp_path`: tiny GPU and CPU tiers push chunks down to disk, and a turn's greedy tokens are the
 same whether its history comes from the GPU, the CPU tier, the disk or recomputation; after a
 clean stop a restarted engine reads the history back from disk; a corrupted chunk is recomputed;
-a full disk budget keeps serving."""
+a full disk budget keeps serving, and keeps the chunks of highest retention value; a file
+system that fills up turns writes off and serving goes on."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import lmdb
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.step import SamplingParams
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops.factory import EngineOptions, assemble
+from tests.ops.test_disk_full import small_disk
 
 pytestmark = pytest.mark.slow
 
@@ -179,3 +182,95 @@ def test_a_full_disk_budget_keeps_serving_with_the_same_tokens(
     assert tier.num_slots == 3 and tier.num_chunks <= 3
     assert small.engine.disk.num_written > tier.num_slots  # older chunks made room for newer
     small.engine.disk.close()
+
+
+# a long conversation first, then short ones that push its chunks down the tiers; the clock
+# stands still, so every chunk's retention value is Cost(l) of its last position (all users
+# alike idle) and does not change with time: the disk must keep the deepest chunks offered
+LONG = ("long", "Tell me about the harbour of Lyon and its old bridges over the river. " * 24)
+SHORT = [(conv_id, text) for conv_id, text in OPENINGS.items()] + [
+    ("e", "List the rivers of France from the longest to the shortest, with a line each. " * 7),
+    ("f", "Explain how a lighthouse keeper spends the long winter nights on the island. " * 7),
+]
+STILL = dict(gpu_cache_tokens=16 * BLOCK, cpu_cache_tokens=2 * BLOCK, admission_reserve=0.0)
+NUM_DISK_SLOTS = 5
+
+
+def values(
+    run: Run, now: float
+) -> tuple[list[tuple[float, str, int]], list[tuple[float, str, int]]]:
+    """The retention values `Cost(l) * sum over users of 1/T` of the sealed chunks on disk, and
+    of those dropped from every tier (computed here from the conversations)."""
+    kv, tier = run.engine.kv, run.engine.disk.tier
+    on_disk, dropped = [], []
+    for conv in kv.conversations.values():
+        for i, key in enumerate(conv.keys[: len(conv.chunks)]):
+            chunk = conv.chunks[i]
+            users = chunk.users.values()
+            value = kv.cost((i + 1) * BLOCK) * sum(
+                1 / max(now - u.last_active, 1e-6) for u in users
+            )
+            if key in tier:
+                on_disk.append((value, conv.conv_id, i))
+            elif kv.place(chunk) == 0:
+                dropped.append((value, conv.conv_id, i))
+    return on_disk, dropped
+
+
+def test_the_disk_keeps_the_chunks_of_highest_retention_value_within_its_budget(
+    smollm2, chat, tmp_path
+) -> None:
+    chunk = 30 * 2 * BLOCK * 3 * 64 * 4  # SmolLM2 in fp32
+    gb = (NUM_DISK_SLOTS + 0.5) * chunk / (1 << 30)
+    reference = engine(smollm2, chat, STILL)
+    run = engine(smollm2, chat, STILL, tmp_path, gb=gb)
+    now = 1000.0
+    for each in (reference, run):
+        each.engine.clock = lambda: now
+    tier = run.engine.disk.tier
+    slots = tmp_path / "rank0" / "slots.bin"
+    for conv_id, text in [LONG, *SHORT]:
+        reference.turn(conv_id, text)
+        run.turn(conv_id, text)
+        run.engine.disk.flush()
+        assert tier.num_slots == NUM_DISK_SLOTS and tier.num_chunks <= NUM_DISK_SLOTS
+        assert slots.stat().st_size == NUM_DISK_SLOTS * tier.geometry.slot_bytes
+    kept, dropped = values(run, now)
+    assert len(kept) == NUM_DISK_SLOTS and dropped, (kept, dropped)
+    assert min(kept)[0] >= max(dropped)[0], (sorted(kept), sorted(dropped))
+    assert run.engine.disk.num_saved > NUM_DISK_SLOTS  # more chunks were offered than fit
+    # every conversation goes on with the tokens of a run without the disk tier
+    for conv_id, _ in [LONG, *SHORT]:
+        reference.turn(conv_id, NEXT.get(conv_id, "Go on."))
+        run.turn(conv_id, NEXT.get(conv_id, "Go on."))
+    assert run.outputs() == reference.outputs()
+    assert run.sources().disk > 0 and reference.sources().disk == 0
+    run.engine.disk.close()
+    index = lmdb.open(str(tmp_path / "rank0" / "index"), max_dbs=2, readonly=True)
+    with index, index.begin() as txn:
+        assert txn.stat(index.open_db(b"chunks", txn=txn))["entries"] <= NUM_DISK_SLOTS
+
+
+def test_a_file_system_that_fills_up_turns_writes_off_and_serving_goes_on(
+    smollm2, chat, roomy, tmp_path, caplog
+) -> None:
+    """A real ENOSPC: the tier on an 8 MiB tmpfs (room for 5 chunks) under a budget of 70."""
+    with small_disk(tmp_path / "disk", "8m") as mount:
+        run = engine(smollm2, chat, TINY, mount, gb=0.1)
+        cache = run.engine.disk
+        writes_off: list[int] = []  # chunks on disk after each turn once writes are off
+        for conv_id, text in [*OPENINGS.items(), LATE, *NEXT.items()]:
+            run.turn(conv_id, text)
+            cache.flush()
+            if not cache.writable:
+                writes_off.append(cache.tier.num_chunks)
+        assert run.outputs() == roomy.outputs()
+        off = [r for r in caplog.records if "writes are off" in r.getMessage()]
+        assert len(off) == 1 and "No space left on device" in off[0].getMessage(), off
+        assert len(writes_off) >= 3 and cache.tier.num_slots > 50
+        assert 0 < cache.tier.num_chunks * cache.tier.geometry.slot_bytes < 8 << 20
+        # once off: nothing is written, nor removed to make room for writes that never come
+        assert len(set(writes_off)) == 1
+        assert run.engine.kv.disk is not None and not run.engine.kv.disk.writable
+        assert run.sources().recomputed > roomy.sources().recomputed
+        cache.close()
