@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pensieve.actors.executor.grammar import SampledTokens
+from pensieve.actors.executor.grammar import SampledTokens, _pinned
 from pensieve.actors.wire.step import SeqPiece
 from pensieve.actors.wire.structured import JSON_OPTIONS, Grammar
 
@@ -57,7 +57,9 @@ class XGrammarMasks:
         if not rows:
             return None
         states = self._catch_up([sampling[row] for row in rows])
-        bitmask = self._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        # written whole below, as the executor's: no fill beforehand (allocate_token_bitmask's)
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=_pinned())
         live = [k for k, state in enumerate(states) if not state.matcher.is_terminated()]
         for k in set(range(len(rows))) - set(live):  # ended: only an end of sequence
             bitmask[k].zero_()

@@ -98,7 +98,9 @@ class GrammarMasks:
             return None
         tokenizer = self._ensure_tokenizer()
         words = (tokenizer.vocab_size + 31) // 32
-        bitmask = torch.zeros((len(rows), words), dtype=torch.int32, pin_memory=_pinned())
+        # every row is written whole below (a mask filled, or EOS alone): no fill beforehand,
+        # which for a batch of rows runs on torch's threads and took longer than the masks
+        bitmask = torch.empty((len(rows), words), dtype=torch.int32, pin_memory=_pinned())
         live: list[tuple[Any, int]] = []
         for k, state in enumerate(self._catch_up([sampling[row] for row in rows])):
             if state.matcher.is_stopped() or state.matcher.is_error():

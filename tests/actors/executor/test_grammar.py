@@ -146,3 +146,25 @@ def test_a_batch_of_constrained_rows_gets_the_masks_each_row_gets_alone() -> Non
         for row, matcher in alone.items():
             matcher.consume_token(tokens[row])
     assert all(m.is_stopped() for m in alone.values())  # each wrote its whole grammar
+
+
+def test_a_filled_mask_row_is_written_whole_whatever_the_buffer_held() -> None:
+    """The executor's masks are not cleared before they are filled (`GrammarMasks.masks`): a
+    row llguidance fills must come out the same over a buffer of ones as over one of zeros."""
+    from llguidance import LLExecutor, LLMatcher
+    from llguidance.hf import from_tokenizer
+    from llguidance.torch import fill_next_token_bitmask_par
+
+    tokenizer = smollm2_tokenizer()
+    words = (len(tokenizer) + 31) // 32
+    llg = from_tokenizer(tokenizer, eos_token=tokenizer.eos_token_id)
+    executor = LLExecutor()
+    grammar = Grammar.json_schema({"type": "object", "properties": {"n": {"enum": [1, 2]}}})
+    matchers = [LLMatcher(llg, grammar.compiled(), log_level=0) for _ in range(3)]
+    assert matchers[1].consume_tokens(tokenizer.encode('{"n', add_special_tokens=False))
+    zeros = torch.zeros((3, words), dtype=torch.int32)
+    ones = torch.full((3, words), -1, dtype=torch.int32)
+    for bitmask in (zeros, ones):
+        fill_next_token_bitmask_par(executor, [(m, k) for k, m in enumerate(matchers)], bitmask)
+    assert torch.equal(zeros, ones)
+    assert not torch.equal(zeros[0], zeros[1])  # rows in other states: other masks
