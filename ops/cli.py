@@ -372,17 +372,18 @@ def _replay_built(args, built, conversations, data_dir, max_new) -> None:  # typ
 
 
 def _print_summary(summary, built) -> None:  # type: ignore[no-untyped-def]
+    from pensieve.actors.wire.schemas import PromptSources
+
     prompt = max(summary.prompt_tokens, 1)
-    cached = summary.cached
-    hit = (cached["gpu"] + cached["cpu"]) / prompt
+    sources = PromptSources.total(summary.sources)
     stats = built.engine.swap_stats()
     print(
         f"turns {summary.turns}  output tokens {summary.output_tokens}  "
         f"{summary.output_tokens / max(summary.seconds, 1e-9):.1f} tok/s  "
         f"in {summary.seconds:.1f} s\n"
-        f"prompt tokens {summary.prompt_tokens}: gpu {cached['gpu']}  cpu {cached['cpu']}  "
-        f"recomputed {cached['recomputed']}  new {summary.new_prompt_tokens}  "
-        f"(cache hit rate {hit:.1%})\n"
+        f"prompt tokens {summary.prompt_tokens}: gpu {sources.gpu}  cpu {sources.cpu}  "
+        f"disk {sources.disk}  recomputed {sources.recomputed}  new {sources.new}  "
+        f"(cache hit rate {sources.cached / prompt:.1%})\n"
         f"swaps: in {stats.bytes_in / 1e6:.1f} MB in {stats.seconds_in:.3f} s, "
         f"out {stats.bytes_out / 1e6:.1f} MB in {stats.seconds_out:.3f} s; "
         f"suspensions {built.engine.num_suspensions}"

@@ -282,7 +282,7 @@ def test_each_actor_killed_under_load_rejoins_and_every_turn_keeps_its_tokens(
         # tokens depend on its own
         got = [r.get("token_ids", want) for r, want in zip(conv.replies, tokens, strict=True)]
         assert got == tokens, conv.conv_id
-    usage = [r["usage"]["cached_tokens"] for conv in conversations for r in conv.replies]
+    usage = [r["usage"]["prompt_sources"] for conv in conversations for r in conv.replies]
     # histories kept on the GPU across turns, and recomputed after the executor's restart
     assert any(u["gpu"] for u in usage) and any(u["recomputed"] for u in usage), usage
     assert codes == dict.fromkeys(codes, 0), {n: a.lines[-20:] for n, a in actors.items()}
