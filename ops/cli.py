@@ -15,8 +15,8 @@ from typing import Any
 
 from pensieve.actors.config import DEFAULTS
 from pensieve.actors.wire.version import version
+from pensieve.ops.cli_actor import actor_parser
 from pensieve.ops.cli_options import (
-    ACTOR_NAMES,
     HelpFormatter,
     engine_args,
     engine_options,
@@ -174,25 +174,7 @@ def _serve_parser(commands: Any) -> None:
 
 
 def _actor_parser(commands: Any) -> None:
-    actor = commands.add_parser(
-        "actor",
-        help=_summary("actor"),
-        description="Run one actor of an engine, meeting the others on the NATS server at "
-        "--nats-url. Give every actor of one engine the same options (and --data-dir): "
-        "'executor' loads the model and its KV tiers and runs the step plans it is sent; "
-        "'scheduler' admits and schedules the turns (with --tokenizers 0, their chat "
-        "templates are rendered by 'tokenizer' actors, each --tokenizers replicas); 'ingress' "
-        "serves the client API and hands each request to the scheduler; 'http' serves the "
-        "OpenAI-compatible HTTP API (--http-port) in front of the ingress. "
-        "Each waits for the others.",
-        formatter_class=HelpFormatter,
-    )
-    actor.add_argument("name", choices=ACTOR_NAMES, help="which actor")
-    engine_args(actor)
-    server_args(actor, embedded=False)
-    nats_auth_args(actor, embedded=False)
-    log_arg(actor)
-    actor.set_defaults(run=_actor)
+    actor_parser(commands, _summary("actor"), _actor)
 
 
 def _client_parser(commands: Any, name: str, help: str, description: str) -> Any:
@@ -311,6 +293,8 @@ def _serve(args: argparse.Namespace, started: float) -> int:
 def _actor(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.actor_main import run_actor
 
+    if args.name == "http" and not (args.served_model_name or args.model):
+        raise ValueError("pensieve actor http names its model: give --model or --served-model-name")
     return run_actor(args.name, engine_options(args), serve_options(args), started)
 
 

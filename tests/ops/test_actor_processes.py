@@ -54,20 +54,18 @@ CHATS = [
     ],
 ]
 MAX_TOKENS = 16
-OPTIONS = [
-    "--model",
-    "smollm2",
-    "--gpu-cache-tokens",
-    "320",
-    "--cpu-cache-tokens",
-    "512",
-    "--admission-reserve",
-    "0",
-    "--max-batch-tokens",
-    "512",
-    "--cpu-threads",
-    "1",
-]
+# each actor's options: the scheduler renders nothing itself, the tokenizer actors do, in
+# processes of their own
+MODEL = ["--model", "smollm2"]
+OPTIONS = {
+    "executor": [*MODEL, "--gpu-cache-tokens", "320", "--cpu-cache-tokens", "512"]
+    + ["--cpu-threads", "1"],
+    "scheduler": [*MODEL, "--admission-reserve", "0", "--max-batch-tokens", "512"]
+    + ["--tokenizers", "0"],
+    "tokenizer": [*MODEL, "--tokenizers", "1"],
+    "ingress": [],
+    "recompute-planner": [],
+}
 # which line each actor prints once it serves
 READY = {
     "ingress": "ready on",
@@ -94,16 +92,13 @@ class Actor:
 
     def __init__(self, name: str, url: str, data_dir: Path, *extra: str) -> None:
         self.name = name
-        # the scheduler renders nothing itself: the tokenizer actors do, in processes of their own
-        tokenizers = ["--tokenizers", "1" if name == "tokenizer" else "0"]
         command = [
             sys.executable,
             "-m",
             "pensieve.ops.cli",
             "actor",
             name,
-            *OPTIONS,
-            *tokenizers,
+            *OPTIONS[name],
             "--nats-url",
             url,
             "--data-dir",
