@@ -78,18 +78,20 @@ for variant in "${variants[@]}"; do
                     --data-dir "$logs/data_$variant" > "$logs/executor.txt" 2>&1 &
                 pids+=($!)
                 for actor in recompute-planner ingress tokenizer tokenizer; do
-                    one=()  # each tokenizer process one replica
-                    [ "$actor" = tokenizer ] && one=(--tokenizers 1)
-                    # shellcheck disable=SC2086
-                    python3 -m pensieve.ops.cli actor "$actor" $model "${one[@]}" \
+                    one=()  # each actor the options it takes; each tokenizer process one replica
+                    # shellcheck disable=SC2207  # options_of's words, each an argument
+                    [ "$actor" = tokenizer ] && one=(--tokenizers 1 $(options_of --model --tokenizer))
+                    python3 -m pensieve.ops.cli actor "$actor" "${one[@]}" \
                         --nats-url "nats://127.0.0.1:$port" --data-dir "$logs/data_$variant" \
                         > "$logs/$actor-${#pids[@]}.txt" 2>&1 &
                     pids+=($!)
                 done
                 serve=(actor scheduler --tokenizers 0 --nats-url "nats://127.0.0.1:$port") ;;
         esac
+        engine=$model
+        [ "$mode" = procs ] && engine=$(options_of --model --dtype --tokenizer --seed --block-size)
         # shellcheck disable=SC2086
-        python3 -m pensieve.ops.cli "${serve[@]}" $model \
+        python3 -m pensieve.ops.cli "${serve[@]}" $engine \
             --data-dir "$logs/data_$variant" > "$log" 2>&1 &
         server=$!
         url=$(wait_line "$log" "$server") || { echo "$variant did not start"; kill "${pids[@]}" 2>/dev/null; exit 1; }

@@ -13,3 +13,17 @@ mkdir -p "$pkg/pensieve"
 for folder in actors kernels models store ops; do ln -sfn "$PWD/$folder" "$pkg/pensieve/$folder"; done
 export PYTHONPATH="$pkg:/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
 export PYTHONUNBUFFERED=1
+
+# options_of OPTION...: the words of $model (a list of `--option value` pairs) for the options
+# named, with their values: what one `pensieve actor NAME` takes of them
+options_of() {
+    local -a words kept=()
+    local i option
+    read -ra words <<< "$model"
+    for ((i = 0; i + 1 < ${#words[@]}; i += 2)); do
+        for option in "$@"; do
+            [ "${words[i]}" = "$option" ] && kept+=("${words[i]}" "${words[i + 1]}")
+        done
+    done
+    echo "${kept[@]}"
+}

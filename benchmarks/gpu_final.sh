@@ -48,8 +48,8 @@ for kind in ("open", "final"):
     if not runs:
         continue
     rate = statistics.median(r["output_tok_per_s"] for r in runs)
-    cached = {k: sum(r["cached_tokens"][k] for r in runs) for k in ("recomputed", "cpu", "gpu")}
-    new = sum(r["prompt_tokens"] for r in runs) - sum(cached.values())
+    cached = {k: sum(r["prompt_sources"][k] for r in runs) for k in ("recomputed", "cpu", "gpu")}
+    new = sum(r["prompt_sources"]["new"] for r in runs)
     print(f"{kind:<8} {rate:9.1f} {cached['recomputed']:11d} {cached['cpu']:9d} "
           f"{cached['gpu']:9d} {new:9d}")
 PY

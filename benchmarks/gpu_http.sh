@@ -45,8 +45,8 @@ if ! grep -q 'OpenAI-compatible API on' "$out/serve.txt"; then
     exit 1
 fi
 python3 -m pensieve.ops.cli tenant add bench --data-dir "$out/data" > "$out/tenant.json" 2>/dev/null
-# shellcheck disable=SC2086
-python3 -m pensieve.ops.cli actor http $model --http-port "$actor_port" --data-dir "$out/data" \
+# shellcheck disable=SC2046  # the actor takes the model's name alone
+python3 -m pensieve.ops.cli actor http $(options_of --model) --http-port "$actor_port" --data-dir "$out/data" \
     --nats-url "nats://127.0.0.1:$nats_port" > "$out/actor.txt" 2>&1 &
 actor=$!
 for _ in $(seq 120); do

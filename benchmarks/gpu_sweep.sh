@@ -53,8 +53,8 @@ for label in "$@"; do
         client=(--http "http://127.0.0.1:$((port + 2000))/v1" --tenant "$data.tenant.json")
     fi
     if [ "$label" = "$policy+http-actor" ]; then
-        # shellcheck disable=SC2086
-        python3 -m pensieve.ops.cli actor http $model --http-port $((port + 2000)) \
+        # shellcheck disable=SC2046  # the actor takes the model's name alone
+        python3 -m pensieve.ops.cli actor http $(options_of --model) --http-port $((port + 2000)) \
             --nats-url "nats://127.0.0.1:$port" --data-dir "$data" > "$out/actor_$label.txt" 2>&1 &
         pids+=($!)
         for _ in $(seq 120); do

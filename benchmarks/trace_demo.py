@@ -80,7 +80,7 @@ async def main() -> None:
         for first, first_trace in reversed(firsts):
             body = {"conversation_id": first["conversation_id"], "message": "And of Italy?"}
             reply, trace_id = await turn(nc, tracer, body)
-            cached = reply["usage"]["cached_tokens"]
+            cached = reply["usage"]["prompt_sources"]
             if cached["cpu"] and (found is None or cached["recomputed"]):
                 found = {
                     "trace_id": trace_id,

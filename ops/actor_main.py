@@ -1,8 +1,8 @@
 """`pensieve actor NAME`: one actor of an engine in this process, meeting the others on a NATS
-server (`--nats-url`); each takes the model, cache and store options of `pensieve serve`, so one
-option list starts any of them, and each waits for the others rather than failing when it starts
-first. The engine is named by the store in `--data-dir`: give every actor of one engine the same.
-The actors and how each starts are the table in `ops/deploy.py`:
+server (`--nats-url`); each takes the options of `pensieve serve` that it uses
+(ops/cli_actor.py), and each waits for the others rather than failing when it starts first. The
+engine is named by the store in `--data-dir`: give every actor of one engine the same. The actors
+and how each starts are the table in `ops/deploy.py`:
 
 - `executor`: loads the model and holds the KV tiers (the swap manager lives here too); runs the
   step plans it is sent, and keeps the CPU tier's spill index in the store.

@@ -28,7 +28,6 @@ from typing import Any
 from pensieve.actors.wire.bus import Bus
 from pensieve.ops.agentic import Session, Workload
 from pensieve.ops.agentic_summary import (
-    CACHED,
     LongPromptResult,
     Outcome,
     Slo,
@@ -237,7 +236,7 @@ def _turn_result(
         tuple(streamed.arrived),
         usage["prompt_tokens"],
         usage["completion_tokens"],
-        {k: usage["cached_tokens"].get(k, 0) for k in CACHED},
+        usage["prompt_sources"],
         allowed,
         tuple(streamed.shown),
     )

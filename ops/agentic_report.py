@@ -28,7 +28,7 @@ COLUMNS = (
     ("cpu", lambda r: f"{r['prompt_share']['cpu']:.0%}"),
     ("recomp", lambda r: f"{r['prompt_share']['recomputed']:.0%}"),
     ("new", lambda r: f"{r['prompt_share']['new']:.0%}"),
-    ("shared", lambda r: _share(r["cached_tokens"]["shared"], r["prompt_tokens"])),
+    ("shared", lambda r: _share(r["prompt_sources"]["shared"], r["prompt_tokens"])),
     ("reuse", lambda r: _share(r["reuse"]["share_of_allowed"], 1)),
     ("good turns/s", lambda r: f"{r['goodput']['turns_per_s']:.2f}"),
     ("good sess/s", lambda r: f"{r['goodput']['sessions_per_s']:.3f}"),

@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+import msgspec
+
+from pensieve.actors.wire.schemas import PromptSources
 from pensieve.ops.load_report import Report, Request, serving_metrics
 
 REPORT = Report()  # `vllm bench serve`'s defaults
-SOURCES = ("gpu", "cpu", "disk", "recomputed")  # with the new tokens, a turn's prompt
-CACHED = (*SOURCES, "shared")  # shared: of gpu and cpu, found in another conversation's chunks
+SHARES = ("gpu", "cpu", "disk", "recomputed", "new")  # the sources that add up to a prompt
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class TurnResult:
     arrived: tuple[float, ...]  # each streamed chunk, perf_counter seconds
     prompt_tokens: int
     completion_tokens: int
-    cached: dict[str, int]  # by `CACHED`
+    sources: dict[str, int]  # its reply's `prompt_sources`
     allowed: int | None  # prompt tokens the workload lets come from the cache (None: turn 0)
     # the reply's tokens shown with each chunk (the server's `completion_tokens`; empty or 0
     # where it does not say)
@@ -119,8 +121,8 @@ def summarize(
     turns = outcome.turns
     prompt = sum(t.prompt_tokens for t in turns)
     output = sum(t.completion_tokens for t in turns)
-    cached = {k: sum(t.cached[k] for t in turns) for k in CACHED}
-    new = prompt - sum(cached[k] for k in SOURCES)
+    sources = PromptSources.total([t.sources for t in turns])
+    by_source = msgspec.structs.asdict(sources)
     missed = {t.session for t in turns if not t.meets(slo)}
     good_sessions = len(outcome.completed - missed)
     good_turns = sum(t.meets(slo) for t in turns)
@@ -139,12 +141,10 @@ def summarize(
         "output_tok_per_s": per_s(output),
         "prompt_tokens": prompt,
         "input_tok_per_s": per_s(prompt),
-        "cached_tokens": cached,
-        "new_prompt_tokens": new,
-        "prompt_share": {
-            k: v / prompt if prompt else 0.0
-            for k, v in {**{k: cached[k] for k in SOURCES}, "new": new}.items()
-        },
+        "cached_tokens": sources.cached,
+        "prompt_sources": by_source,
+        "new_prompt_tokens": sources.new,
+        "prompt_share": {k: by_source[k] / prompt if prompt else 0.0 for k in SHARES},
         "reuse": reuse(turns),
         "ttft_first_s": stats([t.ttft_s for t in turns if t.index == 0]),
         "ttft_later_s": stats([t.ttft_s for t in turns if t.index > 0]),
@@ -186,16 +186,19 @@ def reuse(turns: list[TurnResult]) -> dict[str, Any]:
     later = [t for t in turns if t.allowed is not None]
     first = [t for t in turns if t.allowed is None]
     allowed = sum(t.allowed or 0 for t in later)
-    cached = {k: sum(t.cached[k] for t in later) for k in CACHED}
+    cached = PromptSources.total([t.sources for t in later])
+    opening = PromptSources.total([t.sources for t in first])
     return {
         "turns": len(later),
         "allowed_tokens": allowed,
-        "cached_tokens": cached,
-        "share_of_allowed": (cached["gpu"] + cached["cpu"]) / allowed if allowed else None,
+        "cached_tokens": cached.cached,
+        "prompt_sources": msgspec.structs.asdict(cached),
+        "share_of_allowed": (cached.gpu + cached.cpu) / allowed if allowed else None,
         "first_turns": {
             "turns": len(first),
             "prompt_tokens": sum(t.prompt_tokens for t in first),
-            "cached_tokens": {k: sum(t.cached[k] for t in first) for k in CACHED},
+            "cached_tokens": opening.cached,
+            "prompt_sources": msgspec.structs.asdict(opening),
         },
     }
 

@@ -251,13 +251,14 @@ async def read_terminal(prompt: str) -> str | None:
 def _turn_line(reply: dict[str, Any], conversation_id: str | None) -> str:
     """The line under a reply: its tokens, and where the prompt's KV came from."""
     usage = reply["usage"]
-    cached = usage["cached_tokens"]
+    sources = usage["prompt_sources"]
     where = "" if conversation_id is None else f" of {conversation_id}"
     turn = f"turn {reply['turn']}{where}" if "turn" in reply else f"reply{where}"
     tail = f", {reply['finish_reason']}" if "finish_reason" in reply else ""
     return (
-        f"[{turn}: {usage['prompt_tokens']} prompt tokens (gpu {cached.get('gpu', 0)}, cpu "
-        f"{cached.get('cpu', 0)}, recomputed {cached.get('recomputed', 0)}), "
+        f"[{turn}: {usage['prompt_tokens']} prompt tokens, {usage['cached_tokens']} cached "
+        f"(gpu {sources['gpu']}, cpu {sources['cpu']}, disk {sources['disk']}; recomputed "
+        f"{sources['recomputed']}, new {sources['new']}), "
         f"{usage['completion_tokens']} completion tokens{tail}]"
     )
 

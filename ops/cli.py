@@ -15,8 +15,8 @@ from typing import Any
 
 from pensieve.actors.config import DEFAULTS
 from pensieve.actors.wire.version import version
+from pensieve.ops.cli_actor import actor_parser
 from pensieve.ops.cli_options import (
-    ACTOR_NAMES,
     HelpFormatter,
     engine_args,
     engine_options,
@@ -174,25 +174,7 @@ def _serve_parser(commands: Any) -> None:
 
 
 def _actor_parser(commands: Any) -> None:
-    actor = commands.add_parser(
-        "actor",
-        help=_summary("actor"),
-        description="Run one actor of an engine, meeting the others on the NATS server at "
-        "--nats-url. Give every actor of one engine the same options (and --data-dir): "
-        "'executor' loads the model and its KV tiers and runs the step plans it is sent; "
-        "'scheduler' admits and schedules the turns (with --tokenizers 0, their chat "
-        "templates are rendered by 'tokenizer' actors, each --tokenizers replicas); 'ingress' "
-        "serves the client API and hands each request to the scheduler; 'http' serves the "
-        "OpenAI-compatible HTTP API (--http-port) in front of the ingress. "
-        "Each waits for the others.",
-        formatter_class=HelpFormatter,
-    )
-    actor.add_argument("name", choices=ACTOR_NAMES, help="which actor")
-    engine_args(actor)
-    server_args(actor, embedded=False)
-    nats_auth_args(actor, embedded=False)
-    log_arg(actor)
-    actor.set_defaults(run=_actor)
+    actor_parser(commands, _summary("actor"), _actor)
 
 
 def _client_parser(commands: Any, name: str, help: str, description: str) -> Any:
@@ -311,6 +293,8 @@ def _serve(args: argparse.Namespace, started: float) -> int:
 def _actor(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.actor_main import run_actor
 
+    if args.name == "http" and not (args.served_model_name or args.model):
+        raise ValueError("pensieve actor http names its model: give --model or --served-model-name")
     return run_actor(args.name, engine_options(args), serve_options(args), started)
 
 
@@ -372,17 +356,18 @@ def _replay_built(args, built, conversations, data_dir, max_new) -> None:  # typ
 
 
 def _print_summary(summary, built) -> None:  # type: ignore[no-untyped-def]
+    from pensieve.actors.wire.schemas import PromptSources
+
     prompt = max(summary.prompt_tokens, 1)
-    cached = summary.cached
-    hit = (cached["gpu"] + cached["cpu"]) / prompt
+    sources = PromptSources.total(summary.sources)
     stats = built.engine.swap_stats()
     print(
         f"turns {summary.turns}  output tokens {summary.output_tokens}  "
         f"{summary.output_tokens / max(summary.seconds, 1e-9):.1f} tok/s  "
         f"in {summary.seconds:.1f} s\n"
-        f"prompt tokens {summary.prompt_tokens}: gpu {cached['gpu']}  cpu {cached['cpu']}  "
-        f"recomputed {cached['recomputed']}  new {summary.new_prompt_tokens}  "
-        f"(cache hit rate {hit:.1%})\n"
+        f"prompt tokens {summary.prompt_tokens}: gpu {sources.gpu}  cpu {sources.cpu}  "
+        f"disk {sources.disk}  recomputed {sources.recomputed}  new {sources.new}  "
+        f"(cache hit rate {sources.cached / prompt:.1%})\n"
         f"swaps: in {stats.bytes_in / 1e6:.1f} MB in {stats.seconds_in:.3f} s, "
         f"out {stats.bytes_out / 1e6:.1f} MB in {stats.seconds_out:.3f} s; "
         f"suspensions {built.engine.num_suspensions}"

@@ -1,6 +1,6 @@
-"""The options `pensieve serve`, `pensieve actor` and `pensieve replay` share: the engine's
-(model, cache, scheduling), the server's (NATS, HTTP, data, expiry), the NATS credentials and the
-log level, and how they become `EngineOptions` and `ServeOptions`."""
+"""The options `pensieve serve`, `pensieve replay` and `pensieve actor` (each actor those it uses:
+ops/cli_actor.py) share: the engine's (model, cache, scheduling), the server's (NATS, HTTP, data,
+expiry), NATS credentials, the log level; and how they become `EngineOptions`, `ServeOptions`."""
 
 from __future__ import annotations
 
@@ -14,9 +14,6 @@ from pensieve.actors.ingress.placement import PlacementConfig
 from pensieve.actors.ingress.placement import Policy as PlacementPolicy
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# `pensieve actor NAME`'s names, as ops/deploy.py's ACTORS has them: named here so that the
-# parser does not import the actors (and torch with them)
-ACTOR_NAMES = ("ingress", "http", "tokenizer", "scheduler", "recompute-planner", "executor")
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -241,7 +238,9 @@ def server_args(p: argparse.ArgumentParser, embedded: bool = True) -> None:
     )
 
 
-def engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> None:
+def engine_args(
+    p: argparse.ArgumentParser, positional_model: bool = False, model_required: bool = True
+) -> None:
     """The model, cache and scheduler options; with `positional_model`, the model may come
     as the first word, as `vllm serve MODEL` takes it (`model_of` reads either)."""
     model = p.add_argument_group("model")
@@ -251,7 +250,8 @@ def engine_args(p: argparse.ArgumentParser, positional_model: bool = False) -> N
     )
     if positional_model:
         p.add_argument("model_word", nargs="?", metavar="MODEL", help=f"{text}; or --model")
-    model.add_argument("--model", required=not positional_model, metavar="MODEL", help=text)
+    required = model_required and not positional_model
+    model.add_argument("--model", required=required, metavar="MODEL", help=text)
     model.add_argument(
         "--tokenizer",
         metavar="DIR",

@@ -37,10 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
 import orjson
 
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.schemas import PromptSources
 from pensieve.ops.load_report import Report, Request, serving_metrics
 from pensieve.ops.sharegpt import Conversation, Role, human_turns, load_conversations
 
@@ -122,7 +124,7 @@ class _Turns:
     normalized: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int = 0
-    cached: Counter[str] = field(default_factory=Counter)
+    sources: list[dict[str, int]] = field(default_factory=list)  # each reply's prompt_sources
     errors: Counter[str] = field(default_factory=Counter)
     requests: list[Request] = field(default_factory=list)
 
@@ -262,7 +264,7 @@ def server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
     """What the engine did during the load, by its own totals: requests finished, suspensions,
     prompt tokens by source, and swaps in each direction with their rate over the device time
     the copies took. With one engine on the bus and no other client, its prompt sources add up
-    the replies' `cached_tokens`."""
+    the replies' `prompt_sources`."""
 
     def moved(a: Any, b: Any) -> Any:
         if isinstance(a, dict):
@@ -369,7 +371,7 @@ async def _conversation(
         turns.normalized.append((done - begin) / max(usage["completion_tokens"], 1))
         turns.output_tokens += usage["completion_tokens"]
         turns.prompt_tokens += usage["prompt_tokens"]
-        turns.cached.update(usage["cached_tokens"])
+        turns.sources.append(usage["prompt_sources"])
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -380,7 +382,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def _summary(turns: _Turns, seconds: float, report: Report) -> dict[str, Any]:
-    cached = {k: turns.cached[k] for k in ("gpu", "cpu", "recomputed")}  # `shared`: of gpu, cpu
+    sources = PromptSources.total(turns.sources)
     return {
         "turns": len(turns.latency),
         "errors": dict(turns.errors),
@@ -389,8 +391,9 @@ def _summary(turns: _Turns, seconds: float, report: Report) -> dict[str, Any]:
         "output_tok_per_s": turns.output_tokens / seconds if seconds else 0.0,
         "turns_per_s": len(turns.latency) / seconds if seconds else 0.0,
         "prompt_tokens": turns.prompt_tokens,
-        "cached_tokens": cached,
-        "new_prompt_tokens": turns.prompt_tokens - sum(cached.values()),
+        "cached_tokens": sources.cached,
+        "prompt_sources": msgspec.structs.asdict(sources),
+        "new_prompt_tokens": sources.new,
         "ttft_s_mean": sum(turns.ttft) / len(turns.ttft) if turns.ttft else None,
         **{
             f"{name}_p{int(q * 100)}": _percentile(values, q)

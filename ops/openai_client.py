@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import orjson
 
 from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.schemas import PromptSources
 
 CONVERSATION_HEADER = "X-Conversation-Id"
 
@@ -133,19 +135,23 @@ class OpenAIChatClient:
         if usage is None:
             yield {"error": {"code": "internal", "message": "no usage in the stream"}}
             return
-        details = usage.get("prompt_tokens_details") or {}
-        sources = details.get("sources")
-        if sources is None:  # another server: its cached tokens, as if from the GPU
-            sources = {"gpu": details.get("cached_tokens") or 0}
-        cached = {k: sources.get(k, 0) for k in ("gpu", "cpu", "disk", "recomputed", "shared")}
-        yield {
-            "conversation_id": conversation,
-            "usage": {
-                "prompt_tokens": usage["prompt_tokens"],
-                "completion_tokens": usage["completion_tokens"],
-                "cached_tokens": cached,
-            },
-        }
+        yield {"conversation_id": conversation, "usage": _client_usage(usage)}
+
+
+def _client_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """The client API's `usage` of an OpenAI one: another server's cached tokens, which it does
+    not place in a tier, count as found on the GPU."""
+    prompt = usage["prompt_tokens"]
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") or 0
+    found = details.get("prompt_sources") or {"gpu": cached, "new": prompt - cached}
+    sources = PromptSources.total([found])
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": usage["completion_tokens"],
+        "cached_tokens": sources.cached,
+        "prompt_sources": msgspec.structs.asdict(sources),
+    }
 
 
 def _error(data: bytes, status: str) -> dict[str, Any]:

@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import msgspec
 import orjson
 from tqdm import tqdm
 
 from pensieve.actors.config import DEFAULTS
+from pensieve.actors.scheduler.conversations import prompt_sources
 from pensieve.actors.scheduler.request import FinishReason, Request
 from pensieve.actors.scheduler.turn_commit import commit_turn, turn_record
 from pensieve.actors.wire.messages import ChatMessage
@@ -64,7 +66,7 @@ class ReplaySummary:
     turns: int = 0
     output_tokens: int = 0
     prompt_tokens: int = 0
-    cached: dict[str, int] = field(default_factory=lambda: {"gpu": 0, "cpu": 0, "recomputed": 0})
+    sources: list[dict[str, int]] = field(default_factory=list)  # each turn's prompt_sources
     new_prompt_tokens: int = 0
     seconds: float = 0.0
     skipped_conversations: int = 0
@@ -194,6 +196,7 @@ class _Replayer:
         self._emit(session, request, record)
 
     def _emit(self, session: Session, request: Request, record: TurnRecord) -> None:
+        sources = prompt_sources(record)
         line = {
             "conversation_id": session.conv.id,
             "turn": record.turn,
@@ -202,11 +205,8 @@ class _Replayer:
             "output_token_ids": request.output_ids,
             "output_text": record.assistant_text,
             "finish_reason": record.finish_reason,
-            "cached_tokens": {
-                "gpu": record.cached_gpu,
-                "cpu": record.cached_cpu,
-                "recomputed": record.cached_recomputed,
-            },
+            "cached_tokens": sources.cached,
+            "prompt_sources": msgspec.structs.asdict(sources),
             "ttft_s": (request.first_token_time or request.arrival) - request.arrival,
             "latency_s": (request.finish_time or request.arrival) - request.arrival,
             "suspensions": request.num_suspensions,
@@ -223,5 +223,4 @@ class _Replayer:
         s.output_tokens += len(request.output_ids)
         s.prompt_tokens += record.prompt_tokens
         s.new_prompt_tokens += record.new_prompt_tokens
-        for key in s.cached:
-            s.cached[key] += line["cached_tokens"][key]  # type: ignore[index]
+        s.sources.append(msgspec.structs.asdict(sources))

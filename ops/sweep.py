@@ -38,6 +38,7 @@ COLUMNS = (
     "norm p90",
     "gpu",
     "cpu",
+    "disk",
     "recomp",
     "new",
     "errors",
@@ -238,7 +239,7 @@ def table(label: str, runs: Sequence[dict[str, Any]]) -> str:
             if "request_rate" in run
             else f"c={run.get('concurrency', '?')}"
         )
-        cached = run["cached_tokens"]
+        sources = run["prompt_sources"]
         errors = ",".join(f"{k}:{v}" for k, v in sorted(run["errors"].items())) or "-"
         rows.append(
             (
@@ -249,10 +250,11 @@ def table(label: str, runs: Sequence[dict[str, Any]]) -> str:
                 _seconds(run["ttft_s_p90"], 3),
                 _seconds(run["norm_latency_s_p50"], 4),
                 _seconds(run["norm_latency_s_p90"], 4),
-                str(cached["gpu"]),
-                str(cached["cpu"]),
-                str(cached["recomputed"]),
-                str(run["new_prompt_tokens"]),
+                str(sources["gpu"]),
+                str(sources["cpu"]),
+                str(sources["disk"]),
+                str(sources["recomputed"]),
+                str(sources["new"]),
                 errors,
             )
         )

@@ -77,6 +77,10 @@ class TurnRecord:
     response_format: dict[str, Any] | None = None
     tools: tuple[dict[str, Any], ...] = ()
     tool_choice: str | dict[str, Any] = "none"
+    # read back from the disk tier, and of `cached_gpu` and `cached_cpu` those found by content
+    # in another conversation's chunks (0 in a record written before they were kept)
+    cached_disk: int = 0
+    cached_shared: int = 0
 
     def __post_init__(self) -> None:
         for name in ("tool_results", "tool_calls", "tools"):  # as JSON reads them back: lists
@@ -90,6 +94,8 @@ class TurnRecord:
             cached_gpu=self.cached_gpu,
             cached_cpu=self.cached_cpu,
             cached_recomputed=self.cached_recomputed,
+            cached_disk=self.cached_disk,
+            cached_shared=self.cached_shared,
         )
         if self.new_prompt_tokens > self.prompt_tokens:
             raise ValueError("new_prompt_tokens cannot exceed prompt_tokens")

@@ -126,7 +126,7 @@ def test_the_client_example_runs_verbatim_against_serve_started_as_the_readme_sa
         *texts, cached_line = done.stdout.strip().splitlines()
         assert len(texts) >= 2 and all(line.strip() for line in (texts[0], texts[-1]))
         cached = ast.literal_eval(cached_line.removeprefix("cached prompt tokens:").strip())
-        assert cached["gpu"] > 0  # the second turn reused the first turn's KV
+        assert type(cached) is int and cached > 0  # the second turn reused the first's KV
         log.wait_for("turn 1 of", proc, timeout_s=30)  # one log line per finished turn
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, log.text

@@ -205,21 +205,18 @@ def to_text_completion(data: bytes, model: str) -> Completion:
 
 
 def usage(reply: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's usage of a client API reply; `prompt_tokens_details.sources` says where each
-    prompt token's KV came from (cached = the GPU, CPU and disk tiers; `shared`, of those,
-    found by content in another conversation's chunks)."""
+    """OpenAI's usage of a client API reply: `prompt_tokens_details.cached_tokens` (the prompt
+    tokens whose KV was reused, from any tier) with `prompt_sources` beside it, every prompt
+    token by where its KV came from, as the client API's `usage` has them."""
     used = reply["usage"]
-    cached = used["cached_tokens"]
     prompt, completion = used["prompt_tokens"], used["completion_tokens"]
-    disk = cached.get("disk", 0)
-    new = prompt - cached["gpu"] - cached["cpu"] - disk - cached["recomputed"]
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {
-            "cached_tokens": cached["gpu"] + cached["cpu"] + disk,
-            "sources": {**cached, "new": new},
+            "cached_tokens": used["cached_tokens"],
+            "prompt_sources": used["prompt_sources"],
         },
     }
 

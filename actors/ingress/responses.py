@@ -268,16 +268,22 @@ def next_turn(conv_id: str, context: list[Message], chat: list[Message]) -> dict
 def usage(reply: dict[str, Any]) -> dict[str, Any]:
     """The Responses API's usage of a chat reply."""
     used = reply["usage"]
-    cached = used["cached_tokens"]
     return token_usage(
-        used["prompt_tokens"], used["completion_tokens"], cached["gpu"] + cached["cpu"]
+        used["prompt_tokens"],
+        used["completion_tokens"],
+        used["cached_tokens"],
+        used["prompt_sources"],
     )
 
 
-def token_usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+def token_usage(
+    prompt: int, completion: int, cached: int, sources: dict[str, int]
+) -> dict[str, Any]:
+    """`input_tokens_details.cached_tokens` with `prompt_sources` beside it, as the chat
+    completions' `prompt_tokens_details` has them."""
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {"cached_tokens": cached, "prompt_sources": sources},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
@@ -357,6 +363,7 @@ def stored_response(ref: ResponseRef, turn: dict[str, Any], model: str) -> dict[
             turn["prompt_tokens"],
             turn["completion_tokens"],
             turn.get("cached_tokens", 0),
+            turn["prompt_sources"],
         ),
         "created_at": int(turn.get("started_at", 0)),
     }

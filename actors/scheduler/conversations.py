@@ -29,6 +29,7 @@ from pensieve.actors.wire.schemas import (
     ConversationReply,
     ListReply,
     Page,
+    PromptSources,
     ToolCall,
     ToolChoice,
     ToolDef,
@@ -170,6 +171,7 @@ class Conversations:
             if turns and size > PAGE_BYTES:
                 break
             history = None if r.history is None else msgspec.convert(r.history, list[ChatTurn])
+            sources = prompt_sources(r)
             turns.append(
                 TurnSummary(
                     r.turn,
@@ -179,7 +181,8 @@ class Conversations:
                     r.prompt_tokens,
                     len(r.output_token_ids),
                     history,
-                    r.cached_gpu + r.cached_cpu,
+                    sources.cached,
+                    sources,
                     r.started_at,
                     msgspec.convert(r.tool_results, tuple[ToolResult, ...]),
                     msgspec.convert(r.tool_calls, tuple[ToolCall, ...]),
@@ -333,6 +336,18 @@ def _structure(record: TurnRecord) -> dict[str, Any]:
         "tools": msgspec.convert(record.tools, tuple[ToolDef, ...]),
         "tool_choice": msgspec.convert(record.tool_choice, ToolChoice),
     }
+
+
+def prompt_sources(record: TurnRecord) -> PromptSources:
+    """Where the KV of the turn's prompt tokens came from, as its reply and summary say."""
+    return PromptSources(
+        gpu=record.cached_gpu,
+        cpu=record.cached_cpu,
+        disk=record.cached_disk,
+        recomputed=record.cached_recomputed,
+        new=record.new_prompt_tokens,
+        shared=record.cached_shared,
+    )
 
 
 def not_found(conv_id: str) -> ApiError:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from pensieve.actors.scheduler.conversations import reply_message
+from pensieve.actors.scheduler.conversations import prompt_sources, reply_message
 from pensieve.actors.scheduler.metrics import Metrics
 from pensieve.actors.scheduler.replication import Replicate, after_replicated
 from pensieve.actors.scheduler.request import Request, common_prefix
@@ -51,6 +51,8 @@ def turn_record(
         cached_gpu=sources.gpu,
         cached_cpu=sources.cpu,
         cached_recomputed=sources.recomputed,
+        cached_disk=sources.disk,
+        cached_shared=sources.shared,
         started_at=started_at,
         finished_at=max(time.time(), started_at),
         history=history,
@@ -134,13 +136,6 @@ class TurnCommitter:
         """Once `stored` settles (on the store writer's thread): the conversation moves on and
         the reply goes out, or the turn fails and the conversation stays as before it."""
         conv, request = turn.conv, turn.request
-        cached = {
-            "gpu": record.cached_gpu,
-            "cpu": record.cached_cpu,
-            "disk": request.sources.disk,
-            "recomputed": record.cached_recomputed,
-            "shared": request.sources.shared,
-        }
         reply = chat_reply(
             conv.conv_id,
             record.turn,
@@ -148,7 +143,7 @@ class TurnCommitter:
             list(request.output_ids),
             record.finish_reason,
             record.prompt_tokens,
-            cached,
+            prompt_sources(record),
             turn.final,
             record.tool_calls,
         )
@@ -194,10 +189,10 @@ def _log_turn(conv_id: str, record: TurnRecord, request: Request) -> None:
         record.prompt_tokens,
         record.cached_gpu,
         record.cached_cpu,
-        request.sources.disk,
+        record.cached_disk,
         record.cached_recomputed,
         record.new_prompt_tokens,
-        request.sources.shared,
+        record.cached_shared,
         len(record.output_token_ids),
         record.finish_reason,
         first - request.arrival,

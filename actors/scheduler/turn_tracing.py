@@ -17,10 +17,11 @@ from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
+import msgspec
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from pensieve.actors.scheduler.conversations import Conversation
+from pensieve.actors.scheduler.conversations import Conversation, prompt_sources
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.request import Request
 from pensieve.actors.scheduler.scheduler import Suspension
@@ -73,14 +74,14 @@ class TurnTracer:
         """The turn's outcome as attributes of its request span, and its wait for admission as
         the child span "queued"; the span is its conversation's last."""
         request, span = turn.request, turn.span
+        sources = prompt_sources(record)
         span.set_attributes(
             {
-                "pensieve.cached_tokens.gpu": record.cached_gpu,
-                "pensieve.cached_tokens.cpu": record.cached_cpu,
-                "pensieve.cached_tokens.disk": request.sources.disk,
-                "pensieve.cached_tokens.recomputed": record.cached_recomputed,
-                "pensieve.cached_tokens.shared": request.sources.shared,
-                "pensieve.new_prompt_tokens": record.new_prompt_tokens,
+                "pensieve.cached_tokens": sources.cached,
+                **{
+                    f"pensieve.prompt_sources.{k}": v
+                    for k, v in msgspec.structs.asdict(sources).items()
+                },
                 "pensieve.completion_tokens": len(request.output_ids),
                 "pensieve.finish_reason": record.finish_reason,
                 "pensieve.suspensions": request.num_suspensions,

@@ -12,6 +12,7 @@ hands the checked request on as `encode_body` writes it, and the scheduler reads
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -510,22 +511,40 @@ def _is_hex(text: str) -> bool:
 # ---- replies ---------------------------------------------------------------------------------
 
 
-class CachedTokens(msgspec.Struct, frozen=True):
-    """Prompt tokens whose KV was found on the GPU or the CPU, or recomputed from the log;
-    `shared`: those of `gpu` and `cpu` found by content in chunks another conversation
-    computed (a common prefix); `disk`: read back from the disk tier."""
+REUSED = ("gpu", "cpu", "disk")  # the tiers whose tokens `cached_tokens` counts
 
-    gpu: int
-    cpu: int
-    recomputed: int
-    shared: int = 0
+
+class PromptSources(msgspec.Struct, frozen=True):
+    """Where the KV of each prompt token came from: `gpu` found in the GPU tier, `cpu` swapped
+    in from the CPU tier, `disk` read back from the disk tier, `recomputed` from the token log
+    (its KV was in no tier), `new` computed for the first time; these five add up to
+    `prompt_tokens`. `shared`: of `gpu` and `cpu`, those found by content in chunks another
+    conversation computed (a common prefix)."""
+
+    gpu: int = 0
+    cpu: int = 0
     disk: int = 0
+    recomputed: int = 0
+    new: int = 0
+    shared: int = 0
+
+    @property
+    def cached(self) -> int:
+        """The prompt tokens whose KV was reused, from any tier: `gpu + cpu + disk` (a shared
+        chunk is counted in its tier; recomputed tokens were computed again)."""
+        return self.gpu + self.cpu + self.disk
+
+    @classmethod
+    def total(cls, many: Sequence[Mapping[str, int]]) -> PromptSources:
+        """The sum of `prompt_sources` objects as a reply has them (a key left out counts 0)."""
+        return cls(**{k: sum(found.get(k, 0) for found in many) for k in cls.__struct_fields__})
 
 
 class Usage(msgspec.Struct, frozen=True):
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: CachedTokens
+    cached_tokens: int  # of `prompt_tokens`, those whose KV was reused (`PromptSources.cached`)
+    prompt_sources: PromptSources  # every prompt token by where its KV came from
 
 
 class ChatReply(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -587,7 +606,8 @@ class TurnSummary(msgspec.Struct, frozen=True, omit_defaults=True):
     completion_tokens: int
     # the chat before `message`, where it is not the turns' before it (`TurnRecord.history`)
     history: list[ChatTurn] | None = None
-    cached_tokens: int = 0  # of `prompt_tokens`, served from the GPU and CPU tiers
+    cached_tokens: int = 0  # of `prompt_tokens`, those whose KV was reused, as in `Usage`
+    prompt_sources: PromptSources | None = None  # as in `Usage`
     started_at: float = 0.0  # unix time
     tool_results: tuple[ToolResult, ...] = ()  # said only when there are some
     tool_calls: tuple[ToolCall, ...] = ()  # the reply's, said only when there are some
@@ -634,13 +654,13 @@ def chat_reply(
     token_ids: list[int],
     finish_reason: str,
     prompt_tokens: int,
-    cached: dict[str, int],
+    sources: PromptSources,
     final: bool = False,
     tool_calls: tuple[dict[str, Any], ...] = (),
 ) -> dict[str, Any]:
     """A `ChatReply` as a dict (the scheduler adds `done` to a streamed one); `tool_calls` in
     OpenAI's shape."""
-    usage = Usage(prompt_tokens, len(token_ids), CachedTokens(**cached))
+    usage = Usage(prompt_tokens, len(token_ids), sources.cached, sources)
     calls = msgspec.convert(tool_calls, tuple[ToolCall, ...])
     reply = ChatReply(conv_id, turn, text, token_ids, finish_reason, usage, final, tool_calls=calls)
     built: dict[str, Any] = msgspec.to_builtins(reply)

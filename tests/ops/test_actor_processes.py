@@ -54,20 +54,18 @@ CHATS = [
     ],
 ]
 MAX_TOKENS = 16
-OPTIONS = [
-    "--model",
-    "smollm2",
-    "--gpu-cache-tokens",
-    "320",
-    "--cpu-cache-tokens",
-    "512",
-    "--admission-reserve",
-    "0",
-    "--max-batch-tokens",
-    "512",
-    "--cpu-threads",
-    "1",
-]
+# each actor's options: the scheduler renders nothing itself, the tokenizer actors do, in
+# processes of their own
+MODEL = ["--model", "smollm2"]
+OPTIONS = {
+    "executor": [*MODEL, "--gpu-cache-tokens", "320", "--cpu-cache-tokens", "512"]
+    + ["--cpu-threads", "1"],
+    "scheduler": [*MODEL, "--admission-reserve", "0", "--max-batch-tokens", "512"]
+    + ["--tokenizers", "0"],
+    "tokenizer": [*MODEL, "--tokenizers", "1"],
+    "ingress": [],
+    "recompute-planner": [],
+}
 # which line each actor prints once it serves
 READY = {
     "ingress": "ready on",
@@ -94,16 +92,13 @@ class Actor:
 
     def __init__(self, name: str, url: str, data_dir: Path, *extra: str) -> None:
         self.name = name
-        # the scheduler renders nothing itself: the tokenizer actors do, in processes of their own
-        tokenizers = ["--tokenizers", "1" if name == "tokenizer" else "0"]
         command = [
             sys.executable,
             "-m",
             "pensieve.ops.cli",
             "actor",
             name,
-            *OPTIONS,
-            *tokenizers,
+            *OPTIONS[name],
             "--nats-url",
             url,
             "--data-dir",
@@ -282,7 +277,7 @@ def test_each_actor_killed_under_load_rejoins_and_every_turn_keeps_its_tokens(
         # tokens depend on its own
         got = [r.get("token_ids", want) for r, want in zip(conv.replies, tokens, strict=True)]
         assert got == tokens, conv.conv_id
-    usage = [r["usage"]["cached_tokens"] for conv in conversations for r in conv.replies]
+    usage = [r["usage"]["prompt_sources"] for conv in conversations for r in conv.replies]
     # histories kept on the GPU across turns, and recomputed after the executor's restart
     assert any(u["gpu"] for u in usage) and any(u["recomputed"] for u in usage), usage
     assert codes == dict.fromkeys(codes, 0), {n: a.lines[-20:] for n, a in actors.items()}

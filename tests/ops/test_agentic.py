@@ -168,9 +168,9 @@ def turn(
     """A turn of 100 prompt tokens whose chunks came 10 ms apart from `start`; a later turn
     found 80 of them cached (10 shared) of the 90 its session allowed."""
     cached = (
-        {"gpu": 60, "cpu": 20, "disk": 0, "recomputed": 0, "shared": 10}
+        {"gpu": 60, "cpu": 20, "disk": 0, "recomputed": 0, "new": 20, "shared": 10}
         if index
-        else dict.fromkeys(("gpu", "cpu", "disk", "recomputed", "shared"), 0)
+        else {"gpu": 0, "cpu": 0, "disk": 0, "recomputed": 0, "new": 100, "shared": 0}
     )
     arrived = tuple(start + 0.01 * i for i in range(tokens))
     allowed = 90 if index else None
@@ -198,11 +198,13 @@ def test_the_summary_splits_first_turns_and_counts_goodput_under_the_objective()
     assert summary["itl_s"]["p50"] == 0.01 and summary["latency_s"]["p90"] == 3.9
     assert summary["prompt_tokens"] == 500 and summary["input_tok_per_s"] == 50
     assert summary["output_tokens"] == 29 and summary["output_tok_per_s"] == 2.9
-    assert summary["cached_tokens"] == {
+    assert summary["cached_tokens"] == 160
+    assert summary["prompt_sources"] == {
         "gpu": 120,
         "cpu": 40,
         "disk": 0,
         "recomputed": 0,
+        "new": 340,
         "shared": 20,
     }
     # shared tokens are of the GPU's and CPU's: the new ones are the rest
@@ -215,18 +217,21 @@ def test_the_summary_splits_first_turns_and_counts_goodput_under_the_objective()
     }
     reuse = summary["reuse"]
     assert reuse["turns"] == 2 and reuse["allowed_tokens"] == 180
-    assert reuse["cached_tokens"] == {
+    assert reuse["cached_tokens"] == 160
+    assert reuse["prompt_sources"] == {
         "gpu": 120,
         "cpu": 40,
         "disk": 0,
         "recomputed": 0,
+        "new": 40,
         "shared": 20,
     }
     assert reuse["share_of_allowed"] == pytest.approx(160 / 180)
     assert reuse["first_turns"] == {
         "turns": 3,
         "prompt_tokens": 300,
-        "cached_tokens": {"gpu": 0, "cpu": 0, "disk": 0, "recomputed": 0, "shared": 0},
+        "cached_tokens": 0,
+        "prompt_sources": {"gpu": 0, "cpu": 0, "disk": 0, "recomputed": 0, "new": 300, "shared": 0},
     }
     assert "long_prompt" not in summary
     goodput = summary["goodput"]

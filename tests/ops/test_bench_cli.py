@@ -107,7 +107,7 @@ def test_a_rate_sweep_is_measured_tabled_and_plotted_beside_another(
     assert sweep["label"] == "first" and [r["request_rate"] for r in sweep["runs"]] == [2, 8]
     for run in sweep["runs"]:
         assert run["turns"] == 6 and run["output_tokens"] == 24 and not run["errors"]
-        assert run["cached_tokens"]["gpu"] > 0  # second turns came from the KV the first left
+        assert run["prompt_sources"]["gpu"] > 0  # second turns came from the KV the first left
         assert 0 < run["ttft_s_p50"] <= run["latency_s_p50"]
 
     from matplotlib import image
@@ -181,7 +181,7 @@ def test_bench_drives_the_openai_api_and_reports_what_the_server_counted(
     assert refused["error"]["code"] and "max_tokens" in refused["error"]["message"], refused
     (summary,) = json.loads((tmp_path / "http.json").read_text())["runs"]
     assert summary["turns"] == 6 and summary["output_tokens"] == 24 and not summary["errors"]
-    assert summary["cached_tokens"]["gpu"] > 0
+    assert summary["prompt_sources"]["gpu"] > 0
     assert 0 < summary["ttft_s_p50"] <= summary["latency_s_p50"]
 
     def moved(name: str) -> float:

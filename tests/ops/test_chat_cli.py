@@ -22,8 +22,8 @@ from tests.ops.serving import serve_on_thread
 pytestmark = pytest.mark.slow
 
 TURN_LINE = re.compile(
-    r"\[turn (\d+) of (\S+): (\d+) prompt tokens \(gpu (\d+), cpu (\d+), "
-    r"recomputed (\d+)\), (\d+) completion tokens, (\w+)\]"
+    r"\[turn (\d+) of (\S+): (\d+) prompt tokens, (\d+) cached \(gpu (\d+), cpu (\d+), "
+    r"disk (\d+); recomputed (\d+), new (\d+)\), (\d+) completion tokens, (\w+)\]"
 )
 
 
@@ -98,6 +98,9 @@ def test_two_turns_through_a_terminal(smollm2, smollm2_chat, tmp_path) -> None:
             conv_id = first.group(2)
             assert second.group(2) == conv_id and [first[1], second[1]] == ["0", "1"]
             assert int(second.group(4)) > 0  # the second prompt's history was on the GPU
+            # cached: the tokens of the reused tiers; with recomputed and new, the whole prompt
+            cached, gpu, cpu, disk, recomputed, new = map(int, second.group(4, 5, 6, 7, 8, 9))
+            assert cached == gpu + cpu + disk and cached + recomputed + new == int(second[3])
             stored = service.get(conv_id).turns
             assert [streamed for _, streamed in replies] == [t.text for t in stored]
             terminal.type("/history")

@@ -174,7 +174,7 @@ def test_a_stop_string_ends_the_turn_at_the_same_token_however_late_its_text_com
         assert log == runs[0][2]
         assert second["token_ids"] == runs[0][1]["token_ids"]
         assert second["usage"] == runs[0][1]["usage"]  # the same history kept, from the GPU
-    assert runs[0][1]["usage"]["cached_tokens"]["gpu"] > 0
+    assert runs[0][1]["usage"]["prompt_sources"]["gpu"] > 0
 
 
 SYSTEM = {"role": "system", "content": "You answer in one word."}

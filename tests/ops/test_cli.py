@@ -103,23 +103,74 @@ def test_chat_and_bench_help_show_every_option_s_default() -> None:
             assert "default" in entry, f"pensieve {name}: {entry}"
 
 
-def test_actor_help_shows_only_what_an_actor_takes() -> None:
-    """An actor starts no nats-server: it has no --nats-port, and --nats-url is required."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pensieve.ops.cli", "actor", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert "--nats-url URL" in done.stdout and "--nats-port" not in done.stdout
-    assert "--insecure" not in done.stdout
-    refused = subprocess.run(
-        [sys.executable, "-m", "pensieve.ops.cli", "actor", "ingress"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert refused.returncode == 2 and "--nats-url" in refused.stderr
+# per actor: options its help lists, and options of other actors that it must not list
+ACTOR_HELP = {
+    "executor": (
+        {"--model", "--device", "--dtype", "--gpu-cache-tokens", "--cpu-threads", "--block-size"},
+        {"--max-batch-tokens", "--tokenizers", "--metrics-port", "--http-port", "--turn-log"},
+    ),
+    "scheduler": (
+        {"--model", "--dtype", "--max-batch-tokens", "--tokenizers", "--metrics-port", "--policy"},
+        {"--device", "--gpu-cache-tokens", "--cpu-threads", "--http-port"},
+    ),
+    "tokenizer": (
+        {"--model", "--tokenizer", "--chat-template", "--tokenizers"},
+        {"--device", "--dtype", "--max-batch-tokens", "--block-size", "--http-port"},
+    ),
+    "recompute-planner": (
+        {"--block-size"},
+        {"--model", "--device", "--dtype", "--max-batch-tokens", "--http-port", "--tokenizers"},
+    ),
+    "ingress": (
+        {"--turn-log"},
+        {"--model", "--device", "--dtype", "--block-size", "--http-port", "--max-waiting"},
+    ),
+    "http": (
+        {"--model", "--http-port", "--http-host", "--served-model-name", "--shutdown-grace"},
+        {"--device", "--dtype", "--tokenizers", "--block-size", "--max-batch-tokens"},
+    ),
+}
+# every actor's: where the actors meet and who they are there, the store, logs and traces
+EVERY_ACTOR = {"--nats-url", "--data-dir", "--nats-user", "--trace", "--log-level"}
+
+
+def test_each_actor_s_help_lists_its_options_alone_and_it_refuses_another_s(capsys) -> None:
+    """An actor starts no nats-server: it has no --nats-port, and --nats-url is required; an
+    option of `pensieve serve` that it does not use is refused with a line naming it."""
+    from pensieve.ops.cli import build_parser, main
+    from pensieve.ops.cli_actor import ACTOR_NAMES, TAKEN_BY
+
+    assert set(ACTOR_HELP) == set(ACTOR_NAMES)
+    for name, (own, others) in ACTOR_HELP.items():
+        with pytest.raises(SystemExit):
+            build_parser("actor").parse_args(["actor", name, "--help"])
+        listed = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", capsys.readouterr().out))
+        assert own | EVERY_ACTOR <= listed, (name, own - listed)
+        assert not listed & (others | {"--nats-port", "--step-channel", "--insecure"}), name
+    url = ["--nats-url", "nats://127.0.0.1:1"]
+    for name, option, value, takers in (
+        ("ingress", "--device", "cuda", "`pensieve actor executor` takes it"),
+        ("executor", "--max-batch-tokens", "64", "`pensieve actor scheduler` takes it"),
+        ("http", "--dtype", "float16", "the executor and scheduler actors take it"),
+        ("scheduler", "--step-channel", "nats", "`pensieve serve` takes it"),
+        ("recompute-planner", "--no-prefix-sharing", None, "`pensieve actor scheduler` takes it"),
+    ):
+        given = [option] if value is None else [option, value]
+        with pytest.raises(SystemExit) as exited:
+            main(["actor", name, *url, *given])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2, err
+        assert f"{option} does not apply to `pensieve actor {name}`: {takers}" in err, err
+    # the actors that load the model need it; an actor not given --nats-url is refused
+    for name, words in (("scheduler", "--model"), ("ingress", "--nats-url")):
+        with pytest.raises(SystemExit):
+            main(["actor", name])
+        err = capsys.readouterr().err
+        assert "the following arguments are required" in err and words in err, err
+    # what an actor does not take keeps its default for the options it is built from
+    args = build_parser().parse_args(["actor", "ingress", *url])
+    assert (args.device, args.block_size, args.overlap, args.model) == ("cpu", 32, True, None)
+    assert set(TAKEN_BY) <= set(vars(args))  # the table names options that exist
 
 
 def test_the_defaults_come_from_one_table() -> None:
@@ -218,7 +269,7 @@ def test_version_and_help_import_no_torch_nor_anything_a_command_needs() -> None
 
 
 def test_the_actor_names_of_the_parser_are_those_deployed() -> None:
-    from pensieve.ops.cli_options import ACTOR_NAMES
+    from pensieve.ops.cli_actor import ACTOR_NAMES
     from pensieve.ops.deploy import ACTORS
 
     assert tuple(ACTORS) == ACTOR_NAMES

@@ -51,7 +51,9 @@ def test_each_actor_service_runs_that_actor_with_options_the_cli_accepts(files: 
         args = build_parser().parse_args(_command(services[actor]))
         assert args.run.__name__ == "_actor" and args.name == actor
         assert args.trace == "otlp" and str(args.data_dir) == "/data"
-        assert args.device == ("cuda" if gpu else "cpu")
+        # each actor takes only the options it uses (the parser refused any other)
+        assert args.device == ("cuda" if gpu and actor == "executor" else "cpu")
+        assert args.model == ("smollm2" if actor not in ("ingress", "recompute-planner") else None)
     # the engine's tokenizers are their own service; only the executor holds the GPU
     assert _command(services["scheduler"])[:4] == ["actor", "scheduler", "--tokenizers", "0"]
     # the scheduler hears of closed tenant connections (their turns end) with and without GPUs

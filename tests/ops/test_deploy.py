@@ -21,6 +21,7 @@ from pensieve.actors.wire import subjects
 from pensieve.actors.wire.actor import Actor
 from pensieve.actors.wire.bus import Bus
 from pensieve.ops.cli import build_parser
+from pensieve.ops.cli_actor import TAKEN_BY
 from pensieve.ops.context import Context, Nats, ServeOptions, remote_engine
 from pensieve.ops.deploy import ACTORS, METRICS, actor_plan, deployment, serve_plan
 from pensieve.ops.factory import EngineOptions
@@ -36,7 +37,8 @@ def test_the_table_names_exactly_the_actors_the_cli_offers(capsys) -> None:
     assert offered is not None, usage
     assert set(offered.group(1).split(",")) == set(ACTORS)
     for name in ACTORS:  # every name runs its own entry, alone
-        args = ["actor", name, "--model", "smollm2", "--nats-url", "nats://127.0.0.1:4222"]
+        model = ["--model", "smollm2"] if name in TAKEN_BY["model"] else []
+        args = ["actor", name, *model, "--nats-url", "nats://127.0.0.1:4222"]
         assert build_parser().parse_args(args).name == name
         assert [e.name for e in actor_plan(name, ServeOptions(Path("d"), tokenizers=1))][-1] == name
     with pytest.raises(ValueError, match="unknown actor"):

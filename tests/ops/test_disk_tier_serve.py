@@ -102,5 +102,5 @@ def test_a_server_killed_while_writing_back_continues_with_the_same_tokens(tmp_p
     with server(tmp_path / "data", disk) as (proc, url):
         seconds = [turn(url, t, f["conversation_id"]) for f, t in zip(firsts, NEXT, strict=True)]
     assert [tokens(r) for r in firsts + seconds] == reference
-    sources = [r["usage"]["prompt_tokens_details"]["sources"] for r in seconds]
+    sources = [r["usage"]["prompt_tokens_details"]["prompt_sources"] for r in seconds]
     assert sum(s["disk"] for s in sources) >= 32, sources

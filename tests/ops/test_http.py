@@ -420,3 +420,61 @@ def test_a_body_near_the_size_limit_is_refused_and_the_next_request_answered(ser
         assert error["type"] == "invalid_request_error" and error["message"]
     reply, _ = ask(client(server, alice), CHAT[0])
     assert reply.choices[0].message.content
+
+
+REUSED = ("gpu", "cpu", "disk")  # the tiers whose tokens `cached_tokens` counts
+SOURCES = {"gpu", "cpu", "disk", "recomputed", "new", "shared"}
+
+
+def check_cached(cached: Any, sources: dict[str, int], prompt_tokens: int) -> None:
+    """`cached_tokens` is one number, the reused tiers' tokens of the sources beside it, which
+    (with `recomputed` and `new`; `shared` is of `gpu` and `cpu`) add up to the prompt."""
+    assert type(cached) is int and set(sources) == SOURCES, (cached, sources)
+    assert cached == sum(sources[k] for k in REUSED) > 0, (cached, sources)
+    assert cached + sources["recomputed"] + sources["new"] == prompt_tokens, sources
+    assert sources["shared"] <= sources["gpu"] + sources["cpu"]
+
+
+def test_cached_tokens_is_one_number_everywhere_with_its_tiers_beside_it(server, alice) -> None:
+    """A second turn with reuse, over NATS (its reply and `conversations.get`'s turn), chat
+    completions and the Responses API."""
+
+    async def over_nats() -> tuple[dict[str, Any], dict[str, Any]]:
+        nc = await nats.connect(**alice["nats"])
+        try:
+            body = {"message": "Name a planet.", "max_tokens": 8}
+            first = orjson.loads((await nc.request(subjects.CHAT, orjson.dumps(body), 120)).data)
+            body = {**body, "message": "And a moon?", "conversation_id": first["conversation_id"]}
+            second = orjson.loads((await nc.request(subjects.CHAT, orjson.dumps(body), 120)).data)
+            get = orjson.dumps({"conversation_id": first["conversation_id"]})
+            stored = orjson.loads((await nc.request(subjects.CONVERSATIONS_GET, get, 30)).data)
+            return second, stored["turns"][1]
+        finally:
+            await nc.close()
+
+    second, stored = asyncio.run(over_nats())
+    usage = second["usage"]
+    check_cached(usage["cached_tokens"], usage["prompt_sources"], usage["prompt_tokens"])
+    assert (stored["cached_tokens"], stored["prompt_sources"]) == (
+        usage["cached_tokens"],
+        usage["prompt_sources"],
+    )
+    api = client(server, alice)
+    _, conv_id = ask(api, "Name a river.")
+    reply, _ = ask(api, "And a lake?", conv_id)
+    details = reply.usage.prompt_tokens_details
+    check_cached(
+        details.cached_tokens, details.model_extra["prompt_sources"], reply.usage.prompt_tokens
+    )
+    first = api.responses.create(model=MODEL, input="Name a tree.", max_output_tokens=16)
+    later = api.responses.create(
+        model=MODEL, input="And a flower?", previous_response_id=first.id, max_output_tokens=16
+    )
+    assert later.usage is not None
+    details = later.usage.input_tokens_details
+    check_cached(
+        details.cached_tokens, details.model_extra["prompt_sources"], later.usage.input_tokens
+    )
+    stored_response = api.responses.retrieve(later.id)
+    assert stored_response.usage is not None
+    assert stored_response.usage.input_tokens_details.model_dump() == details.model_dump()

@@ -113,7 +113,7 @@ def test_counters_move_by_exactly_what_the_replies_usage_says(served, sharegpt20
     assert moved("generation_tokens_total") == turns * MAX_TOKENS
     sources = Counter[str]()
     for u in usages:
-        sources.update(u.prompt_tokens_details.model_extra["sources"])
+        sources.update(u.prompt_tokens_details.model_extra["prompt_sources"])
     for source in SOURCES:
         assert moved("prompt_tokens_by_source_total", source=source) == sources[source]
     assert sources["gpu"] + sources["cpu"] > 0  # second turns hit the cache

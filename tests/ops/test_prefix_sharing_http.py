@@ -163,7 +163,9 @@ def test_a_second_conversation_reuses_the_system_prompt_of_the_first(server, cha
     common = common_prefix(chat.render(first_chat), chat.render(second_chat))
     assert common >= 1000 and cached(first) == 0
     assert cached(second) == full_chunks(common)
-    assert second.usage.prompt_tokens_details.model_extra["sources"]["shared"] == cached(second)
+    assert second.usage.prompt_tokens_details.model_extra["prompt_sources"]["shared"] == cached(
+        second
+    )
 
 
 def test_no_tenant_and_no_other_salt_hits_a_prompt(server, chat) -> None:

@@ -127,7 +127,7 @@ def test_three_turn_chat_matches_transformers(three_turns):
     from pensieve.models.assets import smollm2_gguf_path
 
     assert [d["turn"] for d in three_turns] == [0, 1, 2]
-    assert three_turns[1]["cached_tokens"]["gpu"] > 0  # the second turn reused the first's KV
+    assert three_turns[1]["prompt_sources"]["gpu"] > 0  # the second turn reused the first's KV
     assert three_turns[2]["new_prompt_tokens"] < three_turns[2]["prompt_tokens"] / 2
     gguf = smollm2_gguf_path()
     reference = AutoModelForCausalLM.from_pretrained(
@@ -175,7 +175,7 @@ def test_restart_continues_from_the_token_log(
     resumed = [orjson.loads(line) for line in first.read_bytes().splitlines()] + rest
     assert [d["turn"] for d in resumed] == [0, 1, 2]
     assert [d["output_token_ids"] for d in resumed] == [d["output_token_ids"] for d in three_turns]
-    history = rest[0]["cached_tokens"]
+    history = rest[0]["prompt_sources"]
     assert history["recomputed"] > 0 and history["gpu"] == history["cpu"] == 0
 
 
@@ -185,8 +185,8 @@ def test_stateful_equals_stateless_on_sharegpt(smollm2, smollm2_chat, sharegpt20
     )
     assert len(stateless) == len(stateful) >= 40
     assert tokens_by_turn(stateful) == tokens_by_turn(stateless)
-    assert sum(d["cached_tokens"]["gpu"] for d in stateful) > 0
-    assert all(d["cached_tokens"]["gpu"] == 0 for d in stateless)
+    assert sum(d["prompt_sources"]["gpu"] for d in stateful) > 0
+    assert all(d["prompt_sources"]["gpu"] == 0 for d in stateless)
     assert built.engine.totals.sources.new < sum(d["prompt_tokens"] for d in stateful) / 2
 
 
@@ -197,7 +197,7 @@ def test_every_cache_path_gives_the_same_tokens(
     # 16 GPU blocks and 8 CPU blocks for 20 conversations, 8 at a time
     lines, built = run_replay(smollm2, smollm2_chat, sharegpt20, policy, **SMALL_TIERS)
     assert tokens_by_turn(lines) == tokens_by_turn(stateless)
-    cached = [d["cached_tokens"] for d in lines]
+    cached = [d["prompt_sources"] for d in lines]
     counts = {
         "gpu_hit": sum(c["gpu"] > 0 for c in cached),
         "swap_in": sum(c["cpu"] > 0 for c in cached),
@@ -221,16 +221,16 @@ def test_every_cache_path_gives_the_same_tokens(
     for line in lines:
         # a turn's prompt splits by source, counted once even if the turn was suspended
         assert (
-            sum(line["cached_tokens"].values()) + line["new_prompt_tokens"]
-            == (line["prompt_tokens"])
+            line["cached_tokens"] + line["prompt_sources"]["recomputed"] + line["new_prompt_tokens"]
+            == line["prompt_tokens"]
         ), line
         # a turn whose history came from the CPU tier swapped some of it in; one swaps in
         # otherwise only to resume after a suspension
         swapped_in = line["swapped_bytes"]["in"] > 0
-        if line["cached_tokens"]["cpu"] > 0:
+        if line["prompt_sources"]["cpu"] > 0:
             assert swapped_in, line
         if swapped_in:
-            assert line["cached_tokens"]["cpu"] > 0 or line["suspensions"] > 0, line
+            assert line["prompt_sources"]["cpu"] > 0 or line["suspensions"] > 0, line
 
 
 def test_suspension_under_decode_pressure_keeps_tokens(smollm2, smollm2_chat):
@@ -325,7 +325,7 @@ def test_replay_over_two_tensor_parallel_ranks_gives_the_tokens_of_one(sharegpt2
         lines = [orjson.loads(line) for line in out.read_bytes().splitlines()]
         tokens[ranks] = tokens_by_turn(lines)
         cached[ranks] = {
-            k: sum(d["cached_tokens"][k] for d in lines) for k in ("cpu", "recomputed")
+            k: sum(d["prompt_sources"][k] for d in lines) for k in ("cpu", "recomputed")
         }
     assert tokens[2] == tokens[1]
     assert cached[2]["cpu"] and cached[2]["recomputed"], cached

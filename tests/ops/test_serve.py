@@ -180,14 +180,14 @@ def test_the_load_client_drives_conversations_through_the_api(server, sharegpt20
     summary = asyncio.run(go())
     assert summary["turns"] == 6 and summary["errors"] == {}
     assert summary["output_tokens"] == 6 * 8
-    assert sum(summary["cached_tokens"].values()) > 0  # second turns hit the cache
+    assert summary["cached_tokens"] > 0  # second turns hit the cache
     assert 0 < summary["ttft_s_p50"] <= summary["latency_s_p90"]
     assert summary["output_tok_per_s"] > 0
     server = summary["server"]  # the engine's own totals moved by exactly this load
     assert server["requests_finished"] == 6 and server["tokens"]["completion"] == 6 * 8
     assert server["tokens"]["prompt"] == summary["prompt_tokens"]
     sources = server["tokens"]["prompt_sources"]
-    assert {k: sources[k] for k in ("gpu", "cpu", "recomputed")} == summary["cached_tokens"]
+    assert sources == summary["prompt_sources"]
 
 
 def test_the_engine_answers_nats_service_discovery(server) -> None:
@@ -230,7 +230,7 @@ def test_a_conversation_over_nats_gives_the_stateless_tokens(server, reference) 
         assert reply["conversation_id"] == conv_id and reply["turn"] == turn
         assert reply["token_ids"] == reference[turn]
         replies.append(reply)
-    cached = [r["usage"]["cached_tokens"] for r in replies]
+    cached = [r["usage"]["prompt_sources"] for r in replies]
     reused = [c["gpu"] + c["cpu"] + c["recomputed"] for c in cached]
     # a new conversation reuses only chunks found by content (earlier tests sent its message)
     assert reused[0] == cached[0]["shared"] and reused[1] > reused[0] and reused[2] > reused[1]
@@ -326,10 +326,10 @@ def test_the_stats_subject_adds_up_what_the_turns_reported(served) -> None:
     assert moved("tokens", "prompt") == sum(u["prompt_tokens"] for u in usage)
     assert moved("tokens", "completion") == sum(u["completion_tokens"] for u in usage)
     for source in ("gpu", "cpu", "recomputed", "shared"):
-        reported = sum(u["cached_tokens"][source] for u in usage)
+        reported = sum(u["prompt_sources"][source] for u in usage)
         assert moved("tokens", "prompt_sources", source) == reported, source
     # (`shared` counts tokens of `gpu` and `cpu` found by content)
-    cached = sum(sum(u["cached_tokens"].values()) - u["cached_tokens"]["shared"] for u in usage)
+    cached = sum(u["cached_tokens"] + u["prompt_sources"]["recomputed"] for u in usage)
     assert moved("tokens", "prompt_sources", "new") == moved("tokens", "prompt") - cached
     cpu_tokens = moved("tokens", "prompt_sources", "cpu")
     assert cpu_tokens > 0  # the tiers are small enough for history to come back from the CPU
@@ -394,7 +394,7 @@ def test_a_stateless_client_resending_its_history_hits_the_cache(server, referen
         server, conversation_id=first["conversation_id"], messages=history, max_tokens=MAX_TOKENS
     )
     assert again["token_ids"] == reference[1]
-    assert sum(again["usage"]["cached_tokens"].values()) > 0
+    assert again["usage"]["cached_tokens"] > 0
 
 
 def test_a_raw_prompt_is_completed_as_transformers_completes_it(
@@ -701,7 +701,7 @@ def test_a_restarted_server_continues_a_conversation_from_the_store(
                 max_tokens=MAX_TOKENS,
             )
     assert first["token_ids"] == reference[0] and second["token_ids"] == reference[1]
-    assert second["usage"]["cached_tokens"]["recomputed"] > 0  # the KV came from the token log
+    assert second["usage"]["prompt_sources"]["recomputed"] > 0  # the KV came from the token log
 
 
 def test_two_engines_on_one_bus_keep_each_conversation_where_its_kv_is(
@@ -741,7 +741,7 @@ def test_two_engines_on_one_bus_keep_each_conversation_where_its_kv_is(
                 replies, headers = ask(bus.url, subject or subjects.CHAT, body)
                 assert ERROR_HEADER not in headers, replies
                 assert replies[-1]["token_ids"] == reference[turn]
-                assert replies[-1]["usage"]["cached_tokens"]["gpu"] > 0
+                assert replies[-1]["usage"]["prompt_sources"]["gpu"] > 0
         for engine_id, other in zip(engine_ids, reversed(engine_ids), strict=True):
             (stored,), _ = ask(
                 bus.url,
@@ -813,7 +813,7 @@ def test_a_failed_engine_step_is_answered_and_the_conversations_go_on_unchanged(
     assert again["turn"] == 1 and again["token_ids"] == reference[1]
     assert later["token_ids"] == reference[1]
     for reply in (again, later):  # the KV came back from the tokens, not from a suspect cache
-        cached = reply["usage"]["cached_tokens"]
+        cached = reply["usage"]["prompt_sources"]
         assert cached["recomputed"] > 0
         # (the idle one may find by content chunks that `again` recomputed after the failure)
         assert cached["gpu"] + cached["cpu"] == (cached["shared"] if reply is later else 0)
@@ -1031,15 +1031,13 @@ def test_a_request_is_traced_in_the_callers_trace_through_its_phases(served, spa
     attrs = span.attributes
     assert attrs["pensieve.conversation_id"] == first["conversation_id"]
     assert attrs["pensieve.completion_tokens"] == len(second["token_ids"])
-    cached = second["usage"]["cached_tokens"]
-    assert [attrs[f"pensieve.cached_tokens.{k}"] for k in ("gpu", "cpu", "recomputed")] == [
-        cached["gpu"],
-        cached["cpu"],
-        cached["recomputed"],
-    ]
+    usage = second["usage"]
+    assert attrs["pensieve.cached_tokens"] == usage["cached_tokens"]
+    sources = {k: attrs[f"pensieve.prompt_sources.{k}"] for k in usage["prompt_sources"]}
+    assert sources == usage["prompt_sources"]
     # a first turn reuses only chunks found by content (earlier tests sent its message)
     opening = turn_span(0).attributes
-    assert opening["pensieve.cached_tokens.gpu"] == opening["pensieve.cached_tokens.shared"]
+    assert opening["pensieve.prompt_sources.gpu"] == opening["pensieve.prompt_sources.shared"]
     phases = {
         s.name: s
         for s in spans.get_finished_spans()
@@ -1078,7 +1076,7 @@ def test_steps_that_move_kv_are_traced(server, spans) -> None:
     from_cpu = 0
     for conv_id in reversed(ids[:-1]):  # the most recently idle first: likeliest still on the CPU
         reply = chat(server, conversation_id=conv_id, message=CHAT[1], max_tokens=4)
-        from_cpu = reply["usage"]["cached_tokens"]["cpu"]
+        from_cpu = reply["usage"]["prompt_sources"]["cpu"]
         if from_cpu:
             break
     assert from_cpu > 0
@@ -1120,7 +1118,7 @@ def test_the_command_serves_a_model_split_over_two_ranks(tmp_path) -> None:
         first = chat(url, message=CHAT[0], max_tokens=6)
         second = chat(url, conversation_id=first["conversation_id"], message=CHAT[1], max_tokens=6)
         assert len(second["token_ids"]) == 6
-        assert second["usage"]["cached_tokens"]["gpu"] >= first["usage"]["prompt_tokens"] - 1
+        assert second["usage"]["prompt_sources"]["gpu"] >= first["usage"]["prompt_tokens"] - 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:

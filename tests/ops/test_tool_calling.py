@@ -122,8 +122,7 @@ def test_the_same_round_trip_over_nats(server, alice) -> None:
     (call,) = first["tool_calls"]
     assert call["function"]["name"] == "get_weather"
     assert isinstance(json.loads(call["function"]["arguments"]), dict)
-    cached = second["usage"]["cached_tokens"]
-    assert cached["gpu"] + cached["cpu"] >= first["usage"]["prompt_tokens"]
+    assert second["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"]
     # the turn records keep the call and the result
     turns = got["turns"]
     assert turns[0]["tool_calls"] == first["tool_calls"] and turns[0]["message"] == QUESTION

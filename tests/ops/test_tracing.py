@@ -186,8 +186,8 @@ def test_a_turn_is_one_trace_across_the_actors_it_crosses(
         before = {reply["conversation_id"]: trace_id for reply, trace_id in firsts}
         for conv_id in reversed(before):
             reply, trace_id = turn(conversation_id=conv_id, message="And of Italy?")
-            cached = reply["usage"]["cached_tokens"]
-            if cached["cpu"] and cached["recomputed"]:
+            sources = reply["usage"]["prompt_sources"]
+            if sources["cpu"] and sources["recomputed"]:
                 break
         else:
             raise AssertionError("no turn brought history back from the CPU tier and recomputed")
@@ -246,11 +246,11 @@ def test_a_turn_is_one_trace_across_the_actors_it_crosses(
     assert 0 < duration_s(by_name["kv.swap_in"]) < duration_s(prefill)  # the copies alone
     swap_in = attributes_of(by_name["kv.swap_in"])
     block = built.engine.cache_config.block_size
-    assert swap_in["pensieve.blocks"] * block >= cached["cpu"] > 0
+    assert swap_in["pensieve.blocks"] * block >= sources["cpu"] > 0
     assert swap_in["pensieve.bytes"] == swap_in["pensieve.blocks"] * built.engine.block_bytes
     assert swap_in["pensieve.conversation_id"] == conv_id
     planned = attributes_of(by_name["kv.plan_recompute"])
-    assert planned["pensieve.recomputed_tokens"] == cached["recomputed"]
+    assert planned["pensieve.recomputed_tokens"] == sources["recomputed"]
 
     evicted = [
         s

@@ -21,6 +21,7 @@ from pensieve.actors.ingress.openai_api import (
 from pensieve.actors.wire.schemas import MAX_TOKENS_LIMIT, ApiError, parse_chat
 
 USER = {"role": "user", "content": "Hi"}
+SOURCES = {"gpu": 60, "cpu": 20, "disk": 5, "recomputed": 12, "new": 3, "shared": 10}
 REPLY = {
     "conversation_id": "c-1",
     "turn": 1,
@@ -30,7 +31,8 @@ REPLY = {
     "usage": {
         "prompt_tokens": 100,
         "completion_tokens": 2,
-        "cached_tokens": {"gpu": 60, "cpu": 20, "recomputed": 12},
+        "cached_tokens": 85,
+        "prompt_sources": SOURCES,
     },
 }
 
@@ -162,8 +164,8 @@ def test_usage_says_where_the_prompt_came_from() -> None:
         "completion_tokens": 2,
         "total_tokens": 102,
         "prompt_tokens_details": {
-            "cached_tokens": 80,
-            "sources": {"gpu": 60, "cpu": 20, "recomputed": 12, "new": 8},
+            "cached_tokens": 85,
+            "prompt_sources": SOURCES,
         },
     }
 

@@ -105,7 +105,11 @@ def test_streamed_events_are_numbered_in_order() -> None:
     ref = ResponseRef("c", 0)
     asked = request()
     events = ResponseEvents(ref, responses.response(ref, asked, "m", None))
-    reply = {"text": "Hello", "finish_reason": "length", "usage": responses.token_usage(3, 2, 1)}
+    reply = {
+        "text": "Hello",
+        "finish_reason": "length",
+        "usage": responses.token_usage(3, 2, 1, {"gpu": 1, "new": 2}),
+    }
     sent = [
         *events.opening(),
         *events.delta("Hel"),

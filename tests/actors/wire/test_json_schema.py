@@ -10,7 +10,7 @@ import orjson
 
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.json_schema import REQUESTS, client_api, render
-from pensieve.actors.wire.schemas import ROLES, ChatRequest, chat_reply, parse_chat
+from pensieve.actors.wire.schemas import ROLES, ChatRequest, PromptSources, chat_reply, parse_chat
 
 COMMITTED = Path(__file__).parents[3] / "docs" / "schemas" / "client-api.json"
 
@@ -44,8 +44,13 @@ def test_every_client_subject_has_its_request_schema() -> None:
 
 
 def test_a_chat_reply_has_the_fields_its_schema_requires() -> None:
-    reply = chat_reply("c-1", 1, "Paris", [1, 2], "stop", 9, {"gpu": 8, "cpu": 0, "recomputed": 0})
-    schema = client_api()["$defs"]["ChatReply"]
+    sources = PromptSources(gpu=5, cpu=2, disk=1, recomputed=0, new=1, shared=3)
+    reply = chat_reply("c-1", 1, "Paris", [1, 2], "stop", 9, sources)
+    defs = client_api()["$defs"]
+    schema = defs["ChatReply"]
     assert set(schema["required"]) <= set(reply) <= set(schema["properties"])
+    usage = reply["usage"]  # one number, and the tiers beside it under their own name
+    assert defs["Usage"]["properties"]["cached_tokens"] == {"type": "integer"}
+    assert usage["cached_tokens"] == 8 and usage["prompt_sources"]["disk"] == 1
     assert "final" not in reply  # said only when true
     assert json.loads(render())["requests"][subjects.CHAT] == {"$ref": "#/$defs/ChatBody"}
