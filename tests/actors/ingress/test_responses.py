@@ -209,7 +209,7 @@ def test_a_reply_that_calls_a_function_is_a_function_call_item_streamed_as_opena
         "text": "",
         "finish_reason": "tool_calls",
         "tool_calls": [CALL],
-        "usage": responses.token_usage(3, 2, 1),
+        "usage": responses.token_usage(3, 2, 1, {"gpu": 1, "new": 2}),
     }
     finished = responses.response(ref, asked, "m", reply)
     assert finished["status"] == "completed"
