@@ -80,8 +80,7 @@ class Engines:
 
 
 def cached(reply: dict[str, Any]) -> int:
-    tokens = reply["usage"]["cached_tokens"]
-    return int(tokens["gpu"] + tokens["cpu"])
+    return int(reply["usage"]["cached_tokens"])
 
 
 def engine_of(reply: dict[str, Any]) -> str | None:
