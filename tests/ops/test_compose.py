@@ -129,12 +129,16 @@ def test_prometheus_scrapes_the_http_ingress_and_grafana_shows_the_dashboard() -
 
 
 def test_compose_runs_the_nats_server_the_package_ships_and_jaeger_v2() -> None:
+    """Both stacks, the single engine's and the many engines' cluster."""
     services = _load("compose.yaml")["services"]
     shipped = subprocess.run(
         [find_binary(), "--version"], capture_output=True, text=True, check=True
     ).stdout  # "nats-server: v2.15.1"
     version = shipped.split("v")[-1].strip()
     assert services["nats"]["image"] == f"nats:{version}-alpine"
+    cluster = _load("ops/compose.engines.yaml")["services"]
+    nodes = [s for name, s in cluster.items() if name.startswith("nats-")]
+    assert nodes and all(node["image"] == f"nats:{version}-alpine" for node in nodes)
     image, tag = services["jaeger"]["image"].split(":")
     assert image == "jaegertracing/jaeger" and tag.split(".")[0] == "2"
 
