@@ -153,6 +153,7 @@ def test_each_actor_s_help_lists_its_options_alone_and_it_refuses_another_s(caps
         ("executor", "--max-batch-tokens", "64", "`pensieve actor scheduler` takes it"),
         ("http", "--dtype", "float16", "the executor and scheduler actors take it"),
         ("scheduler", "--step-channel", "nats", "`pensieve serve` takes it"),
+        ("executor", "--disk-cache-dir", "/tmp", "`pensieve serve` takes it"),
         ("recompute-planner", "--no-prefix-sharing", None, "`pensieve actor scheduler` takes it"),
     ):
         given = [option] if value is None else [option, value]
