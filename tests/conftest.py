@@ -11,13 +11,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import gc  # noqa: E402
+import sys  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
-# A test's engine holds its KV tiers (gigabytes of address space on the CPU). Reference cycles
-# can keep them past the test until the collector happens to run, and the suite's process then
-# grows past what the kernel lets a fork commit: every later test that starts a process fails.
+# A test's engine holds its KV tiers (gigabytes of address space on the CPU). What keeps them
+# past the test (reference cycles until the collector runs; aiohttp's cache of the handlers it
+# wrapped, up to 1,024 of them, which holds the HTTP actor and through it the engine) lets the
+# suite's process grow past what the kernel lets a fork commit: every later test that starts a
+# process then fails.
 COLLECT_AFTER_GROWTH = 256 << 20
 
 
@@ -32,8 +35,11 @@ def data_size() -> int:
 
 @pytest.fixture(autouse=True)
 def collect_what_a_test_left() -> Iterator[None]:
-    """After a test whose process grew, collect the cycles it left (and their tensors)."""
+    """After a test whose process grew, let go of what it left (and of its tensors)."""
     before = data_size()
     yield
     if data_size() - before > COLLECT_AFTER_GROWTH:
+        web_app = sys.modules.get("aiohttp.web_app")
+        if web_app is not None:
+            web_app._cached_build_middleware.cache_clear()
         gc.collect()
