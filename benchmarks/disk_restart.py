@@ -97,12 +97,33 @@ def run_phase(
     return phase, logs
 
 
-def fill(engine: Engine, histories: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
-    """Every conversation's first turn, all at once; their token logs."""
+def fill(
+    engine: Engine, histories: dict[str, list[int]], max_tokens: int, check: bool = False
+) -> dict[str, list[int]]:
+    """Every conversation's first turn, all at once; their token logs. With `check`, the cache
+    manager's invariants are checked after every step, and the first broken one printed with
+    the requests' states."""
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     requests = {c: engine.add_request(c, p, sampling) for c, p in histories.items()}
+    steps, broken = 0, False
     while engine.has_work():
         engine.step()
+        steps += 1
+        if check and not broken:
+            try:
+                engine.kv.check_invariants()
+            except AssertionError as error:
+                broken = True
+                print(f"step {steps}: {error}")
+                for conv_id, request in requests.items():
+                    conv = engine.kv.conversations.get(conv_id)
+                    chunks = len(conv.chunks) if conv is not None else None
+                    positions = conv.num_positions if conv is not None else None
+                    print(
+                        f"  {conv_id} {request.status.name} pending={request.pending[:2]} "
+                        f"inflight={request.inflight} suspensions={request.num_suspensions} "
+                        f"positions={positions} chunks={chunks}"
+                    )
     return {conv_id: request.all_ids for conv_id, request in requests.items()}
 
 
@@ -140,6 +161,7 @@ def restart(args: argparse.Namespace) -> int:
         cpu_cache_tokens=args.cpu_cache_tokens or int(1.2 * n * per_conv),
         admission_reserve=0.0,
         max_model_len=per_conv,
+        max_batch_tokens=args.max_batch_tokens,
     )
     folder = Path(tempfile.mkdtemp(prefix="disk-restart-", dir=args.dir))
     try:
@@ -167,7 +189,8 @@ def restart(args: argparse.Namespace) -> int:
             return [rng.randrange(100, vocab) for _ in range(length)]
 
         engine = assemble(disk, built.loaded, built.chat).engine
-        logs = fill(engine, {f"conv{i}": text(history) for i in range(n)}, args.max_tokens)
+        first = {f"conv{i}": text(history) for i in range(n)}
+        logs = fill(engine, first, args.max_tokens, args.check)
         turn = {conv_id: log + text(message) for conv_id, log in logs.items()}
         hits, logs = run_phase(engine, "(a) CPU tier hits", turn, args.max_tokens)
         stop(engine, write_back=True)  # as on a SIGTERM
@@ -245,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--max-tokens", type=int, default=2)
     one.add_argument("--gpu-cache-tokens", type=int, default=None)
     one.add_argument("--cpu-cache-tokens", type=int, default=None)
+    one.add_argument("--max-batch-tokens", type=int, default=2048)
+    one.add_argument("--check", action="store_true", help="check the cache's books each step")
     one.add_argument("--disk-gb", type=float, default=None)
     one.add_argument("--disk-read-gbps", type=float, default=2.0)
     one.add_argument("--seed", type=int, default=0)

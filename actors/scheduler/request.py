@@ -59,6 +59,9 @@ class Request:
     # tokens sampled by steps whose results are not applied yet: they count as positions (the
     # next step may already feed them, straight from the device) but not as output
     inflight: int = 0
+    # pieces of it in planned steps not applied yet: a suspended turn is readmitted only once
+    # they are, so that the positions they compute are counted before its KV is cut again
+    unapplied: int = 0
     sources: TokenSources = TokenSources()
     num_suspensions: int = 0
     # blocks of its conversation copied CPU -> GPU for it, and GPU -> CPU while it ran (when

@@ -140,7 +140,7 @@ class Scheduler:
         for request in aborted:
             _release_read(request)
             request.pending = []
-            request.inflight = 0
+            request.inflight = request.unapplied = 0
             request.status = RequestStatus.FINISHED
             request.finish_reason = FinishReason.ABORT
             request.error = error
@@ -183,8 +183,8 @@ class Scheduler:
                 break
             head = self.waiting[0]
             reading = head.disk_read is not None and not head.disk_read.done()
-            if head.inflight or reading or not self._admit(head, now):
-                # (a suspended request whose last token is still being sampled waits for it,
+            if head.unapplied or reading or not self._admit(head, now):
+                # (a suspended request whose pieces are still being computed waits for them,
                 # and one whose history is being read from disk for that read)
                 break
             request = self.waiting.popleft()
@@ -239,6 +239,7 @@ class Scheduler:
             request = self.live.get(piece.request_id)
             if request is None:
                 continue  # it ended after this step was planned: its positions are not kept
+            request.unapplied -= 1
             conv = self.kv.conversations[request.conv_id]
             conv.num_positions = max(conv.num_positions, piece.end)
             if token is None:
@@ -269,6 +270,7 @@ class Scheduler:
             assert None not in grown, f"{conv.conv_id}: a running chunk is off the GPU"
             table = request.block_table = table + tuple(grown)  # type: ignore[arg-type]
         pieces = []
+        request.unapplied += len(taken)
         for start, end in taken:
             samples = end == request.num_tokens and not request.pending
             index = len(request.output_ids) + request.inflight  # which output token it samples
@@ -370,6 +372,7 @@ class Scheduler:
         reuse = common_prefix(self.histories.get(request.conv_id, []), target)
         reuse = min(reuse, conv.num_positions, len(target) - 1)  # compute >= 1 token for logits
         self.kv.truncate(conv, reuse)
+        reuse = min(reuse, conv.num_positions)
         shared = 0
         if self.kv.config.prefix_sharing:
             on_disk = request.disk_read.found() if request.disk_read is not None else ()
@@ -397,7 +400,7 @@ class Scheduler:
         request.finish_reason = reason
         request.finish_time = now
         request.pending = []
-        request.inflight = 0
+        request.inflight = request.unapplied = 0
         _release_read(request)
         del self.live[request.request_id]
         if request in self.running:

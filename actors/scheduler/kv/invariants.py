@@ -33,6 +33,8 @@ def check_invariants(kv: KVCacheManager) -> None:
     assert pinned == set(kv.users.running), "the running set is out of step"
     assert kv.users.num_pinned_chunks == sum(1 for c in chunks.values() if c.pins)
     for conv in kv.conversations.values():  # the scan hint never hides an evictable own chunk
+        covered = len(conv.chunks) * kv.config.block_size
+        assert conv.num_positions <= covered, f"{conv.conv_id}: positions past its chunks"
         live = any(len(c.users) == 1 and kv.live_on_gpu(c) for c in conv.chunks)
         assert conv.maybe_on_gpu or not live, f"{conv.conv_id}: live chunks hidden from scans"
         on_cpu = any(len(c.users) == 1 and c.cpu_slot is not None for c in conv.chunks)

@@ -225,3 +225,26 @@ def test_a_constrained_request_sends_its_output_when_none_of_its_tokens_is_in_fl
     scheduler.update(second, [8, 8], 0.04)
     third = scheduler.schedule(0.05)  # the engine applied both: the output so far goes along
     assert [p.output_ids for p in third.pieces] == [(7, 8), None]
+
+
+def test_a_turn_suspended_with_a_piece_in_flight_waits_for_it_before_coming_back() -> None:
+    """With steps planned ahead, a turn can be suspended (a running turn's growth found the
+    GPU full) while its last prefill piece is still computing. Readmitted in that same plan, it
+    would cut its KV back to the positions counted so far and free the blocks the piece writes
+    into; the piece, applied after, would then count positions that no chunk holds."""
+    kv = KVCacheManager(CacheConfig(4, 64, 64), cost=lambda context: 1.0 + context)
+    scheduler = Scheduler(SchedulerConfig(16, SEQS, 4096, 1), kv)
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    request = Request("r", "c", list(range(3, 43)), sampling, 0.0)
+    scheduler.add(request)
+    first = scheduler.schedule(0.01)  # the first 16 of its 40 prompt positions
+    assert [(p.start, p.end) for p in first.pieces] == [(0, 16)]
+    scheduler._suspend(request, 0.02)  # as a grow that finds the GPU full does
+    second = scheduler.schedule(0.03)  # planned while `first` computes
+    assert second.pieces == ()  # it waits for its piece in flight
+    scheduler.update(first, [], 0.04)
+    kv.take_orders()
+    kv.check_invariants()
+    third = scheduler.schedule(0.05)  # back, reusing the 16 positions it computed
+    assert [(p.start, p.end) for p in third.pieces] == [(16, 32)]
+    kv.check_invariants()
