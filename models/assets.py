@@ -27,6 +27,15 @@ def smollm2_gguf_path() -> Path:
     )
 
 
+def has_smollm2() -> bool:
+    """Whether SmolLM2's weights are installed (tests that need them skip without)."""
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def smollm2_tokenizer() -> Any:
     """SmolLM2's tokenizer (a transformers fast tokenizer), read from the GGUF file."""
     from pensieve.models.gguf import read_gguf

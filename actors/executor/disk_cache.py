@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pensieve.actors.executor.disk_views import host_blocks
 from pensieve.actors.wire.step import DiskLoad, DiskSave
 from pensieve.store.disk import DiskTier
 
@@ -267,9 +268,7 @@ class DiskCache:
     def _buffer(self) -> torch.Tensor:
         geometry = self.tier.geometry
         # [num_layers, layer_bytes]: a chunk's bytes as a slot holds them
-        return torch.empty(
-            (geometry.num_layers, geometry.layer_bytes), dtype=torch.uint8, pin_memory=self._pin
-        )
+        return host_blocks((geometry.num_layers, geometry.layer_bytes), torch.uint8, self._pin)
 
     def _snapshot(self, caches: Sequence[torch.Tensor], index: int) -> torch.Tensor:
         buffer = self._buffer()

@@ -21,6 +21,7 @@ from pensieve.actors.config import CacheConfig, ExecutorConfig
 from pensieve.actors.executor.cuda_graphs import DecodeGraphs
 from pensieve.actors.executor.device_clock import DeviceClock
 from pensieve.actors.executor.disk_cache import DiskCache
+from pensieve.actors.executor.disk_views import host_blocks
 from pensieve.actors.executor.grammar import GrammarMasks
 from pensieve.actors.executor.piecewise_graphs import PiecewiseGraphs
 from pensieve.actors.executor.sampler import apply_token_mask, sample_async
@@ -162,8 +163,7 @@ class ModelRunner:
         num_cpu = cache.num_cpu_blocks if cache.uses_cpu_tier else 0
         pin = device.type == "cuda"
         self.cpu_caches = [
-            torch.empty((num_cpu, *c.shape[1:]), dtype=dtype, pin_memory=pin)
-            for c in self.gpu_caches
+            host_blocks((num_cpu, *c.shape[1:]), dtype, pin) for c in self.gpu_caches
         ]
         self.clock = DeviceClock() if device.type == "cuda" else None
         self.swap = SwapEngine(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pensieve.actors.executor.disk_views import chunk_geometry, chunk_views
+from pensieve.actors.executor.disk_views import chunk_geometry, chunk_views, host_blocks
 from pensieve.store.disk import DiskConfig, DiskTier, IoMethod
 from pensieve.store.disk.slot_io import is_aligned
 
@@ -18,8 +18,8 @@ def cpu_tier(pin: bool) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     caches = []
     for _ in range(4):
-        # pinned as the executor's CPU tier is (`ModelRunner`): allocated pinned, then filled
-        cache = torch.empty(SHAPE, dtype=torch.bfloat16, pin_memory=pin)
+        # allocated as the executor's CPU tier is (`ModelRunner`), then filled
+        cache = host_blocks(SHAPE, torch.bfloat16, pin)
         caches.append(cache.copy_(torch.randn(SHAPE, generator=generator)))
     return caches
 

