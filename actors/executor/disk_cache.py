@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from pensieve.store.disk import DiskTier
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 64  # chunks per disk write: one fdatasync and one index transaction each
+READ_RATE_DECAY = 0.8  # the weight of the reads before, at each read, in the measured rate
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,11 @@ class DiskCache:
         self.tier = tier
         self.gpu_caches = gpu_caches
         self.cpu_caches = cpu_caches
+        # the read rate that weighs reading a chunk against recomputing it: the operator's
+        # figure until reads are measured, then the decayed bytes over seconds of this tier's
+        # own reads (I/O and checksums, as a turn waits for them)
         self.read_bytes_per_s = read_bytes_per_s
+        self._read_bytes = self._read_s = 0.0
         self._pin = gpu_caches[0].is_cuda
         self._lock = threading.Lock()
         self._pending: dict[bytes, torch.Tensor] = {}  # saved, not yet on disk
@@ -149,7 +155,9 @@ class DiskCache:
                 else:
                     todo.append((key, self._buffer()))
         if todo:
+            begin = time.perf_counter()
             whole = self.tier.read([(key, _pieces(buffer)) for key, buffer in todo])
+            self._measured(len(todo) * self.tier.geometry.chunk_bytes, time.perf_counter() - begin)
             found.update((key, buf) for (key, buf), ok in zip(todo, whole, strict=True) if ok)
         with self._lock:
             for key, buffer in found.items():
@@ -158,6 +166,13 @@ class DiskCache:
             self.num_read += len(found)
             self.num_missed += len(keys) - len(found)
         return frozenset(found)
+
+    def _measured(self, num_bytes: int, seconds: float) -> None:
+        """A read's bytes and time, in the rate (older reads weigh less and less)."""
+        self._read_bytes = READ_RATE_DECAY * self._read_bytes + num_bytes
+        self._read_s = READ_RATE_DECAY * self._read_s + seconds
+        if self._read_s > 0:
+            self.read_bytes_per_s = self._read_bytes / self._read_s
 
     def unstage(self, keys: Collection[bytes]) -> None:
         with self._lock:

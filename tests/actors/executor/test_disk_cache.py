@@ -104,3 +104,19 @@ def test_a_corrupt_chunk_is_not_found(tmp_path) -> None:
     assert read(again, [key(2)]) == frozenset()
     assert again.tier.num_chunks == 0  # its entry is dropped
     again.close()
+
+
+def test_the_read_rate_that_weighs_reading_against_recomputing_is_measured(tmp_path) -> None:
+    """The operator's figure stands until the tier reads; then its own reads set the rate."""
+    gpu, cpu = tiers()
+    cache = open_cache(tmp_path, gpu, cpu)
+    cache.read_bytes_per_s = 1e18  # a figure no disk reaches
+    assert cache.read([key(0)]) is None  # nothing on disk: nothing read, nothing measured
+    assert cache.read_bytes_per_s == 1e18
+    cache.save([DiskSave(slot, key(slot)) for slot in range(3)])
+    cache.flush()
+    assert read(cache, [key(0), key(1), key(2)]) == {key(0), key(1), key(2)}
+    assert 0 < cache.read_bytes_per_s < 1e15
+    chunk_bytes = cache.tier.geometry.chunk_bytes
+    assert cache.read_seconds_per_chunk == chunk_bytes / cache.read_bytes_per_s
+    cache.close()
