@@ -26,13 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
-import os
-import re
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -42,52 +37,10 @@ from typing import Any
 import orjson
 
 from pensieve.actors.wire.bus import Bus
+from pensieve.ops.engine_process import EngineProcess
 from pensieve.ops.load import LoadOptions, NatsClient, run_load
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.sharegpt import Conversation, Message, Role, load_conversations
-
-_ENGINE_ID = re.compile(r"this engine: pensieve\.v1\.engine\.([0-9a-f]{8})\.")
-
-
-class Engine:
-    """`pensieve serve` on one GPU (or the CPU), joined to the benchmark's nats-server."""
-
-    def __init__(self, url: str, data_dir: Path, device: str | None, options: list[str]) -> None:
-        command = [
-            *(sys.executable, "-m", "pensieve.ops.cli", "serve", *options),
-            *("--nats-url", url, "--data-dir", str(data_dir)),
-        ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if device is not None:
-            env["CUDA_VISIBLE_DEVICES"] = device
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
-        self.engine_id = ""
-        self.lines: collections.deque[str] = collections.deque(maxlen=40)
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:  # type: ignore[union-attr]
-            self.lines.append(line)
-            found = _ENGINE_ID.search(line)
-            if found and not self._ready.is_set():
-                self.engine_id = found.group(1)
-                self._ready.set()
-        self._ready.set()
-
-    def wait_ready(self, timeout_s: float = 900.0) -> str:
-        if not self._ready.wait(timeout_s) or not self.engine_id:
-            raise RuntimeError("engine not ready:\n" + "".join(self.lines))
-        return self.engine_id
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @dataclass
@@ -173,21 +126,21 @@ def run(num_engines: int, policy: str, args: argparse.Namespace, folder: Path) -
         conversations = load_conversations(args.conversations, args.num_conversations)
     with EmbeddedNats() as nats_server:
         engines = [
-            Engine(
+            EngineProcess(
                 nats_server.url,
                 folder / f"{num_engines}-{policy}-{i}",
-                None if args.cpu else gpus[i],
                 options,
+                None if args.cpu else gpus[i],
             )
             for i in range(num_engines)
         ]
         try:
-            ids = [engine.wait_ready() for engine in engines]
+            ids = [engine.wait_ready(900.0) for engine in engines]
             time.sleep(2.0)  # every ingress hears every engine's load report
             summary = asyncio.run(_load(nats_server.url, conversations, args))
         finally:
             for engine in engines:
-                engine.stop()
+                engine.stop(120.0)
     hits = summary["cached_tokens"]
     return {
         "engines": num_engines,

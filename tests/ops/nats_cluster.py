@@ -4,17 +4,14 @@ ports, and `pensieve serve` engines in processes of their own on it."""
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import nats
 
+from pensieve.ops import engine_process as ops_engine
 from pensieve.ops.nats_server import find_binary, free_port
 
 
@@ -94,57 +91,11 @@ async def _quiet(error: Exception) -> None:
 
 
 ENGINE_OPTIONS = ["--model", "smollm2", "--cpu-threads", "1", "--tokenizers", "1"]
-_ENGINE_ID = re.compile(r"this engine: pensieve\.v1\.engine\.([0-9a-f]{8})\.")
 
 
-class EngineProcess:
+class EngineProcess(ops_engine.EngineProcess):
     """`pensieve serve` with the turn log on JetStream, on one node of the cluster."""
 
     def __init__(self, url: str, data_dir: Path, *extra: str) -> None:
-        command = [
-            sys.executable,
-            *("-m", "pensieve.ops.cli", "serve", *ENGINE_OPTIONS),
-            *("--nats-url", url, "--data-dir", str(data_dir)),
-            *("--turn-log", "jetstream", "--lease-ttl", "2"),
-            *extra,
-        ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.data_dir = data_dir
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: list[str] = []
-        self.engine_id = ""
-        self._ready = threading.Event()
-        # read all along: a pipe nobody reads fills up and blocks the engine's log
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stderr:  # type: ignore[union-attr]
-            self.lines.append(line)
-            found = _ENGINE_ID.search(line)
-            if found and not self._ready.is_set():
-                self.engine_id = found.group(1)
-                self._ready.set()
-        self._ready.set()
-
-    def wait_ready(self, timeout: float = 180.0) -> str:
-        if not self._ready.wait(timeout) or not self.engine_id:
-            raise AssertionError("engine not ready:\n" + "".join(self.lines[-40:]))
-        return self.engine_id
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                return self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def log(self) -> str:
-        return "".join(self.lines[-60:])
+        turn_log = ("--turn-log", "jetstream", "--lease-ttl", "2")
+        super().__init__(url, data_dir, [*ENGINE_OPTIONS, *turn_log, *extra])
