@@ -49,6 +49,10 @@ SERVICE_ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 # it came from, as NATS delivered it (absent: the service's own account)
 REPLY_TO_HEADER = "Pensieve-Reply-To"
 TENANT_HEADER = "Pensieve-Tenant"
+# a tenant's request forwarded to another engine: its reply subject, which nats-server made for
+# the tenant's import ("_R_.*") and lets no client name as a reply subject of its own
+FORWARDED_REPLY_HEADER = "Pensieve-Forwarded-Reply"
+IMPORT_REPLY_PREFIX = "_R_."
 # the connection a tenant's request came from, as nats-server named it (see `requester`)
 REQUESTER_HEADER = "Pensieve-Requester"
 # set by nats-server on a request that crossed into the service account through an import
@@ -104,11 +108,15 @@ class Incoming:
         await self.send(error.body(), headers)
 
     async def forward(self, subject: str) -> None:
-        """Hand the request on to `subject` as it came: the answer goes to the requester."""
+        """Hand the request on to `subject` as it came: the answer goes to the requester. (A
+        reply subject of a tenant's import goes in a header: nats-server refuses it as the
+        reply subject of a message a client publishes, but lets one publish to it.)"""
         client = self._bus.client
-        headers = self.headers or None
+        headers, reply = self.headers or None, self.reply
+        if reply.startswith(IMPORT_REPLY_PREFIX):
+            headers, reply = {**self.headers, FORWARDED_REPLY_HEADER: reply}, ""
         check_fits(client, subject, self.data, headers)
-        await client.publish(subject, self.data, reply=self.reply, headers=headers)
+        await client.publish(subject, self.data, reply=reply, headers=headers)
 
 
 Handler = Callable[[Incoming], Awaitable[None]]
@@ -474,6 +482,9 @@ class Bus:
     ) -> None:
         headers = dict(msg.headers or {})
         reply = msg.reply
+        forwarded = headers.pop(FORWARDED_REPLY_HEADER, "")
+        if not reply and forwarded.startswith(IMPORT_REPLY_PREFIX):  # see `Incoming.forward`
+            reply = forwarded
         if handoff:
             reply = headers.pop(REPLY_TO_HEADER, "")
             if msg.reply:  # taken: from here the requester hears from this handler

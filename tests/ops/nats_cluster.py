@@ -4,6 +4,7 @@ ports, and `pensieve serve` engines in processes of their own on it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import time
@@ -12,23 +13,46 @@ from pathlib import Path
 import nats
 
 from pensieve.ops import engine_process as ops_engine
+from pensieve.ops.nats_auth import SERVICE_ACCOUNT, SERVICE_USER
+from pensieve.ops.nats_config import ServerConfig
 from pensieve.ops.nats_server import find_binary, free_port
 
 
 class NatsNode:
-    def __init__(self, name: str, folder: Path, port: int, route: int, routes: list[int]) -> None:
+    def __init__(
+        self,
+        name: str,
+        folder: Path,
+        port: int,
+        route: int,
+        routes: list[int],
+        accounts: ServerConfig | None = None,
+    ) -> None:
         self.name = name
         self.port = port
         self.url = f"nats://127.0.0.1:{port}"
         self.log = (folder / f"{name}.log").open("wb")
-        others = ",".join(f"nats://127.0.0.1:{r}" for r in routes)
-        command = [
-            find_binary(),
-            *("-a", "127.0.0.1", "-p", str(port), "-n", name),
-            *("-js", "-sd", str(folder / name)),
-            *("--cluster_name", "pensieve", "--cluster", f"nats://127.0.0.1:{route}"),
-            *("--routes", others),
-        ]
+        others = [f"nats://127.0.0.1:{r}" for r in routes]
+        if accounts is None:
+            command = [
+                find_binary(),
+                *("-a", "127.0.0.1", "-p", str(port), "-n", name),
+                *("-js", "-sd", str(folder / name)),
+                *("--cluster_name", "pensieve", "--cluster", f"nats://127.0.0.1:{route}"),
+                *("--routes", ",".join(others)),
+            ]
+        else:  # the accounts' configuration, on this node, with JetStream for the service
+            config = json.loads(accounts.text())
+            config["accounts"][SERVICE_ACCOUNT]["jetstream"] = "enabled"
+            config.update(
+                listen=f"127.0.0.1:{port}",
+                server_name=name,
+                jetstream={"store_dir": str(folder / name)},
+                cluster={"name": "pensieve", "listen": f"127.0.0.1:{route}", "routes": others},
+            )
+            path = folder / f"{name}.conf"
+            path.write_text(json.dumps(config))
+            command = [find_binary(), "-c", str(path)]
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self.log)
 
     def kill(self) -> None:
@@ -48,17 +72,22 @@ class NatsNode:
 
 class NatsCluster:
     """Three nats-servers routed to each other, JetStream on each; ready once JetStream
-    answers (its meta leader is elected)."""
+    answers (its meta leader is elected). With `accounts`, every node runs that configuration
+    (tenants and the service; JetStream for the service's account), and `service` holds the
+    keyword arguments of `nats.connect` for the service's user."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, accounts: ServerConfig | None = None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         ports = [free_port() for _ in range(3)]
         routes = [free_port() for _ in range(3)]
         self.nodes = [
-            NatsNode(f"n{i}", folder, ports[i], routes[i], routes[:i] + routes[i + 1 :])
+            NatsNode(f"n{i}", folder, ports[i], routes[i], routes[:i] + routes[i + 1 :], accounts)
             for i in range(3)
         ]
         self.urls = [node.url for node in self.nodes]
+        self.service: dict[str, str] = {}
+        if accounts is not None:
+            self.service = {"user": SERVICE_USER, "password": accounts.service_password}
 
     def __enter__(self) -> NatsCluster:
         asyncio.run(self._ready())
@@ -73,7 +102,11 @@ class NatsCluster:
         while True:
             try:
                 client = await nats.connect(
-                    self.urls, connect_timeout=1, error_cb=_quiet, max_reconnect_attempts=0
+                    self.urls,
+                    connect_timeout=1,
+                    error_cb=_quiet,
+                    max_reconnect_attempts=0,
+                    **self.service,  # type: ignore[arg-type]
                 )
                 try:
                     await client.jetstream().account_info()
