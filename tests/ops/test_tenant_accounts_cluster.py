@@ -7,7 +7,9 @@ and send on the plain API subjects, which their account's import maps to theirs:
 - another tenant can neither continue nor read a tenant's conversation, through either engine
   or through any, while the tenant goes on with it through the engine that does not hold it;
 - another tenant's prompt reuses nothing of a tenant's cached prefix;
-- a tenant cannot send on another tenant's subjects of the service.
+- a tenant cannot send on another tenant's subjects of the service;
+- an engine killed, its tenant's conversation goes on at the other engine, which adopts it for
+  that tenant alone.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ pytestmark = pytest.mark.slow
 TENANTS = ("acme", "intruder")
 MIN_CACHED = 256  # of a ~450-token prefix, in whole 32-token chunks
 SETTLE_S = 0.3  # the holder's KV events reach the ingresses meanwhile
+FAILOVER_S = 30.0  # the engines' leases last 2 s (`nats_cluster.EngineProcess`)
 
 
 class Deployment:
@@ -42,6 +45,8 @@ class Deployment:
         self.passwords = passwords
         self.tenants = tenants
         self.ids: list[str] = []
+        self.processes: list[EngineProcess] = []
+        self.killed: set[int] = set()
 
     async def _ask(self, tenant: str, subject: str, body: dict[str, Any], timeout: float) -> Any:
         login = self.tenants[tenant].connect_kwargs(self.cluster.urls, self.passwords[tenant])
@@ -90,11 +95,13 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
         try:
             deployed = Deployment(cluster, passwords, tenants)
             deployed.ids = [a.wait_ready(), b.wait_ready()]
+            deployed.processes = [a, b]
             time.sleep(2.0)  # every ingress hears every engine's load report
             yield deployed
         finally:
-            codes = [a.stop(), b.stop()]
-        assert codes == [0, 0], [a.log(), b.log()]
+            codes = [p.stop() for p in (a, b)]
+        alive = [i for i in range(2) if i not in deployed.killed]
+        assert [codes[i] for i in alive] == [0] * len(alive), [a.log(), b.log()]
 
 
 def test_tenants_stay_apart_across_engines_by_their_nats_accounts(deployment: Deployment) -> None:
@@ -125,3 +132,31 @@ def test_tenants_stay_apart_across_engines_by_their_nats_accounts(deployment: De
     acme_chat = subjects.tenant_subject("acme", subjects.CHAT)
     with pytest.raises((NatsTimeout, NoRespondersError)):
         deployment.ask("intruder", acme_chat, turn, timeout=3)
+
+
+def test_a_killed_engines_conversation_goes_on_at_the_other_for_its_tenant_alone(
+    deployment: Deployment,
+) -> None:
+    first, second = deployment.ids
+    made = deployment.chat("acme", {"message": "Remember the word pear.", "max_tokens": 2}, first)
+    conv_id = made["conversation_id"]
+    assert subjects.owner(conv_id) == first, made
+    deployment.processes[0].kill()
+    deployment.killed.add(0)
+    turn = {"conversation_id": conv_id, "message": "Which word?", "max_tokens": 2}
+    deadline = time.monotonic() + FAILOVER_S
+    while True:  # the other engine adopts it once the killed one's lease runs out
+        reply = deployment.chat("acme", turn, second)
+        if "turn" in reply or time.monotonic() > deadline:
+            break
+        assert reply["error"]["code"] == "unavailable", reply
+        time.sleep(0.5)
+    assert reply.get("turn") == 1, reply
+    refused = deployment.chat("intruder", {**turn, "message": "And now?"}, second)
+    assert refused["error"]["code"] == "not_found", refused
+    read = deployment.ask(
+        "intruder",
+        subjects.engine_subject(second, subjects.CONVERSATIONS_GET),
+        {"conversation_id": conv_id},
+    )
+    assert read["error"]["code"] == "not_found", read
