@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--max-batch-tokens", type=int, default=2048)
     one.add_argument("--check", action="store_true", help="check the cache's books each step")
     one.add_argument("--disk-gb", type=float, default=None)
-    one.add_argument("--disk-read-gbps", type=float, default=2.0)
+    one.add_argument("--disk-read-gbps", type=float, default=None, help="default: measured")
     one.add_argument("--seed", type=int, default=0)
     two = modes.add_parser("agentic", help="agentic goodput with the disk tier and without")
     two.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))

@@ -345,9 +345,10 @@ def engine_args(
         "--disk-read-gbps",
         type=float,
         metavar="GB/S",
-        default=DEFAULTS.disk_read_gbps,
+        default=None,
         help="the disk's read rate: a chunk is read back where that takes less time than "
-        "recomputing it",
+        "recomputing it (default: the rate the tier's own reads are measured at, "
+        f"{DEFAULTS.disk_read_gbps:g} GB/s until it has read)",
     )
     cache.add_argument(
         "--gpu-memory-utilization",

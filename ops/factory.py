@@ -77,10 +77,11 @@ class EngineOptions:
     max_model_len: int | None = None
     # the disk tier below the CPU tier: an existing directory (a folder per rank is made in
     # it) and its budget in GiB; None: no disk tier. Reading a chunk back is weighed against
-    # recomputing it at `disk_read_gbps` GB/s
+    # recomputing it at `disk_read_gbps` GB/s; None: at the rate the tier's reads are measured
+    # at (`DEFAULTS.disk_read_gbps` until it has read)
     disk_cache_dir: str | None = None
     disk_cache_gb: float | None = None
-    disk_read_gbps: float = DEFAULTS.disk_read_gbps
+    disk_read_gbps: float | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1:
@@ -104,7 +105,7 @@ class EngineOptions:
             return
         if self.disk_cache_gb is not None and self.disk_cache_gb <= 0:
             raise ValueError(f"--disk-cache-gb must be more than 0, got {self.disk_cache_gb:g}")
-        if self.disk_read_gbps <= 0:
+        if self.disk_read_gbps is not None and self.disk_read_gbps <= 0:
             raise ValueError(f"--disk-read-gbps must be more than 0, got {self.disk_read_gbps:g}")
         if not self.prefix_sharing or self.policy not in (Policy.PENSIEVE, Policy.LRU):
             raise ValueError(
@@ -275,8 +276,9 @@ def open_disk_cache(options: EngineOptions, runner: ModelRunner, rank: int) -> D
         tier = DiskTier.open(DiskConfig(path, budget), geometry, fingerprint)
     except DiskTierError as error:  # e.g. another process serves from it: one clear line
         raise ValueError(str(error)) from None
-    rate = options.disk_read_gbps * 1e9
-    return DiskCache(tier, runner.gpu_caches, runner.cpu_caches, rate)
+    given = options.disk_read_gbps
+    rate = (DEFAULTS.disk_read_gbps if given is None else given) * 1e9
+    return DiskCache(tier, runner.gpu_caches, runner.cpu_caches, rate, measure=given is None)
 
 
 def rank_runner(

@@ -57,14 +57,16 @@ class DiskCache:
         gpu_caches: Sequence[torch.Tensor],
         cpu_caches: Sequence[torch.Tensor],
         read_bytes_per_s: float,
+        measure: bool = True,
     ) -> None:
         self.tier = tier
         self.gpu_caches = gpu_caches
         self.cpu_caches = cpu_caches
-        # the read rate that weighs reading a chunk against recomputing it: the operator's
-        # figure until reads are measured, then the decayed bytes over seconds of this tier's
-        # own reads (I/O and checksums, as a turn waits for them)
+        # the read rate that weighs reading a chunk against recomputing it: `read_bytes_per_s`,
+        # or with `measure` once the tier has read, the decayed bytes over seconds of its own
+        # reads (I/O and checksums, as a turn waits for them)
         self.read_bytes_per_s = read_bytes_per_s
+        self._measure = measure
         self._read_bytes = self._read_s = 0.0
         self._pin = gpu_caches[0].is_cuda
         self._lock = threading.Lock()
@@ -171,7 +173,7 @@ class DiskCache:
         """A read's bytes and time, in the rate (older reads weigh less and less)."""
         self._read_bytes = READ_RATE_DECAY * self._read_bytes + num_bytes
         self._read_s = READ_RATE_DECAY * self._read_s + seconds
-        if self._read_s > 0:
+        if self._measure and self._read_s > 0:
             self.read_bytes_per_s = self._read_bytes / self._read_s
 
     def unstage(self, keys: Collection[bytes]) -> None:

@@ -23,10 +23,10 @@ def tiers() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return [torch.zeros(SHAPE) for _ in range(LAYERS)], [torch.randn(SHAPE) for _ in range(LAYERS)]
 
 
-def open_cache(path: Path, gpu, cpu, num_chunks: int = 4) -> DiskCache:
+def open_cache(path: Path, gpu, cpu, num_chunks: int = 4, measure: bool = False) -> DiskCache:
     geometry = chunk_geometry(cpu)
     tier = DiskTier.open(DiskConfig(path, num_chunks * geometry.slot_bytes), geometry, "test")
-    return DiskCache(tier, gpu, cpu, read_bytes_per_s=1e9)
+    return DiskCache(tier, gpu, cpu, read_bytes_per_s=1e9, measure=measure)
 
 
 def key(i: int) -> bytes:
@@ -107,10 +107,19 @@ def test_a_corrupt_chunk_is_not_found(tmp_path) -> None:
 
 
 def test_the_read_rate_that_weighs_reading_against_recomputing_is_measured(tmp_path) -> None:
-    """The operator's figure stands until the tier reads; then its own reads set the rate."""
+    """Without a rate given, the first guess stands until the tier reads; then its own reads set
+    the rate. A rate given stands."""
     gpu, cpu = tiers()
-    cache = open_cache(tmp_path, gpu, cpu)
-    cache.read_bytes_per_s = 1e18  # a figure no disk reaches
+    for folder in ("fixed", "measured"):
+        (tmp_path / folder).mkdir()
+    fixed = open_cache(tmp_path / "fixed", gpu, cpu)
+    fixed.save([DiskSave(0, key(0))])
+    fixed.flush()
+    assert read(fixed, [key(0)]) == {key(0)}
+    assert fixed.read_bytes_per_s == 1e9
+    fixed.close()
+    cache = open_cache(tmp_path / "measured", gpu, cpu, measure=True)
+    cache.read_bytes_per_s = 1e18  # a guess no disk reaches
     assert cache.read([key(0)]) is None  # nothing on disk: nothing read, nothing measured
     assert cache.read_bytes_per_s == 1e18
     cache.save([DiskSave(slot, key(slot)) for slot in range(3)])
