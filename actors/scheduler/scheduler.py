@@ -372,7 +372,6 @@ class Scheduler:
         reuse = common_prefix(self.histories.get(request.conv_id, []), target)
         reuse = min(reuse, conv.num_positions, len(target) - 1)  # compute >= 1 token for logits
         self.kv.truncate(conv, reuse)
-        reuse = min(reuse, conv.num_positions)
         shared = 0
         if self.kv.config.prefix_sharing:
             on_disk = request.disk_read.found() if request.disk_read is not None else ()

@@ -312,11 +312,8 @@ class KVCacheManager:
             self.users.leave(conv, chunk)
         del conv.chunks[keep:]
         del conv.keys[num_positions // self.config.block_size :]
-        # positions without a chunk have no KV, whatever was computed there before
-        covered = len(conv.chunks) * self.config.block_size
-        conv.num_positions = min(conv.num_positions, num_positions, covered)
-        partial = num_positions % self.config.block_size and len(conv.chunks) == keep
-        if keep and partial and conv.chunks[-1].key is not None:
+        conv.num_positions = min(conv.num_positions, num_positions)
+        if keep and num_positions % self.config.block_size and conv.chunks[-1].key is not None:
             last = conv.chunks[-1]  # the next turn writes into its tail
             if len(last.users) == 1:
                 self.index.unseal(last)
