@@ -1,7 +1,11 @@
-"""Token sampling: greedy rows in one argmax, others with temperature, top-k and top-p.
+"""Token sampling: greedy rows in one argmax, the others together with temperature, top-k and
+top-p, on the logits' device and without waiting for it.
 
-A seeded request draws from its own generator keyed by (seed, output index), so its tokens do not
-depend on which other requests share the batch.
+A sampled row draws one uniform number on the host, from its own generator keyed by (seed,
+output index) if the request is seeded, and takes the token where that number falls in the
+cumulative distribution: its tokens do not depend on which other requests share the batch, and
+the draw needs nothing back from the device (the step that made the logits may still be
+running when this returns).
 """
 
 from __future__ import annotations
@@ -12,16 +16,42 @@ import torch
 
 from pensieve.actors.wire.step import SamplingParams
 
+_TINY = torch.finfo(torch.float32).tiny  # the smallest temperature divided by
+_DRAW = torch.Generator(device="cpu")  # the draws of unseeded rows
+_DRAW.seed()
+
 
 def sample_async(
     logits: torch.Tensor, params: Sequence[SamplingParams], sample_indices: Sequence[int]
 ) -> torch.Tensor:  # logits: [N, V] float32
-    """The sampled tokens [N] on the logits' device. When every row is greedy nothing waits for
-    the device, so the caller can do host work before reading them (`.tolist()`)."""
+    """The sampled tokens [N] on the logits' device; nothing waits for the device, so the
+    caller can do host work before reading them (`.tolist()`)."""
     tokens = torch.argmax(logits, dim=-1)  # [N]
-    for row, (p, index) in enumerate(zip(params, sample_indices, strict=True)):
-        if not p.greedy:
-            tokens[row] = _sample_row(logits[row], p, index)
+    rows = [row for row, p in enumerate(params) if not p.greedy]
+    if rows:
+        chosen = [params[row] for row in rows]
+        vocab = logits.shape[1]
+        # per row: temperature, top_p (none: above any mass), top_k (none: the vocabulary),
+        # the draw in [0, 1)
+        settings = torch.tensor(
+            [
+                (
+                    p.temperature,
+                    p.top_p if p.top_p < 1.0 else float("inf"),
+                    vocab if p.top_k is None else p.top_k,
+                    _draw(p, sample_indices[row]),
+                )
+                for row, p in zip(rows, chosen, strict=True)
+            ],
+            dtype=torch.float64,
+        )
+        where = torch.tensor(rows, dtype=torch.long)
+        if logits.is_cuda:  # copied behind the step, with no wait for it
+            settings, where = settings.pin_memory(), where.pin_memory()
+        on_device = settings.to(logits.device, non_blocking=True)
+        where = where.to(logits.device, non_blocking=True)
+        picked = _sample_rows(logits.index_select(0, where), on_device, chosen)
+        tokens.index_copy_(0, where, picked)
     return tokens
 
 
@@ -38,28 +68,47 @@ def apply_token_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Te
     logits.index_copy_(0, rows, masked)
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:  # logits: [V]
-    # Shifted so the largest logit is 0 before dividing: however small the temperature (the API
-    # accepts any positive one), every value stays finite or becomes -inf, never +inf or NaN.
-    # A temperature below float32's smallest normal would round to 0 in the division; at that
-    # scale the distribution is already the greedy one.
-    logits = logits.float()
-    temperature = max(p.temperature, torch.finfo(torch.float32).tiny)
-    scaled = (logits - logits.max()) / temperature
-    if p.top_k is not None and p.top_k < scaled.numel():
-        kth = torch.topk(scaled, p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        outside = before >= p.top_p
-        outside[0] = False  # the likeliest token always stays (top_p may round to 0 in float32)
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    generator = torch.Generator(device="cpu")
+def _draw(p: SamplingParams, index: int) -> float:
     if p.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed((p.seed * 1_000_003 + index) % (2**63))
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+        return float(torch.rand((), dtype=torch.float64, generator=_DRAW))
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed((p.seed * 1_000_003 + index) % (2**63))
+    return float(torch.rand((), dtype=torch.float64, generator=generator))
+
+
+def _sample_rows(
+    logits: torch.Tensor, settings: torch.Tensor, params: Sequence[SamplingParams]
+) -> torch.Tensor:  # logits: [R, V]; settings: [R, 4] (see `sample_async`)
+    # Shifted so each row's largest logit is 0 before dividing: however small the temperature
+    # (the API accepts any positive one), every value stays finite or becomes -inf, never +inf
+    # or NaN. A temperature below float32's smallest normal is taken as that smallest normal;
+    # at that scale the distribution is already the greedy one.
+    logits = logits.float()
+    temperature = settings[:, 0:1].float().clamp_min(_TINY)
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    vocab = scaled.shape[1]
+    truncated = any(p.top_p < 1.0 or (p.top_k is not None and p.top_k < vocab) for p in params)
+    order = None
+    if truncated:  # the likeliest first: top-k and top-p cut the tail
+        if all(p.top_k is not None and p.top_k < vocab for p in params):
+            # only the largest top-k of the rows can be kept: no need to sort the rest
+            largest = max(p.top_k or vocab for p in params)
+            scaled, order = torch.topk(scaled, largest, dim=-1, sorted=True)
+        else:
+            scaled, order = torch.sort(scaled, dim=-1, descending=True)
+        rank = torch.arange(scaled.shape[1], device=scaled.device)
+        scaled = scaled.masked_fill(rank >= settings[:, 2:3], float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if truncated:
+        before = torch.cumsum(probs, dim=-1) - probs  # the mass of the tokens likelier
+        outside = before >= settings[:, 1:2].float()
+        outside[:, 0] = False  # the likeliest token always stays (top_p may round to 0)
+        probs = probs.masked_fill(outside, 0.0)
+    # the first token whose cumulative mass passes the draw (in float64, so that a draw below
+    # 1 stays below the total and a token of no mass is never taken)
+    cumulative = torch.cumsum(probs.double(), dim=-1)
+    target = settings[:, 3:4] * cumulative[:, -1:]
+    picked = torch.searchsorted(cumulative, target, right=True).clamp_max(probs.shape[1] - 1)
+    if order is not None:
+        picked = order.gather(1, picked)
+    return picked.squeeze(1)

@@ -1,8 +1,10 @@
 """Sampling is computed for every value the API accepts: no temperature or top_p raises, and the
-limits behave as the distribution they tend to."""
+limits behave as the distribution they tend to; rows of different settings sampled in one batch
+each follow their own truncated distribution, and top-k keeps the k likeliest tokens."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -65,3 +67,68 @@ def test_a_seeded_row_draws_the_same_token_whatever_shares_its_batch() -> None:
         torch.cat([logits[:1], logits]), [SamplingParams(max_tokens=4), sampled, sampled], [0, 0, 1]
     ).tolist()
     assert beside_greedy[1:] == alone
+
+
+def _truncated(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float):
+    """The distribution a row samples from, by the definitions: the top_k likeliest tokens,
+    then those of them whose likelier tokens hold less than top_p of the mass, renormalized."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    order = torch.argsort(probs, descending=True).tolist()
+    kept = order[: top_k or len(order)]
+    mass = probs[kept] / probs[kept].sum()
+    before = torch.cumsum(mass, dim=0) - mass
+    nucleus = [t for t, b in zip(kept, before.tolist(), strict=True) if b < top_p or t == kept[0]]
+    want = torch.zeros_like(probs)
+    want[nucleus] = probs[nucleus] / probs[nucleus].sum()
+    return want
+
+
+SETTINGS = [(1.0, None, 1.0), (0.5, 3, 1.0), (1.3, None, 0.7), (0.8, 4, 0.9)]
+
+
+def test_rows_of_different_settings_in_one_batch_each_follow_their_own_distribution() -> None:
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    draws = 8000  # per setting: seeded, so the counts are the same on every run
+    params, indices = [], []
+    for seed in range(draws):
+        for temperature, top_k, top_p in SETTINGS:
+            params.append(SamplingParams(4, temperature, top_p, top_k, seed=seed))
+            indices.append(seed % 5)
+    tokens = sample_async(logits.repeat(len(params), 1), params, indices).tolist()
+    for i, (temperature, top_k, top_p) in enumerate(SETTINGS):
+        counts = torch.bincount(torch.tensor(tokens[i :: len(SETTINGS)]), minlength=len(logits))
+        want = _truncated(logits, temperature, top_k, top_p)
+        assert counts[want == 0].sum() == 0, (SETTINGS[i], counts)  # never outside the set
+        share = counts.double() / draws
+        spread = 4 * torch.sqrt(want * (1 - want) / draws) + 1e-3
+        assert bool(((share - want).abs() <= spread).all()), (SETTINGS[i], share, want)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    temperature=st.floats(min_value=1e-3, max_value=100.0),
+    top_k=st.integers(1, VOCAB + 5),
+    seed=st.integers(0, 1000),
+)
+def test_top_k_samples_one_of_the_k_likeliest_tokens(
+    temperature: float, top_k: int, seed: int
+) -> None:
+    logits = _logits(seed)
+    params = [SamplingParams(4, temperature, 1.0, top_k, seed=seed)] * 2
+    tokens = sample_async(logits, params, [0, 1]).tolist()
+    for row, token in enumerate(tokens):
+        likelier = int((logits[row] > logits[row, token]).sum())
+        assert likelier < top_k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sampling_on_the_gpu_leaves_the_step_running_and_draws_the_hosts_tokens() -> None:
+    logits = _logits(3)
+    params = [SamplingParams(4, 0.9, 0.95, 20, seed=5), SamplingParams(4, 1.2, seed=6)]
+    want = sample_async(logits, params, [0, 1]).tolist()
+    on_gpu = logits.cuda()
+    torch.cuda._sleep(400_000_000)  # the step that made the logits, still running
+    tokens = sample_async(on_gpu, params, [0, 1])
+    assert not torch.cuda.current_stream().query()  # the host did not wait for it
+    assert tokens.tolist() == want
