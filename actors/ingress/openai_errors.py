@@ -12,6 +12,7 @@ from pensieve.actors.wire.schemas import ApiError
 _ERRORS = {
     "invalid_request": (400, "invalid_request_error"),
     "not_found": (404, "invalid_request_error"),
+    "conflict": (409, "invalid_request_error"),
     "too_long": (400, "invalid_request_error"),
     "overloaded": (429, "rate_limit_error"),
     "cancelled": (499, "invalid_request_error"),

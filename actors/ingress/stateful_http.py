@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 Message = dict[str, Any]
 Plan = tuple[dict[str, Any], int]  # a chat request, and the number its turn will have
+PLAN_TRIES = 3  # plans of a response's turn, each after another turn took the number planned
 
 
 class StatefulRoutes:
@@ -59,13 +60,7 @@ class StatefulRoutes:
         tenant = actor.tenant(request)
         body = await read_body(request, actor.config.read_timeout_s)
         asked = responses.to_request(body, actor.config.model)
-        chat, turn = await self._plan(asked, tenant)
-        if not asked.store:
-            chat["final"] = True  # its KV freed at once; the conversation goes after the reply
-        try:
-            first, answer = await actor.first({**chat, **asked.sampling}, tenant, False)
-        except OpenAIError as refused:
-            raise responses.in_request_terms(refused) from None
+        turn, first, answer = await self._start(asked, tenant)
         ref = ResponseRef(first["conversation_id"], turn)
         try:
             if asked.stream:
@@ -80,6 +75,29 @@ class StatefulRoutes:
         finally:
             if not answer.abandoned:
                 await answer.close()
+
+    async def _start(
+        self, asked: ResponsesRequest, tenant: str | None
+    ) -> tuple[int, dict[str, Any], Answer]:
+        """Plan the response's turn and send it: the number it gets, its answer's first message
+        and the answer. The turn says the number it was planned as; a conversation that took
+        another turn since refuses it (`conflict`), and the turn is planned again on what the
+        conversation holds now (a response to one no longer the latest branches)."""
+        for tries_left in reversed(range(PLAN_TRIES)):
+            chat, turn = await self._plan(asked, tenant)
+            if "conversation_id" in chat:
+                chat["turn"] = turn
+            if not asked.store:
+                chat["final"] = True  # its KV freed at once; the conversation goes after the reply
+            try:
+                first, answer = await self.actor.first({**chat, **asked.sampling}, tenant, False)
+                return turn, first, answer
+            except OpenAIError as refused:
+                if refused.code != "conflict":
+                    raise responses.in_request_terms(refused) from None
+                if not tries_left:  # the field at fault is none of the request's
+                    raise OpenAIError(409, refused.message, refused.kind, refused.code) from None
+        raise AssertionError("unreachable: the last try returns or raises")
 
     async def _plan(self, asked: ResponsesRequest, tenant: str | None) -> Plan:
         """The chat request of the response's turn (see `responses.py`)."""
@@ -184,8 +202,9 @@ class StatefulRoutes:
     async def _stored_turn(
         self, ref: ResponseRef, tenant: str | None
     ) -> tuple[dict[str, Any], int]:
-        """The stored turn a response id names, and how many turns its conversation has; 404
-        if there is none the tenant reaches."""
+        """The stored turn a response id names, and how many turns its conversation has,
+        counting one in progress (a response to the latest then branches); 404 if there is
+        none the tenant reaches."""
         body = {"conversation_id": ref.conv_id, "cursor": str(ref.turn), "limit": 1}
         try:
             got = await self.actor.request(subjects.CONVERSATIONS_GET, body, tenant)
@@ -195,7 +214,7 @@ class StatefulRoutes:
             raise
         if not got["turns"] or got["turns"][0]["turn"] != ref.turn:
             raise responses.not_found(ref.id)
-        return got["turns"][0], got["num_turns"]
+        return got["turns"][0], got["num_turns"] + int(got["busy"])
 
     async def _turns(
         self, conv_id: str, tenant: str | None, upto: int | None = None

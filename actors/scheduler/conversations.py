@@ -105,6 +105,8 @@ class Conversations:
             conv = Conversation(self.new_id(), [], [], 0, stateless=stateless, tenant=tenant)
         else:
             conv = self._find(request.conversation_id or "", tenant)
+            if request.turn is not None:
+                check_turn(conv, request.turn)
             if conv.busy:
                 raise ApiError(
                     "invalid_request",
@@ -353,6 +355,23 @@ def prompt_sources(record: TurnRecord) -> PromptSources:
 def not_found(conv_id: str) -> ApiError:
     """Also the answer for another tenant's conversation: its existence is not revealed."""
     return ApiError("not_found", f"no conversation {conv_id!r}")
+
+
+def check_turn(conv: Conversation, turn: int) -> None:
+    """Raises `conflict` unless the conversation's next turn would be number `turn`: it has
+    committed that many turns, and none is in progress (which would take that number). A
+    conversation in memory counts the turns its store has committed, which after an adoption
+    are the replicated log's (`ownership.py` rebuilds the store and drops the copy in memory)."""
+    if turn == conv.turns and not conv.busy:
+        return
+    has = f"conversation {conv.conv_id!r} has {conv.turns} turn" + ("" if conv.turns == 1 else "s")
+    if turn < conv.turns:
+        said = f"{has}: turn {turn} is stored (read it with conversations.get)"
+    elif turn == conv.turns:
+        said = f"{has} and turn {turn} in progress (read it with conversations.get once done)"
+    else:
+        said = f"{has}: its next turn is turn {conv.turns}, not {turn}"
+    raise ApiError("conflict", said, "turn")
 
 
 def ended(conv_id: str) -> ApiError:

@@ -26,6 +26,7 @@ from pensieve.store import validate_conversation_id
 ERROR_STATUS = {
     "invalid_request": 400,
     "not_found": 404,
+    "conflict": 409,
     "too_long": 413,
     "overloaded": 429,
     "cancelled": 499,
@@ -34,7 +35,14 @@ ERROR_STATUS = {
 }
 ERROR_CODES = tuple(ERROR_STATUS)
 ErrorCode = Literal[
-    "invalid_request", "not_found", "too_long", "overloaded", "cancelled", "unavailable", "internal"
+    "invalid_request",
+    "not_found",
+    "conflict",
+    "too_long",
+    "overloaded",
+    "cancelled",
+    "unavailable",
+    "internal",
 ]
 ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 8
@@ -172,6 +180,9 @@ class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     tool_results: Annotated[tuple[ToolResult, ...], NonEmptyArray] | UnsetType = UNSET
     response_format: ResponseFormat | None = None
+    # the number the client expects this turn to get (the reply's `turn`): a turn sent again
+    # after a lost reply is then refused `conflict` rather than committed twice
+    turn: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -200,6 +211,7 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     tool_results: tuple[ChatMessage, ...] = ()
     # what the reply must match, as the request gave it (its grammar checked)
     response_format: ResponseFormat | None = None
+    turn: int | None = None  # the number the turn must get (None: the next, whatever it is)
 
     @property
     def structure(self) -> dict[str, Any]:
@@ -293,6 +305,7 @@ _RULES = {
     "'regex' or 'grammar' (Lark) for the last three",
     "cursor": "'cursor' must be a 'next_cursor' from a reply",
     "limit": f"'limit' must be an integer in [1, {MAX_PAGE}]",
+    "turn": "'turn' must be null or an integer >= 0",
 }
 _AT = re.compile(r" - at `\$\.(\w+)(?:\[(\d+)\](?:\.(\w+))?)?")
 _FIELD = re.compile(r"(unknown|missing required) field `([^`]*)`")
@@ -356,6 +369,8 @@ def parse_chat(data: bytes) -> ChatRequest:
         raise ApiError("invalid_request", _RULES["message"])
     if prompt is not None and not prompt:
         raise ApiError("invalid_request", _RULES["prompt"])
+    if body.turn and conv_id is None:
+        raise ApiError("invalid_request", "a new conversation's first turn is turn 0", "turn")
     if prompt is not None and conv_id is not None:
         raise ApiError(
             "invalid_request", "a 'prompt' continues no conversation: leave out 'conversation_id'"
@@ -386,6 +401,7 @@ def parse_chat(data: bytes) -> ChatRequest:
             for r in results or ()
         ),
         response_format=body.response_format,
+        turn=body.turn,
     )
 
 

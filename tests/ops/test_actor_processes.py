@@ -5,7 +5,8 @@ dropped.
 
 Three conversations run at once while each actor in turn is killed with SIGKILL and started
 again. Clients send each turn until it is answered (a turn refused `unavailable`, or whose
-requester heard nothing, is sent again). No acknowledged turn is lost, and every conversation's
+requester heard nothing, is sent again, saying the turn number it expects, so that it is never
+committed twice). No acknowledged turn is lost, and every conversation's
 greedy tokens equal those of an uninterrupted stateless in-process run."""
 
 from __future__ import annotations
@@ -152,10 +153,12 @@ async def send_until_answered(client: Any, conv: Conversation, message: str) -> 
     """The turn's reply, sending it again while it is refused `unavailable` or unanswered. A
     requester that heard nothing asks the conversation's state first, as a careful client
     would: a turn committed before its reply was lost is not sent again (its reply is the
-    stored turn, without token ids)."""
+    stored turn, without token ids). The turn says the number it expects, so a copy that
+    reaches the engine once another is committed, or running, is refused `conflict`, and the
+    client reads the stored turn then too."""
     body: dict[str, Any] = {"message": message, "max_tokens": MAX_TOKENS}
     if conv.conv_id is not None:
-        body["conversation_id"] = conv.conv_id
+        body.update(conversation_id=conv.conv_id, turn=len(conv.replies))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
@@ -166,7 +169,12 @@ async def send_until_answered(client: Any, conv: Conversation, message: str) -> 
             stored = await stored_turn(client, conv)
             if stored is not None:
                 return stored
-        if reply.get("error", {}).get("code") != "unavailable":
+        code = reply.get("error", {}).get("code")
+        if code == "conflict":
+            stored = await stored_turn(client, conv)
+            if stored is not None:
+                return stored
+        elif code != "unavailable":
             return reply
         conv.num_resent += 1
         await asyncio.sleep(0.5)

@@ -2,14 +2,17 @@
 SmolLM2 on the CPU) on a real 3-node nats-server cluster with JetStream on loopback ports.
 
 Clients send each turn until it is answered (as in test_actor_processes.py: a turn refused
-`unavailable`, or unanswered, is sent again once its stored state is checked). Under load:
+`unavailable`, or unanswered, is sent again once its stored state is checked), each saying the
+turn number it expects, so that a copy sent again is never committed twice. Under load:
 
 - kill -9 of an engine: its conversations go on at the other engine within 5 s of the kill
   (the lease's TTL, 2 s, then one turn's recompute), with the greedy tokens of an uninterrupted
   run, and no acknowledged turn is lost; the old owner started again serves none of them (its
   store never gets their later turns);
 - kill -9 of the NATS node an engine is connected to: no acknowledged turn is lost;
-- SIGTERM of an engine: it lets its conversations go as it exits, and they go on at the other.
+- SIGTERM of an engine: it lets its conversations go as it exits, and they go on at the other;
+- a turn sent again to the engine that adopted its conversation after the turn was committed
+  is refused `conflict`: the adopter counts the turns of the replicated log.
 """
 
 from __future__ import annotations
@@ -57,10 +60,14 @@ class Conversation:
 
 
 async def send_until_answered(client: Any, conv: Conversation, message: str) -> dict[str, Any]:
+    """The turn's reply, sending it again while it is refused `unavailable` or unanswered. It
+    says the turn number it expects, so a copy that reaches the engine after another was
+    committed (or while another runs) is refused `conflict`: then, as after silence, the
+    client reads the stored turn, and sends the turn again only if none is stored."""
     body: dict[str, Any] = {"message": message, "max_tokens": MAX_TOKENS}
     subject = subjects.engine_subject(conv.first_engine, subjects.CHAT)
     if conv.conv_id is not None:
-        body["conversation_id"] = conv.conv_id
+        body.update(conversation_id=conv.conv_id, turn=len(conv.replies))
         subject = subjects.CHAT  # any engine's ingress: it routes by owner
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -68,11 +75,16 @@ async def send_until_answered(client: Any, conv: Conversation, message: str) -> 
             msg = await client.request(subject, orjson.dumps(body), timeout=REQUEST_TIMEOUT_S)
             reply = dict(orjson.loads(msg.data))
         except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            reply = {"error": {"code": "unavailable"}}
             stored = await stored_turn(client, conv)
             if stored is not None:
                 return stored
-            reply = {"error": {"code": "unavailable"}}
-        if reply.get("error", {}).get("code") != "unavailable":
+        code = reply.get("error", {}).get("code")
+        if code == "conflict":
+            stored = await stored_turn(client, conv)
+            if stored is not None:
+                return stored
+        elif code != "unavailable":
             return reply
         await asyncio.sleep(0.2)
     raise AssertionError(f"{message!r} was never answered")
@@ -205,6 +217,48 @@ def test_an_engine_killed_under_load_its_conversations_go_on_at_the_other(
             old = store.turns(conversations[0].conv_id or "")
         assert 1 <= len(old) < len(CHATS[0])
         assert [t.assistant_text for t in old] == [t["text"] for t in stored[0][: len(old)]]
+
+
+def test_an_adopted_conversation_refuses_a_turn_its_log_has_committed(tmp_path: Path) -> None:
+    with NatsCluster(tmp_path / "nats") as cluster:
+        a = EngineProcess(cluster.urls[0], tmp_path / "a")
+        b = EngineProcess(cluster.urls[1], tmp_path / "b")
+        try:
+            a_id, b_id = a.wait_ready(), b.wait_ready()
+
+            async def run() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+                client = await nats.connect(cluster.urls, max_reconnect_attempts=-1)
+                try:
+                    own = subjects.engine_subject(a_id, subjects.CHAT)
+                    body = {"message": "Name a colour.", "max_tokens": MAX_TOKENS}
+                    first = orjson.loads((await client.request(own, orjson.dumps(body), 60)).data)
+                    conv_id = first["conversation_id"]
+                    again = {**body, "conversation_id": conv_id, "message": "Another?", "turn": 1}
+                    second = orjson.loads((await client.request(own, orjson.dumps(again), 60)).data)
+                    assert second.get("turn") == 1, second
+                    a.kill()  # B has never seen the conversation: it counts the log's turns
+                    at_b = subjects.engine_subject(b_id, subjects.CHAT)
+                    while True:  # refused `unavailable` until A's lease runs out
+                        msg = await client.request(at_b, orjson.dumps(again), timeout=60)
+                        refused = dict(orjson.loads(msg.data))
+                        if refused.get("error", {}).get("code") != "unavailable":
+                            break
+                        await asyncio.sleep(0.2)
+                    following = {**again, "message": "And a third?", "turn": 2}
+                    msg = await client.request(at_b, orjson.dumps(following), timeout=60)
+                    return first, refused, dict(orjson.loads(msg.data))
+                finally:
+                    await client.close()
+
+            first, refused, third = asyncio.run(run())
+            assert refused.get("error", {}).get("code") == "conflict", refused
+            assert "has 2 turns" in refused["error"]["message"], refused
+            assert third.get("turn") == 2, third
+            turns = asyncio.run(stored_turns(cluster.urls[1:], first["conversation_id"]))
+            assert [t["message"] for t in turns] == ["Name a colour.", "Another?", "And a third?"]
+        finally:
+            a.stop()
+            assert b.stop() == 0, b.log()
 
 
 def test_a_nats_node_killed_then_an_engine_drained_no_acknowledged_turn_is_lost(

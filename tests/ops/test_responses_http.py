@@ -6,6 +6,7 @@ completions of the same chat, which the other HTTP tests check against the engin
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -142,6 +143,29 @@ def test_a_response_to_an_earlier_one_branches_with_its_history(alice) -> None:
         model=MODEL, input="One more?", previous_response_id=second.id, **GREEDY
     )
     assert third.conversation.id == first.conversation.id  # type: ignore[union-attr]
+
+
+def test_two_responses_to_the_latest_one_at_once_both_answer_and_one_branches(alice) -> None:
+    first = alice.responses.create(model=MODEL, input="Name a colour.", **GREEDY)
+    asked = ("And another one?", "Name a fruit of that colour.")
+    with ThreadPoolExecutor(len(asked)) as pool:  # both plan the same next turn of it
+        sent = [
+            pool.submit(
+                alice.responses.create,
+                model=MODEL,
+                input=question,
+                previous_response_id=first.id,
+                **GREEDY,
+            )
+            for question in asked
+        ]
+        answered = [future.result() for future in sent]
+    kept = {r.conversation.id for r in answered}  # type: ignore[union-attr]
+    assert len(kept) == 2 and first.conversation.id in kept  # type: ignore[union-attr]
+    before = [("user", "Name a colour."), ("assistant", first.output_text)]
+    for question, response in zip(asked, answered, strict=True):
+        chat = texts(alice, response.conversation.id)  # type: ignore[union-attr]
+        assert chat == [*before, ("user", question), ("assistant", response.output_text)]
 
 
 def test_a_response_not_stored_cannot_be_retrieved(alice) -> None:

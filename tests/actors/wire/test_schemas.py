@@ -32,6 +32,7 @@ GOOD = [
     {"prompt": [1, 2, 3], "timeout_s": 5},
     {"prompt": "Once upon", "max_tokens": 3},
     {"conversation_id": "c-1234abcd-ff", "message": "again", "final": True},
+    {"conversation_id": "c-1234abcd-ff", "message": "again", "turn": 3},
     {"message": "hi", "tools": TOOLS, "tool_choice": WEATHER},
     {
         "messages": [
@@ -135,6 +136,8 @@ def test_the_checked_request_is_normalized() -> None:
         (orjson.dumps({"conversation_id": "", "message": "hi"}), "empty"),
         (orjson.dumps({"conversation_id": 3, "message": "hi"}), "'conversation_id'"),
         (orjson.dumps({"message": "hi", "colour": 1}), "unknown field(s): colour"),
+        (orjson.dumps({"conversation_id": "c", "message": "hi", "turn": -1}), "'turn'"),
+        (orjson.dumps({"message": "hi", "turn": 2}), "first turn is turn 0"),
     ],
 )
 def test_a_bad_chat_body_is_refused_with_what_is_wrong(data: bytes, says: str) -> None:
