@@ -1,5 +1,5 @@
-"""Token sampling: greedy rows in one argmax, the others together with temperature, top-k and
-top-p, on the logits' device and without waiting for it.
+"""Token sampling: greedy rows in one argmax, the others together with temperature, min-p,
+top-k and top-p, on the logits' device and without waiting for it.
 
 A sampled row draws one uniform number on the host, from its own generator keyed by (seed,
 output index) if the request is seeded, and takes the token where that number falls in the
@@ -10,6 +10,7 @@ running when this returns).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -32,7 +33,7 @@ def sample_async(
         chosen = [params[row] for row in rows]
         vocab = logits.shape[1]
         # per row: temperature, top_p (none: above any mass), top_k (none: the vocabulary),
-        # the draw in [0, 1)
+        # the draw in [0, 1), log(min_p) (none: -inf; the likeliest token's scaled logit is 0)
         settings = torch.tensor(
             [
                 (
@@ -40,6 +41,7 @@ def sample_async(
                     p.top_p if p.top_p < 1.0 else float("inf"),
                     vocab if p.top_k is None else p.top_k,
                     _draw(p, sample_indices[row]),
+                    math.log(p.min_p) if p.min_p > 0.0 else float("-inf"),
                 )
                 for row, p in zip(rows, chosen, strict=True)
             ],
@@ -78,7 +80,7 @@ def _draw(p: SamplingParams, index: int) -> float:
 
 def _sample_rows(
     logits: torch.Tensor, settings: torch.Tensor, params: Sequence[SamplingParams]
-) -> torch.Tensor:  # logits: [R, V]; settings: [R, 4] (see `sample_async`)
+) -> torch.Tensor:  # logits: [R, V]; settings: [R, 5] (see `sample_async`)
     # Shifted so each row's largest logit is 0 before dividing: however small the temperature
     # (the API accepts any positive one), every value stays finite or becomes -inf, never +inf
     # or NaN. A temperature below float32's smallest normal is taken as that smallest normal;
@@ -87,6 +89,8 @@ def _sample_rows(
     temperature = settings[:, 0:1].float().clamp_min(_TINY)
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     vocab = scaled.shape[1]
+    if any(p.min_p > 0.0 for p in params):  # less likely than min_p times the likeliest
+        scaled = scaled.masked_fill(scaled < settings[:, 4:5], float("-inf"))
     truncated = any(p.top_p < 1.0 or (p.top_k is not None and p.top_k < vocab) for p in params)
     order = None
     if truncated:  # the likeliest first: top-k and top-p cut the tail

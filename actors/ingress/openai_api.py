@@ -42,14 +42,13 @@ ROLES = {
     "assistant": "assistant",
     "tool": "tool",
 }
-# vLLM's extra sampling fields, which clients of vLLM send (`vllm bench serve`: a repetition
-# penalty of 1), and the value that asks for nothing
+# vLLM's extra sampling fields that the engine has no way to honour, which clients of vLLM
+# send (`vllm bench serve`: a repetition penalty of 1), and the value that asks for nothing
 _VLLM_SAMPLING: dict[str, tuple[object, ...]] = {
     "repetition_penalty": (None, 1, 1.0),
-    "top_k": (None, -1, 0),
-    "min_p": (None, 0, 0.0),
     "min_tokens": (None, 0),
 }
+_NO_TOP_K = (-1, 0)  # vLLM's top_k values for every token
 # options of OpenAI's API the engine has no way to honour, and the value that asks for nothing
 _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "logprobs": (None, False),
@@ -102,6 +101,7 @@ def to_chat(data: bytes, model: str, conversation_header: str | None) -> Complet
     for name in ("top_p", "seed", "stop", "ignore_eos", "final", "cache_salt", "tool_choice"):
         if body.get(name) is not None:
             chat[name] = body[name]
+    chat.update(_extra_sampling(body))
     if body.get("tools"):  # checked by the client API, as its own `tools`
         chat["tools"] = body["tools"]
     response_format = body.get("response_format")
@@ -141,6 +141,19 @@ def checked_body(
     if body.get("n", 1) != 1:
         raise invalid("only n=1 is supported", "n")
     return body
+
+
+def _extra_sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's `top_k` and `min_p`, as the chat request takes them (checked there); the
+    values that ask for nothing are left out."""
+    extra = {}
+    top_k = body.get("top_k")
+    if top_k is not None and not (type(top_k) is int and top_k in _NO_TOP_K):
+        extra["top_k"] = top_k
+    min_p = body.get("min_p")
+    if min_p is not None and min_p != 0:
+        extra["min_p"] = min_p
+    return extra
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -192,6 +205,7 @@ def to_text_completion(data: bytes, model: str) -> Completion:
     for name in ("top_p", "seed", "stop", "ignore_eos", "cache_salt"):
         if body.get(name) is not None:
             chat[name] = body[name]
+    chat.update(_extra_sampling(body))
     return Completion(
         chat,
         model,

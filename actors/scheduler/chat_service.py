@@ -475,6 +475,8 @@ def _sampling(
         max_tokens=min(request.max_tokens, room),
         temperature=request.temperature,
         top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
         seed=seed,
         ignore_eos=request.ignore_eos,
         grammar=request.grammar,

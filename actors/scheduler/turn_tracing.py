@@ -187,6 +187,8 @@ def genai_request(
         "gen_ai.request.temperature": request.temperature,
         "gen_ai.request.top_p": request.top_p,
     }
+    if request.top_k is not None:
+        attributes["gen_ai.request.top_k"] = request.top_k
     if model:
         attributes["gen_ai.request.model"] = model
     if sampling.seed is not None:  # the one sampled with, also when the service chose it

@@ -162,6 +162,9 @@ class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_LIMIT)] = DEFAULT_MAX_TOKENS
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # 0: greedy
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None  # None: every token
+    # a token less likely than min_p times the likeliest one is not sampled
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
     seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
     stop: (
         StopString | Annotated[tuple[StopString, ...], msgspec.Meta(max_length=MAX_STOP_STRINGS)]
@@ -195,6 +198,8 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int | None = None
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -287,6 +292,8 @@ _RULES = {
     "max_tokens": f"'max_tokens' must be an integer in [1, {MAX_TOKENS_LIMIT}]",
     "temperature": "'temperature' must be a number >= 0",
     "top_p": "'top_p' must be a number in (0, 1]",
+    "top_k": "'top_k' must be null or an integer >= 1",
+    "min_p": "'min_p' must be a number in [0, 1)",
     "seed": f"'seed' must be null or an integer in [0, {MAX_SEED}]",
     "stop": f"'stop' must be up to {MAX_STOP_STRINGS} non-empty strings",
     "ignore_eos": "'ignore_eos' must be true or false",
@@ -387,6 +394,8 @@ def parse_chat(data: bytes) -> ChatRequest:
         max_tokens=body.max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
         seed=body.seed,
         stop=stop,
         ignore_eos=body.ignore_eos,

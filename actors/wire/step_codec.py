@@ -36,7 +36,7 @@ from pensieve.actors.wire.step import (
 )
 from pensieve.actors.wire.structured import Grammar
 
-STEP_VERSION = 4  # the schema version of the plan and result arrays
+STEP_VERSION = 5  # the schema version of the plan and result arrays
 UNKNOWN_STEP = 0  # the step of a result to a plan the executor could not read (steps start at 1)
 
 
@@ -55,16 +55,25 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     top_k: int | None
     seed: int | None
     grammar: Grammar | None = None  # what a constrained reply must match
+    min_p: float = 0.0
 
     @staticmethod
     def of(params: SamplingParams) -> Sampling:
-        return Sampling(params.temperature, params.top_p, params.top_k, params.seed, params.grammar)
+        return Sampling(
+            params.temperature,
+            params.top_p,
+            params.top_k,
+            params.seed,
+            params.grammar,
+            params.min_p,
+        )
 
     def params(self) -> SamplingParams:
         return SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             grammar=self.grammar,
         )

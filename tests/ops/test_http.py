@@ -478,3 +478,32 @@ def test_cached_tokens_is_one_number_everywhere_with_its_tiers_beside_it(server,
     stored_response = api.responses.retrieve(later.id)
     assert stored_response.usage is not None
     assert stored_response.usage.input_tokens_details.model_dump() == details.model_dump()
+
+
+def test_vllms_top_k_and_min_p_cut_the_tail_and_their_no_op_values_change_nothing(
+    server, alice
+) -> None:
+    api = client(server, alice)
+    user = [{"role": "user", "content": CHAT[0]}]
+
+    def token_ids(extra: dict[str, Any] | None = None, **fields: Any) -> list[int]:
+        reply = api.chat.completions.create(
+            model=MODEL,
+            messages=user,
+            max_tokens=12,
+            extra_body={**TOKEN_IDS, **(extra or {})},
+            **fields,
+        )
+        return list(reply.choices[0].model_extra["token_ids"])
+
+    greedy = token_ids(temperature=0)
+    # hot, but only the likeliest token is left to draw
+    assert token_ids({"top_k": 1}, temperature=1.5, seed=1) == greedy
+    assert token_ids({"min_p": 0.999}, temperature=1.5, seed=2) == greedy
+    # vLLM's "every token" values draw what a request without them draws
+    plain = token_ids(temperature=1.0, seed=3)
+    assert token_ids({"top_k": -1, "min_p": 0}, temperature=1.0, seed=3) == plain
+    status, body = error_of(lambda: token_ids({"top_k": -5}))
+    assert status == 400 and "top_k" in body["message"]
+    status, body = error_of(lambda: token_ids({"min_p": 1.5}))
+    assert status == 400 and "min_p" in body["message"]

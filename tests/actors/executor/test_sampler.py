@@ -1,6 +1,7 @@
 """Sampling is computed for every value the API accepts: no temperature or top_p raises, and the
-limits behave as the distribution they tend to; rows of different settings sampled in one batch
-each follow their own truncated distribution, and top-k keeps the k likeliest tokens."""
+limits behave as the distribution they tend to; rows of different settings (temperature, top-k,
+top-p, min-p) sampled in one batch each follow their own truncated distribution, and top-k
+keeps the k likeliest tokens."""
 
 from __future__ import annotations
 
@@ -69,11 +70,15 @@ def test_a_seeded_row_draws_the_same_token_whatever_shares_its_batch() -> None:
     assert beside_greedy[1:] == alone
 
 
-def _truncated(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float):
-    """The distribution a row samples from, by the definitions: the top_k likeliest tokens,
-    then those of them whose likelier tokens hold less than top_p of the mass, renormalized."""
+def _truncated(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float, min_p: float
+):
+    """The distribution a row samples from, by the definitions: the tokens at least min_p times
+    as likely as the likeliest, of them the top_k likeliest, then those of them whose likelier
+    tokens hold less than top_p of the mass, renormalized."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     order = torch.argsort(probs, descending=True).tolist()
+    order = [t for t in order if probs[t] >= min_p * probs.max()]
     kept = order[: top_k or len(order)]
     mass = probs[kept] / probs[kept].sum()
     before = torch.cumsum(mass, dim=0) - mass
@@ -83,7 +88,14 @@ def _truncated(logits: torch.Tensor, temperature: float, top_k: int | None, top_
     return want
 
 
-SETTINGS = [(1.0, None, 1.0), (0.5, 3, 1.0), (1.3, None, 0.7), (0.8, 4, 0.9)]
+SETTINGS = [  # temperature, top_k, top_p, min_p
+    (1.0, None, 1.0, 0.0),
+    (0.5, 3, 1.0, 0.0),
+    (1.3, None, 0.7, 0.0),
+    (0.8, 4, 0.9, 0.0),
+    (1.5, None, 1.0, 0.2),
+    (1.0, 5, 0.95, 0.1),
+]
 
 
 def test_rows_of_different_settings_in_one_batch_each_follow_their_own_distribution() -> None:
@@ -91,13 +103,13 @@ def test_rows_of_different_settings_in_one_batch_each_follow_their_own_distribut
     draws = 8000  # per setting: seeded, so the counts are the same on every run
     params, indices = [], []
     for seed in range(draws):
-        for temperature, top_k, top_p in SETTINGS:
-            params.append(SamplingParams(4, temperature, top_p, top_k, seed=seed))
+        for temperature, top_k, top_p, min_p in SETTINGS:
+            params.append(SamplingParams(4, temperature, top_p, top_k, min_p, seed=seed))
             indices.append(seed % 5)
     tokens = sample_async(logits.repeat(len(params), 1), params, indices).tolist()
-    for i, (temperature, top_k, top_p) in enumerate(SETTINGS):
+    for i, setting in enumerate(SETTINGS):
         counts = torch.bincount(torch.tensor(tokens[i :: len(SETTINGS)]), minlength=len(logits))
-        want = _truncated(logits, temperature, top_k, top_p)
+        want = _truncated(logits, *setting)
         assert counts[want == 0].sum() == 0, (SETTINGS[i], counts)  # never outside the set
         share = counts.double() / draws
         spread = 4 * torch.sqrt(want * (1 - want) / draws) + 1e-3

@@ -29,6 +29,7 @@ from pensieve.actors.wire.structured import Grammar
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 HOT = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=3, stop_token_ids=(2,))
+WARM = SamplingParams(max_tokens=8, temperature=0.9, top_k=40, min_p=0.05, seed=4)
 
 
 def plans() -> list[StepPlan]:
@@ -53,6 +54,7 @@ def plans() -> list[StepPlan]:
         StepPlan((SeqPiece("a", (PLACEHOLDER,), 4, 5, (14, 12, 15), GREEDY, 2),)),
         # b comes back: sent in full again
         StepPlan((SeqPiece("b", (9,), 33, 34, (11, 13), HOT, 1),)),
+        StepPlan((SeqPiece("c", (5, 6), 0, 2, (17,), WARM, 0),)),
         StepPlan(()),
     ]
 
@@ -62,7 +64,11 @@ def sampled(params: SamplingParams | None) -> SamplingParams | None:
     if params is None:
         return None
     return SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=params.seed,
     )
 
 
@@ -84,7 +90,7 @@ def test_plans_cross_as_diffs_and_come_back_whole() -> None:
     # after a step without it, a request goes in full; then its unchanged table is not sent
     running = StepPlan((SeqPiece("a", (PLACEHOLDER,), 5, 6, (14, 12, 15), HOT, 3),))
     first = encoder.encode(9, running, None)
-    assert b"[14,12,15]" in first and b"[0.7,0.9,null,3,null]" in first
+    assert b"[14,12,15]" in first and b"[0.7,0.9,null,3,null,0.0]" in first
     assert decoder.decode(first).plan == as_executor_sees(running)  # type: ignore[union-attr]
     again = encoder.encode(10, running, 9)
     assert b"[14,12,15]" not in again and b"0.7" not in again
@@ -93,14 +99,16 @@ def test_plans_cross_as_diffs_and_come_back_whole() -> None:
 
 def test_only_what_the_sampler_reads_reaches_the_executor() -> None:
     """Lengths, stop tokens and ignore_eos are the scheduler's: they never cross."""
-    wide = SamplingParams(max_tokens=77, temperature=0.5, top_k=5, seed=9, stop_token_ids=(123,))
+    wide = SamplingParams(
+        max_tokens=77, temperature=0.5, top_k=5, min_p=0.1, seed=9, stop_token_ids=(123,)
+    )
     plan = StepPlan((SeqPiece("a", (1,), 0, 1, (4,), wide),))
     data = PlanEncoder().encode(1, plan, None)
     assert b"77" not in data and b"123" not in data
     got = PlanDecoder().decode(data)
     assert got is not None
     (params,) = [p.sampling for p in got.plan.pieces]
-    assert params == SamplingParams(temperature=0.5, top_k=5, seed=9)
+    assert params == SamplingParams(temperature=0.5, top_k=5, min_p=0.1, seed=9)
 
 
 def test_a_running_decode_of_a_long_context_sends_only_its_new_block() -> None:
