@@ -139,6 +139,9 @@ def _replay_parser(commands: Any) -> None:
     work.add_argument("--ignore-eos", action="store_true", help="generate to the length limit")
     work.add_argument("--temperature", type=float, metavar="T", default=0.0, help="0: greedy")
     work.add_argument(
+        "--top-p", type=float, metavar="P", default=1.0, help="nucleus sampling (1: every token)"
+    )
+    work.add_argument(
         "--skip-too-long",
         action="store_true",
         help="end a conversation whose prompt outgrows the context instead of failing",
@@ -340,6 +343,7 @@ def _replay_built(args, built, conversations, data_dir, max_new) -> None:  # typ
         max_new_tokens=max_new,
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
+        top_p=args.top_p,
         concurrency=args.concurrency,
         seed=args.seed,
         emit_token_ids=args.emit_token_ids,

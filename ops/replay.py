@@ -41,6 +41,7 @@ class ReplayOptions:
     max_new_tokens: int | None = DEFAULTS.max_tokens  # None: the recorded reply's length
     ignore_eos: bool = False
     temperature: float = 0.0
+    top_p: float = 1.0
     concurrency: int = 4
     seed: int = 0
     emit_token_ids: bool = False
@@ -165,6 +166,7 @@ class _Replayer:
         sampling = SamplingParams(
             max_tokens=max_tokens,
             temperature=self.options.temperature,
+            top_p=self.options.top_p,
             seed=zlib.crc32(f"{self.options.seed}:{session.conv.id}:{session.next_turn}".encode()),
             ignore_eos=self.options.ignore_eos,
         )
