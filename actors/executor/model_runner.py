@@ -23,6 +23,7 @@ from pensieve.actors.executor.device_clock import DeviceClock
 from pensieve.actors.executor.disk_cache import DiskCache
 from pensieve.actors.executor.disk_views import host_blocks
 from pensieve.actors.executor.grammar import GrammarMasks
+from pensieve.actors.executor.penalties import Penalties
 from pensieve.actors.executor.piecewise_graphs import PiecewiseGraphs
 from pensieve.actors.executor.sampler import apply_token_mask, sample_async
 from pensieve.actors.executor.step_tracing import StepTracer
@@ -171,6 +172,7 @@ class ModelRunner:
         )
         self.scale = self.config.attn_scale
         self.disk: DiskCache | None = None  # the disk tier below the CPU tier (None: none)
+        self.penalties = Penalties(device)
         # fed only while tracing is on
         self.tracer = StepTracer()
         self.swap_tracer = SwapTracer(self.block_bytes, self.clock)
@@ -320,6 +322,7 @@ class ModelRunner:
     def _launch(self, plan: StepPlan, feed: Launched | None) -> Launched:
         if self.grammars is not None:
             self.grammars.forget_absent(plan.pieces)
+        self.penalties.forget_absent(plan.pieces)
         if not plan.pieces:
             self._issue(plan.orders)
             empty = torch.empty(0, dtype=torch.long)
@@ -339,11 +342,13 @@ class ModelRunner:
         sampling = [p for p in ordered.pieces if p.sampling is not None]
         params = [p.sampling for p in sampling]
         constrained = self._constrain(logits, sampling)  # while the forward runs
+        penalized = self.penalties.apply(logits, sampling)
         tokens = sample_async(logits, params, [p.sample_index for p in sampling])  # type: ignore[arg-type]
         if self.shard is not None and not all(p.greedy for p in params):  # type: ignore[union-attr]
             # every rank holds the same logits, but an unseeded draw differs by rank: all take
             # rank 0's, so the KV each writes next step is of the same tokens
             broadcast_from_first(tokens, self.shard)
+        self.penalties.sampled(tokens, sampling, penalized)
         self.swap.issue_out()  # while the device runs the forward
         if tokens.device.type != "cuda":
             launched = Launched(plan, tokens, tokens, None, executed)

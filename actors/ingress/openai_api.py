@@ -55,9 +55,6 @@ _UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "top_logprobs": (None, 0),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "audio": (None,),
     "prediction": (None,),
     **_VLLM_SAMPLING,
@@ -144,9 +141,13 @@ def checked_body(
 
 
 def _extra_sampling(body: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's `top_k` and `min_p`, as the chat request takes them (checked there); the
-    values that ask for nothing are left out."""
-    extra = {}
+    """The penalties and logit bias, and vLLM's `top_k` and `min_p`, as the chat request
+    takes them (checked there); the values that ask for nothing are left out."""
+    extra = {
+        name: body[name]
+        for name in ("presence_penalty", "frequency_penalty", "logit_bias")
+        if body.get(name) not in (None, 0, {})
+    }
     top_k = body.get("top_k")
     if top_k is not None and not (type(top_k) is int and top_k in _NO_TOP_K):
         extra["top_k"] = top_k
@@ -170,9 +171,6 @@ _TEXT_UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "logprobs": (None, 0),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     **_VLLM_SAMPLING,
 }
 TEXT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for a completion

@@ -462,6 +462,12 @@ def _sampling(
             "invalid_request",
             f"'prompt' holds token ids outside the model's vocabulary (0 to {vocab_size - 1})",
         )
+    if request.logit_bias and request.logit_bias[-1][0] >= vocab_size:
+        raise ApiError(
+            "invalid_request",
+            f"'logit_bias' names token ids outside the model's vocabulary (0 to {vocab_size - 1})",
+            "logit_bias",
+        )
     room = max_context - len(prompt)
     if room < 1:
         raise ApiError(
@@ -477,6 +483,9 @@ def _sampling(
         top_p=request.top_p,
         top_k=request.top_k,
         min_p=request.min_p,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=request.logit_bias,
         seed=seed,
         ignore_eos=request.ignore_eos,
         grammar=request.grammar,

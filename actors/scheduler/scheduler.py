@@ -275,7 +275,8 @@ class Scheduler:
             samples = end == request.num_tokens and not request.pending
             index = len(request.output_ids) + request.inflight  # which output token it samples
             output = None
-            if samples and request.sampling.grammar is not None and not request.inflight:
+            needs_output = request.sampling.grammar is not None or request.sampling.penalized
+            if samples and needs_output and not request.inflight:
                 output = tuple(request.output_ids)
             if samples:
                 request.expect_sample(self.config.max_model_len)

@@ -46,6 +46,7 @@ ErrorCode = Literal[
 ]
 ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 8
+MAX_LOGIT_BIAS = 300  # tokens a request may bias, as OpenAI's API allows
 MAX_TOKENS_LIMIT = 1 << 20
 DEFAULT_MAX_TOKENS = 256  # a chat turn's reply length when the request gives none
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -79,6 +80,7 @@ NonEmptyArray = msgspec.Meta(extra_json_schema={"minItems": 1})
 NonEmptyText = msgspec.Meta(extra_json_schema={"minLength": 1})  # said after "exactly one"
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_PROMPT_TOKEN)]
 StopString = Annotated[str, msgspec.Meta(min_length=1)]
+LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 MAX_CACHE_SALT = 256
 CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT)]
 
@@ -165,6 +167,18 @@ class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None  # None: every token
     # a token less likely than min_p times the likeliest one is not sampled
     min_p: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+    # OpenAI's: a token sampled before is made less likely once (presence) and per time
+    # sampled (frequency); negative values make it likelier
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    # token id (a string of digits, as in OpenAI's API) -> added to its logit
+    logit_bias: (
+        Annotated[
+            dict[Annotated[str, msgspec.Meta(pattern="^[0-9]{1,9}$")], LogitBias],
+            msgspec.Meta(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
     stop: (
         StopString | Annotated[tuple[StopString, ...], msgspec.Meta(max_length=MAX_STOP_STRINGS)]
@@ -200,6 +214,9 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     top_p: float = 1.0
     top_k: int | None = None
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by token id
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -294,6 +311,10 @@ _RULES = {
     "top_p": "'top_p' must be a number in (0, 1]",
     "top_k": "'top_k' must be null or an integer >= 1",
     "min_p": "'min_p' must be a number in [0, 1)",
+    "presence_penalty": "'presence_penalty' must be a number in [-2, 2]",
+    "frequency_penalty": "'frequency_penalty' must be a number in [-2, 2]",
+    "logit_bias": f"'logit_bias' must be null or an object of up to {MAX_LOGIT_BIAS} token ids "
+    "(strings of digits) to numbers in [-100, 100]",
     "seed": f"'seed' must be null or an integer in [0, {MAX_SEED}]",
     "stop": f"'stop' must be up to {MAX_STOP_STRINGS} non-empty strings",
     "ignore_eos": "'ignore_eos' must be true or false",
@@ -396,6 +417,9 @@ def parse_chat(data: bytes) -> ChatRequest:
         top_p=body.top_p,
         top_k=body.top_k,
         min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logit_bias=tuple(sorted((int(k), v) for k, v in (body.logit_bias or {}).items())),
         seed=body.seed,
         stop=stop,
         ignore_eos=body.ignore_eos,

@@ -31,6 +31,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int | None = None
     min_p: float = 0.0  # tokens less likely than min_p times the likeliest are cut
+    # OpenAI's: subtracted from the logit of a token sampled before (once; per time sampled)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -47,6 +51,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether its logits depend on the tokens it sampled before (its output so far)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def greedy(self) -> bool:
@@ -148,8 +157,9 @@ class SeqPiece:
     block_table: tuple[int, ...]
     sampling: SamplingParams | None  # None: no token is sampled from this piece
     sample_index: int = 0  # which output token this sample is (keys seeded generators)
-    # a constrained request's output so far, when none of its tokens is being sampled: the
-    # executor's grammar matcher starts from it when it has none for the request (`grammar.py`)
+    # a constrained or penalized request's output so far, when none of its tokens is being
+    # sampled: the executor's grammar matcher and token counts start from it when it has none
+    # for the request (`grammar.py`, `penalties.py`)
     output_ids: tuple[int, ...] | None = None
 
 

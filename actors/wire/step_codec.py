@@ -56,6 +56,9 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     seed: int | None
     grammar: Grammar | None = None  # what a constrained reply must match
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @staticmethod
     def of(params: SamplingParams) -> Sampling:
@@ -66,6 +69,9 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
             params.seed,
             params.grammar,
             params.min_p,
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.logit_bias,
         )
 
     def params(self) -> SamplingParams:
@@ -74,6 +80,9 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
             seed=self.seed,
             grammar=self.grammar,
         )

@@ -507,3 +507,35 @@ def test_vllms_top_k_and_min_p_cut_the_tail_and_their_no_op_values_change_nothin
     assert status == 400 and "top_k" in body["message"]
     status, body = error_of(lambda: token_ids({"min_p": 1.5}))
     assert status == 400 and "min_p" in body["message"]
+
+
+def test_penalties_and_logit_bias_change_greedy_replies_and_bad_values_are_refused(
+    server, alice
+) -> None:
+    api = client(server, alice)
+    user = [{"role": "user", "content": "Repeat the word 'yes' ten times."}]
+
+    def token_ids(**fields: Any) -> list[int]:
+        reply = api.chat.completions.create(
+            model=MODEL, messages=user, max_tokens=16, temperature=0, extra_body=TOKEN_IDS, **fields
+        )
+        return list(reply.choices[0].model_extra["token_ids"])
+
+    plain = token_ids()
+    assert token_ids(presence_penalty=0, frequency_penalty=0, logit_bias={}) == plain
+    banned = plain[0]
+    biased = token_ids(logit_bias={str(banned): -100})
+    assert banned not in biased
+    repeated = max(set(plain), key=plain.count)
+    assert plain.count(repeated) > 1
+    penalized = token_ids(frequency_penalty=2.0)
+    assert penalized != plain and penalized.count(repeated) < plain.count(repeated)
+    for bad in (
+        {"frequency_penalty": 3},
+        {"presence_penalty": -2.5},
+        {"logit_bias": {"x": 1}},
+        {"logit_bias": {"1": 101}},
+        {"logit_bias": {str(10**8): 1}},  # past the vocabulary
+    ):
+        status, body = error_of(lambda bad=bad: token_ids(**bad))
+        assert status == 400 and next(iter(bad)) in body["message"], (bad, body)

@@ -29,7 +29,16 @@ from pensieve.actors.wire.structured import Grammar
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 HOT = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, seed=3, stop_token_ids=(2,))
-WARM = SamplingParams(max_tokens=8, temperature=0.9, top_k=40, min_p=0.05, seed=4)
+WARM = SamplingParams(
+    max_tokens=8,
+    temperature=0.9,
+    top_k=40,
+    min_p=0.05,
+    presence_penalty=0.5,
+    frequency_penalty=-0.25,
+    logit_bias=((7, -100.0), (42, 3.5)),
+    seed=4,
+)
 
 
 def plans() -> list[StepPlan]:
@@ -68,6 +77,9 @@ def sampled(params: SamplingParams | None) -> SamplingParams | None:
         top_p=params.top_p,
         top_k=params.top_k,
         min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=params.logit_bias,
         seed=params.seed,
     )
 
@@ -90,7 +102,7 @@ def test_plans_cross_as_diffs_and_come_back_whole() -> None:
     # after a step without it, a request goes in full; then its unchanged table is not sent
     running = StepPlan((SeqPiece("a", (PLACEHOLDER,), 5, 6, (14, 12, 15), HOT, 3),))
     first = encoder.encode(9, running, None)
-    assert b"[14,12,15]" in first and b"[0.7,0.9,null,3,null,0.0]" in first
+    assert b"[14,12,15]" in first and b"[0.7,0.9,null,3,null,0.0,0.0,0.0,[]]" in first
     assert decoder.decode(first).plan == as_executor_sees(running)  # type: ignore[union-attr]
     again = encoder.encode(10, running, 9)
     assert b"[14,12,15]" not in again and b"0.7" not in again

@@ -1,0 +1,105 @@
+"""Presence and frequency penalties and logit bias on the engine, with the real SmolLM2 on the
+CPU (fp32) and tiers too small for the batch: requests of different penalties sampled together,
+one of them suspended mid-reply (the executor forgets its counts and rebuilds them from its
+output), each give the greedy tokens of a Hugging Face transformers loop that applies OpenAI's
+penalties to its own logits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pensieve.actors.scheduler.request import Request
+from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
+from pensieve.actors.wire.step import SamplingParams
+from pensieve.models.loader import LoadedModel, load_model
+from pensieve.ops.factory import EngineOptions, assemble
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 32
+# 8 GPU blocks for four replies growing together: the last two are suspended late in their
+# replies, and come back
+TIERS = dict(gpu_cache_tokens=8 * BLOCK, cpu_cache_tokens=8 * BLOCK, admission_reserve=0.0)
+MAX_TOKENS = 64
+PROMPTS = [
+    "List the colours of the rainbow.",
+    "Write a line about the sea, the sea, the sea.",
+    "Count from one to ten.",
+    "Say hello three times.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LoadedModel:
+    return load_model("smollm2", "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def chat(smollm2: LoadedModel) -> ChatTokenizer:
+    return ChatTokenizer(smollm2.tokenizer, smollm2.config.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def hf() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from pensieve.models.assets import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    return AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+
+
+def reference(model: Any, prompt: list[int], params: SamplingParams) -> list[int]:
+    """Greedy tokens of transformers on the same weights (the end-of-sequence token taken as
+    any other, as `ignore_eos` does), OpenAI's penalties and logit bias applied to each step's
+    logits: logit - presence * (count > 0) - frequency * count + bias."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(params.max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            counts = torch.bincount(
+                torch.tensor(ids[len(prompt) :], dtype=torch.long), minlength=logits.shape[0]
+            )[: logits.shape[0]].float()
+            logits = logits - (
+                params.presence_penalty * (counts > 0) + params.frequency_penalty * counts
+            )
+            for token, bias in params.logit_bias:
+                logits[token] += bias
+            ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt) :]
+
+
+def test_penalized_requests_sampled_together_and_suspended_match_transformers(
+    smollm2, chat, hf
+) -> None:
+    options = EngineOptions(model="smollm2", max_batch_tokens=512, **TIERS)
+    engine = assemble(options, smollm2, chat).engine
+    likeliest = smollm2.tokenizer.encode(" the", add_special_tokens=False)[0]
+    settings = [  # the latest arrivals give way when the GPU tier is full: penalized ones
+        SamplingParams(MAX_TOKENS, ignore_eos=True),  # none: beside the others, unchanged
+        SamplingParams(MAX_TOKENS, ignore_eos=True, logit_bias=((likeliest, 8.0),)),
+        SamplingParams(MAX_TOKENS, ignore_eos=True, frequency_penalty=1.5),
+        SamplingParams(MAX_TOKENS, ignore_eos=True, presence_penalty=2.0, frequency_penalty=0.5),
+    ]
+    prompts = [chat.encode(text) for text in PROMPTS]
+    started: list[Request] = [
+        engine.add_request(f"c{i}", prompt, params)
+        for i, (prompt, params) in enumerate(zip(prompts, settings, strict=True))
+    ]
+    while engine.has_work():
+        engine.step()
+    assert all(r.num_suspensions for r in started[2:]), "the penalized replies were not suspended"
+    for request, prompt, params in zip(started, prompts, settings, strict=True):
+        assert request.error is None
+        assert request.output_ids == reference(hf, prompt, params), request.conv_id
+    # the penalties change the replies: the same prompts without them give other tokens
+    plain = SamplingParams(MAX_TOKENS, ignore_eos=True)
+    assert started[2].output_ids != reference(hf, prompts[2], plain)
+    assert started[1].output_ids.count(likeliest) > reference(hf, prompts[1], plain).count(
+        likeliest
+    )
