@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 READ_TIMEOUT_S = 60.0  # a turn's read: long histories on a slow disk take seconds
 KEYS_TIMEOUT_S = 30.0  # the index of a large tier is read in pages
 WRITE_BACK_TIMEOUT_S = 600.0  # one message's chunks written and made durable
+SENT_TIMEOUT_S = 30.0  # the plans and resets posted before a write-back, on their way
 
 
 class RemoteRead:
@@ -182,7 +183,9 @@ class RemoteDisk:
     async def _write_back(
         self, drops: list[bytes], cpu: list[tuple[int, bytes]], gpu: list[tuple[int, bytes]]
     ) -> int:
-        await self._sent()  # the executor takes it after the steps' copies are settled
+        # the executor takes it after the steps' copies are settled (a step channel that
+        # cannot send is a write-back that cannot be ordered: none)
+        await asyncio.wait_for(self._sent(), SENT_TIMEOUT_S)
         held = 0
         for request in write_back_requests(drops, cpu, gpu, self.bus.max_payload):
             answer = await _ask(
