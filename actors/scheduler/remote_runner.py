@@ -119,6 +119,12 @@ class RemoteRunner:
     def launch(self, plan: StepPlan, feed: Launch | None = None) -> RemoteLaunch:
         if feed is not None and not isinstance(feed, RemoteLaunch):
             raise TypeError("a RemoteRunner is fed only by its own launches")
+        if _idle(plan):
+            # nothing to send (the engine steps while a turn waits for its disk read): the
+            # executor and the encoder keep what they know
+            launched = RemoteLaunch(UNKNOWN_STEP, plan, self)
+            launched.future.set_result([])
+            return launched
         launched = RemoteLaunch(next(self._steps), plan, self)
         self._pending[launched.step] = launched
         body = self.encoder.encode(launched.step, plan, None if feed is None else feed.step)
@@ -217,6 +223,13 @@ class RemoteRunner:
             launched.future.set_exception(RuntimeError(f"executor: {result.error}"))
         else:
             launched.future.set_result(result.tokens)
+
+
+def _idle(plan: StepPlan) -> bool:
+    """Whether the plan has nothing for the executor to compute or copy."""
+    orders = plan.orders
+    disk = orders.disk_drop or orders.disk_save or orders.disk_load
+    return not plan.pieces and orders.is_empty() and not orders.fence and not disk
 
 
 async def connect_executor(bus: Any, engine_id: str, timeout_s: float = 600.0) -> RemoteRunner:
