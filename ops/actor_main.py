@@ -47,11 +47,6 @@ def run_actor(name: str, engine: EngineOptions, options: ServeOptions, started: 
     """Run actor `name` until SIGINT or SIGTERM."""
     if options.nats_url is None:
         raise ValueError("pensieve actor needs --nats-url: the actors of an engine meet there")
-    if engine.disk_tier:
-        raise ValueError(
-            "--disk-cache-dir is not yet supported with the executor in a process of its own: "
-            "use pensieve serve"
-        )
     entries = actor_plan(name, options)
     check_ports(entries, options)
     nats = Nats(

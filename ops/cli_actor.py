@@ -56,11 +56,10 @@ TAKEN_BY: dict[str, tuple[str, ...]] = {
     "gpu_cache_gb": _EXECUTOR,
     "cpu_cache_tokens": _EXECUTOR,
     "cpu_cache_gb": _EXECUTOR,
-    # the disk tier's books are the scheduler's and its files the executor's; the step plans
-    # between two processes do not carry its orders yet, so it runs in `pensieve serve` alone
-    "disk_cache_dir": (),
-    "disk_cache_gb": (),
-    "disk_read_gbps": (),
+    # the disk tier's files are the executor's; the scheduler learns of it from the executor
+    "disk_cache_dir": _EXECUTOR,
+    "disk_cache_gb": _EXECUTOR,
+    "disk_read_gbps": _EXECUTOR,
     "swap_out_threshold": _SCHEDULER,
     "prefix_sharing": _SCHEDULER,
     "public_prompts": _SCHEDULER,

@@ -3,6 +3,7 @@ the store, the engine and serve options, and the engine of the process when it r
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -159,7 +160,23 @@ async def remote_engine(
             built = assemble_remote(options, loaded, chat, runner)
             freeze_start_up()
             yield built
+            # a clean stop: the executor writes the KV tiers back to its disk tier
+            await asyncio.to_thread(write_back, built)
         finally:
             await runner.close()
     finally:
         await bus.close()
+
+
+def write_back(built: Built) -> None:
+    """After a clean stop (the turns in flight drained, no step in flight): the KV tiers'
+    sealed chunks go to the disk tier, so the next start reads them back; a crash loses them.
+    (Not on the event loop: over the bus the engine waits for the executor's answer.)"""
+    disk = built.engine.disk
+    if disk is None:
+        return
+    logger.info("disk tier: writing the KV tiers back")
+    begin = time.monotonic()
+    held = built.engine.write_back()
+    logger.info("disk tier: %d chunks written back in %.1f s", held, time.monotonic() - begin)
+    disk.close()

@@ -97,8 +97,12 @@ async def _executor(ctx: Context) -> AsyncIterator[ExecutorActor | None]:
         runner = build_runner(ctx.engine)
         freeze_start_up()
         bus = await ctx.nats.bus()
-        async with ExecutorActor(bus, ctx.engine_id, runner, ctx.cpu_threads, ctx.store) as actor:
-            yield actor
+        try:
+            async with ExecutorActor(bus, ctx.engine_id, runner, ctx.cpu_threads, ctx.store) as a:
+                yield a
+        finally:  # what was saved is written, and the directory let go
+            if runner.disk is not None:
+                await asyncio.to_thread(runner.disk.close)
         return
     engine = ctx.built.engine
     runner = engine.runner
@@ -118,18 +122,22 @@ async def _executor(ctx: Context) -> AsyncIterator[ExecutorActor | None]:
 
 @contextlib.asynccontextmanager
 async def _executor_beside(ctx: Context, runner: ModelRunner) -> AsyncIterator[ExecutorActor]:
-    """The engine's own model behind an executor actor; the engine steps it through the
-    per-step channel (`actors/wire/step_codec.py`) while the context is open."""
+    """The engine's own model behind an executor actor; the engine steps it (and asks its disk
+    tier) through the per-step channel (`actors/wire/step_codec.py`) while the context is
+    open."""
     engine = ctx.built_engine().engine
+    disk = engine.disk
     bus = await ctx.nats.bus()
     async with ExecutorActor(bus, ctx.engine_id, runner, ctx.cpu_threads, ctx.store) as actor:
         channel = await ctx.nats.bus()
         remote = await connect_executor(channel, ctx.engine_id, timeout_s=30)
         engine.runner = remote
+        if disk is not None:
+            engine.disk = remote.disk
         try:
             yield actor
         finally:
-            engine.runner = runner
+            engine.runner, engine.disk = runner, disk
             await remote.close()
             await channel.close()
 

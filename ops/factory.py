@@ -317,8 +317,14 @@ def assemble_remote(
     options: EngineOptions, loaded: LoadedModel, chat: ChatTokenizer, runner: RemoteRunner
 ) -> Built:
     """A fresh engine whose model runs in the executor actor behind `runner`, with the cache
-    that executor holds."""
+    that executor holds (and its disk tier, if it has one)."""
     cache = remote_cache(options, loaded.config, runner)
+    if runner.disk is not None and not (cache.uses_cpu_tier and cache.prefix_sharing):
+        raise ValueError(
+            "the executor has a disk tier (--disk-cache-dir), which keeps chunks by content key "
+            "below the CPU tier: the scheduler needs prefix sharing and a policy with a CPU "
+            "tier (pensieve, lru)"
+        )
     return _around(runner, cache, options, loaded, chat)
 
 
@@ -359,7 +365,7 @@ def _around(
     eos = chat.eos_token_ids
     step_time = _step_time(options, loaded, cost)
     public = _public_keys(options, chat)
-    disk = runner.disk if isinstance(runner, ModelRunner) else None
+    disk = runner.disk if isinstance(runner, ModelRunner | RemoteRunner) else None
     if disk is not None:
         cache = dataclasses.replace(cache, disk_tier=True)
     engine = Engine(

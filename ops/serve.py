@@ -18,12 +18,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pensieve.actors.config import StepChannel
 from pensieve.actors.wire import subjects
-from pensieve.ops.context import Context, Nats, ServeOptions, remote_engine
+from pensieve.ops.context import Context, Nats, ServeOptions, remote_engine, write_back
 from pensieve.ops.deploy import check_ports, serve_plan, until_signal
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
-from pensieve.ops.factory import Built, EngineOptions, build, cpu_threads, frozen_heap
+from pensieve.ops.factory import EngineOptions, build, cpu_threads, frozen_heap
 from pensieve.ops.nats_auth import NatsAuth
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.ranks_engine import wait_ranks
@@ -43,8 +42,6 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
     (time.monotonic()), for the start-up log. A taken port fails before the model loads, and a
     model that does not load leaves nothing behind: the data dir, the store and the nats-server
     (with its files and pid file) come after it."""
-    if engine_options.disk_tier and options.step_channel is not StepChannel.DIRECT:
-        raise ValueError("--disk-cache-dir is not yet supported with --step-channel nats")
     plan = serve_plan(options)
     check_ports(plan, options)
     provider = setup_tracing(options.trace)
@@ -58,24 +55,11 @@ def serve(engine_options: EngineOptions, options: ServeOptions, started: float) 
             )
             with frozen_heap():
                 asyncio.run(until_signal(context, plan, lambda: _announce(context, started)))
-            _write_back(built)
+            write_back(built)
         return 0
     finally:
         if provider is not None:
             provider.shutdown()  # flush the spans still batched
-
-
-def _write_back(built: Built) -> None:
-    """After a clean stop (the turns in flight drained): the KV tiers' sealed chunks go to the
-    disk tier, so the next start reads them back; a crash loses them."""
-    disk = built.engine.disk
-    if disk is None:
-        return
-    logger.info("disk tier: writing the KV tiers back")
-    begin = time.monotonic()
-    held = built.engine.write_back()
-    logger.info("disk tier: %d chunks written back in %.1f s", held, time.monotonic() - begin)
-    disk.close()
 
 
 def _serve_split(engine_options: EngineOptions, options: ServeOptions, started: float) -> int:

@@ -24,6 +24,7 @@ SCHEDULER_SHELL = {
     "engine_thread",
     "sweeper",
     "remote_runner",
+    "remote_disk",
     "ownership",
     "load_reporter",
 }

@@ -16,30 +16,38 @@ all: the block tables and swap orders index each rank's share of every block) an
 collectives meeting the other ranks'; the first rank alone answers, describes the executor and
 keeps the spill index, for all of them.
 
-Subjects (`pensieve.internal.<engine>.executor.*`): `step` (plans and resets, a mailbox),
-`describe` (what cache this executor holds, asked by the scheduler when it starts); and the
-engine's KV events, `pensieve.v1.engine.<id>.kv` (a mailbox), with the store.
+Subjects (`pensieve.internal.<engine>.executor.*`): `step` (plans, resets and disk read
+releases, a mailbox), `describe` (what cache this executor holds, asked by the scheduler when
+it starts); with a disk tier, `disk_read`, `disk_keys` and `disk_write_back`
+(`disk_service.py`); and the engine's KV events, `pensieve.v1.engine.<id>.kv` (a mailbox),
+with the store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import secrets
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from pensieve.actors.executor.disk_service import DiskService
 from pensieve.actors.executor.model_runner import Launched, ModelRunner
 from pensieve.actors.executor.spill_keeper import SpillKeeper
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.actor import Actor
 from pensieve.actors.wire.bus import Incoming
+from pensieve.actors.wire.disk_messages import WriteBackRequest
 from pensieve.actors.wire.messages import MessageError, decode_kv_events
 from pensieve.actors.wire.step_codec import (
     UNKNOWN_STEP,
+    DiskRelease,
     ExecutorInfo,
     PlanDecoder,
     StepMessage,
@@ -51,6 +59,20 @@ from pensieve.store import ConversationStore, StoreWriter
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+
+
+@dataclass
+class _InOrder:
+    """Work for the worker thread, after the plans taken before it."""
+
+    work: Callable[[], Any]
+    done: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+
+    def run(self) -> None:
+        try:
+            self.done.set_result(self.work())
+        except Exception as error:  # answered to whoever asked
+            self.done.set_exception(error)
 
 
 class ExecutorActor(Actor):
@@ -76,6 +98,9 @@ class ExecutorActor(Actor):
         self.spills: SpillKeeper | None = None
         self._spill_writer: StoreWriter | None = None
         self.decoder = PlanDecoder()
+        # the disk tier, for a scheduler in another process (None: none, or not this rank's say)
+        disk = runner.disk if self.answers else None
+        self.disk = None if disk is None else DiskService(disk, bus)
         # this start of the executor (of all its ranks, which share it): its KV
         self.incarnation = incarnation or secrets.token_hex(6)
         self.last_step = 0  # the last step plan taken, since the last reset
@@ -95,6 +120,7 @@ class ExecutorActor(Actor):
             cache.num_cpu_blocks,
             self.last_step,
             self.last_answered,
+            None if self.disk is None else self.disk.info(),
         )
 
     async def setup(self) -> None:
@@ -112,6 +138,10 @@ class ExecutorActor(Actor):
         await self.mailbox("step", self._on_step)
         if self.answers:
             await self.serve("describe", self._describe)
+        if self.disk is not None:
+            await self.serve("disk_read", self.disk.on_read)
+            await self.serve("disk_keys", self.disk.on_keys)
+            await self.serve("disk_write_back", self._disk_write_back)
 
     async def teardown(self) -> None:
         self._plans.put(_STOP)
@@ -136,6 +166,14 @@ class ExecutorActor(Actor):
     async def _describe(self, msg: Incoming) -> None:
         await msg.send(self.info().encode())
 
+    async def _disk_write_back(self, msg: Incoming) -> None:
+        """After the steps and the reset the scheduler sent before it (their copies settled)."""
+        assert self.disk is not None
+        disk, request = self.disk, WriteBackRequest.decode(msg.data)
+        ordered = _InOrder(lambda: disk.write_back(request))
+        self._plans.put(ordered)
+        await msg.send((await asyncio.wrap_future(ordered.done)).encode())
+
     async def _on_step(self, data: bytes, headers: dict[str, str]) -> None:
         try:
             message = self.decoder.decode(data)
@@ -144,7 +182,7 @@ class ExecutorActor(Actor):
             return
         if message is None:  # a reset: the scheduler numbers its steps from here
             self.last_step = self.last_answered = 0
-        else:
+        elif isinstance(message, StepMessage):
             self.last_step = message.step
         self._plans.put(message)
 
@@ -164,6 +202,15 @@ class ExecutorActor(Actor):
             if item is None:  # a reset: the scheduler forgot every step in flight
                 recent.clear()
                 self._guard(self.runner.settle)
+                if self.disk is not None:
+                    self.disk.release_all()
+                continue
+            if isinstance(item, DiskRelease):  # after the plan that loads the reads' chunks
+                if self.disk is not None:
+                    self.disk.release(item.reads)
+                continue
+            if isinstance(item, _InOrder):
+                item.run()
                 continue
             if isinstance(item, MessageError):  # which step it was is unknown: fail them all
                 logger.error("a step plan could not be read: %s", item)
@@ -205,7 +252,9 @@ class ExecutorActor(Actor):
             swaps = swap_fields(self.runner.swap_totals())
             device = self.runner.device_time()  # the events it reads are on this step's stream
             busy_idle = [device.busy_s, device.idle_s]
-            self._send(StepResult(step, tokens, error, swaps, device=busy_idle).encode(), step)
+            disk = [] if self.disk is None else self.disk.figures()
+            result = StepResult(step, tokens, error, swaps, device=busy_idle, disk=disk)
+            self._send(result.encode(), step)
 
     def _on_device(self) -> None:
         # a thread starts on GPU 0: a rank of another GPU would put its streams, events and

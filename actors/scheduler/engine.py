@@ -101,7 +101,8 @@ class Engine:
     ) -> None:
         """`model_id` names the model in the chunk keys (`namespace`); `public`: the keys of
         the prompts the operator names public, shared across tenants; `disk`: the executor's
-        disk tier (in this process), with a cache config that uses it."""
+        disk tier (in this process, or asked over the bus: `RemoteDisk`), with a cache config
+        that uses it."""
         self.runner = runner
         self.disk = disk if cache.disk_tier else None
         self.model_id = model_id

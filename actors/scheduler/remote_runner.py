@@ -4,6 +4,9 @@
 The channel runs one step ahead of the device: the engine sends the plan of step N+1 before it
 waits for step N's tokens, and the executor launches N+1 (its decodes fed from N's tokens on the
 device) before N has finished, so a message in flight never leaves the device idle.
+
+With a disk tier in the executor, `disk` is the engine's `DiskReads` (`remote_disk.py`): it
+learns the saves and removals of each plan sent, and the tier's figures from each answer.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from pensieve.actors.scheduler.remote_disk import RemoteDisk
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.step import DeviceTime, Launch, StepPlan, SwapStats
 from pensieve.actors.wire.step_codec import (
@@ -88,14 +92,21 @@ class RemoteRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self._sender: asyncio.Task[None] | None = None
+        self.engine_id = engine_id
+        self.disk: RemoteDisk | None = None  # the executor's disk tier (None: it has none)
 
     async def start(self) -> None:
         """Take results; from here `launch` may be called from any thread."""
         self._loop = asyncio.get_running_loop()
         self._sender = asyncio.create_task(self._send_all())
         await self.bus.mailbox(self.result_subject, self._on_result)
-        # an executor that served a scheduler before this one forgets that one's steps
+        # an executor that served a scheduler before this one forgets that one's steps (and
+        # lets go of its disk reads)
         self._post(reset_message())
+        if self.info.disk is not None:
+            self.disk = await RemoteDisk.connect(
+                self.bus, self.engine_id, self.info.disk, self._post, self._outbox.join
+            )
 
     async def close(self) -> None:
         if self._sender is not None:
@@ -108,9 +119,17 @@ class RemoteRunner:
     def launch(self, plan: StepPlan, feed: Launch | None = None) -> RemoteLaunch:
         if feed is not None and not isinstance(feed, RemoteLaunch):
             raise TypeError("a RemoteRunner is fed only by its own launches")
+        if _idle(plan):
+            # nothing to send (the engine steps while a turn waits for its disk read): the
+            # executor and the encoder keep what they know
+            launched = RemoteLaunch(UNKNOWN_STEP, plan, self)
+            launched.future.set_result([])
+            return launched
         launched = RemoteLaunch(next(self._steps), plan, self)
         self._pending[launched.step] = launched
         body = self.encoder.encode(launched.step, plan, None if feed is None else feed.step)
+        if self.disk is not None:
+            self.disk.ordered(plan.orders)
         self._post(body)
         return launched
 
@@ -133,6 +152,8 @@ class RemoteRunner:
         except (concurrent.futures.TimeoutError, ConnectionError, TimeoutError):
             return  # none yet: the next step fails, and resets again
         self.encoder.target = self.info.incarnation
+        if self.disk is not None and self.info.disk is not None:
+            self.disk.info = self.info.disk  # a restarted executor: its figures
 
     def swap_stats(self, wait: bool = True) -> SwapStats:
         """The executor's totals as of its latest answer, since `count_from_now` if called
@@ -176,13 +197,18 @@ class RemoteRunner:
     async def _send_all(self) -> None:  # one sender: the plans leave in the order made
         while True:
             body = await self._outbox.get()
-            await self.bus.publish(self.step_subject, body)
+            try:
+                await self.bus.publish(self.step_subject, body)
+            finally:
+                self._outbox.task_done()
 
     async def _on_result(self, data: bytes, headers: dict[str, str]) -> None:
         result = StepResult.decode(data)
         self._swaps = result.swap_stats()
         if result.device:
             self._device = DeviceTime(*result.device)
+        if self.disk is not None:
+            self.disk.observe(result.disk)
         if result.step == UNKNOWN_STEP:  # every step in flight is suspect: the engine resets
             for suspect in list(self._pending.values()):
                 with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled
@@ -197,6 +223,13 @@ class RemoteRunner:
             launched.future.set_exception(RuntimeError(f"executor: {result.error}"))
         else:
             launched.future.set_result(result.tokens)
+
+
+def _idle(plan: StepPlan) -> bool:
+    """Whether the plan has nothing for the executor to compute or copy."""
+    orders = plan.orders
+    disk = orders.disk_drop or orders.disk_save or orders.disk_load
+    return not plan.pieces and orders.is_empty() and not orders.fence and not disk
 
 
 async def connect_executor(bus: Any, engine_id: str, timeout_s: float = 600.0) -> RemoteRunner:

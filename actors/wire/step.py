@@ -259,8 +259,9 @@ class DiskRead(Protocol):
 
 
 class DiskReads(Protocol):
-    """The executor's disk tier, as the engine in its process asks it: reads started when a
-    turn arrives, and the write-back of the KV tiers on a clean stop."""
+    """The executor's disk tier, as the engine asks it (`DiskCache` in the executor's process,
+    `actors.scheduler.remote_disk.RemoteDisk` from another): reads started when a turn
+    arrives, and the write-back of the KV tiers on a clean stop."""
 
     @property
     def read_seconds_per_chunk(self) -> float:

@@ -13,6 +13,11 @@ parameters crosses: stopping and lengths are the scheduler's.
 The plan and the result are msgspec Structs encoded as JSON arrays (`array_like`): field names
 never travel, and a step of 256 decodes is a few tens of kilobytes. Each carries
 `STEP_VERSION`; a receiver refuses another with `MessageError`.
+
+With a disk tier the orders carry its removals, saves and loads, and the step channel the
+release of a turn's disk read (`release_message`): behind the plan that loads its chunks, so
+the executor unstages them only once that plan's copies are issued (`disk_messages.py` has the
+rest of the disk tier's messages).
 """
 
 from __future__ import annotations
@@ -23,11 +28,14 @@ from typing import Any
 
 import msgspec
 
+from pensieve.actors.wire.disk_messages import DiskInfo
 from pensieve.actors.wire.messages import UNREADABLE, Message, MessageError, decode
 from pensieve.actors.wire.step import (
     CopyKind,
     CopyOp,
     CopyTrace,
+    DiskLoad,
+    DiskSave,
     SamplingParams,
     SeqPiece,
     StepPlan,
@@ -105,13 +113,32 @@ class PieceDiff(msgspec.Struct, frozen=True, array_like=True):
     output_ids: tuple[int, ...] | None = None  # `SeqPiece.output_ids`
 
 
+class Save(msgspec.Struct, frozen=True, array_like=True):
+    """A `DiskSave`: the chunk of content `key`, from a CPU slot or a GPU block."""
+
+    key: bytes
+    cpu_slot: int | None
+    gpu_block: int | None
+
+
+class Load(msgspec.Struct, frozen=True, array_like=True):
+    """A `DiskLoad`: the chunk of content `key`, read from disk, into GPU block `gpu_block`."""
+
+    key: bytes
+    gpu_block: int
+
+
 class Orders(msgspec.Struct, frozen=True, array_like=True):
-    """`SwapOrders`, each list of copies flat: gpu block, cpu slot, gpu block, ..."""
+    """`SwapOrders`, each list of copies flat: gpu block, cpu slot, gpu block, ...; a disk
+    tier's removals (keys), saves and loads."""
 
     evict_first: list[int]
     swap_in: list[int]
     swap_out: list[int]
     fence: bool
+    disk_drop: list[bytes] = []
+    disk_save: list[Save] = []
+    disk_load: list[Load] = []
 
 
 class Copies(msgspec.Struct, frozen=True, array_like=True):
@@ -144,9 +171,24 @@ class PlanMessage(msgspec.Struct, frozen=True, array_like=True, tag="step"):
 
 
 class ResetMessage(msgspec.Struct, frozen=True, array_like=True, tag="reset"):
-    """Settle the copies in flight and forget every step and request."""
+    """Settle the copies in flight and forget every step and request (and release every
+    disk read)."""
 
     v: int
+
+
+class ReleaseMessage(msgspec.Struct, frozen=True, array_like=True, tag="release"):
+    """The turns of these disk reads need their staged chunks no more."""
+
+    v: int
+    reads: list[str]
+
+
+@dataclass(frozen=True)
+class DiskRelease:
+    """A `ReleaseMessage` as the executor takes it, in order with the steps."""
+
+    reads: list[str]
 
 
 class StepResult(msgspec.Struct, frozen=True, array_like=True, tag=STEP_VERSION):
@@ -159,6 +201,7 @@ class StepResult(msgspec.Struct, frozen=True, array_like=True, tag=STEP_VERSION)
     swaps: list[float] = []  # SwapStats fields, in order
     stale: bool = False  # not run: planned for an executor that is gone (its KV with it)
     device: list[float] = []  # DeviceTime: busy_s, idle_s
+    disk: list[float] = []  # the disk tier's `DiskInfo.figures` (none: no disk tier)
 
     def encode(self) -> bytes:
         return _ENCODER.encode(self)
@@ -194,6 +237,7 @@ class ExecutorInfo(Message):
     # them is running; one past the first never reached it, one below the second was answered
     last_step: int = 0
     last_answered: int = 0
+    disk: DiskInfo | None = None  # its disk tier (None: none)
 
     @staticmethod
     def decode(data: bytes) -> ExecutorInfo:
@@ -201,7 +245,7 @@ class ExecutorInfo(Message):
 
 
 _ENCODER = msgspec.json.Encoder()
-_PLANS = msgspec.json.Decoder(PlanMessage | ResetMessage)
+_PLANS = msgspec.json.Decoder(PlanMessage | ResetMessage | ReleaseMessage)
 _RESULTS = msgspec.json.Decoder(StepResult)
 
 
@@ -229,6 +273,11 @@ def _other_version(kind: str, version: object) -> MessageError:
 def reset_message() -> bytes:
     """Tells the executor to settle its copies and forget every step and request."""
     return _ENCODER.encode(ResetMessage(STEP_VERSION))
+
+
+def release_message(reads: list[str]) -> bytes:
+    """Tells the executor that these disk reads' chunks are needed no more."""
+    return _ENCODER.encode(ReleaseMessage(STEP_VERSION, reads))
 
 
 # ---- the codec -------------------------------------------------------------------------------
@@ -259,7 +308,25 @@ def _orders(orders: SwapOrders) -> Orders:
         return [value for op in ops for value in (op.gpu_block, op.cpu_slot)]
 
     return Orders(
-        flat(orders.evict_first), flat(orders.swap_in), flat(orders.swap_out), orders.fence
+        flat(orders.evict_first),
+        flat(orders.swap_in),
+        flat(orders.swap_out),
+        orders.fence,
+        orders.disk_drop,
+        [Save(s.key, s.cpu_slot, s.gpu_block) for s in orders.disk_save],
+        [Load(load.key, load.gpu_block) for load in orders.disk_load],
+    )
+
+
+def _swap_orders(orders: Orders) -> SwapOrders:
+    return SwapOrders(
+        _copy_ops(orders.evict_first),
+        _copy_ops(orders.swap_in),
+        _copy_ops(orders.swap_out),
+        orders.fence,
+        list(orders.disk_drop),
+        [DiskSave(s.cpu_slot, s.key, s.gpu_block) for s in orders.disk_save],  # ValueError
+        [DiskLoad(load.key, load.gpu_block) for load in orders.disk_load],
     )
 
 
@@ -336,8 +403,9 @@ class PlanDecoder:
     def __init__(self) -> None:
         self._known: dict[str, _Known] = {}
 
-    def decode(self, data: bytes) -> StepMessage | None:
-        """The step a message carries; None for a reset (after which nothing is known)."""
+    def decode(self, data: bytes) -> StepMessage | DiskRelease | None:
+        """The step a message carries, or the disk reads it releases; None for a reset (after
+        which nothing is known)."""
         try:
             message = _PLANS.decode(data)
         except UNREADABLE as error:
@@ -349,6 +417,8 @@ class PlanDecoder:
         if isinstance(message, ResetMessage):
             self._known.clear()
             return None
+        if isinstance(message, ReleaseMessage):
+            return DiskRelease(message.reads)
         try:
             return self._step(message)
         except ValueError as error:
@@ -384,13 +454,7 @@ class PlanDecoder:
                 )
             )
             self._known[rid] = _Known(table, held.sampling)
-        orders = message.orders
-        swaps = SwapOrders(
-            _copy_ops(orders.evict_first),
-            _copy_ops(orders.swap_in),
-            _copy_ops(orders.swap_out),
-            orders.fence,
-        )
+        swaps = _swap_orders(message.orders)
         traces: dict[str, Any] = message.traces
         copies = tuple(c.trace() for c in message.copies)
         plan = StepPlan(tuple(pieces), swaps, traces.get, copies)

@@ -106,12 +106,13 @@ def test_chat_and_bench_help_show_every_option_s_default() -> None:
 # per actor: options its help lists, and options of other actors that it must not list
 ACTOR_HELP = {
     "executor": (
-        {"--model", "--device", "--dtype", "--gpu-cache-tokens", "--cpu-threads", "--block-size"},
+        {"--model", "--device", "--dtype", "--gpu-cache-tokens", "--cpu-threads", "--block-size"}
+        | {"--disk-cache-dir", "--disk-cache-gb", "--disk-read-gbps"},
         {"--max-batch-tokens", "--tokenizers", "--metrics-port", "--http-port", "--turn-log"},
     ),
     "scheduler": (
         {"--model", "--dtype", "--max-batch-tokens", "--tokenizers", "--metrics-port", "--policy"},
-        {"--device", "--gpu-cache-tokens", "--cpu-threads", "--http-port"},
+        {"--device", "--gpu-cache-tokens", "--cpu-threads", "--http-port", "--disk-cache-dir"},
     ),
     "tokenizer": (
         {"--model", "--tokenizer", "--chat-template", "--tokenizers"},
@@ -153,7 +154,7 @@ def test_each_actor_s_help_lists_its_options_alone_and_it_refuses_another_s(caps
         ("executor", "--max-batch-tokens", "64", "`pensieve actor scheduler` takes it"),
         ("http", "--dtype", "float16", "the executor and scheduler actors take it"),
         ("scheduler", "--step-channel", "nats", "`pensieve serve` takes it"),
-        ("executor", "--disk-cache-dir", "/tmp", "`pensieve serve` takes it"),
+        ("scheduler", "--disk-cache-dir", "/tmp", "`pensieve actor executor` takes it"),
         ("recompute-planner", "--no-prefix-sharing", None, "`pensieve actor scheduler` takes it"),
     ):
         given = [option] if value is None else [option, value]

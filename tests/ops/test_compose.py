@@ -28,8 +28,9 @@ def _load(name: str) -> dict[str, Any]:
 
 
 def _command(service: dict[str, Any]) -> list[str]:
-    """The service's command with `${VAR:-default}` replaced by its default."""
-    command = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", service["command"])
+    """The service's command with `${VAR:-default}` and `${VAR-default}` replaced by the
+    default."""
+    command = re.sub(r"\$\{\w+:?-([^}]*)\}", r"\1", service["command"])
     return shlex.split(command)
 
 
@@ -62,11 +63,18 @@ def test_each_actor_service_runs_that_actor_with_options_the_cli_accepts(files: 
     assert services["tokenizer"]["deploy"]["replicas"] == 2
     holding = [a for a in ACTORS if "resources" in services[a].get("deploy", {})]
     assert holding == (["executor"] if gpu else [])
+    # the executor's disk tier, on a volume of its own; off with GPUs unless asked for
+    tiers = build_parser().parse_args(_command(services["executor"]))
+    assert tiers.disk_cache_dir == (None if gpu else "/disk")
+    assert "pensieve-disk:/disk" in services["executor"]["volumes"]
     if gpu:  # PENSIEVE_TENSOR_PARALLEL splits the model over the executor's ranks
         executor = services["executor"]["command"]
         assert build_parser().parse_args(_command(services["executor"])).tensor_parallel == 1
         split = executor.replace("${PENSIEVE_TENSOR_PARALLEL:-1}", "2")
         assert build_parser().parse_args(_command({"command": split})).tensor_parallel == 2
+        disk = "--disk-cache-dir /disk --disk-cache-gb 200"
+        on = executor.replace("${PENSIEVE_DISK_ARGS:-}", disk)
+        assert build_parser().parse_args(_command({"command": on})).disk_cache_gb == 200
 
 
 def test_the_services_point_at_each_other_on_one_store() -> None:
@@ -79,9 +87,13 @@ def test_the_services_point_at_each_other_on_one_store() -> None:
         collector = service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
         host, port = collector.removeprefix("http://").split(":")
         assert host in services and int(port) in _ports(services[host])
-        assert set(service["depends_on"]) == {"nats", "jaeger"}
-        # one volume: its store names the engine every actor belongs to, and outlives them
-        assert service["volumes"] == ["pensieve-data:/data"]
+        # the scheduler stops before the executor: it has the KV tiers written back to disk
+        after = {"executor"} if actor == "scheduler" else set()
+        assert set(service["depends_on"]) == {"nats", "jaeger", *after}
+        # one volume: its store names the engine every actor belongs to, and outlives them;
+        # the executor's disk tier has one of its own
+        disk = ["pensieve-disk:/disk"] if actor == "executor" else []
+        assert service["volumes"] == ["pensieve-data:/data", *disk]
         assert service["build"]["dockerfile"] == "ops/Dockerfile"
 
 

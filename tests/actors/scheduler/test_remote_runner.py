@@ -118,6 +118,35 @@ def test_a_plan_the_executor_cannot_read_fails_the_steps_in_flight() -> None:
     assert "could not be read" in asyncio.run(unreadable())
 
 
+def test_a_plan_with_nothing_to_compute_or_copy_is_not_sent() -> None:
+    """The engine steps while a turn waits for its disk read: those empty plans stay here, and
+    the next plan is still a diff against what the executor holds."""
+
+    async def idle() -> tuple[int, list[int], list[int]]:
+        built = build(OPTIONS)
+        with EmbeddedNats() as nats:
+            executor = ExecutorActor(await Bus.connect(nats.url), "e6", built.engine.runner)
+            async with executor:
+                bus = await Bus.connect(nats.url)
+                runner = await connect_executor(bus, "e6", timeout_s=10)
+                try:
+                    opening = StepPlan((SeqPiece("a", (5, 6, 7), 0, 3, (0,), GREEDY),))
+                    first = await asyncio.to_thread(runner.launch(opening).result)
+                    empties = [runner.launch(StepPlan(())) for _ in range(100)]
+                    results = await asyncio.to_thread(lambda: [e.result() for e in empties])
+                    assert results == [[]] * len(empties)
+                    # "a" goes on in its block: sent as a diff of the table the executor holds
+                    going_on = StepPlan((SeqPiece("a", (first[0],), 3, 4, (0,), GREEDY, 1),))
+                    tokens = await asyncio.to_thread(runner.launch(going_on).result)
+                    return executor.last_step, first, tokens
+                finally:
+                    await runner.close()
+                    await bus.close()
+
+    last_step, first, tokens = asyncio.run(idle())
+    assert last_step == 2 and len(first) == 1 and len(tokens) == 1
+
+
 def test_a_plan_lost_on_the_way_is_noticed_instead_of_waited_for() -> None:
     """A message lost while NATS restarts: the executor says it never got the step, and the
     step fails (the engine then resets) rather than waiting forever."""

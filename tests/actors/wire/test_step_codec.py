@@ -4,14 +4,19 @@ refused with MessageError."""
 
 from __future__ import annotations
 
+import base64
+
 import msgspec
 import orjson
 import pytest
 
+from pensieve.actors.wire.disk_messages import DiskInfo
 from pensieve.actors.wire.messages import MessageError
 from pensieve.actors.wire.step import (
     PLACEHOLDER,
     CopyOp,
+    DiskLoad,
+    DiskSave,
     SamplingParams,
     SeqPiece,
     StepPlan,
@@ -19,10 +24,13 @@ from pensieve.actors.wire.step import (
 )
 from pensieve.actors.wire.step_codec import (
     STEP_VERSION,
+    DiskRelease,
     ExecutorInfo,
     PlanDecoder,
     PlanEncoder,
+    StepMessage,
     StepResult,
+    release_message,
     reset_message,
 )
 from pensieve.actors.wire.structured import Grammar
@@ -109,6 +117,51 @@ def test_plans_cross_as_diffs_and_come_back_whole() -> None:
     assert decoder.decode(again).plan == as_executor_sees(running)  # type: ignore[union-attr]
 
 
+KEYS = [bytes([i]) * 16 for i in range(4)]
+
+
+def test_a_disk_tier_s_orders_cross_exactly() -> None:
+    """Removals, saves from a CPU slot and from a GPU block, and loads, in their order, with
+    every other order beside them."""
+    orders = SwapOrders(
+        [CopyOp(1, 2)],
+        [CopyOp(3, 4)],
+        [CopyOp(5, 6)],
+        fence=True,
+        disk_drop=[KEYS[3], KEYS[0]],
+        disk_save=[
+            DiskSave(7, KEYS[1]),
+            DiskSave(None, KEYS[2], gpu_block=9),
+            DiskSave(0, KEYS[0]),
+        ],
+        disk_load=[DiskLoad(KEYS[3], 11), DiskLoad(KEYS[1], 0)],
+    )
+    plan = StepPlan((SeqPiece("a", (1, 2), 0, 2, (10,), GREEDY),), orders)
+    got = PlanDecoder().decode(PlanEncoder().encode(1, plan, None))
+    assert isinstance(got, StepMessage) and got.plan.orders == orders
+    empty = StepPlan((SeqPiece("a", (1, 2), 0, 2, (10,), GREEDY),))
+    got = PlanDecoder().decode(PlanEncoder().encode(1, empty, None))
+    assert isinstance(got, StepMessage) and got.plan.orders == SwapOrders()
+
+
+def test_a_save_that_names_no_place_is_refused() -> None:
+    key = base64.b64encode(KEYS[0]).decode()
+    data = orjson.dumps(
+        ["step", STEP_VERSION, "", 1, None, [], [[], [], [], False, [], [[key, None, None]], []]]
+    )
+    with pytest.raises(MessageError, match="StepPlan: a DiskSave names"):
+        PlanDecoder().decode(data)
+
+
+def test_a_disk_read_s_release_crosses_between_the_steps() -> None:
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    decoder.decode(encoder.encode(1, plans()[0], None))
+    assert decoder.decode(release_message(["r-1", "r-2"])) == DiskRelease(["r-1", "r-2"])
+    # the requests the executor holds are kept: the next step is still a diff
+    got = decoder.decode(encoder.encode(2, plans()[1], 1))
+    assert isinstance(got, StepMessage) and got.plan == as_executor_sees(plans()[1])
+
+
 def test_only_what_the_sampler_reads_reaches_the_executor() -> None:
     """Lengths, stop tokens and ignore_eos are the scheduler's: they never cross."""
     wide = SamplingParams(
@@ -189,16 +242,11 @@ def test_a_malformed_plan_is_refused_and_forgets_what_was_held(data: bytes) -> N
 
 
 def test_a_step_result_round_trips_and_another_version_is_refused() -> None:
-    result = StepResult(4, [1, 2], None, [1, 2, 3, 4, 0.5, 0.25], device=[1.5, 0.5])
+    swaps = [1, 2, 3, 4, 0.5, 0.25]
+    result = StepResult(4, [1, 2], None, swaps, device=[1.5, 0.5], disk=[0.002, 1.0])
     data = result.encode()
-    assert orjson.loads(data) == [
-        STEP_VERSION,
-        4,
-        [1, 2],
-        None,
-        [1, 2, 3, 4, 0.5, 0.25],
-        False,
-        [1.5, 0.5],
+    assert orjson.loads(data) == [STEP_VERSION, 4, [1, 2], None, swaps, False, [1.5, 0.5]] + [
+        [0.002, 1.0]
     ]
     assert StepResult.decode(data) == result
     assert result.swap_stats().seconds_out == 0.25
@@ -213,6 +261,8 @@ def test_a_step_result_round_trips_and_another_version_is_refused() -> None:
 def test_executor_info_round_trips_and_is_versioned() -> None:
     info = ExecutorInfo("i-1", 4096, 32, 100, 200, last_step=7, last_answered=6)
     assert ExecutorInfo.decode(info.encode()) == info
+    with_disk = ExecutorInfo("i-1", 4096, 32, 100, 200, disk=DiskInfo(512, 0.0005, False))
+    assert ExecutorInfo.decode(with_disk.encode()) == with_disk
     assert orjson.loads(info.encode())["v"] == 1
     body = orjson.loads(info.encode())
     for bad in ({"v": 2}, {"block_size": "32"}, {"extra": 1}):
