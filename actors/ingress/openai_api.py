@@ -302,9 +302,15 @@ def _choice(request: Completion, index: int, reply: dict[str, Any]) -> dict[str,
         choice["message"] = {"role": "assistant", "content": reply["text"]}
     if request.return_token_ids:
         choice["token_ids"] = reply["token_ids"]
-    if not request.text and request.n > 1:  # the one to name to continue this choice
+    if _names_conversations(request):
         choice["conversation_id"] = reply["conversation_id"]
     return choice
+
+
+def _names_conversations(request: Completion) -> bool:
+    """Whether each choice names its conversation: a chat's, of several (the one to name to
+    continue that choice; the response names the first's)."""
+    return not request.text and request.n > 1
 
 
 def first_chunks(request: Completion) -> list[dict[str, Any]]:
@@ -343,10 +349,13 @@ def chunk(
 
 def last_chunks(request: Completion, reply: dict[str, Any], index: int = 0) -> list[dict[str, Any]]:
     """The chunks that end choice `index`'s stream: the reply's tool calls, then the finish
-    reason."""
+    reason (with the choice's conversation, as in `completion`)."""
     ids = reply["token_ids"] if request.return_token_ids else None
     chunks = tool_call_chunks(request, reply.get("tool_calls", ()), index)
-    chunks.append(chunk(request, "", reply["finish_reason"], ids, index=index))
+    finish = chunk(request, "", reply["finish_reason"], ids, index=index)
+    if _names_conversations(request):
+        finish["choices"][0]["conversation_id"] = reply["conversation_id"]
+    chunks.append(finish)
     return chunks
 
 

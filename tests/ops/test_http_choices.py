@@ -93,20 +93,25 @@ def test_streamed_choices_reassemble_to_the_whole_ones(api) -> None:
         "extra_body": IDS,
     }
     whole = api.chat.completions.create(**fields)
-    texts, ids, finishes, usages = ["", ""], [[], []], [0, 0], []
-    chunks = list(
-        api.chat.completions.create(stream=True, stream_options={"include_usage": True}, **fields)
+    texts, ids, finishes, usages = ["", ""], [[], []], [[], []], []
+    raw = api.chat.completions.with_raw_response.create(
+        stream=True, stream_options={"include_usage": True}, **fields
     )
+    chunks = list(raw.parse())
     for chunk in chunks:
         if chunk.usage is not None:
             usages.append(chunk.usage)
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
-            ids[choice.index] += (choice.model_extra or {}).get("token_ids") or []
-            finishes[choice.index] += choice.finish_reason is not None
+            extra = choice.model_extra or {}
+            ids[choice.index] += extra.get("token_ids") or []
+            if choice.finish_reason is not None:
+                finishes[choice.index].append(extra["conversation_id"])
     assert texts == [c.message.content for c in whole.choices]
     assert ids == [ids_of(c) for c in whole.choices]
-    assert finishes == [1, 1]
+    # one finish chunk a choice, naming its conversation; the header names choice 0's
+    [first], [second] = finishes
+    assert raw.headers["X-Conversation-Id"] == first != second
     (usage,) = usages  # one usage chunk, the last
     assert chunks[-1].usage is usage and not chunks[-1].choices
     assert (usage.prompt_tokens, usage.completion_tokens) == (

@@ -336,4 +336,5 @@ def test_n_replies_become_n_choices_with_the_prompt_counted_once() -> None:
     assert [c["choices"][0]["index"] for c in first_chunks(asked)] == [0, 1]
     (finish,) = last_chunks(asked, other, 1)
     assert finish["choices"][0]["index"] == 1 and finish["choices"][0]["token_ids"] == [7]
+    assert finish["choices"][0]["conversation_id"] == "c-2"
     assert usage_chunk(asked, [REPLY, other])["usage"] == whole["usage"]
