@@ -8,11 +8,12 @@
     GET  /metrics               the scheduler's Prometheus metrics (`actors/scheduler/metrics.py`)
     GET  /version               this build's version, as vLLM answers it
 
-Each completion becomes one `pensieve.v1.chat` request on the bus (`actors/ingress/openai_api.py`
-translates both ways), sent with the service's identity on the subject of the tenant whose API
-key came with it (`pensieve.tenant.<tenant>.v1.chat`, where NATS delivers that tenant's own
-requests), so the NATS ingress checks, scopes and forwards it as any other: tenancy stays a
-matter of NATS subjects, and no tenant's key reaches another's conversations. The hop costs one
+Each completion becomes one `pensieve.v1.chat` request on the bus per choice of its `n`
+(`actors/ingress/choices.py`; `actors/ingress/openai_api.py` translates both ways), sent with
+the service's identity on the subject of the tenant whose API key came with it
+(`pensieve.tenant.<tenant>.v1.chat`, where NATS delivers that tenant's own requests), so the
+NATS ingress checks, scopes and forwards it as any other: tenancy stays a matter of NATS
+subjects, and no tenant's key reaches another's conversations. The hop costs one
 NATS message per turn; the streamed deltas come from the scheduler straight to this actor.
 
 Every turn is streamed on the bus, a whole reply too (its deltas are read and dropped here):
@@ -45,6 +46,7 @@ from opentelemetry.trace import SpanKind
 from pensieve.actors.config import DEFAULTS
 from pensieve.actors.ingress import openai_api
 from pensieve.actors.ingress.chat_index import ChatIndex
+from pensieve.actors.ingress.choices import Choices
 from pensieve.actors.ingress.http_limits import CappedSite, read_body, server_options
 from pensieve.actors.ingress.openai_api import CONVERSATION_HEADER, Completion, OpenAIError
 from pensieve.actors.ingress.stateful_http import StatefulRoutes
@@ -170,19 +172,21 @@ class HttpIngressActor(Actor):
     ) -> web.StreamResponse:
         tracer = tracing.tracer("http-ingress")
         with tracer.start_as_current_span(name, kind=SpanKind.SERVER):
-            first, answer = await self.first(asked.chat, tenant)
+            choices = Choices(self, tenant)  # one turn per choice (`choices.py`)
             try:
+                await choices.send(openai_api.choice_chats(asked))
                 if not asked.stream:
-                    reply = await self.last(first, answer)
-                    self._remember(asked, tenant, reply)
-                    return _json(openai_api.completion(asked, reply), reply["conversation_id"])
-                return await self._stream(request, asked, first, answer, tenant)
-            except (asyncio.CancelledError, ConnectionError):  # the client went away
-                self.abandon(answer, tenant)
+                    replies = await choices.replies()
+                    for reply in reversed(replies):  # a chat twice answered: choice 0's wins
+                        self._remember(asked, tenant, reply)
+                    body = openai_api.completion(asked, replies)
+                    return _json(body, replies[0]["conversation_id"])
+                return await self._stream(request, asked, choices, tenant)
+            except BaseException:  # a turn failed, or the client went away: the others end
+                choices.cancel()
                 raise
             finally:
-                if not answer.abandoned:  # else the task that cancels the turn closes it
-                    await answer.close()
+                await choices.close()
 
     async def first(
         self, request: dict[str, Any], tenant: str | None, guess_chat: bool = True
@@ -237,35 +241,39 @@ class HttpIngressActor(Actor):
             )
 
     async def _stream(
-        self,
-        request: web.Request,
-        asked: Completion,
-        first: dict[str, Any],
-        answer: Answer,
-        tenant: str | None,
+        self, request: web.Request, asked: Completion, choices: Choices, tenant: str | None
     ) -> web.StreamResponse:
-        """Stream the reply from its first message on: whatever fails before it is answered
-        with its status code, what fails after it as an error event."""
+        """Stream the replies from their first messages on, the choices' chunks interleaved as
+        they come: whatever fails before them is answered with its status code, what fails
+        after them as an error event (and the other choices' turns are cancelled)."""
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
-                CONVERSATION_HEADER: str(first["conversation_id"]),
+                CONVERSATION_HEADER: str(choices.firsts[0]["conversation_id"]),
             }
         )
-        message = first
         await response.prepare(request)
         for opening in openai_api.first_chunks(asked):
             await response.write(openai_api.event(opening))
+        replies: dict[int, dict[str, Any]] = {}  # by choice
         try:
-            while "delta" in message:
-                delta = openai_api.chunk(asked, message["delta"])
-                await response.write(openai_api.event(delta))
-                message = await self.next_message(answer)
-            self._remember(asked, tenant, message)
-            for last in openai_api.last_chunks(asked, message):
-                await response.write(openai_api.event(last))
+            given = list(enumerate(choices.firsts))  # then the next messages as they come
+            while len(replies) < asked.n:
+                index, message = given.pop(0) if given else await choices.next()
+                if "delta" in message:
+                    delta = openai_api.chunk(asked, message["delta"], index=index)
+                    await response.write(openai_api.event(delta))
+                    continue
+                replies[index] = message
+                self._remember(asked, tenant, message)
+                for last in openai_api.last_chunks(asked, message, index):
+                    await response.write(openai_api.event(last))
+            if asked.include_usage:
+                ordered = [replies[index] for index in range(asked.n)]
+                await response.write(openai_api.event(openai_api.usage_chunk(asked, ordered)))
         except OpenAIError as error:
+            choices.cancel()
             await response.write(openai_api.event(error.body()))
         await response.write(openai_api.DONE)
         await response.write_eof()

@@ -9,6 +9,10 @@ requests of one tenant with one salt) are accepted as extra fields (and Pensieve
 the conversation ends after this turn), and an unsupported sampling option is refused, never
 ignored.
 
+`n` above 1 asks for several choices: the HTTP ingress sends one chat request per choice
+(`choice_chats`), and their replies come back as one body (`completion`) or one stream whose
+chunks name their choice's `index`.
+
 Statefulness: a request that names its conversation (the field `conversation_id`, or the header
 `X-Conversation-Id`) with one user message in `messages` appends that message to it; with more
 messages, they are the whole chat, and the KV is reused up to the first token where it differs
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +37,12 @@ from pensieve.actors.ingress.openai_errors import from_api_error as from_api_err
 from pensieve.actors.ingress.openai_errors import from_reply_error as from_reply_error
 from pensieve.actors.ingress.openai_errors import invalid
 from pensieve.actors.ingress.openai_errors import unauthorized as unauthorized
-from pensieve.actors.wire.schemas import MAX_TOKENS_LIMIT
+from pensieve.actors.wire.schemas import MAX_SEED, MAX_TOKENS_LIMIT
 
 CONVERSATION_HEADER = "X-Conversation-Id"
+# `n` at most: each choice is a turn that holds a running slot and, until it ends, its own copy of
+# the prompt's KV, so one request may take at most this many of a batch's slots
+MAX_CHOICES = 16
 ROLES = {
     "system": "system",
     "developer": "system",
@@ -73,15 +81,23 @@ class Completion:
     id: str
     created: int
     text: bool = False  # a completion of a raw prompt (`/v1/completions`), not of a chat
+    n: int = 1  # the choices asked for: one chat request each
 
 
 def to_chat(data: bytes, model: str, conversation_header: str | None) -> Completion:
     """Parse a `POST /v1/chat/completions` body for the model served as `model`."""
-    body = checked_body(data, model, _UNSUPPORTED)
+    body = checked_body(data, model, _UNSUPPORTED, MAX_CHOICES)
     messages = _messages(body.get("messages"))
     stream = flag(body, "stream")
     chat: dict[str, Any] = {"stream": stream}
     conv_id = _conversation_id(body.get("conversation_id"), conversation_header)
+    n = body.get("n") or 1
+    if conv_id is not None and n > 1:
+        raise invalid(
+            f"n={n} would fork conversation {conv_id} into {n}: ask with n=1, or name no "
+            "conversation (send the whole chat in 'messages') to get one conversation per choice",
+            "n",
+        )
     if conv_id is not None:
         chat["conversation_id"] = conv_id
     if conv_id is not None and _only_new(messages):  # the next messages of a conversation
@@ -114,14 +130,15 @@ def to_chat(data: bytes, model: str, conversation_header: str | None) -> Complet
         flag(body, "return_token_ids"),
         f"chatcmpl-{uuid.uuid4().hex}",
         int(time.time()),
+        n=n,
     )
 
 
 def checked_body(
-    data: bytes, model: str, unsupported: dict[str, tuple[object, ...]]
+    data: bytes, model: str, unsupported: dict[str, tuple[object, ...]], max_choices: int = 1
 ) -> dict[str, Any]:
     """The body of a request for the model served as `model`, with none of the `unsupported`
-    options asking for something, and one choice."""
+    options asking for something, and `n` (null: 1) from 1 to `max_choices`."""
     body = _object(data)
     asked = body.get("model", model)
     if asked != model:
@@ -135,9 +152,21 @@ def checked_body(
     for name, harmless in unsupported.items():
         if name in body and body[name] not in harmless:
             raise invalid(f"'{name}' is not supported by this server", name)
-    if body.get("n", 1) != 1:
-        raise invalid("only n=1 is supported", "n")
+    n = body.get("n")
+    if n is not None and not (type(n) is int and 1 <= n <= max_choices):
+        allowed = "only n=1 is" if max_choices == 1 else f"n from 1 to {max_choices} is"
+        raise invalid(f"'n' is {n!r}; {allowed} supported", "n")
     return body
+
+
+def choice_chats(request: Completion) -> list[dict[str, Any]]:
+    """The chat request of each of the request's `n` choices: with a `seed`, choice i draws
+    with `seed` + i (wrapped past the largest), so the choices differ yet are reproducible;
+    without one, each turn draws its own."""
+    seed = request.chat.get("seed")
+    if type(seed) is not int or not 0 <= seed <= MAX_SEED:  # none, or refused by the client API
+        return [request.chat] * request.n
+    return [{**request.chat, "seed": (seed + i) % (MAX_SEED + 1)} for i in range(request.n)]
 
 
 def _extra_sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -179,7 +208,7 @@ TEXT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for a completion
 def to_text_completion(data: bytes, model: str) -> Completion:
     """Parse a `POST /v1/completions` body for the model served as `model`: one prompt (text,
     or token ids), completed as it is and forgotten after (its KV freed at once)."""
-    body = checked_body(data, model, _TEXT_UNSUPPORTED)
+    body = checked_body(data, model, _TEXT_UNSUPPORTED, MAX_CHOICES)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -213,15 +242,19 @@ def to_text_completion(data: bytes, model: str) -> Completion:
         f"cmpl-{uuid.uuid4().hex}",
         int(time.time()),
         text=True,
+        n=body.get("n") or 1,
     )
 
 
-def usage(reply: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's usage of a client API reply: `prompt_tokens_details.cached_tokens` (the prompt
-    tokens whose KV was reused, from any tier) with `prompt_sources` beside it, every prompt
-    token by where its KV came from, as the client API's `usage` has them."""
-    used = reply["usage"]
-    prompt, completion = used["prompt_tokens"], used["completion_tokens"]
+def usage(*replies: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage of the client API replies to one request (one per choice): the prompt once,
+    as the first choice's turn took it, and the completion tokens of all, as OpenAI counts `n`.
+    `prompt_tokens_details.cached_tokens` (the prompt tokens whose KV was reused, from any tier)
+    has `prompt_sources` beside it, every prompt token by where its KV came from, as the client
+    API's `usage` has them."""
+    used = replies[0]["usage"]
+    prompt = used["prompt_tokens"]
+    completion = sum(reply["usage"]["completion_tokens"] for reply in replies)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -233,9 +266,28 @@ def usage(reply: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def completion(request: Completion, reply: dict[str, Any]) -> dict[str, Any]:
-    """The `chat.completion` (or `text_completion`) object of a whole reply."""
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reply["finish_reason"]}
+def completion(request: Completion, replies: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The `chat.completion` (or `text_completion`) object of the whole replies, one per choice.
+    A chat's choices each name their conversation, the body the first choice's."""
+    body = {
+        "id": request.id,
+        "object": "text_completion" if request.text else "chat.completion",
+        "created": request.created,
+        "model": request.model,
+        "choices": [_choice(request, index, reply) for index, reply in enumerate(replies)],
+        "usage": usage(*replies),
+    }
+    if not request.text:  # a raw completion's conversation has ended with it
+        body["conversation_id"] = replies[0]["conversation_id"]
+    return body
+
+
+def _choice(request: Completion, index: int, reply: dict[str, Any]) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": index,
+        "logprobs": None,
+        "finish_reason": reply["finish_reason"],
+    }
     if request.text:
         choice["text"] = reply["text"]
     elif reply.get("tool_calls"):  # the content before the calls, if any
@@ -248,22 +300,22 @@ def completion(request: Completion, reply: dict[str, Any]) -> dict[str, Any]:
         choice["message"] = {"role": "assistant", "content": reply["text"]}
     if request.return_token_ids:
         choice["token_ids"] = reply["token_ids"]
-    body = {
-        "id": request.id,
-        "object": "text_completion" if request.text else "chat.completion",
-        "created": request.created,
-        "model": request.model,
-        "choices": [choice],
-        "usage": usage(reply),
-    }
-    if not request.text:  # a raw completion's conversation has ended with it
-        body["conversation_id"] = reply["conversation_id"]
-    return body
+    if _names_conversations(request):
+        choice["conversation_id"] = reply["conversation_id"]
+    return choice
+
+
+def _names_conversations(request: Completion) -> bool:
+    """Whether each choice names its conversation: a chat's, of several (the one to name to
+    continue that choice; the response names the first's)."""
+    return not request.text and request.n > 1
 
 
 def first_chunks(request: Completion) -> list[dict[str, Any]]:
-    """The chunks that open a stream: the assistant's role (a chat's only)."""
-    return [] if request.text else [chunk(request, "", role=True)]
+    """The chunks that open a stream: each choice's assistant's role (a chat's only)."""
+    if request.text:
+        return []
+    return [chunk(request, "", role=True, index=index) for index in range(request.n)]
 
 
 def chunk(
@@ -272,10 +324,11 @@ def chunk(
     finish_reason: str | None = None,
     token_ids: list[int] | None = None,
     role: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
     """One `chat.completion.chunk` (or `text_completion` chunk) of a streamed reply: `text`
-    more of it, with the assistant's `role` in a chat's first."""
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    more of choice `index`, with the assistant's `role` in a chat's first."""
+    choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish_reason}
     if request.text:
         choice["text"] = text
     else:
@@ -292,38 +345,44 @@ def chunk(
     }
 
 
-def last_chunks(request: Completion, reply: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chunks that end a stream: the reply's tool calls, the finish reason, then the usage
-    if it was asked for."""
+def last_chunks(request: Completion, reply: dict[str, Any], index: int = 0) -> list[dict[str, Any]]:
+    """The chunks that end choice `index`'s stream: the reply's tool calls, then the finish
+    reason (with the choice's conversation, as in `completion`)."""
     ids = reply["token_ids"] if request.return_token_ids else None
-    chunks = tool_call_chunks(request, reply.get("tool_calls", ()))
-    chunks.append(chunk(request, "", reply["finish_reason"], ids))
-    if request.include_usage:
-        chunks.append(
-            {
-                "id": request.id,
-                "object": _chunk_object(request),
-                "created": request.created,
-                "model": request.model,
-                "choices": [],
-                "usage": usage(reply),
-            }
-        )
+    chunks = tool_call_chunks(request, reply.get("tool_calls", ()), index)
+    finish = chunk(request, "", reply["finish_reason"], ids, index=index)
+    if _names_conversations(request):
+        finish["choices"][0]["conversation_id"] = reply["conversation_id"]
+    chunks.append(finish)
     return chunks
 
 
-def tool_call_chunks(request: Completion, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def usage_chunk(request: Completion, replies: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The chunk after every choice's last (`stream_options.include_usage`): the usage."""
+    return {
+        "id": request.id,
+        "object": _chunk_object(request),
+        "created": request.created,
+        "model": request.model,
+        "choices": [],
+        "usage": usage(*replies),
+    }
+
+
+def tool_call_chunks(
+    request: Completion, calls: Sequence[dict[str, Any]], index: int = 0
+) -> list[dict[str, Any]]:
     """A reply's tool calls as OpenAI streams them: for each, a chunk with its index, id and
     function name (arguments ""), then its arguments."""
     deltas: list[dict[str, Any]] = []
-    for index, call in enumerate(calls):
+    for number, call in enumerate(calls):
         function = call["function"]
         opening = {"name": function["name"], "arguments": ""}
-        deltas.append({"index": index, "id": call["id"], "type": "function", "function": opening})
-        deltas.append({"index": index, "function": {"arguments": function["arguments"]}})
+        deltas.append({"index": number, "id": call["id"], "type": "function", "function": opening})
+        deltas.append({"index": number, "function": {"arguments": function["arguments"]}})
     chunks = []
     for delta in deltas:
-        body = chunk(request, "")
+        body = chunk(request, "", index=index)
         body["choices"][0]["delta"] = {"tool_calls": [delta]}
         chunks.append(body)
     return chunks

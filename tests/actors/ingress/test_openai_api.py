@@ -9,16 +9,20 @@ import orjson
 import pytest
 
 from pensieve.actors.ingress.openai_api import (
+    MAX_CHOICES,
     OpenAIError,
     bearer_token,
+    choice_chats,
     completion,
+    first_chunks,
     from_reply_error,
     last_chunks,
     to_chat,
     to_text_completion,
     usage,
+    usage_chunk,
 )
-from pensieve.actors.wire.schemas import MAX_TOKENS_LIMIT, ApiError, parse_chat
+from pensieve.actors.wire.schemas import MAX_SEED, MAX_TOKENS_LIMIT, ApiError, parse_chat
 
 USER = {"role": "user", "content": "Hi"}
 SOURCES = {"gpu": 60, "cpu": 20, "disk": 5, "recomputed": 12, "new": 3, "shared": 10}
@@ -118,7 +122,11 @@ def test_a_response_format_goes_to_the_client_api_as_given() -> None:
         ({"messages": []}, 400, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, 400, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
-        ({"messages": [USER], "n": 2}, 400, "n"),
+        ({"messages": [USER], "n": 0}, 400, "n"),
+        ({"messages": [USER], "n": MAX_CHOICES + 1}, 400, "n"),
+        ({"messages": [USER], "n": 2.5}, 400, "n"),
+        ({"messages": [USER], "n": True}, 400, "n"),
+        ({"messages": [USER], "n": 2, "conversation_id": "c-1"}, 400, "n"),
         ({"messages": [USER], "logprobs": True}, 400, "logprobs"),
         ({"messages": [USER], "functions": [{"name": "f"}]}, 400, "functions"),
         ({"messages": [USER, {"role": "assistant", "tool_calls": 1}]}, 400, "messages"),
@@ -178,12 +186,13 @@ def test_replies_become_a_completion_or_the_last_chunks() -> None:
         "stream_options": {"include_usage": True},
     }
     asked = to_chat(orjson.dumps(body), "m", None)
-    whole = completion(asked, REPLY)
+    whole = completion(asked, [REPLY])
     assert whole["object"] == "chat.completion" and whole["model"] == "m"
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
     assert whole["choices"][0]["token_ids"] == [5, 6]
-    finish, totals = last_chunks(asked, REPLY)
+    (finish,) = last_chunks(asked, REPLY)
     assert finish["choices"][0]["finish_reason"] == "stop" and finish["id"] == asked.id
+    totals = usage_chunk(asked, [REPLY])
     assert totals["choices"] == [] and totals["usage"] == usage(REPLY)
 
 
@@ -223,18 +232,19 @@ def test_a_completion_is_one_raw_prompt_with_openai_defaults() -> None:
 def test_a_completions_chunks_and_reply_carry_text() -> None:
     body = {"prompt": "Once", "stream": True, "stream_options": {"include_usage": True}}
     asked = to_text_completion(orjson.dumps(body), "m")
-    whole = completion(asked, REPLY)
+    whole = completion(asked, [REPLY])
     assert whole["object"] == "text_completion" and whole["choices"][0]["text"] == "Hello"
     assert "conversation_id" not in whole  # a raw completion's conversation has ended
-    finish, usage_chunk = last_chunks(asked, REPLY)
-    assert finish["object"] == usage_chunk["object"] == "text_completion"
+    (finish,) = last_chunks(asked, REPLY)
+    totals = usage_chunk(asked, [REPLY])
+    assert finish["object"] == totals["object"] == "text_completion"
     assert finish["choices"][0] == {
         "index": 0,
         "logprobs": None,
         "finish_reason": "stop",
         "text": "",
     }
-    assert usage_chunk["usage"]["prompt_tokens"] == 100 and usage_chunk["choices"] == []
+    assert totals["usage"]["prompt_tokens"] == 100 and totals["choices"] == []
 
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
@@ -260,7 +270,7 @@ def test_tools_and_tool_messages_carry_over_and_results_continue_a_named_convers
 
 def test_a_reply_that_calls_tools_is_answered_as_openai_does_whole_and_streamed() -> None:
     asked = to_chat(orjson.dumps({"messages": [USER], "stream": True}), "m", None)
-    message = completion(asked, CALLED)["choices"][0]
+    message = completion(asked, [CALLED])["choices"][0]
     assert message["message"] == {"role": "assistant", "content": None, "tool_calls": [CALL]}
     assert message["finish_reason"] == "tool_calls"
     chunks = last_chunks(asked, CALLED)
@@ -289,3 +299,42 @@ def test_the_docs_say_how_the_http_and_nats_sampling_defaults_differ() -> None:
     assert found is not None, "docs/http.md says nothing of the sampling defaults"
     assert f"default of {http}" in found[1] and f"greedily ({nats})" in found[1]
     assert '"temperature": 0' in found[1]
+
+
+def test_n_choices_are_one_chat_request_each_with_the_seed_counted_up() -> None:
+    asked = to_chat(orjson.dumps({"messages": [USER], "n": 3, "seed": 7}), "m", None)
+    assert [c["seed"] for c in choice_chats(asked)] == [7, 8, 9]
+    assert all(c["messages"] == [USER] for c in choice_chats(asked))
+    wrapped = to_text_completion(orjson.dumps({"prompt": "a", "n": 2, "seed": MAX_SEED}), "m")
+    assert [c["seed"] for c in choice_chats(wrapped)] == [MAX_SEED, 0]
+    unseeded = to_chat(orjson.dumps({"messages": [USER], "n": 2}), "m", None)
+    assert choice_chats(unseeded) == [unseeded.chat] * 2 and "seed" not in unseeded.chat
+    one = to_chat(orjson.dumps({"messages": [USER], "n": None, "seed": 7}), "m", None)
+    assert one.n == 1 and choice_chats(one) == [one.chat]
+    with pytest.raises(OpenAIError) as refused:  # the header names a conversation too
+        to_chat(orjson.dumps({"messages": [USER], "n": 2}), "m", "c-1")
+    assert refused.value.param == "n" and "fork" in refused.value.message
+
+
+def test_n_replies_become_n_choices_with_the_prompt_counted_once() -> None:
+    body = {"messages": [USER], "n": 2, "stream": True, "return_token_ids": True}
+    asked = to_chat(orjson.dumps(body), "m", None)
+    other = {
+        **REPLY,
+        "conversation_id": "c-2",
+        "text": "Hey",
+        "token_ids": [7],
+        "usage": {**REPLY["usage"], "completion_tokens": 1, "cached_tokens": 0},
+    }
+    whole = completion(asked, [REPLY, other])
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in whole["choices"]] == ["Hello", "Hey"]
+    assert [c["token_ids"] for c in whole["choices"]] == [[5, 6], [7]]
+    assert [c["conversation_id"] for c in whole["choices"]] == ["c-1", "c-2"]
+    assert whole["conversation_id"] == "c-1"
+    assert whole["usage"] == {**usage(REPLY), "completion_tokens": 3, "total_tokens": 103}
+    assert [c["choices"][0]["index"] for c in first_chunks(asked)] == [0, 1]
+    (finish,) = last_chunks(asked, other, 1)
+    assert finish["choices"][0]["index"] == 1 and finish["choices"][0]["token_ids"] == [7]
+    assert finish["choices"][0]["conversation_id"] == "c-2"
+    assert usage_chunk(asked, [REPLY, other])["usage"] == whole["usage"]
