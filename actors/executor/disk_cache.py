@@ -19,6 +19,7 @@ no more chunks than the scheduler's books. A save that finds no free slot is not
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -304,6 +305,11 @@ class DiskRead:
 
     def done(self) -> bool:
         return self.future is not None and self.future.done()
+
+    def wait(self, timeout: float) -> bool:
+        if self.future is None:
+            return False
+        return not concurrent.futures.wait([self.future], timeout).not_done
 
     def found(self) -> frozenset[bytes]:
         assert self.future is not None

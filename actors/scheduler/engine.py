@@ -42,6 +42,10 @@ from pensieve.actors.wire.step import (
     TraceContexts,
 )
 
+# how long a step with nothing to run waits for a turn's disk read before it returns (its
+# caller takes new work between steps)
+READ_WAIT_S = 0.005
+
 
 @dataclass(frozen=True)
 class StepTiming:
@@ -116,6 +120,7 @@ class Engine:
         self.totals = EngineTotals()
         self._ids = itertools.count()
         self.last_timing: StepTiming | None = None
+        self.num_read_waits = 0  # steps that had nothing to run and waited for a disk read
         self.overlap = overlap
         self._inflight: Launch | None = None  # launched, its tokens not applied yet
         self._busy_s = 0.0  # the runner's device time in steps when the last one was applied
@@ -293,6 +298,8 @@ class Engine:
         done = self._inflight if self.overlap else launched_step
         # a step without pieces samples nothing, so nothing waits on it
         self._inflight = launched_step if self.overlap and plan.pieces else None
+        if not plan.pieces and (done is None or not done.plan.pieces):
+            self._wait_for_a_read()  # nothing ran, nothing runs
         if done is None:  # the first step of a busy period: nothing to apply yet
             self.last_timing = None
             return self._with_rejected(StepOutcome({}, []))
@@ -324,6 +331,17 @@ class Engine:
         for request in outcome.finished:
             self._count(request)
         return self._with_rejected(outcome)
+
+    def _wait_for_a_read(self) -> None:
+        """Nothing ran and nothing is in flight: if the next turn waits for its disk read,
+        wait for that (up to READ_WAIT_S, so that the caller takes new work meanwhile) rather
+        than step again at once: stepping for nothing would hold the interpreter the read
+        threads need."""
+        waiting = self.scheduler.waiting
+        read = waiting[0].disk_read if waiting else None
+        if read is not None and not read.done():
+            self.num_read_waits += 1
+            read.wait(READ_WAIT_S)
 
     def _read_from_disk(self, request: Request) -> DiskRead | None:
         """Start reading the chunks of the turn's history that are on the disk tier only, where

@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+import threading
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
@@ -54,10 +55,14 @@ class RemoteRead:
         self.name = name
         self._disk = disk
         self._found: frozenset[bytes] | None = None  # set once, from the event loop
+        self._answered = threading.Event()
         self._released = False
 
     def done(self) -> bool:
         return self._found is not None
+
+    def wait(self, timeout: float) -> bool:
+        return self._answered.wait(timeout)
 
     def found(self) -> frozenset[bytes]:
         if self._released or self._found is None:
@@ -71,6 +76,7 @@ class RemoteRead:
 
     def answered(self, found: frozenset[bytes]) -> None:
         self._found = found
+        self._answered.set()
 
 
 class RemoteDisk:

@@ -248,6 +248,10 @@ class DiskRead(Protocol):
         """Whether the read has finished (never waits)."""
         ...
 
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the read to finish; whether it has."""
+        ...
+
     def found(self) -> frozenset[bytes]:
         """The content keys read whole and checked (once `done`): a `DiskLoad` may name them
         until `release`."""

@@ -7,6 +7,7 @@ system that fills up turns writes off and serving goes on."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import lmdb
 import pytest
 import torch
 
-from pensieve.actors.scheduler.engine import Engine
+from pensieve.actors.scheduler.engine import READ_WAIT_S, Engine
 from pensieve.actors.scheduler.request import Request, TokenSources
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.step import SamplingParams
@@ -274,3 +275,34 @@ def test_a_file_system_that_fills_up_turns_writes_off_and_serving_goes_on(
         assert run.engine.kv.disk is not None and not run.engine.kv.disk.writable
         assert run.sources().recomputed > roomy.sources().recomputed
         cache.close()
+
+
+def test_a_turn_waiting_for_its_disk_read_is_waited_for_not_stepped_around(
+    smollm2, chat, tmp_path
+) -> None:
+    """With nothing else to run, a step waits for the read (up to READ_WAIT_S) rather than the
+    engine stepping for nothing, which would hold the interpreter the read threads need."""
+    before = first_turns(smollm2, chat, ROOMY, tmp_path)
+    run = engine(smollm2, chat, ROOMY, tmp_path)
+    for conv_id, log in before.logs.items():
+        run.engine.restore(conv_id, log)
+    engine_ = run.engine
+    steps, waited = 0, 0.0
+    for conv_id, text in NEXT.items():
+        prompt = before.logs[conv_id] + chat.encode(text)
+        request = engine_.add_request(conv_id, prompt, SamplingParams(max_tokens=2))
+        while engine_.has_work():
+            reading = any(
+                r.disk_read is not None and not r.disk_read.done()
+                for r in engine_.scheduler.waiting
+            )
+            began = time.perf_counter()
+            engine_.step()
+            if reading:
+                steps += 1
+                waited += time.perf_counter() - began
+        assert request.error is None and request.sources.disk > 0
+    assert steps > 0, "no step found a read in progress"
+    assert steps <= waited / READ_WAIT_S + len(NEXT), (steps, waited)
+    assert engine_.num_read_waits > 0
+    engine_.disk.close()
