@@ -71,7 +71,8 @@ class Penalties:
             self.device,
         )
         penalty = weights[:, :1] * (counts > 0) + weights[:, 1:] * counts
-        logits.index_copy_(0, where, logits.index_select(0, where) - penalty)
+        penalized = logits.index_select(0, where) - penalty
+        logits.index_copy_(0, where, penalized.to(logits.dtype))
         return rows
 
     def sampled(self, tokens: torch.Tensor, sampling: Sequence[SeqPiece], rows: list[int]) -> None:
