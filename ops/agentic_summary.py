@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from pensieve.actors.wire.schemas import PromptSources
+from pensieve.actors.wire.replies import PromptSources
 from pensieve.ops.load_report import Report, Request, serving_metrics
 
 REPORT = Report()  # `vllm bench serve`'s defaults

@@ -360,7 +360,7 @@ def _replay_built(args, built, conversations, data_dir, max_new) -> None:  # typ
 
 
 def _print_summary(summary, built) -> None:  # type: ignore[no-untyped-def]
-    from pensieve.actors.wire.schemas import PromptSources
+    from pensieve.actors.wire.replies import PromptSources
 
     prompt = max(summary.prompt_tokens, 1)
     sources = PromptSources.total(summary.sources)

@@ -42,7 +42,7 @@ import orjson
 
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import Bus
-from pensieve.actors.wire.schemas import PromptSources
+from pensieve.actors.wire.replies import PromptSources
 from pensieve.ops.load_report import Report, Request, serving_metrics
 from pensieve.ops.sharegpt import Conversation, Role, human_turns, load_conversations
 

@@ -23,7 +23,7 @@ import msgspec
 import orjson
 
 from pensieve.actors.wire.bus import Bus
-from pensieve.actors.wire.schemas import PromptSources
+from pensieve.actors.wire.replies import PromptSources
 
 CONVERSATION_HEADER = "X-Conversation-Id"
 

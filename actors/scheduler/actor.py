@@ -41,15 +41,12 @@ from pensieve.actors.wire.calls import (
     render_remote,
 )
 from pensieve.actors.wire.messages import DetokenizeRequest, KvEvent, encode_kv_events
+from pensieve.actors.wire.replies import CancelReply, ChatDelta, CreateReply, DeleteReply
 from pensieve.actors.wire.schemas import (
     ApiError,
-    CancelReply,
-    ChatDelta,
     ChatRequest,
     ConversationRef,
     CreateBody,
-    CreateReply,
-    DeleteReply,
     GetRequest,
     Page,
     encode_body,

@@ -52,7 +52,8 @@ from pensieve.actors.wire.messages import (
     DetokenizeRequest,
     KvEvent,
 )
-from pensieve.actors.wire.schemas import ApiError, ChatRequest, ConversationReply, ListReply, Page
+from pensieve.actors.wire.replies import ConversationReply, ListReply
+from pensieve.actors.wire.schemas import ApiError, ChatRequest, Page
 from pensieve.actors.wire.step import Launch, SamplingParams
 from pensieve.actors.wire.step_codec import ExecutorLost
 from pensieve.actors.wire.structured import Grammar, tool_call_grammar

@@ -20,21 +20,18 @@ from opentelemetry import trace
 from pensieve.actors.config import ExpiryConfig
 from pensieve.actors.scheduler.replication import Replicate, after_replicated
 from pensieve.actors.wire.messages import ChatMessage
+from pensieve.actors.wire.replies import ConversationReply, ListReply, PromptSources, TurnSummary
 from pensieve.actors.wire.schemas import (
     MAX_PAGE,
     PAGE_BYTES,
     ApiError,
     ChatRequest,
     ChatTurn,
-    ConversationReply,
-    ListReply,
     Page,
-    PromptSources,
     ToolCall,
     ToolChoice,
     ToolDef,
     ToolResult,
-    TurnSummary,
 )
 from pensieve.actors.wire.structured import ResponseFormat
 from pensieve.store import (

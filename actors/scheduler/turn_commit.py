@@ -20,7 +20,8 @@ from pensieve.actors.scheduler.replication import Replicate, after_replicated
 from pensieve.actors.scheduler.request import Request, common_prefix
 from pensieve.actors.scheduler.turn import Turn
 from pensieve.actors.wire.messages import ChatMessage
-from pensieve.actors.wire.schemas import ApiError, chat_reply
+from pensieve.actors.wire.replies import chat_reply
+from pensieve.actors.wire.schemas import ApiError
 from pensieve.store import ConversationStore, Messages, StoreWriter, TurnRecord, turn_log
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The client API's request and reply bodies as JSON Schema, generated from the types that parse
-and write them (`actors/wire/schemas.py`). `python -m pensieve.actors.wire.json_schema` prints
-what docs/schemas/client-api.json holds."""
+and write them (`actors/wire/schemas.py`, `actors/wire/replies.py`). `python -m
+pensieve.actors.wire.json_schema` prints what docs/schemas/client-api.json holds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from pensieve.actors.wire import schemas, subjects
+from pensieve.actors.wire import replies, schemas, subjects
 
 # the body each client subject takes
 REQUESTS: dict[str, type[msgspec.Struct]] = {
@@ -25,13 +25,13 @@ REQUESTS: dict[str, type[msgspec.Struct]] = {
 # the declared answers: a chat turn's reply and streamed deltas, the conversations subjects',
 # cancels and refusals
 REPLIES: dict[str, type[msgspec.Struct]] = {
-    "chat": schemas.ChatReply,
-    "chat.delta": schemas.ChatDelta,
-    "chat.cancel": schemas.CancelReply,
-    "conversations.get": schemas.ConversationReply,
-    "conversations.list": schemas.ListReply,
-    "conversations.delete": schemas.DeleteReply,
-    "conversations.create": schemas.CreateReply,
+    "chat": replies.ChatReply,
+    "chat.delta": replies.ChatDelta,
+    "chat.cancel": replies.CancelReply,
+    "conversations.get": replies.ConversationReply,
+    "conversations.list": replies.ListReply,
+    "conversations.delete": replies.DeleteReply,
+    "conversations.create": replies.CreateReply,
     "error": schemas.ErrorReply,
 }
 
