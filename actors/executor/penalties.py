@@ -1,5 +1,5 @@
-"""OpenAI's presence and frequency penalties and logit bias, applied to a step's logits before
-sampling (greedy rows too).
+"""OpenAI's presence and frequency penalties and logit bias, and vLLM's `min_tokens`, applied to
+a step's logits before sampling (greedy rows too).
 
 A penalized request's counts (how often it has sampled each token) live on the device, one row
 of a pool per request: the tokens each step samples are added there on the device, so no step
@@ -54,6 +54,7 @@ class Penalties:
         place; the rows whose counts take the tokens sampled from them (`sampled`)."""
         params: list[SamplingParams] = [p.sampling for p in sampling]  # type: ignore[misc]
         self._bias(logits, params)
+        self._hold_back(logits, sampling, params)
         rows = [row for row, p in enumerate(params) if p.penalized]
         if not rows:
             return rows
@@ -119,6 +120,24 @@ class Penalties:
             self._free = list(range(grown - 1, self._pool.shape[0] - 1, -1))
             self._pool = pool
         return self._free.pop()
+
+    def _hold_back(
+        self, logits: torch.Tensor, sampling: Sequence[SeqPiece], params: Sequence[SamplingParams]
+    ) -> None:
+        """The end-of-sequence and stop tokens of rows with fewer than `min_tokens` out."""
+        entries = [
+            (row, token)
+            for row, (piece, p) in enumerate(zip(sampling, params, strict=True))
+            if piece.sample_index < p.min_tokens
+            for token in p.eos_ids
+            if token < logits.shape[1]
+        ]
+        if entries:
+            index = upload(torch.tensor(entries, dtype=torch.long).T.contiguous(), self.device)
+            never = torch.full(  # filled on the device: no copy to wait for
+                (len(entries),), float("-inf"), dtype=logits.dtype, device=self.device
+            )
+            logits.index_put_((index[0], index[1]), never)
 
     def _bias(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
         entries = [

@@ -54,7 +54,6 @@ ROLES = {
 # send (`vllm bench serve`: a repetition penalty of 1), and the value that asks for nothing
 _VLLM_SAMPLING: dict[str, tuple[object, ...]] = {
     "repetition_penalty": (None, 1, 1.0),
-    "min_tokens": (None, 0),
 }
 _NO_TOP_K = (-1, 0)  # vLLM's top_k values for every token
 # options of OpenAI's API the engine has no way to honour, and the value that asks for nothing
@@ -174,7 +173,7 @@ def _extra_sampling(body: dict[str, Any]) -> dict[str, Any]:
     takes them (checked there); the values that ask for nothing are left out."""
     extra = {
         name: body[name]
-        for name in ("presence_penalty", "frequency_penalty", "logit_bias")
+        for name in ("presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
         if body.get(name) not in (None, 0, {})
     }
     top_k = body.get("top_k")

@@ -484,6 +484,7 @@ def _sampling(
         top_p=request.top_p,
         top_k=request.top_k,
         min_p=request.min_p,
+        min_tokens=min(request.min_tokens, request.max_tokens, room),
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         logit_bias=request.logit_bias,

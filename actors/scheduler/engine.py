@@ -141,6 +141,9 @@ class Engine:
     ) -> Request:
         """`cache_namespace` (`namespace`): whose cached prefixes the turn may reuse, and who
         may reuse its own; None: the engine's (the model's, no tenant)."""
+        if sampling.min_tokens and not sampling.eos_ids:  # what min_tokens holds back
+            ends = self.eos_token_ids | set(sampling.stop_token_ids)
+            sampling = dataclasses.replace(sampling, eos_ids=tuple(sorted(ends)))
         request = Request(
             request_id=f"{conv_id}#{next(self._ids)}",
             conv_id=conv_id,

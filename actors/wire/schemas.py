@@ -166,6 +166,8 @@ class ChatBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top_k: Annotated[int, msgspec.Meta(ge=1)] | None = None  # None: every token
     # a token less likely than min_p times the likeliest one is not sampled
     min_p: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+    # vLLM's: no end-of-sequence or stop token is sampled before this many output tokens
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS_LIMIT)] = 0
     # OpenAI's: a token sampled before is made less likely once (presence) and per time
     # sampled (frequency); negative values make it likelier
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
@@ -213,6 +215,7 @@ class ChatRequest(msgspec.Struct, frozen=True, omit_defaults=True):
     top_p: float = 1.0
     top_k: int | None = None
     min_p: float = 0.0
+    min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by token id
@@ -310,6 +313,7 @@ _RULES = {
     "top_p": "'top_p' must be a number in (0, 1]",
     "top_k": "'top_k' must be null or an integer >= 1",
     "min_p": "'min_p' must be a number in [0, 1)",
+    "min_tokens": f"'min_tokens' must be an integer in [0, {MAX_TOKENS_LIMIT}]",
     "presence_penalty": "'presence_penalty' must be a number in [-2, 2]",
     "frequency_penalty": "'frequency_penalty' must be a number in [-2, 2]",
     "logit_bias": f"'logit_bias' must be null or an object of up to {MAX_LOGIT_BIAS} token ids "
@@ -404,9 +408,10 @@ def parse_chat(data: bytes) -> ChatRequest:
         )
     stop = (body.stop,) if isinstance(body.stop, str) else body.stop
     try:
-        grammar_of(body.response_format)
+        grammar = grammar_of(body.response_format)
     except GrammarError as error:
         raise ApiError("invalid_request", str(error), error.field) from None
+    _check_min_tokens(body, bool(stop), grammar is not None)
     return ChatRequest(
         conversation_id=conv_id,
         message=message,
@@ -416,6 +421,7 @@ def parse_chat(data: bytes) -> ChatRequest:
         top_p=body.top_p,
         top_k=body.top_k,
         min_p=body.min_p,
+        min_tokens=body.min_tokens,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logit_bias=tuple(sorted((int(k), v) for k, v in (body.logit_bias or {}).items())),
@@ -435,6 +441,21 @@ def parse_chat(data: bytes) -> ChatRequest:
         response_format=body.response_format,
         turn=body.turn,
     )
+
+
+def _check_min_tokens(body: ChatBody, stops: bool, constrained: bool) -> None:
+    if not body.min_tokens:
+        return
+    if body.min_tokens > body.max_tokens:
+        raise ApiError("invalid_request", "'min_tokens' must be at most 'max_tokens'", "min_tokens")
+    named = isinstance(body.tool_choice, NamedToolChoice)
+    if stops or constrained or body.tool_choice == "required" or named:
+        raise ApiError(
+            "invalid_request",
+            "'min_tokens' goes with neither stop strings nor a constrained reply "
+            "('response_format', a required or named tool choice)",
+            "min_tokens",
+        )
 
 
 def _tool_use(body: ChatBody, raw: bool) -> dict[str, Any]:

@@ -35,6 +35,10 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # vLLM's: `eos_ids` (the end-of-sequence and stop tokens, set by the engine) are not sampled
+    # while fewer than `min_tokens` output tokens are out
+    min_tokens: int = 0
+    eos_ids: tuple[int, ...] = ()
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -51,6 +55,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
 
     @property
     def penalized(self) -> bool:

@@ -67,6 +67,8 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    eos_ids: tuple[int, ...] = ()
 
     @staticmethod
     def of(params: SamplingParams) -> Sampling:
@@ -80,6 +82,8 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
             params.presence_penalty,
             params.frequency_penalty,
             params.logit_bias,
+            params.min_tokens,
+            params.eos_ids,
         )
 
     def params(self) -> SamplingParams:
@@ -91,6 +95,8 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
+            eos_ids=self.eos_ids,
             seed=self.seed,
             grammar=self.grammar,
         )

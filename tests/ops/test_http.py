@@ -540,3 +540,22 @@ def test_penalties_and_logit_bias_change_greedy_replies_and_bad_values_are_refus
     ):
         status, body = error_of(lambda bad=bad: token_ids(**bad))
         assert status == 400 and next(iter(bad)) in body["message"], (bad, body)
+
+
+def test_vllms_min_tokens_holds_back_the_end_and_goes_with_no_stop_strings(server, alice) -> None:
+    api = client(server, alice)
+    user = [{"role": "user", "content": "Answer with one word: is water wet?"}]
+
+    def reply(max_tokens: int = 24, **extra: Any) -> Any:
+        return api.chat.completions.create(
+            model=MODEL, messages=user, max_tokens=max_tokens, temperature=0, extra_body=extra
+        )
+
+    short = reply()
+    assert short.usage.completion_tokens < 16 and short.choices[0].finish_reason == "stop"
+    held = reply(min_tokens=16)
+    assert held.usage.completion_tokens >= 16
+    status, body = error_of(lambda: reply(max_tokens=8, min_tokens=16))
+    assert status == 400 and body["param"] == "min_tokens"
+    status, body = error_of(lambda: reply(min_tokens=4, stop=["."]))
+    assert status == 400 and body["param"] == "min_tokens"

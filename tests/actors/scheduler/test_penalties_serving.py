@@ -103,3 +103,26 @@ def test_penalized_requests_sampled_together_and_suspended_match_transformers(
     assert started[1].output_ids.count(likeliest) > reference(hf, prompts[1], plain).count(
         likeliest
     )
+
+
+def test_min_tokens_holds_back_the_end_of_a_reply_until_reached(smollm2, chat, hf) -> None:
+    engine = assemble(EngineOptions(model="smollm2", max_batch_tokens=512), smollm2, chat).engine
+    prompt = chat.encode("Reply with one word: yes or no?")
+    ends = engine.eos_token_ids
+    free = engine.add_request("free", prompt, SamplingParams(48))
+    held = engine.add_request("held", prompt, SamplingParams(48, min_tokens=20))
+    while engine.has_work():
+        engine.step()
+    assert len(free.output_ids) < 20 and free.output_ids[-1] in ends  # ends early by itself
+    assert len(held.output_ids) >= 20 and not ends & set(held.output_ids[:20])
+    # transformers, its end tokens masked for the first 20 tokens, then greedy to an end token
+    want: list[int] = []
+    with torch.no_grad():
+        while len(want) < 48:
+            logits = hf(torch.tensor([prompt + want])).logits[0, -1].float()
+            if len(want) < 20:
+                logits[sorted(ends)] = float("-inf")
+            want.append(int(torch.argmax(logits)))
+            if want[-1] in ends:
+                break
+    assert held.output_ids == want

@@ -45,6 +45,8 @@ WARM = SamplingParams(
     presence_penalty=0.5,
     frequency_penalty=-0.25,
     logit_bias=((7, -100.0), (42, 3.5)),
+    min_tokens=3,
+    eos_ids=(2,),
     seed=4,
 )
 
@@ -88,6 +90,8 @@ def sampled(params: SamplingParams | None) -> SamplingParams | None:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         logit_bias=params.logit_bias,
+        min_tokens=params.min_tokens,
+        eos_ids=params.eos_ids,
         seed=params.seed,
     )
 
@@ -110,7 +114,7 @@ def test_plans_cross_as_diffs_and_come_back_whole() -> None:
     # after a step without it, a request goes in full; then its unchanged table is not sent
     running = StepPlan((SeqPiece("a", (PLACEHOLDER,), 5, 6, (14, 12, 15), HOT, 3),))
     first = encoder.encode(9, running, None)
-    assert b"[14,12,15]" in first and b"[0.7,0.9,null,3,null,0.0,0.0,0.0,[]]" in first
+    assert b"[14,12,15]" in first and b"[0.7,0.9,null,3,null,0.0,0.0,0.0,[],0,[]]" in first
     assert decoder.decode(first).plan == as_executor_sees(running)  # type: ignore[union-attr]
     again = encoder.encode(10, running, 9)
     assert b"[14,12,15]" not in again and b"0.7" not in again
