@@ -85,6 +85,7 @@ class RemoteRunner:
         self.check_every_s = check_every_s  # a step that takes longer asks if the executor lives
         self.encoder = PlanEncoder(info.incarnation)
         self._steps = itertools.count(1)
+        self._sent_idle = False  # the last plan sent had nothing to compute or copy
         self._pending: dict[int, RemoteLaunch] = {}
         self._swaps = SwapStats()
         self._swaps_before = SwapStats()  # the executor's totals when counting began
@@ -119,12 +120,15 @@ class RemoteRunner:
     def launch(self, plan: StepPlan, feed: Launch | None = None) -> RemoteLaunch:
         if feed is not None and not isinstance(feed, RemoteLaunch):
             raise TypeError("a RemoteRunner is fed only by its own launches")
-        if _idle(plan):
+        idle = _idle(plan)
+        if idle and self._sent_idle:
             # nothing to send (the engine steps while a turn waits for its disk read): the
-            # executor and the encoder keep what they know
+            # executor and the encoder keep what they know. The first idle plan after work
+            # still goes: it tells the executor which requests left (their traces end).
             launched = RemoteLaunch(UNKNOWN_STEP, plan, self)
             launched.future.set_result([])
             return launched
+        self._sent_idle = idle
         launched = RemoteLaunch(next(self._steps), plan, self)
         self._pending[launched.step] = launched
         body = self.encoder.encode(launched.step, plan, None if feed is None else feed.step)
@@ -134,6 +138,7 @@ class RemoteRunner:
         return launched
 
     def settle(self) -> None:
+        self._sent_idle = False
         self.encoder.reset()
         pending, self._pending = self._pending, {}
         for launched in pending.values():

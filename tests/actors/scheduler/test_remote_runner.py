@@ -118,9 +118,10 @@ def test_a_plan_the_executor_cannot_read_fails_the_steps_in_flight() -> None:
     assert "could not be read" in asyncio.run(unreadable())
 
 
-def test_a_plan_with_nothing_to_compute_or_copy_is_not_sent() -> None:
-    """The engine steps while a turn waits for its disk read: those empty plans stay here, and
-    the next plan is still a diff against what the executor holds."""
+def test_a_plan_with_nothing_to_compute_or_copy_is_sent_once() -> None:
+    """The engine steps while a turn waits for its disk read: the first empty plan goes (the
+    executor learns that the requests before it left, and ends their traces), the others stay
+    here, and the request that goes on after them still computes right."""
 
     async def idle() -> tuple[int, list[int], list[int]]:
         built = build(OPTIONS)
@@ -144,7 +145,7 @@ def test_a_plan_with_nothing_to_compute_or_copy_is_not_sent() -> None:
                     await bus.close()
 
     last_step, first, tokens = asyncio.run(idle())
-    assert last_step == 2 and len(first) == 1 and len(tokens) == 1
+    assert last_step == 3 and len(first) == 1 and len(tokens) == 1
 
 
 def test_a_plan_lost_on_the_way_is_noticed_instead_of_waited_for() -> None:
