@@ -343,7 +343,8 @@ def test_reads_racing_removals_and_writes_read_whole_chunks_and_leak_no_slot(
         written = 0
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline:
-            tier.remove(rng.sample(tier.keys(), 16))
+            on_disk = tier.keys()  # fewer and fewer, while reads hold freed slots back
+            tier.remove(rng.sample(on_disk, min(16, len(on_disk))))
             off_disk = [key for key in pool if key not in tier]
             # a slot freed while a read has it stays out of use: some writes find fewer slots
             written += len(tier.write([(key, pool[key]) for key in rng.sample(off_disk, 16)]))
