@@ -14,7 +14,6 @@ from typing import Any
 
 import orjson
 import pytest
-import torch
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
@@ -42,7 +41,7 @@ from pensieve.actors.wire.messages import (
     encode_kv_events,
 )
 from pensieve.actors.wire.schemas import ApiError, parse_chat
-from pensieve.models.loader import LoadedModel, load_model
+from pensieve.models.loader import LoadedModel
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.telemetry import setup_tracing
@@ -336,11 +335,6 @@ def test_a_plan_is_a_span_in_the_callers_trace(url: str, tmp_path: Path) -> None
 # 8 GPU blocks and 1 CPU slot of 16 tokens; a first turn takes 3 blocks, a second one 4
 TIERS = dict(block_size=16, gpu_cache_tokens=128, cpu_cache_tokens=16, admission_reserve=0.0)
 MESSAGES = ["What is the capital of France?", "Name three rivers that flow through it."]
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
-    return load_model("smollm2", "cpu", torch.float32)
 
 
 class Sink:

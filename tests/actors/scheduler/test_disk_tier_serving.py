@@ -13,13 +13,11 @@ from pathlib import Path
 
 import lmdb
 import pytest
-import torch
 
 from pensieve.actors.scheduler.engine import READ_WAIT_S, Engine
 from pensieve.actors.scheduler.request import Request, TokenSources
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.step import SamplingParams
-from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops.factory import EngineOptions, assemble
 from tests.ops.test_disk_full import small_disk
 
@@ -38,16 +36,6 @@ OPENINGS = {
 NEXT = {"a": "And the museums?", "b": "What do they bake at noon?", "c": "How does it end?"}
 # a new conversation that opens as "a" did: its prefix found by content (on disk when a's is)
 LATE = ("d", OPENINGS["a"] + "Answer briefly.")
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
-    return load_model("smollm2", "cpu", torch.float32)
-
-
-@pytest.fixture(scope="module")
-def chat(smollm2: LoadedModel) -> ChatTokenizer:
-    return ChatTokenizer(smollm2.tokenizer, smollm2.config.vocab_size)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,7 @@ import pytest
 import torch
 
 from pensieve.actors.scheduler.request import Request
-from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.step import SamplingParams
-from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops.factory import EngineOptions, assemble
 
 pytestmark = pytest.mark.slow
@@ -30,16 +28,6 @@ PROMPTS = [
     "Count from one to ten.",
     "Say hello three times.",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
-    return load_model("smollm2", "cpu", torch.float32)
-
-
-@pytest.fixture(scope="module")
-def chat(smollm2: LoadedModel) -> ChatTokenizer:
-    return ChatTokenizer(smollm2.tokenizer, smollm2.config.vocab_size)
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import pytest
-import torch
-
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.request import Request
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.step import SamplingParams
-from pensieve.models.loader import LoadedModel, load_model
+from pensieve.models.loader import LoadedModel
 from pensieve.ops.factory import EngineOptions, assemble
 
 BLOCK = 32
@@ -24,16 +21,6 @@ SYSTEM = (
     "You are a careful assistant for a travel agency. Answer in two sentences, name the "
     "country of every city you mention, and never invent opening hours or prices. "
 )
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
-    return load_model("smollm2", "cpu", torch.float32)
-
-
-@pytest.fixture(scope="module")
-def chat(smollm2: LoadedModel) -> ChatTokenizer:
-    return ChatTokenizer(smollm2.tokenizer, smollm2.config.vocab_size)
 
 
 @dataclass

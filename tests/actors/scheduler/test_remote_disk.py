@@ -36,8 +36,9 @@ from tests.actors.scheduler.test_disk_tier_serving import (
     conversations,
 )
 
-# the model, its chat tokenizer and the run on roomy tiers, as the in-process tests have them
-smollm2, chat, roomy = serving.smollm2, serving.chat, serving.roomy
+# the run on roomy tiers, as the in-process tests have it (the model and its chat tokenizer
+# come from tests/actors/conftest.py)
+roomy = serving.roomy
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,6 @@ from pathlib import Path
 
 import nats
 import orjson
-import pytest
-import torch
 
 from pensieve.actors.config import Policy
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
@@ -28,7 +26,7 @@ from pensieve.actors.wire.messages import (
     encode_kv_events,
 )
 from pensieve.actors.wire.prefix_index import PrefixIndex
-from pensieve.models.loader import LoadedModel, load_model
+from pensieve.models.loader import LoadedModel
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from tests.actors.scheduler.kv.test_kv_events import sealed_on_a_tier
@@ -171,11 +169,6 @@ FIRST = f"Here is a list: {NUMBERS}."  # 300 tokens with the chat template
 LETTERS = ", ".join(f"letter {c}" for c in "abcdefghij")
 SECOND = f"Here is a list: {NUMBERS[: len(NUMBERS) // 2]}, {LETTERS}"  # the same first half
 THIRD = "Another topic entirely: " + ", ".join(f"word {i}" for i in range(60)) + "."
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
-    return load_model("smollm2", "cpu", torch.float32)
 
 
 class Router:
