@@ -10,6 +10,7 @@ import threading
 import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
@@ -151,3 +152,9 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     ]
     assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
     return found[0]
+
+
+async def request(client: Any, subject: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One request over NATS (nats-py `client`) and its decoded answer."""
+    msg = await client.request(subject, orjson.dumps(body), timeout=120)
+    return dict(orjson.loads(msg.data))

@@ -16,7 +16,7 @@ import pytest
 from pensieve.actors.wire import subjects
 from pensieve.ops.factory import EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats
-from tests.ops.serving import serve_on_thread
+from tests.ops.serving import request, serve_on_thread
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +32,6 @@ def url(smollm2, smollm2_chat, tmp_path_factory) -> Iterator[str]:
     built = assemble(EngineOptions(model="smollm2"), smollm2, smollm2_chat)
     with EmbeddedNats() as server, serve_on_thread(built, tmp_path_factory.mktemp("d"), server.url):
         yield server.url
-
-
-async def request(client: Any, subject: str, body: dict[str, Any]) -> dict[str, Any]:
-    msg = await client.request(subject, orjson.dumps(body), timeout=120)
-    return dict(orjson.loads(msg.data))
 
 
 def test_a_cancel_message_ends_a_streamed_turn_and_the_conversation_goes_on(url) -> None:
