@@ -342,15 +342,17 @@ def test_reads_racing_removals_and_writes_read_whole_chunks_and_leak_no_slot(
             thread.start()
         written = 0
         deadline = time.monotonic() + 3
-        while time.monotonic() < deadline:
-            on_disk = tier.keys()  # fewer and fewer, while reads hold freed slots back
-            tier.remove(rng.sample(on_disk, min(16, len(on_disk))))
-            off_disk = [key for key in pool if key not in tier]
-            # a slot freed while a read has it stays out of use: some writes find fewer slots
-            written += len(tier.write([(key, pool[key]) for key in rng.sample(off_disk, 16)]))
-        stop.set()
-        for thread in threads:
-            thread.join()
+        try:
+            while time.monotonic() < deadline:
+                on_disk = tier.keys()  # fewer and fewer, while reads hold freed slots back
+                tier.remove(rng.sample(on_disk, min(16, len(on_disk))))
+                off_disk = [key for key in pool if key not in tier]
+                # a slot freed while a read has it stays out of use: some writes find fewer
+                written += len(tier.write([(key, pool[key]) for key in rng.sample(off_disk, 16)]))
+        finally:  # the readers stop however the writes end (else the process never exits)
+            stop.set()
+            for thread in threads:
+                thread.join()
         assert tier.num_free + tier.num_chunks == tier.num_slots  # none held back for good
     assert len(reads) > 10 and written > 100
     assert "read back torn" not in caplog.text
