@@ -278,7 +278,9 @@ def open_disk_cache(options: EngineOptions, runner: ModelRunner, rank: int) -> D
         raise ValueError(str(error)) from None
     given = options.disk_read_gbps
     rate = (DEFAULTS.disk_read_gbps if given is None else given) * 1e9
-    return DiskCache(tier, runner.gpu_caches, runner.cpu_caches, rate, measure=given is None)
+    caches = runner.gpu_caches, runner.cpu_caches
+    streams = runner.swap.copy_streams
+    return DiskCache(tier, *caches, rate, measure=given is None, copy_streams=streams)
 
 
 def rank_runner(

@@ -6,10 +6,13 @@ and chunks a turn needs come back from it, read when the turn arrives.
     the turn is admitted  --load-->  staged buffer -> its GPU block, in place of recomputing
 
 `save` copies the slot's bytes (a memcpy, no I/O) before the step's copies may reuse it; the
-disk write, its fdatasync and the index commit run on the writer thread. A turn waits in the
-queue only for its own read. A chunk the tier cannot give back whole (never written, dropped
-for room, failing its checksum) is not `found`, and the turn recomputes it: where a chunk's KV
-comes from never changes a token.
+disk write, its fdatasync and the index commit run on the writer thread. On CUDA it never waits
+for the device's compute: a CPU slot is copied once the copy streams (`copy_streams`: the swap
+engine's, the only writers of CPU slots) are done with it, a GPU block by a device-to-host copy
+queued behind the step in flight, whose event the writer and reader threads wait on. A turn
+waits in the queue only for its own read. A chunk the tier cannot give back whole (never
+written, dropped for room, failing its checksum) is not `found`, and the turn recomputes it:
+where a chunk's KV comes from never changes a token.
 
 Which chunks the tier keeps is the scheduler's choice, by the retention value (`actors/
 scheduler/kv/disk_books.py`): a step's orders name the keys to remove (`disk_drop`) before the
@@ -44,7 +47,22 @@ class _Removal:
     keys: list[bytes]
 
 
-_Save = tuple[bytes, torch.Tensor]  # a content key and the chunk's bytes
+@dataclass(eq=False)
+class _Snapshot:
+    """A chunk's bytes kept for the disk; `copied`: the event after the device-to-host copy
+    that fills `buffer` (a GPU block's snapshot on CUDA), None if it is filled already."""
+
+    buffer: torch.Tensor
+    copied: torch.cuda.Event | None = None
+
+    def bytes(self) -> torch.Tensor:
+        """The buffer, once filled (waits for its copy)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.buffer
+
+
+_Save = tuple[bytes, _Snapshot]  # a content key and the chunk's bytes
 
 
 class DiskCache:
@@ -59,6 +77,7 @@ class DiskCache:
         cpu_caches: Sequence[torch.Tensor],
         read_bytes_per_s: float,
         measure: bool = True,
+        copy_streams: Sequence[torch.cuda.Stream] = (),
     ) -> None:
         self.tier = tier
         self.gpu_caches = gpu_caches
@@ -70,8 +89,11 @@ class DiskCache:
         self._measure = measure
         self._read_bytes = self._read_s = 0.0
         self._pin = gpu_caches[0].is_cuda
+        # on CUDA, the streams whose copies write CPU slots and read GPU blocks (the swap
+        # engine's); none given: the whole device is waited for in their place
+        self.copy_streams = tuple(copy_streams)
         self._lock = threading.Lock()
-        self._pending: dict[bytes, torch.Tensor] = {}  # saved, not yet on disk
+        self._pending: dict[bytes, _Snapshot] = {}  # saved, not yet on disk
         self._staged: dict[bytes, tuple[torch.Tensor, int]] = {}  # read: buffer, readers
         self._writes: queue.Queue[_Save | _Removal | None] = queue.Queue()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="disk-read")
@@ -114,21 +136,31 @@ class DiskCache:
         copies run)."""
         if not saves or not self.tier.writable:
             return
-        if self._pin:  # an earlier step's swap-out into a slot may still be running
-            torch.cuda.synchronize(self.gpu_caches[0].device)
+        if self._pin and any(save.cpu_slot is not None for save in saves):
+            self._copies_done()  # an earlier step's copy into a slot may still be running
+        copied = torch.cuda.Event() if self._pin else None
         for save in saves:
             if save.cpu_slot is not None:
-                self._queue(save.key, self._snapshot(self.cpu_caches, save.cpu_slot))
+                self._queue(save.key, _Snapshot(self._snapshot(self.cpu_caches, save.cpu_slot)))
             else:
                 assert save.gpu_block is not None
-                self._queue(save.key, self._snapshot(self.gpu_caches, save.gpu_block))
+                # behind the step in flight on the compute stream, before this step's copies
+                # and compute (issued after this) may write into the block
+                buffer = self._snapshot(self.gpu_caches, save.gpu_block, non_blocking=True)
+                self._queue(save.key, _Snapshot(buffer, copied))
+        if copied is not None:
+            copied.record()
 
     def load(self, loads: Collection[DiskLoad]) -> None:
         """Copy staged chunks into their GPU blocks (after the step's own copies are issued)."""
         if not loads:
             return
-        if self._pin:  # after the step's evict-first copies out of these blocks
-            torch.cuda.synchronize(self.gpu_caches[0].device)
+        if self._pin:  # after the step's evict-first copies out of these blocks (device-side)
+            compute = torch.cuda.current_stream()
+            for stream in self.copy_streams:
+                compute.wait_stream(stream)
+            if not self.copy_streams:
+                torch.cuda.synchronize(self.gpu_caches[0].device)
         for load in loads:
             buffer, _ = self._staged[load.key]
             for layer, cache in enumerate(self.gpu_caches):
@@ -149,14 +181,20 @@ class DiskCache:
     def _read(self, keys: list[bytes]) -> frozenset[bytes]:
         found: dict[bytes, torch.Tensor] = {}
         todo: list[tuple[bytes, torch.Tensor]] = []
+        waits: list[_Snapshot] = []
         with self._lock:
             for key in keys:
                 staged = self._staged.get(key)
-                buffer = staged[0] if staged is not None else self._pending.get(key)
-                if buffer is not None:
-                    found[key] = buffer  # a snapshot never changes once taken
+                pending = self._pending.get(key)
+                if staged is not None:
+                    found[key] = staged[0]
+                elif pending is not None:
+                    found[key] = pending.buffer  # a snapshot never changes once taken
+                    waits.append(pending)
                 else:
                     todo.append((key, self._buffer()))
+        for snapshot in waits:  # one being copied off the GPU: its bytes once there
+            snapshot.bytes()
         if todo:
             begin = time.perf_counter()
             whole = self.tier.read([(key, _pieces(buffer)) for key, buffer in todo])
@@ -199,7 +237,7 @@ class DiskCache:
             for caches, places in ((self.cpu_caches, cpu), (self.gpu_caches, gpu)):
                 for index, key in places:
                     if key not in self.tier:
-                        self._queue(key, self._snapshot(caches, index))
+                        self._queue(key, _Snapshot(self._snapshot(caches, index)))
         self.flush()
         return sum(key in self.tier for _, key in (*cpu, *gpu))
 
@@ -215,13 +253,13 @@ class DiskCache:
         self._reader.shutdown(wait=True)
         self.tier.close()
 
-    def _queue(self, key: bytes, buffer: torch.Tensor) -> None:
+    def _queue(self, key: bytes, snapshot: _Snapshot) -> None:
         with self._lock:
             if key in self._pending:
                 return
-            self._pending[key] = buffer
+            self._pending[key] = snapshot
         self.num_saved += 1
-        self._writes.put((key, buffer))
+        self._writes.put((key, snapshot))
 
     def _write_loop(self) -> None:
         carried: _Save | _Removal | None = None  # taken from the queue after a batch of saves
@@ -266,18 +304,18 @@ class DiskCache:
             logger.exception("disk tier: a write-back batch failed")
         finally:
             with self._lock:
-                for key, buffer in batch:
-                    if self._pending.get(key) is buffer:
+                for key, snapshot in batch:
+                    if self._pending.get(key) is snapshot:
                         del self._pending[key]
             for _ in batch:
                 self._writes.task_done()
 
     def _write(self, batch: list[_Save]) -> None:
         """Write what fits in free slots (the scheduler removed chunks to make room first)."""
-        chunks = [(key, buf) for key, buf in batch if key not in self.tier]
+        chunks = [(key, snap) for key, snap in batch if key not in self.tier]
         if not chunks or not self.tier.writable:
             return
-        written = self.tier.write([(key, _pieces(buffer)) for key, buffer in chunks])
+        written = self.tier.write([(key, _pieces(snap.bytes())) for key, snap in chunks])
         with self._lock:
             self.num_written += len(written)
 
@@ -288,11 +326,20 @@ class DiskCache:
         # [num_layers, layer_bytes]: a chunk's bytes as a slot holds them
         return host_blocks((geometry.num_layers, geometry.layer_bytes), torch.uint8, self._pin)
 
-    def _snapshot(self, caches: Sequence[torch.Tensor], index: int) -> torch.Tensor:
+    def _snapshot(
+        self, caches: Sequence[torch.Tensor], index: int, non_blocking: bool = False
+    ) -> torch.Tensor:
         buffer = self._buffer()
         for layer, cache in enumerate(caches):
-            buffer[layer].copy_(cache[index].view(torch.uint8).view(-1))
+            buffer[layer].copy_(cache[index].view(torch.uint8).view(-1), non_blocking=non_blocking)
         return buffer
+
+    def _copies_done(self) -> None:
+        """Wait until the copies issued so far are done (not the compute)."""
+        for stream in self.copy_streams:
+            stream.synchronize()
+        if not self.copy_streams:
+            torch.cuda.synchronize(self.gpu_caches[0].device)
 
 
 class DiskRead:

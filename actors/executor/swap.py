@@ -196,6 +196,11 @@ class SwapEngine:
         if self.cuda:
             torch.cuda.synchronize(self.gpu_caches[0].device)
 
+    @property
+    def copy_streams(self) -> tuple[torch.cuda.Stream, ...]:
+        """The streams of the copies (on CUDA; none elsewhere, where copies run in order)."""
+        return (self.in_stream, self.out_stream) if self.cuda else ()
+
     def wait_layer(self, layer: int) -> None:
         """Compute waits for layer `layer`'s copies only (pipelined swap-in); the layers of one
         group share an event, waited on once."""
