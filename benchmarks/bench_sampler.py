@@ -5,7 +5,8 @@ with the sampler of another revision of this repository, on one device.
 
 Each case is rows x vocabulary with one setting for every row (temperature, top-p, top-k); the
 time is of the call and of reading the tokens back (`.tolist()`), as a step reads them. `--against`
-loads `actors/executor/sampler.py` as it was at REV (`git show`), beside the current one.
+loads `actors/executor/sampler.py` as it was at REV (`git show`), or the file REV names (on a
+machine without the repository's history), beside the current one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ CASES = [  # rows, vocabulary, temperature, top_p, top_k
 
 
 def load_revision(rev: str) -> ModuleType:
+    if Path(rev).is_file():
+        return load_source(Path(rev).read_text())
     root = Path(__file__).resolve().parents[1]
     source = subprocess.run(
         ["git", "show", f"{rev}:actors/executor/sampler.py"],
@@ -42,6 +45,10 @@ def load_revision(rev: str) -> ModuleType:
         text=True,
         check=True,
     ).stdout
+    return load_source(source)
+
+
+def load_source(source: str) -> ModuleType:
     path = Path(tempfile.mkdtemp()) / "sampler_at_rev.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("sampler_at_rev", path)

@@ -24,10 +24,11 @@ at: disk at most 1.5x CPU hits and at most 1/3 of recomputing. The disk budget, 
 folder must hold every history (64 x 8k tokens of Llama-3.1-8B: 64 GiB): `--conversations`
 scales it down.
 
-`agentic` runs `benchmarks/gpu_agentic.sh` twice on the same sessions, `pensieve serve` without
-and with `--disk-cache-dir DIR --disk-cache-gb N` (options after `--` go to `pensieve bench
-agentic`; MODEL_ARGS picks the model and tiers, small enough that the sessions outgrow them),
-and prints the goodput of each and their ratio (target: at least 1.2x).
+`agentic` runs `benchmarks/gpu_agentic.sh` on the same sessions against `pensieve serve` without
+and with `--disk-cache-dir DIR --disk-cache-gb N`, and with it once more per `--read-gbps` rate
+given as `--disk-read-gbps` (options after `--` go to `pensieve bench agentic`; MODEL_ARGS picks
+the model and tiers, small enough that the sessions outgrow them), and prints the goodput of
+each and its ratio to the server without the tier (target: at least 1.2x).
 """
 
 from __future__ import annotations
@@ -227,13 +228,19 @@ def report(phases: list[Phase], args: argparse.Namespace) -> None:
 
 def agentic(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    cache = args.dir / "agentic-disk"
-    shutil.rmtree(cache, ignore_errors=True)
-    cache.mkdir(parents=True)
-    with_disk = f"pensieve:--disk-cache-dir,{cache},--disk-cache-gb,{args.disk_gb or 200:g}"
-    environment = {**os.environ, "VARIANTS": f"pensieve {with_disk}", "APIS": "nats"}
     bench = [a for a in args.bench if a != "--"]
-    subprocess.run(["bash", "benchmarks/gpu_agentic.sh", str(out), *bench], env=environment)
+    for rate in [False, None, *args.read_gbps]:  # False: without the tier
+        cache = args.dir / f"agentic-disk-{rate}"
+        variant = "pensieve"
+        if rate is not False:
+            shutil.rmtree(cache, ignore_errors=True)
+            cache.mkdir(parents=True)
+            variant += f":--disk-cache-dir,{cache},--disk-cache-gb,{args.disk_gb or 200:g}"
+            if rate is not None:
+                variant += f",--disk-read-gbps,{rate:g}"
+        environment = {**os.environ, "VARIANTS": variant, "APIS": "nats"}
+        subprocess.run(["bash", "benchmarks/gpu_agentic.sh", str(out), *bench], env=environment)
+        shutil.rmtree(cache, ignore_errors=True)  # the next server's room on the disk
     goodput = {}
     for result in sorted(out.glob("pensieve*_nats.json")):
         runs = json.loads(result.read_text()).get("runs", [])
@@ -242,9 +249,12 @@ def agentic(args: argparse.Namespace) -> int:
     for name, values in goodput.items():
         print(f"{name:<40} {' '.join(f'{v:.2f}' for v in values)}")
     plain = goodput.get("pensieve_nats", [])
-    disk = next((v for k, v in goodput.items() if "disk" in k), [])
-    for before, after in zip(plain, disk, strict=False):
-        print(f"with the disk tier / without: {after / before if before else float('nan'):.2f}")
+    for name, values in goodput.items():
+        if "disk" not in name:
+            continue
+        for before, after in zip(plain, values, strict=False):
+            ratio = after / before if before else float("nan")
+            print(f"{name} / without the disk tier: {ratio:.2f}")
     return 0
 
 
@@ -277,6 +287,14 @@ def main(argv: list[str] | None = None) -> int:
     two.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     two.add_argument("--disk-gb", type=float, default=None)
     two.add_argument("--out", default="disk_agentic")
+    two.add_argument(
+        "--read-gbps",
+        type=float,
+        nargs="*",
+        default=[],
+        help="a server more with the disk tier per rate, taken as its read rate (100: read "
+        "every chunk the disk holds rather than recompute it)",
+    )
     two.add_argument("bench", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     return restart(args) if args.mode == "restart" else agentic(args)

@@ -1,18 +1,22 @@
 """The executor's disk tier in service: chunks leaving the CPU tier go to disk in the background,
 and chunks a turn needs come back from it, read when the turn arrives.
 
-    step N's copies reuse CPU slot s  --save-->  snapshot (host memory)  --writer thread-->  disk
+    CPU slot s leaves the tiers  --save-->  snapshot (host memory)  --writer thread-->  disk
     turn arrives  --read-->  reader thread: disk (or a snapshot not yet written) -> staged buffer
     the turn is admitted  --load-->  staged buffer -> its GPU block, in place of recomputing
 
-`save` copies the slot's bytes (a memcpy, no I/O) before the step's copies may reuse it; the
-disk write, its fdatasync and the index commit run on the writer thread. On CUDA it never waits
-for the device's compute: a CPU slot is copied once the copy streams (`copy_streams`: the swap
-engine's, the only writers of CPU slots) are done with it, a GPU block by a device-to-host copy
-queued behind the step in flight, whose event the writer and reader threads wait on. A turn
-waits in the queue only for its own read. A chunk the tier cannot give back whole (never
-written, dropped for room, failing its checksum) is not `found`, and the turn recomputes it:
-where a chunk's KV comes from never changes a token.
+`save` does no I/O and copies nothing on the engine's thread: a CPU slot's bytes are copied into
+the snapshot by the first thread that needs them (the writer, a reader, or the engine itself
+when a later step's copy is about to reuse the slot: `before_overwrite`), once the copy streams
+(`copy_streams`: the swap engine's, the only writers of CPU slots) have finished the copies
+issued before the save; a GPU block's by a device-to-host copy queued behind the step in flight,
+whose event the writer and reader threads wait on. The disk write, its fdatasync and the index
+commit run on the writer thread. Snapshots come from a pool of host buffers made at start
+(pinned on CUDA, so that taking one never allocates pinned memory on a step's path); a save that
+finds the pool empty (the disk writes slower than chunks leave the tiers) is not written, like
+one that finds no free slot. A turn waits in the queue only for its own read. A chunk the tier
+cannot give back whole (never written, dropped for room, failing its checksum) is not `found`,
+and the turn recomputes it: where a chunk's KV comes from never changes a token.
 
 Which chunks the tier keeps is the scheduler's choice, by the retention value (`actors/
 scheduler/kv/disk_books.py`): a step's orders name the keys to remove (`disk_drop`) before the
@@ -29,7 +33,7 @@ import threading
 import time
 from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +43,8 @@ from pensieve.store.disk import DiskTier
 
 logger = logging.getLogger(__name__)
 MAX_BATCH = 64  # chunks per disk write: one fdatasync and one index transaction each
+POOL_BYTES = 1 << 30  # snapshot buffers: at most this many bytes of chunks waiting for the disk
+POOL_CHUNKS = (16, 256)  # and between these many chunks
 READ_RATE_DECAY = 0.8  # the weight of the reads before, at each read, in the measured rate
 
 
@@ -49,17 +55,18 @@ class _Removal:
 
 @dataclass(eq=False)
 class _Snapshot:
-    """A chunk's bytes kept for the disk; `copied`: the event after the device-to-host copy
-    that fills `buffer` (a GPU block's snapshot on CUDA), None if it is filled already."""
+    """A chunk's bytes kept for the disk in `buffer`, filled one of three ways: already (None,
+    None), by a device-to-host copy whose event is `copied` (a GPU block's, on CUDA), or from
+    CPU slot `slot` once the copies issued before the save (`after`) are done, by the first
+    thread that needs it (`DiskCache._take`; `slot` is None once it is taken). `pooled`: the
+    buffer goes back to the pool once written (a read copies it out first)."""
 
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None  # None once the writer has given it back
     copied: torch.cuda.Event | None = None
-
-    def bytes(self) -> torch.Tensor:
-        """The buffer, once filled (waits for its copy)."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.buffer
+    slot: int | None = None
+    after: tuple[torch.cuda.Event, ...] = ()
+    pooled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _Save = tuple[bytes, _Snapshot]  # a content key and the chunk's bytes
@@ -95,11 +102,23 @@ class DiskCache:
         self._lock = threading.Lock()
         self._pending: dict[bytes, _Snapshot] = {}  # saved, not yet on disk
         self._staged: dict[bytes, tuple[torch.Tensor, int]] = {}  # read: buffer, readers
+        self._slot_saves: dict[int, _Snapshot] = {}  # saved CPU slots, not yet copied
+        geometry = tier.geometry
+        low, high = POOL_CHUNKS
+        self._pool_size = max(low, min(high, POOL_BYTES // geometry.chunk_bytes))
+        self._pool: list[torch.Tensor] = []  # free snapshot buffers (on CUDA, made at start)
+        self._lent = 0  # buffers out of the pool
+        if self._pin:
+            arena = host_blocks(
+                (self._pool_size, geometry.num_layers, geometry.layer_bytes), torch.uint8, True
+            )
+            self._pool = list(arena.unbind(0))
         self._writes: queue.Queue[_Save | _Removal | None] = queue.Queue()
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="disk-read")
         self._writer = threading.Thread(target=self._write_loop, name="disk-write", daemon=True)
         self._writer.start()
         self.num_saved = self.num_written = self.num_read = self.num_missed = 0
+        self.num_skipped = 0  # saves not written: no snapshot buffer free
 
     @property
     def read_seconds_per_chunk(self) -> float:
@@ -132,24 +151,48 @@ class DiskCache:
         self._writes.put(_Removal(list(keys)))
 
     def save(self, saves: Collection[DiskSave]) -> None:
-        """Keep the bytes of these CPU slots and GPU blocks for the disk (before the step's
-        copies run)."""
+        """Keep these CPU slots and GPU blocks for the disk (before the step's copies run):
+        nothing is copied here on the host, and nothing waits for the device."""
         if not saves or not self.tier.writable:
             return
+        after: tuple[torch.cuda.Event, ...] = ()
         if self._pin and any(save.cpu_slot is not None for save in saves):
-            self._copies_done()  # an earlier step's copy into a slot may still be running
+            if self.copy_streams:  # the copies into these slots issued so far
+                after = tuple(stream.record_event() for stream in self.copy_streams)
+            else:
+                torch.cuda.synchronize(self.gpu_caches[0].device)
         copied = torch.cuda.Event() if self._pin else None
         for save in saves:
-            if save.cpu_slot is not None:
-                self._queue(save.key, _Snapshot(self._snapshot(self.cpu_caches, save.cpu_slot)))
-            else:
-                assert save.gpu_block is not None
+            with self._lock:
+                if save.key in self._pending:
+                    continue
+                buffer = self._lend()
+                if buffer is None:
+                    self.num_skipped += 1
+                    continue
+                if save.cpu_slot is not None:
+                    snapshot = _Snapshot(buffer, slot=save.cpu_slot, after=after, pooled=True)
+                    self._slot_saves[save.cpu_slot] = snapshot
+                else:
+                    assert save.gpu_block is not None
+                    snapshot = _Snapshot(buffer, copied, pooled=True)
+                self._pending[save.key] = snapshot
+            if save.gpu_block is not None and save.cpu_slot is None:
                 # behind the step in flight on the compute stream, before this step's copies
                 # and compute (issued after this) may write into the block
-                buffer = self._snapshot(self.gpu_caches, save.gpu_block, non_blocking=True)
-                self._queue(save.key, _Snapshot(buffer, copied))
+                self._copy_into(buffer, self.gpu_caches, save.gpu_block, non_blocking=self._pin)
+            self.num_saved += 1
+            self._writes.put((save.key, snapshot))
         if copied is not None:
             copied.record()
+
+    def before_overwrite(self, slots: Collection[int]) -> None:
+        """These CPU slots are about to be written by this step's copies: the chunks saved from
+        them and not yet copied are copied now."""
+        with self._lock:
+            taken = [self._slot_saves[slot] for slot in slots if slot in self._slot_saves]
+        for snapshot in taken:
+            self._take(snapshot)
 
     def load(self, loads: Collection[DiskLoad]) -> None:
         """Copy staged chunks into their GPU blocks (after the step's own copies are issued)."""
@@ -181,20 +224,29 @@ class DiskCache:
     def _read(self, keys: list[bytes]) -> frozenset[bytes]:
         found: dict[bytes, torch.Tensor] = {}
         todo: list[tuple[bytes, torch.Tensor]] = []
-        waits: list[_Snapshot] = []
+        waits: list[tuple[bytes, _Snapshot]] = []
         with self._lock:
             for key in keys:
                 staged = self._staged.get(key)
                 pending = self._pending.get(key)
                 if staged is not None:
                     found[key] = staged[0]
-                elif pending is not None:
-                    found[key] = pending.buffer  # a snapshot never changes once taken
-                    waits.append(pending)
+                elif pending is not None:  # copied out: the writer gives its buffer back
+                    waits.append((key, pending))
                 else:
                     todo.append((key, self._buffer()))
-        for snapshot in waits:  # one being copied off the GPU: its bytes once there
-            snapshot.bytes()
+        for key, snapshot in waits:  # copied, once its bytes are there
+            self._take(snapshot)
+            if snapshot.copied is not None:
+                snapshot.copied.synchronize()
+            with snapshot.lock:  # not given back meanwhile: the writer's `_retire` waits
+                if snapshot.buffer is None:  # written (or given up) since: from disk
+                    todo.append((key, self._buffer()))
+                    continue
+                buffer = self._buffer()
+                with torch.inference_mode():
+                    buffer.copy_(snapshot.buffer)
+            found[key] = buffer
         if todo:
             begin = time.perf_counter()
             whole = self.tier.read([(key, _pieces(buffer)) for key, buffer in todo])
@@ -237,7 +289,9 @@ class DiskCache:
             for caches, places in ((self.cpu_caches, cpu), (self.gpu_caches, gpu)):
                 for index, key in places:
                     if key not in self.tier:
-                        self._queue(key, _Snapshot(self._snapshot(caches, index)))
+                        buffer = self._buffer()
+                        self._copy_into(buffer, caches, index)
+                        self._queue(key, _Snapshot(buffer))
         self.flush()
         return sum(key in self.tier for _, key in (*cpu, *gpu))
 
@@ -307,6 +361,8 @@ class DiskCache:
                 for key, snapshot in batch:
                     if self._pending.get(key) is snapshot:
                         del self._pending[key]
+            for _, snapshot in batch:
+                self._retire(snapshot)
             for _ in batch:
                 self._writes.task_done()
 
@@ -315,7 +371,7 @@ class DiskCache:
         chunks = [(key, snap) for key, snap in batch if key not in self.tier]
         if not chunks or not self.tier.writable:
             return
-        written = self.tier.write([(key, _pieces(snap.bytes())) for key, snap in chunks])
+        written = self.tier.write([(key, _pieces(self._bytes(snap))) for key, snap in chunks])
         with self._lock:
             self.num_written += len(written)
 
@@ -326,20 +382,67 @@ class DiskCache:
         # [num_layers, layer_bytes]: a chunk's bytes as a slot holds them
         return host_blocks((geometry.num_layers, geometry.layer_bytes), torch.uint8, self._pin)
 
-    def _snapshot(
-        self, caches: Sequence[torch.Tensor], index: int, non_blocking: bool = False
-    ) -> torch.Tensor:
-        buffer = self._buffer()
-        for layer, cache in enumerate(caches):
-            buffer[layer].copy_(cache[index].view(torch.uint8).view(-1), non_blocking=non_blocking)
-        return buffer
+    def _lend(self) -> torch.Tensor | None:
+        """A snapshot buffer (under `_lock`), None if every one is waiting for the disk."""
+        if self._pin:
+            return self._pool.pop() if self._pool else None
+        if self._lent >= self._pool_size:
+            return None
+        self._lent += 1
+        return self._buffer()
 
-    def _copies_done(self) -> None:
-        """Wait until the copies issued so far are done (not the compute)."""
-        for stream in self.copy_streams:
-            stream.synchronize()
-        if not self.copy_streams:
-            torch.cuda.synchronize(self.gpu_caches[0].device)
+    def _copy_into(
+        self,
+        buffer: torch.Tensor,
+        caches: Sequence[torch.Tensor],
+        index: int,
+        non_blocking: bool = False,
+    ) -> None:
+        with torch.inference_mode():  # on any thread: the engine's tensors are inference ones
+            for layer, cache in enumerate(caches):
+                view = cache[index].view(torch.uint8).view(-1)
+                buffer[layer].copy_(view, non_blocking=non_blocking)
+
+    def _take(self, snapshot: _Snapshot) -> None:
+        """Copy a saved CPU slot into its snapshot, if no thread has yet (any thread; one
+        copying it holds the others, the engine's too, until it is done)."""
+        with snapshot.lock:
+            slot = snapshot.slot
+            if slot is None:
+                return
+            for event in snapshot.after:
+                event.synchronize()
+            assert snapshot.buffer is not None
+            self._copy_into(snapshot.buffer, self.cpu_caches, slot)
+            snapshot.slot = None
+        with self._lock:
+            if self._slot_saves.get(slot) is snapshot:
+                del self._slot_saves[slot]
+
+    def _bytes(self, snapshot: _Snapshot) -> torch.Tensor:
+        """The snapshot's buffer, once filled (the writer's, before it gives it back)."""
+        self._take(snapshot)
+        if snapshot.copied is not None:
+            snapshot.copied.synchronize()
+        assert snapshot.buffer is not None
+        return snapshot.buffer
+
+    def _retire(self, snapshot: _Snapshot) -> None:
+        """A snapshot the writer is done with: its slot is no longer held, and its buffer goes
+        back to the pool once no copy into it is in flight."""
+        if snapshot.copied is not None:
+            snapshot.copied.synchronize()
+        with snapshot.lock:
+            slot, snapshot.slot = snapshot.slot, None
+            buffer, snapshot.buffer = snapshot.buffer, None
+        with self._lock:
+            if slot is not None and self._slot_saves.get(slot) is snapshot:
+                del self._slot_saves[slot]
+            if snapshot.pooled and buffer is not None:
+                if self._pin:
+                    self._pool.append(buffer)
+                else:
+                    self._lent -= 1
 
 
 class DiskRead:

@@ -234,11 +234,14 @@ class ModelRunner:
 
     def _issue(self, orders: SwapOrders, defer_out: bool = False) -> None:
         """The step's copies: chunks leaving the tiers kept for the disk first (their slots
-        and blocks may be reused now; the removals that make room for them before them), chunks
+        and blocks may be reused now; the removals that make room for them before them; a slot
+        saved earlier and not yet copied is copied before this step's copies write it), chunks
         read from disk loaded into their blocks last."""
         if self.disk is not None:
             self.disk.drop(orders.disk_drop)
             self.disk.save(orders.disk_save)
+            overwritten = (*orders.swap_out, *orders.evict_first)
+            self.disk.before_overwrite({op.cpu_slot for op in overwritten})
         self.swap.issue(orders, defer_out=defer_out)
         if self.disk is not None:
             self.disk.load(orders.disk_load)

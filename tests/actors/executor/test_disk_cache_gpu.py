@@ -83,6 +83,8 @@ def test_a_cpu_slots_snapshot_waits_for_the_copy_into_it_but_not_for_compute(
                 c[0].copy_(g[3], non_blocking=True)
         cache.save([DiskSave(0, b"b" * 16)])
         assert not torch.cuda.current_stream().query()
+        cache.before_overwrite({0})  # this step's copies are about to write the slot
+        assert not torch.cuda.current_stream().query()
         for layer in cpu:
             layer[0].fill_(-1.0)  # this step's copies reuse the slot
         cache.flush()

@@ -140,6 +140,8 @@ def test_sampling_on_the_gpu_leaves_the_step_running_and_draws_the_hosts_tokens(
     params = [SamplingParams(4, 0.9, 0.95, 20, seed=5), SamplingParams(4, 1.2, seed=6)]
     want = sample_async(logits, params, [0, 1]).tolist()
     on_gpu = logits.cuda()
+    sample_async(on_gpu, params, [0, 1]).tolist()  # kernels loaded and pinned memory cached,
+    # as in any step after the first: both wait for the device once
     torch.cuda._sleep(400_000_000)  # the step that made the logits, still running
     tokens = sample_async(on_gpu, params, [0, 1])
     assert not torch.cuda.current_stream().query()  # the host did not wait for it
