@@ -398,10 +398,11 @@ class DiskCache:
         index: int,
         non_blocking: bool = False,
     ) -> None:
+        # one call for every layer: the GIL is let go and taken back once, not once a layer
+        # (with the writer's and the I/O threads about, each taking back can wait its turn)
+        sources = [cache[index].view(torch.uint8).view(-1) for cache in caches]
         with torch.inference_mode():  # on any thread: the engine's tensors are inference ones
-            for layer, cache in enumerate(caches):
-                view = cache[index].view(torch.uint8).view(-1)
-                buffer[layer].copy_(view, non_blocking=non_blocking)
+            torch._foreach_copy_(list(buffer.unbind(0)), sources, non_blocking=non_blocking)
 
     def _take(self, snapshot: _Snapshot) -> None:
         """Copy a saved CPU slot into its snapshot, if no thread has yet (any thread; one
