@@ -11,11 +11,15 @@ when a later step's copy is about to reuse the slot: `before_overwrite`), once t
 (`copy_streams`: the swap engine's, the only writers of CPU slots) have finished the copies
 issued before the save; a GPU block's by a device-to-host copy queued behind the step in flight,
 whose event the writer and reader threads wait on. The disk write, its fdatasync and the index
-commit run on the writer thread. Snapshots come from a pool of host buffers made at start
-(pinned on CUDA, so that taking one never allocates pinned memory on a step's path); a save that
-finds the pool empty (the disk writes slower than chunks leave the tiers) is not written, like
-one that finds no free slot. A turn waits in the queue only for its own read. A chunk the tier
-cannot give back whole (never written, dropped for room, failing its checksum) is not `found`,
+commit run on the writer thread. Snapshots take buffers from a pool of host buffers made at
+start (pinned on CUDA, so that taking one never allocates pinned memory on a step's path), a
+slot's when it is copied. A GPU block's save that finds the pool empty (the disk writes slower
+than chunks leave the tiers) is not written, like one that finds no free slot, and so is a
+slot's that the engine must copy then; the writer and readers make a buffer of their own.
+The scheduler saves most chunks while they still sit in their slots, ahead of their eviction
+(`actors/scheduler/kv/write_ahead.py`), so the writer copies them, not the engine. A turn
+waits in the queue only for its own read. A chunk the tier cannot give back whole (never
+written, dropped for room, failing its checksum) is not `found`,
 and the turn recomputes it: where a chunk's KV comes from never changes a token.
 
 Which chunks the tier keeps is the scheduler's choice, by the retention value (`actors/
@@ -166,21 +170,24 @@ class DiskCache:
             with self._lock:
                 if save.key in self._pending:
                     continue
-                buffer = self._lend()
-                if buffer is None:
-                    self.num_skipped += 1
-                    continue
-                if save.cpu_slot is not None:
-                    snapshot = _Snapshot(buffer, slot=save.cpu_slot, after=after, pooled=True)
+                if save.cpu_slot is not None:  # its buffer once it is copied
+                    snapshot = _Snapshot(None, slot=save.cpu_slot, after=after)
                     self._slot_saves[save.cpu_slot] = snapshot
                 else:
                     assert save.gpu_block is not None
+                    buffer = self._lend()
+                    if buffer is None:
+                        self.num_skipped += 1
+                        continue
                     snapshot = _Snapshot(buffer, copied, pooled=True)
                 self._pending[save.key] = snapshot
-            if save.gpu_block is not None and save.cpu_slot is None:
+            if snapshot.buffer is not None:
                 # behind the step in flight on the compute stream, before this step's copies
                 # and compute (issued after this) may write into the block
-                self._copy_into(buffer, self.gpu_caches, save.gpu_block, non_blocking=self._pin)
+                assert save.gpu_block is not None
+                self._copy_into(
+                    snapshot.buffer, self.gpu_caches, save.gpu_block, non_blocking=self._pin
+                )
             self.num_saved += 1
             self._writes.put((save.key, snapshot))
         if copied is not None:
@@ -192,7 +199,7 @@ class DiskCache:
         with self._lock:
             taken = [self._slot_saves[slot] for slot in slots if slot in self._slot_saves]
         for snapshot in taken:
-            self._take(snapshot)
+            self._take(snapshot, on_step=True)
 
     def load(self, loads: Collection[DiskLoad]) -> None:
         """Copy staged chunks into their GPU blocks (after the step's own copies are issued)."""
@@ -371,7 +378,8 @@ class DiskCache:
         chunks = [(key, snap) for key, snap in batch if key not in self.tier]
         if not chunks or not self.tier.writable:
             return
-        written = self.tier.write([(key, _pieces(self._bytes(snap))) for key, snap in chunks])
+        filled = [(key, self._bytes(snap)) for key, snap in chunks]
+        written = self.tier.write([(key, _pieces(buf)) for key, buf in filled if buf is not None])
         with self._lock:
             self.num_written += len(written)
 
@@ -404,28 +412,36 @@ class DiskCache:
         with torch.inference_mode():  # on any thread: the engine's tensors are inference ones
             torch._foreach_copy_(list(buffer.unbind(0)), sources, non_blocking=non_blocking)
 
-    def _take(self, snapshot: _Snapshot) -> None:
+    def _take(self, snapshot: _Snapshot, on_step: bool = False) -> None:
         """Copy a saved CPU slot into its snapshot, if no thread has yet (any thread; one
-        copying it holds the others, the engine's too, until it is done)."""
+        copying it holds the others, the engine's too, until it is done), into a buffer of the
+        pool; with none free, a new one off the step's path (`on_step`: the save is given up)."""
         with snapshot.lock:
             slot = snapshot.slot
             if slot is None:
                 return
-            for event in snapshot.after:
-                event.synchronize()
-            assert snapshot.buffer is not None
-            self._copy_into(snapshot.buffer, self.cpu_caches, slot)
-            snapshot.slot = None
+            with self._lock:
+                buffer = self._lend()
+            snapshot.pooled = buffer is not None
+            if buffer is None and not on_step:
+                buffer = self._buffer()
+            if buffer is not None:
+                for event in snapshot.after:
+                    event.synchronize()
+                self._copy_into(buffer, self.cpu_caches, slot)
+            else:
+                self.num_skipped += 1
+            snapshot.buffer, snapshot.slot = buffer, None
         with self._lock:
             if self._slot_saves.get(slot) is snapshot:
                 del self._slot_saves[slot]
 
-    def _bytes(self, snapshot: _Snapshot) -> torch.Tensor:
-        """The snapshot's buffer, once filled (the writer's, before it gives it back)."""
+    def _bytes(self, snapshot: _Snapshot) -> torch.Tensor | None:
+        """The snapshot's buffer, once filled (the writer's, before it gives it back); None if
+        the save was given up."""
         self._take(snapshot)
         if snapshot.copied is not None:
             snapshot.copied.synchronize()
-        assert snapshot.buffer is not None
         return snapshot.buffer
 
     def _retire(self, snapshot: _Snapshot) -> None:

@@ -297,6 +297,7 @@ class Engine:
         # while the device runs: choose the next ahead-of-time swap-outs (their copies go out
         # with the next step); nothing here depends on sampled tokens
         self.kv.swap_out_ahead(self.clock())
+        self.kv.write_ahead(self.clock())
         chosen = time.perf_counter()
         done = self._inflight if self.overlap else launched_step
         # a step without pieces samples nothing, so nothing waits on it
@@ -437,6 +438,11 @@ class Engine:
                     "reclaimable": kv.num_free_gpu - kv.gpu.num_free,
                 },
                 "cpu_blocks": {"total": kv.cpu.capacity, "free": kv.cpu.num_free},
+                # chunks saved for the disk tier: while still on the CPU tier, and as they left
+                # the tiers (copied on the executor's step path); None without a disk tier
+                "disk_saves": None
+                if kv.disk is None
+                else {"ahead": kv.ahead.num_saved, "on_eviction": kv.num_saved_on_eviction},
             },
         }
 

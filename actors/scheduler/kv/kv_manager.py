@@ -39,6 +39,7 @@ from pensieve.actors.scheduler.kv.invariants import check_invariants
 from pensieve.actors.scheduler.kv.kv_cache import Acquired, Chunk, ConversationKV, Found
 from pensieve.actors.scheduler.kv.kv_events import ChunkEvents
 from pensieve.actors.scheduler.kv.sharing import ChunkUsers, ContentSharing
+from pensieve.actors.scheduler.kv.write_ahead import WriteAhead
 from pensieve.actors.wire.chunk_keys import Namespace
 from pensieve.actors.wire.messages import KvEvent, KvEventKind
 from pensieve.actors.wire.step import CopyKind, CopyOp, SwapOrders
@@ -74,12 +75,15 @@ class KVCacheManager:
         # every chunk move, and which chunk owns each GPU block / CPU slot
         self.events = ChunkEvents()
         self.disk: DiskBooks | None = None  # the disk tier's books (`attach_disk`)
+        self.ahead = WriteAhead()  # CPU chunks to save for the disk before their eviction
+        self.num_saved_on_eviction = 0  # chunks saved for the disk as they left the tiers
 
     def attach_disk(self, num_slots: int, keys: Iterable[bytes]) -> None:
         """Chunks leaving the GPU and CPU tiers go to a disk tier of `num_slots` chunks, which
         holds `keys` now (left there by a run before), ranked by the same retention value."""
         if self.config.disk_tier:
             self.disk = DiskBooks(num_slots, keys, self.eviction)
+            self.ahead.clear()
 
     def stop_disk_writes(self) -> None:
         """The disk tier writes no more (disk full, an I/O error): nothing more is saved."""
@@ -180,7 +184,15 @@ class KVCacheManager:
 
     def take_orders(self) -> SwapOrders:
         """The copies decided since the last call; blocks swapped out now become reusable."""
+        self.ahead.step_boundary()
         return self.copies.take_orders()
+
+    def write_ahead(self, now: float) -> int:
+        """Save for the disk tier chunks still on the CPU tier (`write_ahead.py`), in the next
+        step's orders; the number saved."""
+        if self.disk is None:
+            return 0
+        return self.ahead.save(self.disk, self.copies, now)
 
     def copy_owners(self, orders: SwapOrders) -> dict[CopyKind, Counter[str]]:
         """Whose chunks the copies of `orders` move, by kind: conversation id -> copies. Ask
@@ -534,6 +546,7 @@ class KVCacheManager:
         victims = self.disk.admit(chunk, chunk.key, now)
         if victims is not None:
             self.copies.save_to_disk(chunk.key, victims, cpu_slot, gpu_block)
+            self.num_saved_on_eviction += 1
 
     def _swap_out(self, chunk: Chunk, slot: int) -> None:
         self.copies.swap_out(chunk, slot)
@@ -545,6 +558,8 @@ class KVCacheManager:
         for user in chunk.users.values():
             user.maybe_on_cpu = True
         self.eviction.joined_cpu(chunk)
+        if self.disk is not None:
+            self.ahead.joined(chunk)
 
     def _drop(self, chunk: Chunk) -> None:
         if chunk.gpu_block is not None:

@@ -27,6 +27,8 @@ BLOCK = 32
 # 8 GPU blocks and 2 CPU slots: each long prompt evicts what is idle down the tiers
 TINY = dict(gpu_cache_tokens=8 * BLOCK, cpu_cache_tokens=2 * BLOCK, admission_reserve=0.0)
 ROOMY = dict(gpu_cache_tokens=64 * BLOCK, cpu_cache_tokens=64 * BLOCK)
+# a CPU tier where chunks stay a few steps before the next prompts evict them
+MIDDLE = dict(gpu_cache_tokens=8 * BLOCK, cpu_cache_tokens=6 * BLOCK, admission_reserve=0.0)
 FAST_DISK = 1e6  # GB/s: every chunk on disk is read back rather than recomputed
 OPENINGS = {
     "a": "Tell me about the harbour of Lyon and its old bridges over the river. " * 7,
@@ -109,6 +111,21 @@ def test_greedy_tokens_are_the_same_from_gpu_cpu_disk_and_recomputation(
     stats = on_disk.engine.stats()["tokens"]["prompt_sources"]
     assert stats["disk"] == disk.disk
     on_disk.engine.disk.close()
+
+
+def test_chunks_are_saved_for_the_disk_while_on_the_cpu_tier_ahead_of_their_eviction(
+    smollm2, chat, roomy, tmp_path
+) -> None:
+    """A chunk saved as it leaves the CPU tier is copied out of its slot on the step's path
+    (the same step reuses the slot); one saved earlier, while it sits there, by the writer."""
+    run = conversations(engine(smollm2, chat, MIDDLE, tmp_path))
+    assert run.outputs() == roomy.outputs()
+    saves = run.engine.stats()["cache"]["disk_saves"]
+    assert saves["ahead"] > 2 * saves["on_eviction"], saves
+    assert run.sources().disk >= 4 * BLOCK
+    assert run.engine.stats()["cache"]["disk_saves"] is not None
+    run.engine.disk.close()
+    assert roomy.engine.stats()["cache"]["disk_saves"] is None
 
 
 def first_turns(smollm2, chat, tiers: dict, disk: Path) -> Run:
