@@ -17,7 +17,7 @@ slot's when it is copied. A GPU block's save that finds the pool empty (the disk
 than chunks leave the tiers) is not written, like one that finds no free slot, and so is a
 slot's that the engine must copy then; the writer and readers make a buffer of their own.
 The scheduler saves most chunks while they still sit in their slots, ahead of their eviction
-(`actors/scheduler/kv/write_ahead.py`), so the writer copies them, not the engine. A turn
+(`actors/scheduler/kv/disk_saves.py`), so the writer copies them, not the engine. A turn
 waits in the queue only for its own read. A chunk the tier cannot give back whole (never
 written, dropped for room, failing its checksum) is not `found`,
 and the turn recomputes it: where a chunk's KV comes from never changes a token.

@@ -441,8 +441,11 @@ class Engine:
                 # chunks saved for the disk tier: while still on the CPU tier, and as they left
                 # the tiers (copied on the executor's step path); None without a disk tier
                 "disk_saves": None
-                if kv.disk is None
-                else {"ahead": kv.ahead.num_saved, "on_eviction": kv.num_saved_on_eviction},
+                if kv.disk_saves is None
+                else {
+                    "ahead": kv.disk_saves.num_ahead,
+                    "on_eviction": kv.disk_saves.num_on_eviction,
+                },
             },
         }
 

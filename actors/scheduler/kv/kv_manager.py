@@ -34,12 +34,12 @@ from pensieve.actors.scheduler.kv.block_pool import BlockPool
 from pensieve.actors.scheduler.kv.content_index import ContentIndex
 from pensieve.actors.scheduler.kv.copies import TierCopies
 from pensieve.actors.scheduler.kv.disk_books import DiskBooks
+from pensieve.actors.scheduler.kv.disk_saves import DiskSaves, WriteBack
 from pensieve.actors.scheduler.kv.eviction import Candidate, CostFn, EvictionOrder
 from pensieve.actors.scheduler.kv.invariants import check_invariants
 from pensieve.actors.scheduler.kv.kv_cache import Acquired, Chunk, ConversationKV, Found
 from pensieve.actors.scheduler.kv.kv_events import ChunkEvents
 from pensieve.actors.scheduler.kv.sharing import ChunkUsers, ContentSharing
-from pensieve.actors.scheduler.kv.write_ahead import WriteAhead
 from pensieve.actors.wire.chunk_keys import Namespace
 from pensieve.actors.wire.messages import KvEvent, KvEventKind
 from pensieve.actors.wire.step import CopyKind, CopyOp, SwapOrders
@@ -75,15 +75,14 @@ class KVCacheManager:
         # every chunk move, and which chunk owns each GPU block / CPU slot
         self.events = ChunkEvents()
         self.disk: DiskBooks | None = None  # the disk tier's books (`attach_disk`)
-        self.ahead = WriteAhead()  # CPU chunks to save for the disk before their eviction
-        self.num_saved_on_eviction = 0  # chunks saved for the disk as they left the tiers
+        self.disk_saves: DiskSaves | None = None  # and which chunks are saved there, when
 
     def attach_disk(self, num_slots: int, keys: Iterable[bytes]) -> None:
         """Chunks leaving the GPU and CPU tiers go to a disk tier of `num_slots` chunks, which
         holds `keys` now (left there by a run before), ranked by the same retention value."""
         if self.config.disk_tier:
             self.disk = DiskBooks(num_slots, keys, self.eviction)
-            self.ahead.clear()
+            self.disk_saves = DiskSaves(self.disk, self.copies)
 
     def stop_disk_writes(self) -> None:
         """The disk tier writes no more (disk full, an I/O error): nothing more is saved."""
@@ -154,45 +153,24 @@ class KVCacheManager:
             conv.num_positions = num_positions
         return conv
 
-    def disk_write_back(
-        self, now: float
-    ) -> tuple[list[bytes], list[tuple[int, bytes]], list[tuple[int, bytes]]]:
-        """What a clean stop writes to the disk tier: the keys to remove first, then the sealed
-        chunks of the CPU and GPU tiers not on disk yet (CPU slot or GPU block, key), the most
-        valuable first, as far as the disk's budget takes them (`DiskBooks.admit`). Ask between
-        steps."""
-        drops: list[bytes] = []
-        cpu: list[tuple[int, bytes]] = []
-        gpu: list[tuple[int, bytes]] = []
-        if self.disk is None:
-            return drops, cpu, gpu
-        books = self.disk
+    def disk_write_back(self, now: float) -> WriteBack:
+        """What a clean stop writes to the disk tier (`DiskSaves.write_back`) of the sealed
+        chunks on the CPU and GPU tiers. Ask between steps."""
+        if self.disk_saves is None:
+            return [], [], []
         chunks = [chunk for chunk in self.index.by_key.values() if self.place(chunk)]
-        chunks.sort(key=lambda c: books.value(c.index, c.users.values(), now), reverse=True)
-        for chunk in chunks:
-            assert chunk.key is not None
-            victims = books.admit(chunk, chunk.key, now)
-            if victims is None:
-                continue
-            drops += victims
-            if chunk.gpu_block is not None:  # its KV is there whatever copy is pending
-                gpu.append((chunk.gpu_block, chunk.key))
-            else:
-                assert chunk.cpu_slot is not None
-                cpu.append((chunk.cpu_slot, chunk.key))
-        return drops, cpu, gpu
+        return self.disk_saves.write_back(chunks, now)
 
     def take_orders(self) -> SwapOrders:
         """The copies decided since the last call; blocks swapped out now become reusable."""
-        self.ahead.step_boundary()
+        if self.disk_saves is not None:
+            self.disk_saves.step_boundary()
         return self.copies.take_orders()
 
     def write_ahead(self, now: float) -> int:
-        """Save for the disk tier chunks still on the CPU tier (`write_ahead.py`), in the next
-        step's orders; the number saved."""
-        if self.disk is None:
-            return 0
-        return self.ahead.save(self.disk, self.copies, now)
+        """Save for the disk tier chunks still on the CPU tier (`DiskSaves.ahead`), in the
+        next step's orders; the number saved."""
+        return 0 if self.disk_saves is None else self.disk_saves.ahead(now)
 
     def copy_owners(self, orders: SwapOrders) -> dict[CopyKind, Counter[str]]:
         """Whose chunks the copies of `orders` move, by kind: conversation id -> copies. Ask
@@ -538,15 +516,10 @@ class KVCacheManager:
     def _to_disk(
         self, chunk: Chunk, now: float, cpu_slot: int | None = None, gpu_block: int | None = None
     ) -> None:
-        """The chunk leaves the GPU and CPU tiers from `cpu_slot` or `gpu_block`: a sealed one
-        is written to the disk tier if it is worth a place there (`DiskBooks.admit`), after the
-        chunks it displaces are removed."""
-        if self.disk is None or chunk.key is None or not self.copies.can_save(cpu_slot):
-            return
-        victims = self.disk.admit(chunk, chunk.key, now)
-        if victims is not None:
-            self.copies.save_to_disk(chunk.key, victims, cpu_slot, gpu_block)
-            self.num_saved_on_eviction += 1
+        """The chunk leaves the GPU and CPU tiers from `cpu_slot` or `gpu_block`: saved for the
+        disk tier if it is worth a place there (`DiskSaves.evicted`)."""
+        if self.disk_saves is not None:
+            self.disk_saves.evicted(chunk, now, cpu_slot, gpu_block)
 
     def _swap_out(self, chunk: Chunk, slot: int) -> None:
         self.copies.swap_out(chunk, slot)
@@ -558,8 +531,8 @@ class KVCacheManager:
         for user in chunk.users.values():
             user.maybe_on_cpu = True
         self.eviction.joined_cpu(chunk)
-        if self.disk is not None:
-            self.ahead.joined(chunk)
+        if self.disk_saves is not None:
+            self.disk_saves.joined(chunk)
 
     def _drop(self, chunk: Chunk) -> None:
         if chunk.gpu_block is not None:
