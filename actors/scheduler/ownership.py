@@ -67,6 +67,9 @@ class Ownership:
         self.replicas = replicas
         self.num_adopted = 0
         self._held: dict[str, _Held] = {}
+        # let go when the lease lapsed, with the log's sequence this engine last wrote: a turn
+        # in flight then still commits behind it, if no other engine wrote the log since
+        self._lapsed: dict[str, _Held] = {}
         self._local: set[str] = set()  # conversations of the store alone (made before the log)
         self._lease: int | None = None  # the revision of this engine's lease key
         self._renewing: asyncio.Task[None] | None = None
@@ -150,6 +153,7 @@ class Ownership:
             conv_id, turn_log.adopted(self.engine_id), read[-1][0], self._writer_id
         )
         self._held[conv_id] = _Held(seq, revision)
+        self._lapsed.pop(conv_id, None)
         if await asyncio.to_thread(turn_log.in_step, self.store, conv_id, entries):
             return
         if not await drop(conv_id):
@@ -176,10 +180,11 @@ class Ownership:
 
     async def append(self, conv_id: str, entry: bytes) -> None:
         """Append a store write of the conversation to its log; Fenced if another engine
-        wrote the log since this one last did (then this engine no longer holds it)."""
+        wrote the log since this one last did (then this engine no longer holds it). One let
+        go when the lease lapsed is held again if no other engine wrote the log since."""
         if conv_id in self._local or subjects.owner(conv_id) is None:
             return
-        held = self._held.get(conv_id)
+        held = self._held.get(conv_id) or self._lapsed.pop(conv_id, None)
         try:
             seq = await self.js.append(conv_id, entry, held.seq if held else 0, self._writer_id)
         except Fenced:
@@ -188,11 +193,13 @@ class Ownership:
         if held is None:  # a new conversation: no other engine knows its id yet
             held = self._held[conv_id] = _Held(seq, None)
             held.revision = await self.js.claim(conv_id, self.engine_id, None)
+        self._held[conv_id] = held
         held.seq = seq
 
     async def forget(self, conv_id: str) -> None:
         """The conversation was deleted: remove its log and owner key."""
         self._held.pop(conv_id, None)
+        self._lapsed.pop(conv_id, None)
         if conv_id not in self._local:
             await self.js.forget(conv_id)
         self._local.discard(conv_id)
@@ -212,6 +219,7 @@ class Ownership:
                     self.engine_id,
                     len(self._held),
                 )
+                self._lapsed.update(self._held)
                 self._held.clear()
                 self._lease = None
                 with contextlib.suppress(Exception):

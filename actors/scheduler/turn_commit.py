@@ -19,6 +19,7 @@ from pensieve.actors.scheduler.metrics import Metrics
 from pensieve.actors.scheduler.replication import Replicate, after_replicated
 from pensieve.actors.scheduler.request import Request, common_prefix
 from pensieve.actors.scheduler.turn import Turn
+from pensieve.actors.wire.jetstream import Fenced
 from pensieve.actors.wire.messages import ChatMessage
 from pensieve.actors.wire.replies import chat_reply
 from pensieve.actors.wire.schemas import ApiError
@@ -165,10 +166,15 @@ class TurnCommitter:
             else:
                 conv.busy = False
                 logger.error("turn %s of %s not stored: %s", record.turn, conv.conv_id, error)
+                # fenced: another engine took the conversation meanwhile; sent again, the turn
+                # goes to it (`turn` keeps a copy from being committed twice)
+                code = "unavailable" if isinstance(error, Fenced) else "internal"
+                retry = "; retry" if isinstance(error, Fenced) else ""
                 turn.sink.error(
                     ApiError(
-                        "internal",
-                        f"the turn could not be stored ({error}); the conversation is as before it",
+                        code,
+                        f"the turn could not be stored ({error}); the conversation is as "
+                        f"before it{retry}",
                     )
                 )
 

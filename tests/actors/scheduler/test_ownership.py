@@ -144,6 +144,46 @@ def test_an_adoption_cannot_slip_behind_an_append_of_the_old_owner(server, tmp_p
     asyncio.run(go())
 
 
+def test_a_turn_in_flight_when_the_lease_lapsed_commits_unless_another_engine_took_over(
+    server, tmp_path
+) -> None:
+    """An engine cut off long enough for its lease to lapse lets go of its conversations when
+    its renewal comes back; its turn in flight then commits behind its own last entry, since no
+    other engine wrote the log, and the conversation is held again. Once another engine has
+    adopted it, the same commit is fenced."""
+
+    async def renewal_finds_the_lease_gone(one: Engine) -> None:
+        await lapse(one)
+        ownership = one.ownership
+        ownership._renewing = asyncio.get_running_loop().create_task(ownership._renew())
+        deadline = time.monotonic() + 10 * TTL_S
+        while ownership.num_held:  # let go, and a new lease taken
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
+    async def go() -> None:
+        async with (
+            engine(server.url, "aaaaaaaa", tmp_path) as a,
+            engine(server.url, "bbbbbbbb", tmp_path) as b,
+        ):
+            await a.commit(CONV, 0)
+            await renewal_finds_the_lease_gone(a)
+            await a.commit(CONV, 1)
+            assert a.ownership.num_held == 1
+            entries = [turn_log.decode(d) for _, d in await a.ownership.js.read(CONV)]
+            assert turn_log.num_turns(entries) == 2
+
+            await renewal_finds_the_lease_gone(a)
+            await lapse(a)
+            await b.ownership.hold(CONV, None, b.drop)  # adopts
+            with pytest.raises(Fenced):
+                await a.commit(CONV, 2)
+            await b.commit(CONV, 2)
+            assert [r.turn for r in b.store.turns(CONV)] == [0, 1, 2]
+
+    asyncio.run(go())
+
+
 def test_another_tenants_engine_never_adopts_a_conversation(server, tmp_path) -> None:
     async def go() -> None:
         async with (
