@@ -438,8 +438,7 @@ class Engine:
                     "reclaimable": kv.num_free_gpu - kv.gpu.num_free,
                 },
                 "cpu_blocks": {"total": kv.cpu.capacity, "free": kv.cpu.num_free},
-                # chunks saved for the disk tier: while still on the CPU tier, and as they left
-                # the tiers (copied on the executor's step path); None without a disk tier
+                # chunks saved for the disk tier ahead of and on eviction (`kv/disk_saves.py`)
                 "disk_saves": None
                 if kv.disk_saves is None
                 else {

@@ -19,7 +19,6 @@ from typing import Any
 import nats
 import orjson
 import pytest
-import torch
 
 from pensieve.actors.config import CacheConfig, Policy, StepChannel
 from pensieve.actors.executor.spill_keeper import SpillIndex, SpillKeeper
@@ -40,7 +39,7 @@ from pensieve.actors.wire.messages import (
 )
 from pensieve.actors.wire.prefix_index import PrefixIndex
 from pensieve.actors.wire.schemas import ApiError, parse_chat
-from pensieve.models.loader import LoadedModel, load_model
+from pensieve.models.loader import LoadedModel
 from pensieve.ops.factory import Built, EngineOptions, assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.store import ConversationStore, StoreWriter
@@ -51,16 +50,6 @@ from tests.ops.serving import serve_on_thread
 # 8 GPU blocks and 4 CPU slots of 16 tokens; a first turn's prompt takes 3 blocks
 TIERS = dict(block_size=16, gpu_cache_tokens=128, cpu_cache_tokens=64, admission_reserve=0.0)
 MESSAGES = ["What is the capital of France?", "Name three rivers that flow through it."]
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
-    return load_model("smollm2", "cpu", torch.float32)
-
-
-@pytest.fixture(scope="module")
-def chat(smollm2: LoadedModel) -> ChatTokenizer:
-    return ChatTokenizer(smollm2.tokenizer, smollm2.config.vocab_size)
 
 
 def engine(smollm2: LoadedModel, chat: ChatTokenizer) -> Built:
