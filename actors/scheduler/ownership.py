@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from pensieve.actors.scheduler.conversations import not_found
 from pensieve.actors.wire import subjects
-from pensieve.actors.wire.jetstream import Fenced, JetStream, Owner
+from pensieve.actors.wire.fencing import Fenced
+from pensieve.actors.wire.jetstream import JetStream, Owner
 from pensieve.actors.wire.schemas import ApiError
 from pensieve.store import ConversationStore, StoreWriter, turn_log
 
@@ -108,11 +109,25 @@ class Ownership:
             await self._renewing
         self._renewing = None
         held, self._held = self._held, {}
+        kept = 0  # not released: NATS did not answer (other engines adopt them once the lease
+        # lapses, as after a crash)
         for conv_id, one in held.items():
             if one.revision is not None:
-                await self.js.release(conv_id, one.revision)
-        await self.js.retire(self.engine_id)
-        logger.info("let go of %d conversations and the lease of %s", len(held), self.engine_id)
+                try:
+                    await self.js.release(conv_id, one.revision)
+                except Exception as error:  # noqa: BLE001 - a drain goes on without NATS
+                    kept += 1
+                    logger.warning("%s not released: %s", conv_id, error)
+        try:
+            await self.js.retire(self.engine_id)
+        except Exception as error:  # noqa: BLE001 - the lease then lapses by its time to live
+            logger.warning("the lease of %s not ended: %s", self.engine_id, error)
+        logger.info(
+            "let go of %d conversations (%d left to lapse) and the lease of %s",
+            len(held) - kept,
+            kept,
+            self.engine_id,
+        )
 
     async def hold(
         self, conv_id: str, tenant: str | None, drop: Callable[[str], Awaitable[bool]]

@@ -19,7 +19,7 @@ from pensieve.actors.scheduler.metrics import Metrics
 from pensieve.actors.scheduler.replication import Replicate, after_replicated
 from pensieve.actors.scheduler.request import Request, common_prefix
 from pensieve.actors.scheduler.turn import Turn
-from pensieve.actors.wire.jetstream import Fenced
+from pensieve.actors.wire.fencing import Fenced
 from pensieve.actors.wire.messages import ChatMessage
 from pensieve.actors.wire.replies import chat_reply
 from pensieve.actors.wire.schemas import ApiError

@@ -15,7 +15,6 @@ Every actor answers `$SRV.PING|INFO|STATS.pensieve-<actor>` with its endpoints, 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -83,8 +82,10 @@ class Actor:
         self._started = False
         await self.bus.stop_serving()
         await self.bus.settle(grace_s)
-        with contextlib.suppress(Exception):
+        try:
             await self.teardown()
+        except Exception:  # noqa: BLE001 - leave the bus however the teardown ends
+            logger.exception("%s: its teardown failed", self.name)
         await self.bus.close()
 
     async def __aenter__(self) -> Actor:

@@ -27,6 +27,7 @@ from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
 from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.fencing import Fenced
 
 STREAM = "PENSIEVE_TURNS"
 LOG_PREFIX = "pensieve.turns"
@@ -38,10 +39,6 @@ APPEND_TRIES = 8
 APPEND_BACKOFF_S = 0.5
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: the subject's last sequence differs
 TIMEOUT_S = 5.0
-
-
-class Fenced(Exception):
-    """A compare-and-set lost: another engine wrote the log or the key first."""
 
 
 @dataclass(frozen=True)

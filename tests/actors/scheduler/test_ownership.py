@@ -15,7 +15,8 @@ import pytest
 
 from pensieve.actors.scheduler.ownership import Ownership
 from pensieve.actors.wire.bus import Bus
-from pensieve.actors.wire.jetstream import Fenced, JetStream
+from pensieve.actors.wire.fencing import Fenced
+from pensieve.actors.wire.jetstream import JetStream
 from pensieve.actors.wire.schemas import ApiError
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.store import ConversationStore, StoreWriter, TurnRecord, turn_log
