@@ -61,6 +61,11 @@ def table(label: str, runs: Sequence[dict[str, Any]]) -> str:
         name = f"{label} {_mode(run)}"
         if (cache := run.get("server", {}).get("prefix_cache")) is not None:
             lines.append(f"{name} server prefix cache: {_prefix_cache(cache)}")
+        if (saves := run.get("server", {}).get("disk_saves")) is not None:
+            lines.append(
+                f"{name} server disk saves: {saves['ahead']} ahead of eviction, "
+                f"{saves['on_eviction']} on it"
+            )
         if (long := run.get("long_prompt")) is not None:
             lines.append(f"{name} long prompt: {_long_prompt(long)}")
         for step in run.get("server", {}).get("slow_steps", [])[:SLOW_STEPS]:

@@ -296,6 +296,9 @@ def server_moved(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any
             **cache,
             **{k: cache[k] - was[k] for k in ("queries", "hits", "shared_hits")},
         }
+    saves, saved = (s.get("cache", {}).get("disk_saves") for s in (after, before))
+    if saves is not None and saved is not None:  # chunks saved for the disk tier, by when
+        out["disk_saves"] = moved(saves, saved)
     if after.get("prefill_budget") is not None:  # the step-time ratios as they ended
         out["prefill_budget"] = after["prefill_budget"]
     return out
