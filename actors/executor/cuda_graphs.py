@@ -23,6 +23,11 @@ from pensieve.kernels.metadata import pad_tables, upload
 from pensieve.models.attention import PagedAttention
 from pensieve.models.loader import CausalLM
 
+# a capture spans a whole forward: other threads of the process (the event loop, NCCL's
+# watchdog, the disk tier's writer waiting for a copy) may call the CUDA API meanwhile, which a
+# process-wide capture would refuse, and the capture and that call would both fail
+CAPTURE_MODE = "thread_local"
+
 BATCH_BUCKETS = (
     1,
     2,
@@ -186,7 +191,7 @@ class DecodeGraphs:
         # a backend of its own: its attention plan (split buffers included) is then allocated
         # inside the capture, in the graphs' pool, not kept from the warm-up outside it
         attn = PagedAttention(self.kv_caches, meta, self.scale, impl=self.impl)
-        with torch.cuda.graph(g.graph, pool=self.pool):
+        with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
             g.logits = self.model.compute_logits(self.model(g.ids, g.positions, attn))
         self.graphs[(batch, context)] = g
         return g

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pensieve.actors.executor.cuda_graphs import CAPTURE_MODE
 from pensieve.kernels import AttentionImpl, write_kv
 from pensieve.kernels.fused import rope_write_kv
 from pensieve.models.attention import PagedAttention
@@ -64,9 +65,6 @@ TOKEN_BUCKETS = (
     1792,
     2048,
 )
-# a capture here spans a whole forward: other threads of the process (the event loop, NCCL's
-# watchdog) may call the CUDA API meanwhile, which a process-wide capture would refuse
-CAPTURE_MODE = "thread_local"
 
 
 @dataclass

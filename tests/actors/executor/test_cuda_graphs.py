@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -82,3 +83,46 @@ def test_capture_all_leaves_nothing_to_capture_later():
         )
         runner.logits(StepPlan(pieces))
     assert set(runner.graphs.graphs) == captured
+
+
+def test_graphs_are_captured_while_another_thread_waits_for_the_device():
+    """Other threads wait for the device at any time (the disk tier's writer waits for the copy
+    of a chunk it saves): a capture on the engine's thread neither refuses their calls nor
+    fails because of them."""
+    loaded = load_model("preset:tiny-llama", "cuda", torch.bfloat16, seed=0)
+    cache = CacheConfig(block_size=16, num_gpu_blocks=64 * 64)
+    runner = ModelRunner(loaded.model, cache, torch.device("cuda"), torch.bfloat16)
+    assert runner.graphs is not None
+    stop, errors, waits = threading.Event(), [], []
+    stream = torch.cuda.Stream()
+    source = torch.ones(1 << 20, device="cuda")
+    target = torch.empty(1 << 20, pin_memory=True)
+
+    def writer() -> None:
+        try:
+            while not stop.is_set():
+                with torch.cuda.stream(stream):
+                    target.copy_(source, non_blocking=True)
+                    event = stream.record_event()
+                event.synchronize()
+                waits.append(1)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for batch in (1, 3, 6, 12, 20, 40, 60):  # a capture each: every batch a new bucket
+            pieces = tuple(
+                SeqPiece(
+                    f"r{i}", (3,), 99, 100, tuple(range(i * 64, i * 64 + 7)), SamplingParams(), 0
+                )
+                for i in range(batch)
+            )
+            runner.logits(StepPlan(pieces))
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors
+    assert waits
+    assert len(runner.graphs.graphs) == 7
