@@ -64,7 +64,8 @@ def table(label: str, runs: Sequence[dict[str, Any]]) -> str:
         if (saves := run.get("server", {}).get("disk_saves")) is not None:
             lines.append(
                 f"{name} server disk saves: {saves['ahead']} ahead of eviction, "
-                f"{saves['on_eviction']} on it"
+                f"{saves['on_eviction']} on it, {saves.get('not_worth_reading', 0)} not saved "
+                "(cheaper to recompute than to read)"
             )
         if (long := run.get("long_prompt")) is not None:
             lines.append(f"{name} long prompt: {_long_prompt(long)}")

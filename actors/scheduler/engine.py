@@ -113,7 +113,7 @@ class Engine:
         self.public = public
         self.kv = KVCacheManager(cache, cost, self.namespace(None))
         if self.disk is not None:
-            self.kv.attach_disk(self.disk.num_slots, self.disk.keys())
+            self.kv.attach_disk(self.disk.num_slots, self.disk.keys(), self._worth_reading)
         self.scheduler = Scheduler(scheduling, self.kv, step_time)
         self.eos_token_ids = eos_token_ids
         self.clock = clock
@@ -262,7 +262,7 @@ class Engine:
             self.kv.forget(conv_id)
         self.kv.take_orders()  # the cancelled copies, and slots freed for the next step
         if self.disk is not None:  # its cancelled removals and saves: the books afresh
-            self.kv.attach_disk(self.disk.num_slots, self.disk.keys())
+            self.kv.attach_disk(self.disk.num_slots, self.disk.keys(), self._worth_reading)
         if self.kv.config.policy is Policy.STATELESS:
             self.scheduler.histories.clear()  # only turns in flight had one
         for conv_id, tokens in self.scheduler.histories.items():
@@ -359,16 +359,22 @@ class Engine:
         space = request.cache_namespace or (conv.namespace if conv is not None else kv.namespace)
         keys = list(conv.keys) if conv is not None and conv.namespace == space else []
         space.extend(keys, request.prompt_ids[: len(request.prompt_ids) - 1], block)
-        read_s = self.disk.read_seconds_per_chunk
         wanted = []
         for i, key in enumerate(keys):
             own = conv.chunks[i] if conv is not None and i < len(conv.chunks) else None
             sealed = kv.index.get(key)
             if (own is not None and kv.place(own)) or (sealed is not None and kv.place(sealed)):
                 continue  # cached on the GPU or the CPU tier
-            if self.kv.cost((i + 1) * block) > read_s:
+            if self._worth_reading(i):
                 wanted.append(key)
         return self.disk.read(wanted) if wanted else None
+
+    def _worth_reading(self, index: int) -> bool:
+        """Reading the chunk at `index` of a context back from disk costs less than recomputing
+        it: `Cost(l)` of the chunk ending at `l` against its bytes over the disk's read rate."""
+        assert self.disk is not None
+        block = self.kv.config.block_size
+        return self.kv.cost((index + 1) * block) > self.disk.read_seconds_per_chunk
 
     def _count(self, request: Request) -> None:
         """A finished request, in the totals."""
@@ -439,12 +445,7 @@ class Engine:
                 },
                 "cpu_blocks": {"total": kv.cpu.capacity, "free": kv.cpu.num_free},
                 # chunks saved for the disk tier ahead of and on eviction (`kv/disk_saves.py`)
-                "disk_saves": None
-                if kv.disk_saves is None
-                else {
-                    "ahead": kv.disk_saves.num_ahead,
-                    "on_eviction": kv.disk_saves.num_on_eviction,
-                },
+                "disk_saves": None if kv.disk_saves is None else kv.disk_saves.counts(),
             },
         }
 

@@ -4,6 +4,11 @@ A chunk is saved for the disk tier (a `DiskSave` in the step's orders) when its 
 (`DiskBooks.admit`: a free slot, or the place of a chunk on disk worth less), at one of three
 times:
 
+While serving, only chunks worth reading back are saved (`worth`: reading one costs less than
+recomputing it, by the disk's read rate and `Cost(l)` at its position, as the engine decides
+for each chunk a turn needs); the others would be recomputed rather than read, so writing them
+would cost the disk's bandwidth and the host's for nothing. A clean stop saves every chunk.
+
 - **ahead of its eviction** (`ahead`), while it still sits in its CPU slot. A chunk saved as it
   leaves the CPU tier is copied out of its slot on the step's path, since the step that evicts
   it reuses the slot (the swap-out that needed room); one saved earlier is copied by the disk
@@ -22,7 +27,7 @@ times:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pensieve.actors.scheduler.kv.copies import TierCopies
 from pensieve.actors.scheduler.kv.disk_books import DiskBooks
@@ -34,16 +39,25 @@ WriteBack = tuple[list[bytes], list[tuple[int, bytes]], list[tuple[int, bytes]]]
 
 
 class DiskSaves:
-    def __init__(self, books: DiskBooks, copies: TierCopies) -> None:
+    def __init__(
+        self, books: DiskBooks, copies: TierCopies, worth: Callable[[int], bool] | None = None
+    ) -> None:
         self.books = books
         self.copies = copies
+        # whether the chunk at this index is worth reading back (default: every one)
+        self.worth = worth or (lambda index: True)
         self._joined: list[Chunk] = []  # joined the CPU tier; its copy is in this step's orders
         self._due: deque[Chunk] = deque()  # their copies issued: can be saved ahead
         self.num_ahead = 0  # saved ahead of their eviction
         self.num_on_eviction = 0  # saved as they left the tiers (copied on the step's path)
+        self.num_not_worth = 0  # not saved: cheaper to recompute than to read back
 
     def counts(self) -> dict[str, int]:
-        return {"ahead": self.num_ahead, "on_eviction": self.num_on_eviction}
+        return {
+            "ahead": self.num_ahead,
+            "on_eviction": self.num_on_eviction,
+            "not_worth_reading": self.num_not_worth,
+        }
 
     def joined(self, chunk: Chunk) -> None:
         """The chunk joined the CPU tier (its copy is in this step's orders)."""
@@ -62,6 +76,9 @@ class DiskSaves:
             slot, key = chunk.cpu_slot, chunk.key
             if slot is None or key is None or key in self.books:
                 continue
+            if not self.worth(chunk.index):
+                self.num_not_worth += 1
+                continue
             if self._save(chunk, now, cpu_slot=slot):
                 saved += 1
         self.num_ahead += saved
@@ -71,7 +88,12 @@ class DiskSaves:
         self, chunk: Chunk, now: float, cpu_slot: int | None = None, gpu_block: int | None = None
     ) -> None:
         """The chunk leaves the GPU and CPU tiers from `cpu_slot` or `gpu_block`."""
-        if chunk.key is not None and self._save(chunk, now, cpu_slot, gpu_block):
+        if chunk.key is None or chunk.key in self.books:
+            return
+        if not self.worth(chunk.index):
+            self.num_not_worth += 1
+            return
+        if self._save(chunk, now, cpu_slot, gpu_block):
             self.num_on_eviction += 1
 
     def write_back(self, chunks: Iterable[Chunk], now: float) -> WriteBack:

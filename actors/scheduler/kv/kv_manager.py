@@ -27,7 +27,7 @@ subscriber to the KV event plane can follow each conversation's chunks from tier
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from pensieve.actors.config import CacheConfig, Policy
 from pensieve.actors.scheduler.kv.block_pool import BlockPool
@@ -77,12 +77,15 @@ class KVCacheManager:
         self.disk: DiskBooks | None = None  # the disk tier's books (`attach_disk`)
         self.disk_saves: DiskSaves | None = None  # and which chunks are saved there, when
 
-    def attach_disk(self, num_slots: int, keys: Iterable[bytes]) -> None:
+    def attach_disk(
+        self, num_slots: int, keys: Iterable[bytes], worth: Callable[[int], bool] | None = None
+    ) -> None:
         """Chunks leaving the GPU and CPU tiers go to a disk tier of `num_slots` chunks, which
-        holds `keys` now (left there by a run before), ranked by the same retention value."""
+        holds `keys` now (left there by a run before), ranked by the same retention value;
+        while serving, those `worth` reading back (`DiskSaves`)."""
         if self.config.disk_tier:
             self.disk = DiskBooks(num_slots, keys, self.eviction)
-            self.disk_saves = DiskSaves(self.disk, self.copies)
+            self.disk_saves = DiskSaves(self.disk, self.copies, worth)
 
     def stop_disk_writes(self) -> None:
         """The disk tier writes no more (disk full, an I/O error): nothing more is saved."""

@@ -30,6 +30,7 @@ ROOMY = dict(gpu_cache_tokens=64 * BLOCK, cpu_cache_tokens=64 * BLOCK)
 # a CPU tier where chunks stay a few steps before the next prompts evict them
 MIDDLE = dict(gpu_cache_tokens=8 * BLOCK, cpu_cache_tokens=6 * BLOCK, admission_reserve=0.0)
 FAST_DISK = 1e6  # GB/s: every chunk on disk is read back rather than recomputed
+SLOW_DISK = 1e-6  # GB/s: every chunk is cheaper to recompute than to read back
 OPENINGS = {
     "a": "Tell me about the harbour of Lyon and its old bridges over the river. " * 7,
     "b": "Describe a morning at a bakery in a small town by the sea, step by step. " * 7,
@@ -72,13 +73,15 @@ class Run:
         return sum((r.sources for r in self.turns), TokenSources())
 
 
-def engine(smollm2, chat, tiers: dict, disk: Path | None = None, gb: float = 0.1) -> Run:
+def engine(
+    smollm2, chat, tiers: dict, disk: Path | None = None, gb: float = 0.1, read_gbps=FAST_DISK
+) -> Run:
     options = EngineOptions(
         model="smollm2",
         max_batch_tokens=512,
         disk_cache_dir=None if disk is None else str(disk),
         disk_cache_gb=None if disk is None else gb,
-        disk_read_gbps=FAST_DISK,
+        disk_read_gbps=read_gbps,
         **tiers,
     )
     return Run(assemble(options, smollm2, chat).engine, chat)
@@ -126,6 +129,22 @@ def test_chunks_are_saved_for_the_disk_while_on_the_cpu_tier_ahead_of_their_evic
     assert run.engine.stats()["cache"]["disk_saves"] is not None
     run.engine.disk.close()
     assert roomy.engine.stats()["cache"]["disk_saves"] is None
+
+
+def test_chunks_cheaper_to_recompute_than_to_read_are_not_saved_while_serving(
+    smollm2, chat, roomy, tmp_path
+) -> None:
+    """On a disk that reads slower than the model recomputes, serving writes nothing (it would
+    never be read back); a clean stop still writes the tiers back."""
+    run = conversations(engine(smollm2, chat, MIDDLE, tmp_path, read_gbps=SLOW_DISK))
+    assert run.outputs() == roomy.outputs()
+    saves = run.engine.stats()["cache"]["disk_saves"]
+    assert saves["ahead"] == saves["on_eviction"] == 0, saves
+    assert saves["not_worth_reading"] >= 4, saves
+    assert run.sources().disk == 0 and run.sources().recomputed >= 4 * BLOCK
+    assert run.engine.disk.num_saved == 0
+    assert run.engine.write_back() > 0
+    run.engine.disk.close()
 
 
 def first_turns(smollm2, chat, tiers: dict, disk: Path) -> Run:
