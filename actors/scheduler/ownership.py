@@ -104,9 +104,7 @@ class Ownership:
         """Stop renewing the lease, let go of every held conversation, end the lease."""
         if self._renewing is None:
             return
-        self._renewing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._renewing
+        await stop_task(self._renewing)
         self._renewing = None
         held, self._held = self._held, {}
         kept = 0  # not released: NATS did not answer (other engines adopt them once the lease
@@ -241,3 +239,14 @@ class Ownership:
                     self._lease = await self.js.renew(self.engine_id, None)
             except Exception as error:  # NATS away: the lease may lapse; appends are fenced
                 logger.warning("the lease of engine %s was not renewed: %s", self.engine_id, error)
+
+
+async def stop_task(task: asyncio.Task[None]) -> None:
+    """Cancel the task and wait until it ended, cancelling it again if a cancellation was lost
+    (before Python 3.12, `asyncio.wait_for`, under a NATS request, returns its result when the
+    request completes as it is cancelled, and the task goes on)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("the lease renewal had failed: %s", task.exception())

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pensieve.actors.scheduler.ownership import Ownership
+from pensieve.actors.scheduler.ownership import Ownership, stop_task
 from pensieve.actors.wire.bus import Bus
 from pensieve.actors.wire.fencing import Fenced
 from pensieve.actors.wire.jetstream import JetStream
@@ -79,7 +79,7 @@ async def lapse(one: Engine) -> None:
     """The engine stops renewing its lease (paused, cut off) until the lease is gone."""
     task = one.ownership._renewing
     assert task is not None
-    task.cancel()
+    await stop_task(task)
     deadline = time.monotonic() + 10 * TTL_S
     while await one.ownership.js.alive(one.engine_id):
         assert time.monotonic() < deadline
