@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from pensieve.actors.config import SchedulerConfig
 from pensieve.actors.scheduler.kv.kv_cache import ConversationKV
-from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager, OutOfBlocks
+from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager
+from pensieve.actors.scheduler.kv.tier_moves import OutOfBlocks
 from pensieve.actors.scheduler.request import (
     FinishReason,
     Request,

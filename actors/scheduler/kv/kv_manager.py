@@ -35,18 +35,15 @@ from pensieve.actors.scheduler.kv.content_index import ContentIndex
 from pensieve.actors.scheduler.kv.copies import TierCopies
 from pensieve.actors.scheduler.kv.disk_books import DiskBooks
 from pensieve.actors.scheduler.kv.disk_saves import DiskSaves, WriteBack
-from pensieve.actors.scheduler.kv.eviction import Candidate, CostFn, EvictionOrder
+from pensieve.actors.scheduler.kv.eviction import CostFn, EvictionOrder
 from pensieve.actors.scheduler.kv.invariants import check_invariants
 from pensieve.actors.scheduler.kv.kv_cache import Acquired, Chunk, ConversationKV, Found
 from pensieve.actors.scheduler.kv.kv_events import ChunkEvents
 from pensieve.actors.scheduler.kv.sharing import ChunkUsers, ContentSharing
+from pensieve.actors.scheduler.kv.tier_moves import OutOfBlocks, TierMoves
 from pensieve.actors.wire.chunk_keys import Namespace
 from pensieve.actors.wire.messages import KvEvent, KvEventKind
 from pensieve.actors.wire.step import CopyKind, CopyOp, SwapOrders
-
-
-class OutOfBlocks(Exception):
-    """Raised when the GPU has no block left that is free, reclaimable or evictable."""
 
 
 class KVCacheManager:
@@ -64,7 +61,8 @@ class KVCacheManager:
         self.conversations: dict[str, ConversationKV] = {}
         # sealed chunks by content key, and the shared ones; each chunk's users and pins
         self.index = ContentIndex()
-        self.users = ChunkUsers(self.index, self._drop)
+        self.moves = TierMoves(self)  # evictions, swap-outs, and blocks and slots taken
+        self.users = ChunkUsers(self.index, self.moves.drop)
         self.sharing = ContentSharing(self)
         # reclaimable GPU blocks, backed CPU slots, and the step's copy orders
         self.copies = TierCopies(self.cpu)
@@ -245,7 +243,7 @@ class KVCacheManager:
                 # its swap-out was withdrawn: the copy never happened
                 self.copies.free_cpu_copy(chunk)
                 self.events.emit(KvEventKind.CPU_FREED, chunk)
-        self._ensure_free_gpu(self.blocks_to_admit(conv, num_positions), now)
+        self.moves.ensure_free_gpu(self.blocks_to_admit(conv, num_positions), now)
         gpu_tokens = cpu_tokens = disk_tokens = swapped_in = 0
         recompute: list[tuple[int, int]] = []
         for i in range(self.num_chunks(num_positions)):
@@ -260,13 +258,13 @@ class KVCacheManager:
                 elif chunk.cpu_slot is not None:
                     self.copies.back(chunk)  # its swap-out was issued earlier
             elif chunk.cpu_slot is not None:
-                chunk.gpu_block = self._take_gpu_block(chunk)
+                chunk.gpu_block = self.moves.take_gpu_block(chunk)
                 self.copies.swap_in(chunk, full)
                 self.events.emit(KvEventKind.SWAPPED_IN, chunk)
                 cpu_tokens += end - start
                 swapped_in += 1
             else:
-                chunk.gpu_block = self._take_gpu_block(chunk)
+                chunk.gpu_block = self.moves.take_gpu_block(chunk)
                 key = conv.keys[i] if full and i < len(conv.keys) else None
                 if key is not None and key in on_disk:
                     self.copies.load_from_disk(key, chunk.gpu_block)
@@ -286,12 +284,12 @@ class KVCacheManager:
         if missing <= 0:
             return True
         try:
-            self._ensure_free_gpu(missing, now)
+            self.moves.ensure_free_gpu(missing, now)
         except OutOfBlocks:
             return False
         for _ in range(missing):
             chunk = self.users.new_chunk(conv)
-            chunk.gpu_block = self._take_gpu_block(chunk)
+            chunk.gpu_block = self.moves.take_gpu_block(chunk)
             self.events.emit(KvEventKind.STORED, chunk)
         conv.maybe_on_gpu = True
         return True
@@ -350,8 +348,8 @@ class KVCacheManager:
         copied = 0
         for chunk in conv.chunks:
             if chunk.gpu_block is not None and len(chunk.users) == 1:
-                slot = self._slot_for_eviction(chunk, None, now)
-                copied += self._evict_now(chunk, slot, now)
+                slot = self.moves.slot_for_eviction(chunk, None, now)
+                copied += self.moves.evict_now(chunk, slot, now)
         return copied
 
     def forget(self, conv_id: str) -> None:
@@ -382,32 +380,7 @@ class KVCacheManager:
 
     def swap_out_ahead(self, now: float) -> int:
         """Swap out ahead of time while the free GPU share is under the threshold; returns moves."""
-        self.eviction.start_operation()
-        if not self.cpu.capacity:
-            return 0
-        target = self.config.swap_out_threshold * self.gpu.capacity
-        moved = 0
-        if self.num_free_gpu >= target:
-            return 0
-        if not self.eviction.swap_out_due(now, self.num_free_gpu):
-            return 0
-        for candidate in self.eviction.gpu_candidates(now):
-            if self.num_free_gpu >= target:
-                break
-            chunk = candidate.chunk
-            if chunk.cpu_slot is not None:  # backed: its CPU copy is valid, nothing to copy
-                if self.copies.reclaim_backed(chunk):
-                    self.events.emit(KvEventKind.SWAPPED_OUT, chunk)
-                    self.eviction.joined_cpu(chunk)
-                    moved += 1
-                continue
-            slot = self._take_cpu_slot(candidate, now, ahead=True)
-            if slot is None:
-                self.eviction.swap_out_blocked(now, self.num_free_gpu)
-                break
-            self._swap_out(chunk, slot)
-            moved += 1
-        return moved
+        return self.moves.swap_out_ahead(now)
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -435,114 +408,6 @@ class KVCacheManager:
         if self.live_on_gpu(chunk):
             return 2
         return 1 if chunk.cpu_slot is not None else 0
-
-    # ---- moves -----------------------------------------------------------------------------
-
-    def _slot_for_eviction(
-        self, chunk: Chunk, candidate: Candidate | None, now: float
-    ) -> int | None:
-        """Where an evicted chunk's KV goes: its valid CPU copy, a new slot, or nowhere."""
-        if chunk.cpu_slot is not None:
-            return chunk.cpu_slot
-        return self._take_cpu_slot(candidate, now) if self.cpu.capacity else None
-
-    def _ensure_free_gpu(self, needed: int, now: float) -> None:
-        """Evict on demand (lowest value first) until `needed` blocks can be taken."""
-        if self.gpu.num_free + self.copies.num_reclaimable >= needed:
-            return
-        for candidate in self.eviction.gpu_candidates(now):
-            if self.gpu.num_free + self.copies.num_reclaimable >= needed:
-                return
-            chunk = candidate.chunk
-            self._evict_now(chunk, self._slot_for_eviction(chunk, candidate, now), now)
-        if self.gpu.num_free + self.copies.num_reclaimable < needed:
-            raise OutOfBlocks(f"need {needed} GPU blocks, {self.gpu.num_free} free")
-
-    def _take_gpu_block(self, chunk: Chunk) -> int:
-        """A block for `chunk`: a free one, else the oldest reclaimable one."""
-        block = self.gpu.allocate()
-        if block is None:
-            reclaimed = self.copies.reclaim_oldest()
-            if reclaimed is None:
-                raise OutOfBlocks("no free or reclaimable GPU block")
-            block, owner = reclaimed
-            owner.gpu_block = None  # its data lives on in the CPU copy
-            self.events.emit(KvEventKind.RECLAIMED, owner)
-        self.events.gpu_where[block] = chunk
-        return block
-
-    def _evict_now(self, chunk: Chunk, slot: int | None, now: float) -> bool:
-        """Free a GPU block for reuse within this step: copy it out first (unless its CPU copy
-        is valid already), or drop it (to the disk tier, if it is worth a place there). True if
-        a copy was ordered."""
-        block = chunk.gpu_block
-        assert block is not None and not self._reclaiming(chunk) and not chunk.pins
-        copied = False
-        if slot is not None and slot == chunk.cpu_slot:
-            self.copies.unback(slot)
-        elif slot is None:
-            self._to_disk(chunk, now, gpu_block=block)
-        else:
-            self.copies.evict_first(block, slot)
-            chunk.cpu_slot = slot
-            self.events.cpu_where[slot] = chunk
-            copied = True
-        chunk.gpu_block = None
-        self.gpu.free(block)
-        self.events.emit(KvEventKind.DROPPED if slot is None else KvEventKind.SWAPPED_OUT, chunk)
-        if slot is not None:
-            self._joined_cpu(chunk)
-        return copied
-
-    def _take_cpu_slot(
-        self, candidate: Candidate | None, now: float, ahead: bool = False
-    ) -> int | None:
-        """A free CPU slot for `candidate`, dropping a CPU chunk that goes before it if needed
-        (any, if None); `ahead`: for a swap-out that could wait (see `cpu_victim`)."""
-        slot = self.cpu.allocate()
-        if slot is not None:
-            return slot
-        backed = self.copies.take_backed()
-        if backed is not None:  # a copy of a chunk that lives on the GPU too: nothing is lost
-            slot, chunk = backed
-            self.events.emit(KvEventKind.CPU_FREED, chunk)
-            return slot
-        chunk = self.eviction.cpu_victim(candidate, now, ahead=ahead)
-        if chunk is None:
-            return None
-        if chunk.cpu_slot is not None:
-            self._to_disk(chunk, now, cpu_slot=chunk.cpu_slot)  # GPU -> CPU -> disk
-        self._drop(chunk)
-        self.events.emit(KvEventKind.DROPPED, chunk)
-        return self.cpu.allocate()
-
-    def _to_disk(
-        self, chunk: Chunk, now: float, cpu_slot: int | None = None, gpu_block: int | None = None
-    ) -> None:
-        """The chunk leaves the GPU and CPU tiers from `cpu_slot` or `gpu_block`: saved for the
-        disk tier if it is worth a place there (`DiskSaves.evicted`)."""
-        if self.disk_saves is not None:
-            self.disk_saves.evicted(chunk, now, cpu_slot, gpu_block)
-
-    def _swap_out(self, chunk: Chunk, slot: int) -> None:
-        self.copies.swap_out(chunk, slot)
-        self.events.cpu_where[slot] = chunk
-        self.events.emit(KvEventKind.SWAPPED_OUT, chunk)
-        self._joined_cpu(chunk)
-
-    def _joined_cpu(self, chunk: Chunk) -> None:
-        for user in chunk.users.values():
-            user.maybe_on_cpu = True
-        self.eviction.joined_cpu(chunk)
-        if self.disk_saves is not None:
-            self.disk_saves.joined(chunk)
-
-    def _drop(self, chunk: Chunk) -> None:
-        if chunk.gpu_block is not None:
-            self.copies.forget_gpu(chunk)
-            self.gpu.free(chunk.gpu_block)
-            chunk.gpu_block = None
-        self.copies.free_cpu_copy(chunk)
 
     def check_invariants(self) -> None:
         check_invariants(self)

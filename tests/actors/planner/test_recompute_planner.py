@@ -24,7 +24,8 @@ from pensieve.actors.planner.recompute import RecomputePlanner
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.scheduler.kv.kv_cache import Acquired, ConversationKV
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
-from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager, OutOfBlocks
+from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager
+from pensieve.actors.scheduler.kv.tier_moves import OutOfBlocks
 from pensieve.actors.scheduler.request import common_prefix
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import subjects

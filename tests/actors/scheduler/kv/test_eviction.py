@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from pensieve.actors.config import Policy
 from pensieve.actors.scheduler.kv.eviction import EvictionOrder
-from pensieve.actors.scheduler.kv.kv_manager import OutOfBlocks
+from pensieve.actors.scheduler.kv.tier_moves import OutOfBlocks
 from pensieve.actors.wire.messages import KvEvent, Tier
 from tests.actors.scheduler.kv.test_kv_manager import Simulation, snapshot
 

@@ -21,7 +21,8 @@ from pensieve.actors.executor.spill_keeper import SpillChanges, SpillIndex
 from pensieve.actors.planner.tier_map import TierMap, TierSnapshot
 from pensieve.actors.scheduler.kv.kv_cache import Chunk
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
-from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager, OutOfBlocks
+from pensieve.actors.scheduler.kv.kv_manager import KVCacheManager
+from pensieve.actors.scheduler.kv.tier_moves import OutOfBlocks
 from pensieve.actors.wire.chunk_keys import chunk_key
 from pensieve.actors.wire.messages import KvEvent, Tier
 from pensieve.actors.wire.prefix_index import PrefixIndex
@@ -352,7 +353,7 @@ def test_a_waiting_turns_chunks_leave_after_every_idle_conversations():
             assert all(c.cpu_slot is None for c in kv.conversations[name].chunks), policy
         # 6 blocks wanted now: 1 free, idle's 2 swapped out, then idle's last chunk, then
         # late's two leading ones; early's stay
-        kv._ensure_free_gpu(6, 100.0)
+        kv.moves.ensure_free_gpu(6, 100.0)
         sim.apply_orders()
         assert live(kv, idle.chunks) == [False] * 3, policy
         assert live(kv, kv.conversations["late"].chunks) == [False, False, True], policy

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pensieve.actors.config import Policy
 from pensieve.actors.scheduler.kv.eviction import Candidate, EvictionOrder
 from pensieve.actors.scheduler.kv.kv_cache import Chunk
-from pensieve.actors.scheduler.kv.kv_manager import OutOfBlocks
+from pensieve.actors.scheduler.kv.tier_moves import OutOfBlocks
 from pensieve.actors.wire.chunk_keys import Namespace
 from pensieve.actors.wire.messages import Tier
 from tests.actors.scheduler.kv.test_kv_manager import BLOCK, Simulation
