@@ -78,7 +78,8 @@ from pensieve.models.assets import smollm2_tokenizer
 from pensieve.models.llama import LlamaModel
 from pensieve.models.loader import LoadedModel, load_model
 from pensieve.ops.cost_profile import ProfileSettings, profile_model
-from pensieve.ops.factory import DTYPES, EngineOptions, cache_config, remote_cache
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import DTYPES, cache_config, remote_cache
 from pensieve.ops.ranks_engine import executor_ranks, fresh_runner
 from pensieve.ops.sharegpt import load_conversations
 

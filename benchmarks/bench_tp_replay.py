@@ -35,7 +35,8 @@ from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.wire.step import StepPlan
 from pensieve.models.loader import load_model
 from pensieve.models.tensor_parallel import ALL_REDUCE_MODES
-from pensieve.ops.factory import DTYPES, EngineOptions
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import DTYPES
 from pensieve.ops.ranks_engine import ranks_engine
 from pensieve.ops.sharegpt import load_conversations
 

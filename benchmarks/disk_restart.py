@@ -51,7 +51,8 @@ import torch
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.request import Request, TokenSources
 from pensieve.actors.wire.step import SamplingParams
-from pensieve.ops.factory import GIB, Built, EngineOptions, assemble, build
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import GIB, Built, assemble, build
 
 WARMUP = "warmup"
 

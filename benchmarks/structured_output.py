@@ -32,7 +32,8 @@ from pensieve.actors.executor.model_runner import ModelRunner
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.wire.step import SamplingParams
 from pensieve.actors.wire.structured import Grammar
-from pensieve.ops.factory import EngineOptions, build
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import build
 
 SCHEMA = {
     "type": "object",

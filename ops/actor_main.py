@@ -33,8 +33,9 @@ from collections.abc import Sequence
 
 from pensieve.ops.context import Context, Nats, ServeOptions, remote_engine
 from pensieve.ops.deploy import Entry, actor_plan, check_ports, until_signal
+from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
-from pensieve.ops.factory import EngineOptions, cpu_threads, frozen_heap
+from pensieve.ops.factory import cpu_threads, frozen_heap
 from pensieve.ops.telemetry import setup_tracing
 from pensieve.store import ConversationStore
 

@@ -463,7 +463,7 @@ def setup_logging(level: str) -> None:
 
 
 def engine_options(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from pensieve.ops.factory import EngineOptions
+    from pensieve.ops.engine_options import EngineOptions
 
     return EngineOptions(
         model=args.model,

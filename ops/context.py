@@ -18,13 +18,8 @@ from pensieve.actors.ingress.placement import PlacementConfig
 from pensieve.actors.scheduler.actor import ChatServer
 from pensieve.actors.scheduler.remote_runner import connect_executor
 from pensieve.actors.wire.bus import Bus, ConnectOptions
-from pensieve.ops.factory import (
-    Built,
-    EngineOptions,
-    assemble_remote,
-    freeze_start_up,
-    load_config_only,
-)
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import Built, assemble_remote, freeze_start_up, load_config_only
 from pensieve.ops.nats_auth import NatsAuth, redact_url
 from pensieve.store import ConversationStore
 

@@ -41,7 +41,8 @@ from pensieve.actors.executor.actor import ExecutorActor
 from pensieve.actors.wire.bus import Bus
 from pensieve.models.loader import load_model
 from pensieve.models.tensor_parallel import NCCL_ENV, TensorShard, split_config
-from pensieve.ops.factory import DTYPES, EngineOptions, cpu_threads, frozen_heap, rank_runner
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import DTYPES, cpu_threads, frozen_heap, rank_runner
 from pensieve.ops.nats_auth import NatsAuth
 from pensieve.ops.telemetry import setup_tracing
 from pensieve.store import ConversationStore

@@ -20,8 +20,9 @@ from typing import Any, TypeVar
 
 from pensieve.actors.scheduler.remote_runner import RemoteRunner, connect_executor
 from pensieve.actors.wire.bus import Bus
+from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
-from pensieve.ops.factory import Built, EngineOptions, assemble_remote, load_config_only
+from pensieve.ops.factory import Built, assemble_remote, load_config_only
 from pensieve.ops.nats_auth import NatsAuth
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.store import ConversationStore

@@ -21,8 +21,9 @@ from pathlib import Path
 from pensieve.actors.wire import subjects
 from pensieve.ops.context import Context, Nats, ServeOptions, remote_engine, write_back
 from pensieve.ops.deploy import check_ports, serve_plan, until_signal
+from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
-from pensieve.ops.factory import EngineOptions, build, cpu_threads, frozen_heap
+from pensieve.ops.factory import build, cpu_threads, frozen_heap
 from pensieve.ops.nats_auth import NatsAuth
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.ranks_engine import wait_ranks

@@ -23,7 +23,8 @@ from pensieve.actors.wire.bus import ConnectOptions
 from pensieve.models.loader import LoadedModel
 from pensieve.ops.context import Context, Nats, ServeOptions
 from pensieve.ops.deploy import deployment, serve_plan
-from pensieve.ops.factory import Built, EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import Built, assemble
 from pensieve.ops.replay import ReplayOptions, replay
 from pensieve.ops.sharegpt import load_conversations
 from pensieve.store import ConversationStore

@@ -21,7 +21,8 @@ from pensieve.actors.wire.schemas import Page
 from pensieve.ops.agentic import AgenticConfig, Corpus, Span, Workload, corpus_chars, generate
 from pensieve.ops.agentic_cli import chat_tokenizer
 from pensieve.ops.cli import main
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
 from tests.ops.serving import scrape, serve_on_thread, value
 

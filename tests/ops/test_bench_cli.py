@@ -13,7 +13,8 @@ import pytest
 
 from pensieve.actors.ingress.http_actor import HttpConfig
 from pensieve.ops.cli import main
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
 from pensieve.ops.openai_client import OpenAIChatClient
 from tests.ops.serving import scrape, serve_on_thread, value

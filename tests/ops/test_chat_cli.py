@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from tests.ops.serving import serve_on_thread
 

@@ -16,7 +16,8 @@ import pytest
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.wire.messages import DetokenizeReply, DetokenizeRequest
 from pensieve.actors.wire.schemas import ApiError, Page, encode_body, parse_chat
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.store import ConversationStore, StoreWriter, TurnRecord
 
 pytestmark = pytest.mark.slow

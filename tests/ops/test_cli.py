@@ -179,7 +179,7 @@ def test_the_defaults_come_from_one_table() -> None:
     from pensieve.actors.config import DEFAULTS, CacheConfig, SchedulerConfig
     from pensieve.ops.cli import build_parser
     from pensieve.ops.context import ServeOptions
-    from pensieve.ops.factory import EngineOptions
+    from pensieve.ops.engine_options import EngineOptions
 
     args = build_parser().parse_args(["serve", "--model", "smollm2"])
     options = EngineOptions(model="smollm2")
@@ -448,7 +448,8 @@ def test_vllm_options_pensieve_spells_otherwise_get_a_line_naming_its_own(capsys
 
 
 def test_a_cpu_engine_gets_the_same_threads_in_replay_and_serve() -> None:
-    from pensieve.ops.factory import EngineOptions, cpu_threads
+    from pensieve.ops.engine_options import EngineOptions
+    from pensieve.ops.factory import cpu_threads
 
     cores = os.cpu_count() or 1
     assert cpu_threads(EngineOptions(model="smollm2")) == max(1, cores - 1)

@@ -24,7 +24,7 @@ from pensieve.ops.cli import build_parser
 from pensieve.ops.cli_actor import TAKEN_BY
 from pensieve.ops.context import Context, Nats, ServeOptions, remote_engine
 from pensieve.ops.deploy import ACTORS, METRICS, actor_plan, deployment, serve_plan
-from pensieve.ops.factory import EngineOptions
+from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.nats_server import EmbeddedNats, free_port
 from pensieve.store import ConversationStore
 

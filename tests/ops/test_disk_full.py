@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from pensieve.actors.scheduler.chat_service import ChatService
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.store import ConversationStore, StoreWriter
 from tests.ops.test_chat_service import CHAT, turn
 

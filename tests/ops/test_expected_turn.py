@@ -13,7 +13,8 @@ import nats
 import pytest
 
 from pensieve.actors.wire import subjects
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from tests.ops.serving import request, serve_on_thread
 

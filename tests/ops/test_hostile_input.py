@@ -40,7 +40,8 @@ from pensieve.actors.ingress.http_actor import HttpConfig
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import ERROR_HEADER
 from pensieve.actors.wire.schemas import ERROR_CODES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, ROLES
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.nats_accounts import add_tenant
 from pensieve.ops.nats_server import EmbeddedNats, find_binary, free_port
 from tests.ops.serving import serve_on_thread

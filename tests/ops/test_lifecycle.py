@@ -23,7 +23,8 @@ from pensieve.actors.wire.schemas import ApiError, parse_chat
 from pensieve.actors.wire.subjects import CHAT, CONVERSATIONS_GET
 from pensieve.ops.context import Context, Nats, ServeOptions
 from pensieve.ops.deploy import deployment, serve_plan
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.store import ConversationStore, StoreWriter
 from tests.ops.test_chat_service import turn

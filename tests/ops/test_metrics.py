@@ -19,7 +19,8 @@ from openai import AsyncOpenAI
 
 from pensieve.actors.ingress.http_actor import HttpConfig, HttpIngressActor
 from pensieve.actors.wire.bus import Bus
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
 from pensieve.ops.sharegpt import human_turns, load_conversations
 from tests.ops.serving import Samples, scrape, serve_on_thread, value

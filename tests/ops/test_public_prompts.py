@@ -12,7 +12,7 @@ import pytest
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.chunk_keys import Namespace, keys_of, namespace, public_seed
 from pensieve.models.assets import smollm2_tokenizer
-from pensieve.ops.factory import EngineOptions
+from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.public_prompts import PublicPromptsError, public_keys, read_public_prompts
 
 MODEL = "smollm2|seed=0|float32"

@@ -18,7 +18,8 @@ import torch
 
 from pensieve.actors.config import Policy
 from pensieve.ops.cli import main
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.replay import ReplayOptions, replay
 from pensieve.ops.sharegpt import load_conversations
 

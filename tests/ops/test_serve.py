@@ -35,7 +35,8 @@ from pensieve.actors.scheduler.engine_thread import EngineThread
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import ERROR_HEADER, Bus
 from pensieve.actors.wire.schemas import ERROR_STATUS, ApiError, parse_chat
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.load import LoadOptions, run_load, server_moved
 from pensieve.ops.nats_server import EmbeddedNats, free_port
 from pensieve.ops.sharegpt import load_conversations

@@ -16,7 +16,8 @@ import orjson
 import pytest
 
 from pensieve.actors.wire import subjects
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.nats_accounts import add_tenant, remove_tenant
 from pensieve.ops.nats_server import EmbeddedNats
 from tests.ops.serving import serve_on_thread

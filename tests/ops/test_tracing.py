@@ -27,7 +27,8 @@ from pensieve.actors.config import StepChannel
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.wire import subjects, tracing
 from pensieve.actors.wire.schemas import parse_chat
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.telemetry import setup_tracing
 from pensieve.store import ConversationStore, StoreWriter

@@ -22,8 +22,9 @@ from pensieve.actors.scheduler.remote_runner import ExecutorLost, connect_execut
 from pensieve.actors.wire.bus import Bus
 from pensieve.actors.wire.step import SamplingParams, StepRunner, SwapStats
 from pensieve.models.loader import load_model
+from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.executor_ranks import ExecutorRanks, RankSpec
-from pensieve.ops.factory import DTYPES, EngineOptions, cache_config
+from pensieve.ops.factory import DTYPES, cache_config
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.store import ConversationStore
 from tests.actors.scheduler.test_remote_runner import converse

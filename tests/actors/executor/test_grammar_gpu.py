@@ -12,7 +12,8 @@ import torch
 from pensieve.actors.wire.step import SamplingParams
 from pensieve.actors.wire.structured import Grammar
 from pensieve.models.assets import has_smollm2, smollm2_tokenizer
-from pensieve.ops.factory import EngineOptions, build
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import build
 
 pytestmark = [
     pytest.mark.gpu,

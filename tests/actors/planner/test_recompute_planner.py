@@ -43,7 +43,8 @@ from pensieve.actors.wire.messages import (
 )
 from pensieve.actors.wire.schemas import ApiError, parse_chat
 from pensieve.models.loader import LoadedModel
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.telemetry import setup_tracing
 from pensieve.store import ConversationStore, StoreWriter

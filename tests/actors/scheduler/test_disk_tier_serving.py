@@ -18,7 +18,8 @@ from pensieve.actors.scheduler.engine import READ_WAIT_S, Engine
 from pensieve.actors.scheduler.request import Request, TokenSources
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.step import SamplingParams
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from tests.ops.test_disk_full import small_disk
 
 pytestmark = pytest.mark.slow

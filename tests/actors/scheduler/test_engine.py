@@ -8,7 +8,8 @@ import itertools
 
 from pensieve.actors.scheduler.engine import StepTiming
 from pensieve.actors.wire.step import SamplingParams
-from pensieve.ops.factory import EngineOptions, build
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import build
 
 PROMPT = [(7 * i) % 500 + 3 for i in range(300)]
 

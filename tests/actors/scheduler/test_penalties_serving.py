@@ -13,7 +13,8 @@ import torch
 
 from pensieve.actors.scheduler.request import Request
 from pensieve.actors.wire.step import SamplingParams
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,8 @@ from pensieve.actors.scheduler.request import Request
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire.step import SamplingParams
 from pensieve.models.loader import LoadedModel
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 
 BLOCK = 32
 # 8 GPU blocks and 4 CPU slots: a long prompt evicts all that is idle, and some of it is dropped

@@ -21,7 +21,8 @@ from pensieve.actors.scheduler.remote_disk import RemoteDisk
 from pensieve.actors.scheduler.remote_runner import connect_executor
 from pensieve.actors.wire.bus import Bus
 from pensieve.ops.context import write_back
-from pensieve.ops.factory import EngineOptions, assemble_remote, model_runner
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble_remote, model_runner
 from pensieve.ops.nats_server import EmbeddedNats
 from tests.actors.scheduler import test_disk_tier_serving as serving
 from tests.actors.scheduler.test_disk_tier_serving import (

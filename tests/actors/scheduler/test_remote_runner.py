@@ -12,7 +12,8 @@ from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.remote_runner import ExecutorLost, connect_executor
 from pensieve.actors.wire.bus import Bus
 from pensieve.actors.wire.step import SeqPiece, StepPlan
-from pensieve.ops.factory import EngineOptions, build
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import build
 from pensieve.ops.nats_server import EmbeddedNats
 from tests.actors.wire.test_step_codec import GREEDY, plans
 

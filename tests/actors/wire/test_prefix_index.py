@@ -27,7 +27,8 @@ from pensieve.actors.wire.messages import (
 )
 from pensieve.actors.wire.prefix_index import PrefixIndex
 from pensieve.models.loader import LoadedModel
-from pensieve.ops.factory import EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from tests.actors.scheduler.kv.test_kv_events import sealed_on_a_tier
 from tests.ops.serving import serve_on_thread

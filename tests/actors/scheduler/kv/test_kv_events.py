@@ -40,7 +40,8 @@ from pensieve.actors.wire.messages import (
 from pensieve.actors.wire.prefix_index import PrefixIndex
 from pensieve.actors.wire.schemas import ApiError, parse_chat
 from pensieve.models.loader import LoadedModel
-from pensieve.ops.factory import Built, EngineOptions, assemble
+from pensieve.ops.engine_options import EngineOptions
+from pensieve.ops.factory import Built, assemble
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.store import ConversationStore, StoreWriter
 from pensieve.store.spill_index import SpillIndexWriter
