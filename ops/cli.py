@@ -16,10 +16,9 @@ from typing import Any
 from pensieve.actors.config import DEFAULTS
 from pensieve.actors.wire.version import version
 from pensieve.ops.cli_actor import actor_parser
+from pensieve.ops.cli_engine import engine_args, engine_options
 from pensieve.ops.cli_options import (
     HelpFormatter,
-    engine_args,
-    engine_options,
     log_arg,
     model_of,
     nats_auth_args,

@@ -11,13 +11,8 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pensieve.ops.cli_options import (
-    HelpFormatter,
-    engine_args,
-    log_arg,
-    nats_auth_args,
-    server_args,
-)
+from pensieve.ops.cli_engine import engine_args
+from pensieve.ops.cli_options import HelpFormatter, log_arg, nats_auth_args, server_args
 
 # what each actor does, by the name `pensieve actor NAME` runs it under, as ops/deploy.py's
 # ACTORS has them: named here so that the parser does not import the actors (and torch)

@@ -10,7 +10,7 @@ import pytest
 from pensieve.actors.config import CacheConfig
 from pensieve.models import PRESETS
 from pensieve.ops.cli import build_parser
-from pensieve.ops.cli_options import engine_options
+from pensieve.ops.cli_engine import engine_options
 from pensieve.ops.factory import context_limit
 
 LLAMA31 = PRESETS["llama3.1-8b"]  # 131072 positions
