@@ -44,9 +44,7 @@ from pensieve.actors.wire.calls import render_remote
 from pensieve.actors.wire.chunk_keys import ChunkKey
 from pensieve.actors.wire.jetstream import JetStream
 from pensieve.actors.wire.messages import LoadReport, decode, decode_kv_events
-from pensieve.actors.wire.schemas import (
-    ApiError,
-    ChatRequest,
+from pensieve.actors.wire.request_parsing import (
     encode_body,
     parse_chat,
     parse_conversation,
@@ -55,6 +53,7 @@ from pensieve.actors.wire.schemas import (
     parse_list,
     parse_stats,
 )
+from pensieve.actors.wire.schemas import ApiError, ChatRequest
 from pensieve.actors.wire.version import version
 
 logger = logging.getLogger(__name__)

@@ -42,6 +42,7 @@ from pensieve.actors.wire.calls import (
 )
 from pensieve.actors.wire.messages import DetokenizeRequest, KvEvent, encode_kv_events
 from pensieve.actors.wire.replies import CancelReply, ChatDelta, CreateReply, DeleteReply
+from pensieve.actors.wire.request_parsing import encode_body, read_checked
 from pensieve.actors.wire.schemas import (
     ApiError,
     ChatRequest,
@@ -49,8 +50,6 @@ from pensieve.actors.wire.schemas import (
     CreateBody,
     GetRequest,
     Page,
-    encode_body,
-    read_checked,
 )
 
 logger = logging.getLogger(__name__)

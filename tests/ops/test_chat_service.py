@@ -15,7 +15,8 @@ import pytest
 
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.wire.messages import DetokenizeReply, DetokenizeRequest
-from pensieve.actors.wire.schemas import ApiError, Page, encode_body, parse_chat
+from pensieve.actors.wire.request_parsing import encode_body, parse_chat
+from pensieve.actors.wire.schemas import ApiError, Page
 from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.factory import assemble
 from pensieve.store import ConversationStore, StoreWriter, TurnRecord

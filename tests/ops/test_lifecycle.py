@@ -19,7 +19,8 @@ from pensieve.actors.config import ExpiryConfig
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.scheduler.engine_thread import EngineThread
 from pensieve.actors.scheduler.sweeper import Sweeper
-from pensieve.actors.wire.schemas import ApiError, parse_chat
+from pensieve.actors.wire.request_parsing import parse_chat
+from pensieve.actors.wire.schemas import ApiError
 from pensieve.actors.wire.subjects import CHAT, CONVERSATIONS_GET
 from pensieve.ops.context import Context, Nats, ServeOptions
 from pensieve.ops.deploy import deployment, serve_plan

@@ -34,7 +34,8 @@ from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.scheduler.engine_thread import EngineThread
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import ERROR_HEADER, Bus
-from pensieve.actors.wire.schemas import ERROR_STATUS, ApiError, parse_chat
+from pensieve.actors.wire.request_parsing import parse_chat
+from pensieve.actors.wire.schemas import ERROR_STATUS, ApiError
 from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.factory import assemble
 from pensieve.ops.load import LoadOptions, run_load, server_moved

@@ -26,7 +26,7 @@ from opentelemetry.trace import SpanKind
 from pensieve.actors.config import StepChannel
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.wire import subjects, tracing
-from pensieve.actors.wire.schemas import parse_chat
+from pensieve.actors.wire.request_parsing import parse_chat
 from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.factory import assemble
 from pensieve.ops.nats_server import EmbeddedNats

@@ -22,7 +22,8 @@ from pensieve.actors.ingress.openai_api import (
     usage,
     usage_chunk,
 )
-from pensieve.actors.wire.schemas import MAX_SEED, MAX_TOKENS_LIMIT, ApiError, parse_chat
+from pensieve.actors.wire.request_parsing import parse_chat
+from pensieve.actors.wire.schemas import MAX_SEED, MAX_TOKENS_LIMIT, ApiError
 
 USER = {"role": "user", "content": "Hi"}
 SOURCES = {"gpu": 60, "cpu": 20, "disk": 5, "recomputed": 12, "new": 3, "shared": 10}

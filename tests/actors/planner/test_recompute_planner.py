@@ -41,7 +41,8 @@ from pensieve.actors.wire.messages import (
     encode,
     encode_kv_events,
 )
-from pensieve.actors.wire.schemas import ApiError, parse_chat
+from pensieve.actors.wire.request_parsing import parse_chat
+from pensieve.actors.wire.schemas import ApiError
 from pensieve.models.loader import LoadedModel
 from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.factory import assemble

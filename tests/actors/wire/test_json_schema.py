@@ -11,7 +11,8 @@ import orjson
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.json_schema import REQUESTS, client_api, render
 from pensieve.actors.wire.replies import PromptSources, chat_reply
-from pensieve.actors.wire.schemas import ROLES, ChatRequest, parse_chat
+from pensieve.actors.wire.request_parsing import parse_chat
+from pensieve.actors.wire.schemas import ROLES, ChatRequest
 
 COMMITTED = Path(__file__).parents[3] / "docs" / "schemas" / "client-api.json"
 

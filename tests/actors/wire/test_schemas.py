@@ -9,17 +9,14 @@ import json
 import orjson
 import pytest
 
-from pensieve.actors.wire.schemas import (
-    ApiError,
-    ChatRequest,
-    GetRequest,
-    Page,
+from pensieve.actors.wire.request_parsing import (
     encode_body,
     parse_chat,
     parse_get,
     parse_list,
     read_checked,
 )
+from pensieve.actors.wire.schemas import ApiError, ChatRequest, GetRequest, Page
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
 NAMED = {"type": "function", "function": {"name": "get_time"}}

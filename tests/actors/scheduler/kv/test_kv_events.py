@@ -38,7 +38,8 @@ from pensieve.actors.wire.messages import (
     encode_kv_events,
 )
 from pensieve.actors.wire.prefix_index import PrefixIndex
-from pensieve.actors.wire.schemas import ApiError, parse_chat
+from pensieve.actors.wire.request_parsing import parse_chat
+from pensieve.actors.wire.schemas import ApiError
 from pensieve.models.loader import LoadedModel
 from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.factory import Built, assemble
