@@ -76,7 +76,7 @@ class Tenant:
         }
         login = {"nkey": self.nkey} if self.nkey else {"user": self.user, "password": self.password}
         api = {"account": SERVICE_ACCOUNT, "subject": tenant_subject(self.name, f"{PREFIX}.>")}
-        # share: each request names the connection it came from (`bus.requester`)
+        # share: each request names the connection it came from (`incoming.requester`)
         imports = [{"service": api, "to": f"{PREFIX}.>", "share": True}] if self.wired else []
         return {"users": [{**login, "permissions": permissions}], "imports": imports}
 

@@ -42,8 +42,8 @@ from pensieve.actors.executor.model_runner import Launched, ModelRunner
 from pensieve.actors.executor.spill_keeper import SpillKeeper
 from pensieve.actors.wire import subjects
 from pensieve.actors.wire.actor import Actor
-from pensieve.actors.wire.bus import Incoming
 from pensieve.actors.wire.disk_messages import WriteBackRequest
+from pensieve.actors.wire.incoming import Incoming
 from pensieve.actors.wire.messages import MessageError, decode_kv_events
 from pensieve.actors.wire.step_codec import (
     UNKNOWN_STEP,

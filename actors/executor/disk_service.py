@@ -19,7 +19,6 @@ from concurrent.futures import Future
 from typing import Any
 
 from pensieve.actors.executor.disk_cache import DiskCache, DiskRead
-from pensieve.actors.wire.bus import Incoming
 from pensieve.actors.wire.disk_messages import (
     DiskInfo,
     ReadAnswer,
@@ -28,6 +27,7 @@ from pensieve.actors.wire.disk_messages import (
     WriteBackRequest,
     keys_pages,
 )
+from pensieve.actors.wire.incoming import Incoming
 
 
 class DiskService:

@@ -13,7 +13,7 @@ forwarded to the chosen one's own subject.
 A tenant's requests arrive on `pensieve.tenant.<tenant>.v1.*` (NATS maps them there from the
 tenant's own account; see `subjects.tenant_subject`): the ingress passes the tenant the subject
 names on to the scheduler, which scopes every conversation to it. Nothing in a request body or
-header can name a tenant. NATS also names the tenant's connection (`bus.requester`), which
+header can name a tenant. NATS also names the tenant's connection (`incoming.requester`), which
 the ingress passes on as well: a turn ends when its requester's connection closes.
 """
 
@@ -31,17 +31,16 @@ from opentelemetry.trace import SpanKind
 from pensieve.actors.ingress.placement import Placement, PlacementConfig, Policy, PromptKeys
 from pensieve.actors.wire import subjects, tracing
 from pensieve.actors.wire.actor import Actor
-from pensieve.actors.wire.bus import (
-    REQUESTER_HEADER,
-    TENANT_HEADER,
-    Bus,
-    Handler,
-    Incoming,
-    ServiceInfo,
-    requester,
-)
+from pensieve.actors.wire.bus import Bus, ServiceInfo
 from pensieve.actors.wire.calls import render_remote
 from pensieve.actors.wire.chunk_keys import ChunkKey
+from pensieve.actors.wire.incoming import (
+    REQUESTER_HEADER,
+    TENANT_HEADER,
+    Handler,
+    Incoming,
+    requester,
+)
 from pensieve.actors.wire.jetstream import JetStream
 from pensieve.actors.wire.messages import LoadReport, decode, decode_kv_events
 from pensieve.actors.wire.request_parsing import (

@@ -20,8 +20,9 @@ from opentelemetry.trace import SpanKind
 from pensieve.actors.planner.recompute import RecomputePlanner
 from pensieve.actors.wire import subjects, tracing
 from pensieve.actors.wire.actor import Actor
-from pensieve.actors.wire.bus import Bus, Incoming
+from pensieve.actors.wire.bus import Bus
 from pensieve.actors.wire.calls import PLAN, RECOMPUTE_PLANNER
+from pensieve.actors.wire.incoming import Incoming
 from pensieve.actors.wire.messages import (
     RecomputePlan,
     RecomputePlanRequest,

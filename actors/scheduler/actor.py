@@ -33,13 +33,14 @@ from pensieve.actors.scheduler.step_log import StepLog
 from pensieve.actors.scheduler.sweeper import sweeping
 from pensieve.actors.wire import subjects, tracing
 from pensieve.actors.wire.actor import Actor
-from pensieve.actors.wire.bus import REQUESTER_HEADER, TENANT_HEADER, Bus, Handler, Incoming
+from pensieve.actors.wire.bus import Bus
 from pensieve.actors.wire.calls import (
     RENDER_TIMEOUT_S,
     detokenize_remote,
     plan_remote,
     render_remote,
 )
+from pensieve.actors.wire.incoming import REQUESTER_HEADER, TENANT_HEADER, Handler, Incoming
 from pensieve.actors.wire.messages import DetokenizeRequest, KvEvent, encode_kv_events
 from pensieve.actors.wire.replies import CancelReply, ChatDelta, CreateReply, DeleteReply
 from pensieve.actors.wire.request_parsing import encode_body, read_checked

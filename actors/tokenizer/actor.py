@@ -26,8 +26,9 @@ from opentelemetry.trace import SpanKind
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer, ToolsUnsupported
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.actor import Actor
-from pensieve.actors.wire.bus import Bus, ConnectOptions, Incoming
+from pensieve.actors.wire.bus import Bus, ConnectOptions
 from pensieve.actors.wire.calls import DETOKENIZE, RENDER, TOKENIZER
+from pensieve.actors.wire.incoming import Incoming
 from pensieve.actors.wire.messages import (
     DetokenizeReply,
     DetokenizeRequest,

@@ -22,8 +22,9 @@ from types import TracebackType
 from typing import ClassVar
 
 from pensieve.actors.wire import subjects
-from pensieve.actors.wire.bus import Bus, Handler
+from pensieve.actors.wire.bus import Bus
 from pensieve.actors.wire.discovery import ServiceInfo
+from pensieve.actors.wire.incoming import Handler
 from pensieve.actors.wire.version import version
 
 logger = logging.getLogger(__name__)

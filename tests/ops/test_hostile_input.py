@@ -38,7 +38,7 @@ from nats.aio.client import Client
 from pensieve.actors.config import StepChannel
 from pensieve.actors.ingress.http_actor import HttpConfig
 from pensieve.actors.wire import subjects
-from pensieve.actors.wire.bus import ERROR_HEADER
+from pensieve.actors.wire.incoming import ERROR_HEADER
 from pensieve.actors.wire.schemas import ERROR_CODES, MAX_STOP_STRINGS, MAX_TOKENS_LIMIT, ROLES
 from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.factory import assemble

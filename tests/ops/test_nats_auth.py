@@ -28,7 +28,8 @@ from nats.aio.msg import Msg
 
 from pensieve.actors.config import DEFAULTS
 from pensieve.actors.ingress.openai_api import OpenAIError
-from pensieve.actors.wire.bus import REQUEST_INFO_HEADER, Bus, requester
+from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.incoming import REQUEST_INFO_HEADER, requester
 from pensieve.actors.wire.subjects import CHAT, CONVERSATIONS_GET
 from pensieve.ops.api_keys import ApiKeys
 from pensieve.ops.chat import tenant_options

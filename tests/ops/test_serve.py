@@ -33,7 +33,8 @@ from pensieve.actors.config import DEFAULTS, StepChannel
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.scheduler.engine_thread import EngineThread
 from pensieve.actors.wire import subjects
-from pensieve.actors.wire.bus import ERROR_HEADER, Bus
+from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.incoming import ERROR_HEADER
 from pensieve.actors.wire.request_parsing import parse_chat
 from pensieve.actors.wire.schemas import ERROR_STATUS, ApiError
 from pensieve.ops.engine_options import EngineOptions

@@ -29,8 +29,9 @@ from pensieve.actors.scheduler.kv.tier_moves import OutOfBlocks
 from pensieve.actors.scheduler.request import common_prefix
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import subjects
-from pensieve.actors.wire.bus import ERROR_HEADER, Bus
+from pensieve.actors.wire.bus import Bus
 from pensieve.actors.wire.calls import plan_remote
+from pensieve.actors.wire.incoming import ERROR_HEADER
 from pensieve.actors.wire.messages import (
     KvEvent,
     KvEventBatch,

@@ -23,8 +23,9 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from pensieve.actors.tokenizer.actor import tokenizer_replicas
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
 from pensieve.actors.wire import subjects
-from pensieve.actors.wire.bus import ERROR_HEADER, SERVICE_ERROR_CODE_HEADER, Bus
+from pensieve.actors.wire.bus import Bus
 from pensieve.actors.wire.calls import detokenize_remote, render_remote
+from pensieve.actors.wire.incoming import ERROR_HEADER, SERVICE_ERROR_CODE_HEADER
 from pensieve.actors.wire.messages import DetokenizeRequest, RenderRequest, TextPiece
 from pensieve.actors.wire.schemas import ApiError
 from pensieve.models.assets import smollm2_tokenizer

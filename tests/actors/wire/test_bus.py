@@ -10,13 +10,8 @@ from contextlib import aclosing
 import nats
 import pytest
 
-from pensieve.actors.wire.bus import (
-    AuthorizationRefused,
-    Bus,
-    ConnectOptions,
-    Incoming,
-    ServiceInfo,
-)
+from pensieve.actors.wire.bus import AuthorizationRefused, Bus, ConnectOptions, ServiceInfo
+from pensieve.actors.wire.incoming import Incoming
 from pensieve.actors.wire.schemas import ApiError
 from pensieve.ops.nats_accounts import add_tenant, rotate_tenant
 from pensieve.ops.nats_server import EmbeddedNats
