@@ -44,7 +44,7 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from pensieve.actors.config import DEFAULTS
-from pensieve.actors.ingress import openai_api
+from pensieve.actors.ingress import openai_api, openai_replies
 from pensieve.actors.ingress.chat_index import ChatIndex
 from pensieve.actors.ingress.choices import Choices
 from pensieve.actors.ingress.http_limits import CappedSite, read_body, server_options
@@ -179,7 +179,7 @@ class HttpIngressActor(Actor):
                     replies = await choices.replies()
                     for reply in reversed(replies):  # a chat twice answered: choice 0's wins
                         self._remember(asked, tenant, reply)
-                    body = openai_api.completion(asked, replies)
+                    body = openai_replies.completion(asked, replies)
                     return _json(body, replies[0]["conversation_id"])
                 return await self._stream(request, asked, choices, tenant)
             except BaseException:  # a turn failed, or the client went away: the others end
@@ -254,28 +254,30 @@ class HttpIngressActor(Actor):
             }
         )
         await response.prepare(request)
-        for opening in openai_api.first_chunks(asked):
-            await response.write(openai_api.event(opening))
+        for opening in openai_replies.first_chunks(asked):
+            await response.write(openai_replies.event(opening))
         replies: dict[int, dict[str, Any]] = {}  # by choice
         try:
             given = list(enumerate(choices.firsts))  # then the next messages as they come
             while len(replies) < asked.n:
                 index, message = given.pop(0) if given else await choices.next()
                 if "delta" in message:
-                    delta = openai_api.chunk(asked, message["delta"], index=index)
-                    await response.write(openai_api.event(delta))
+                    delta = openai_replies.chunk(asked, message["delta"], index=index)
+                    await response.write(openai_replies.event(delta))
                     continue
                 replies[index] = message
                 self._remember(asked, tenant, message)
-                for last in openai_api.last_chunks(asked, message, index):
-                    await response.write(openai_api.event(last))
+                for last in openai_replies.last_chunks(asked, message, index):
+                    await response.write(openai_replies.event(last))
             if asked.include_usage:
                 ordered = [replies[index] for index in range(asked.n)]
-                await response.write(openai_api.event(openai_api.usage_chunk(asked, ordered)))
+                await response.write(
+                    openai_replies.event(openai_replies.usage_chunk(asked, ordered))
+                )
         except OpenAIError as error:
             choices.cancel()
-            await response.write(openai_api.event(error.body()))
-        await response.write(openai_api.DONE)
+            await response.write(openai_replies.event(error.body()))
+        await response.write(openai_replies.DONE)
         await response.write_eof()
         return response
 

@@ -13,12 +13,14 @@ from pensieve.actors.ingress.openai_api import (
     OpenAIError,
     bearer_token,
     choice_chats,
-    completion,
-    first_chunks,
     from_reply_error,
-    last_chunks,
     to_chat,
     to_text_completion,
+)
+from pensieve.actors.ingress.openai_replies import (
+    completion,
+    first_chunks,
+    last_chunks,
     usage,
     usage_chunk,
 )
