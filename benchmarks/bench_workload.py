@@ -35,8 +35,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pensieve.actors.scheduler.engine import Engine, StepTiming
+from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.scheduler.request import FinishReason, Request, TokenSources
+from pensieve.actors.scheduler.step_timing import StepTiming
 from pensieve.actors.wire.step import SamplingParams
 from pensieve.kernels.compile_log import CompileLog
 from pensieve.ops.sharegpt import Conversation, Role, human_turns

@@ -25,6 +25,7 @@ from pensieve.actors.scheduler.kv.kv_manager import CostFn, KVCacheManager
 from pensieve.actors.scheduler.request import Request, TokenSources
 from pensieve.actors.scheduler.scheduler import Scheduler, StepOutcome
 from pensieve.actors.scheduler.step_budget import StepTimeModel
+from pensieve.actors.scheduler.step_timing import StepTiming
 from pensieve.actors.wire import tracing
 from pensieve.actors.wire.chunk_keys import Namespace, PublicKeys, turn_namespace
 from pensieve.actors.wire.messages import KvEvent
@@ -45,38 +46,6 @@ from pensieve.actors.wire.step import (
 # how long a step with nothing to run waits for a turn's disk read before it returns (its
 # caller takes new work between steps)
 READ_WAIT_S = 0.005
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    """Where the last `Engine.step` call's wall time went, in host seconds: scheduling, issuing
-    the copies and the forward (`launch_s`), choosing the next ahead-of-time swap-outs while the
-    device runs (`ahead_s`), waiting for the sampled tokens (`wait_s`), applying them; and what
-    the step it applied did (with overlap, the one launched by the call before). A small `wait_s`
-    means the device finished before the host did: the host is on the critical path."""
-
-    schedule_s: float
-    launch_s: float
-    ahead_s: float
-    wait_s: float
-    update_s: float
-    decodes: int  # single-token pieces
-    prefill_tokens: int  # tokens of multi-token pieces (new prompt and recomputed history)
-    swap_in: int  # blocks
-    swap_out: int
-    evict_first: int
-    decode_positions: int = 0  # KV positions the decodes attend to, summed over them
-    prefill_cap: int | None = None  # prefill tokens allowed beside its decodes (None: no cap)
-
-    @property
-    def total_s(self) -> float:
-        return self.schedule_s + self.launch_s + self.ahead_s + self.wait_s + self.update_s
-
-    @property
-    def kind(self) -> str:
-        """decode | mixed | prefill, with "+in" when the step swapped in."""
-        shape = "prefill" if not self.decodes else "mixed" if self.prefill_tokens else "decode"
-        return shape + ("+in" if self.swap_in else "")
 
 
 @dataclass

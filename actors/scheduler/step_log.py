@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pensieve.actors.scheduler.engine import StepTiming
+from pensieve.actors.scheduler.step_timing import StepTiming
 
 KEEP = 4
 WINDOW_S = 15.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from pensieve.actors.scheduler.engine import StepTiming
+from pensieve.actors.scheduler.step_timing import StepTiming
 from pensieve.actors.wire.step import SamplingParams
 from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.factory import build

@@ -7,8 +7,8 @@ import time
 
 from pensieve.actors.scheduler import step_log
 from pensieve.actors.scheduler.actor import watching_loop
-from pensieve.actors.scheduler.engine import StepTiming
 from pensieve.actors.scheduler.step_log import StepLog
+from pensieve.actors.scheduler.step_timing import StepTiming
 from pensieve.ops.load import slowest_between
 
 TIMING = StepTiming(0.001, 0.002, 0.0, 0.01, 0.001, 3, 64, 2, 0, 0, 300)
