@@ -25,7 +25,7 @@ from opentelemetry.trace import SpanKind
 
 from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig
 from pensieve.actors.scheduler.chat_service import ChatService, Reservation
-from pensieve.actors.scheduler.engine_thread import EngineThread
+from pensieve.actors.scheduler.engine_thread import EngineThread, ReplySink
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
 from pensieve.actors.scheduler.load_reporter import reporting_load
 from pensieve.actors.scheduler.ownership import Ownership
@@ -59,27 +59,6 @@ _T = TypeVar("_T")
 STATS_WAIT_S = 0.05  # how long a stats request waits for the engine thread, then its snapshot
 PROBE_EVERY_S = 0.5  # a streamed turn's deltas ask NATS whether its inbox is there this often
 CLOSE_REPLIES_S = 5.0  # how long the `unavailable` answers of a stop get to go out
-
-
-class _Reply:
-    """A turn's sink: forwards the engine thread's calls to the event loop as queue items."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self.abandoned = False  # its requester went away (on the event loop's thread)
-
-    def _put(self, kind: str, value: Any) -> None:
-        self.loop.call_soon_threadsafe(self.items.put_nowait, (kind, value))
-
-    def delta(self, text: str, tokens: int) -> None:
-        self._put("delta", (text, tokens))
-
-    def done(self, reply: dict[str, Any]) -> None:
-        self._put("done", reply)
-
-    def error(self, error: ApiError) -> None:
-        self._put("error", error)
 
 
 class ChatServer(Actor):
@@ -135,8 +114,8 @@ class ChatServer(Actor):
         self._detokenizing: set[asyncio.Task[None]] = set()
         self._probes = ""  # the prefix of this connection's probe subjects
         self._num_probes = 0
-        self._probed: dict[str, _Reply] = {}  # probe subject -> its turn's sink
-        self._by_requester: dict[str, set[_Reply]] = {}  # tenant connection -> its turns
+        self._probed: dict[str, ReplySink] = {}  # probe subject -> its turn's sink
+        self._by_requester: dict[str, set[ReplySink]] = {}  # tenant connection -> its turns
 
     @property
     def engine(self) -> EngineThread:
@@ -312,13 +291,13 @@ class ChatServer(Actor):
                 raise
 
     async def _chat_turn(self, msg: Incoming, span: trace.Span) -> None:
-        sink = _Reply(asyncio.get_running_loop())
+        sink = ReplySink(asyncio.get_running_loop())
         # a tenant's inbox is in another account, where a probe tells nothing (see the class)
         probing = _tenant(msg) is None
         with self._watching(sink, msg.headers.get(REQUESTER_HEADER), probing) as probe:
             await self._run_turn(msg, span, sink, probe)
 
-    async def _run_turn(self, msg: Incoming, span: trace.Span, sink: _Reply, probe: str) -> None:
+    async def _run_turn(self, msg: Incoming, span: trace.Span, sink: ReplySink, probe: str) -> None:
         request = read_checked(msg.data, ChatRequest)  # checked by the ingress
         service = self.service
         await self._hold(request.conversation_id, _tenant(msg))
@@ -362,7 +341,7 @@ class ChatServer(Actor):
                 return
 
     @contextlib.contextmanager
-    def _watching(self, sink: _Reply, requester: str | None, probing: bool) -> Iterator[str]:
+    def _watching(self, sink: ReplySink, requester: str | None, probing: bool) -> Iterator[str]:
         """While the turn answering to `sink` is in hand: with `probing`, its probe subject (see
         the class; else ""), and its requester's connection (a tenant's), watched for
         closing."""
@@ -391,7 +370,7 @@ class ChatServer(Actor):
         for sink in self._by_requester.get(requester, ()):
             self._abandon(sink)
 
-    def _abandon(self, sink: _Reply) -> None:
+    def _abandon(self, sink: ReplySink) -> None:
         """Cancel the turn answering to `sink`; one not started yet is, once it starts."""
         sink.abandoned = True
         self.engine.call(self.service.abandon, sink)

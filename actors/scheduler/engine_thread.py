@@ -1,11 +1,13 @@
 """The engine thread: it owns the `ChatService` (and through it the engine, the scheduler and the
 cache). Every call into the service runs on this thread, between steps (or, for the tokenizer's
 answers, while a step waits for the device), so none of them needs a lock. The thread steps the
-engine while there is work and otherwise sleeps on its command queue.
+engine while there is work and otherwise sleeps on its command queue. A turn's reply goes back
+to the event loop that answers it through a `ReplySink`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import queue
@@ -29,6 +31,28 @@ SNAPSHOT_EVERY_S = 0.1
 # how long the engine thread takes answers during a step before it waits on the step itself,
 # which checks that a remote executor still lives
 TAKE_TEXT_FOR_S = 1.0
+
+
+class ReplySink:
+    """A turn's sink: forwards the engine thread's calls (`delta`, `done`, `error`) to the event
+    loop that answers the turn, as queue items."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.abandoned = False  # its requester went away (on the event loop's thread)
+
+    def _put(self, kind: str, value: Any) -> None:
+        self.loop.call_soon_threadsafe(self.items.put_nowait, (kind, value))
+
+    def delta(self, text: str, tokens: int) -> None:
+        self._put("delta", (text, tokens))
+
+    def done(self, reply: dict[str, Any]) -> None:
+        self._put("done", reply)
+
+    def error(self, error: ApiError) -> None:
+        self._put("error", error)
 
 
 class _StepDone:
