@@ -4,11 +4,6 @@ A chunk is saved for the disk tier (a `DiskSave` in the step's orders) when its 
 (`DiskBooks.admit`: a free slot, or the place of a chunk on disk worth less), at one of three
 times:
 
-While serving, only chunks worth reading back are saved (`worth`: reading one costs less than
-recomputing it, by the disk's read rate and `Cost(l)` at its position, as the engine decides
-for each chunk a turn needs); the others would be recomputed rather than read, so writing them
-would cost the disk's bandwidth and the host's for nothing. A clean stop saves every chunk.
-
 - **ahead of its eviction** (`ahead`), while it still sits in its CPU slot. A chunk saved as it
   leaves the CPU tier is copied out of its slot on the step's path, since the step that evicts
   it reuses the slot (the swap-out that needed room); one saved earlier is copied by the disk
@@ -22,6 +17,11 @@ would cost the disk's bandwidth and the host's for nothing. A clean stop saves e
   CPU copy, unless a copy of the same step targets that slot (it holds no whole chunk yet).
 - **at a clean stop** (`write_back`): the sealed chunks of both tiers not on disk yet, the most
   valuable first.
+
+While serving, only chunks worth reading back are saved (`worth`: reading one costs less than
+recomputing it, by the disk's read rate and `Cost(l)` at its position, as the engine decides
+for each chunk a turn needs); the others would be recomputed rather than read, so writing them
+would cost the disk's bandwidth and the host's for nothing. A clean stop saves every chunk.
 """
 
 from __future__ import annotations
