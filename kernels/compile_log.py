@@ -85,3 +85,15 @@ def _detail(kwargs: dict[str, Any]) -> str:
     constants = compile_args.get("constants", "")
     configs = compile_args.get("configs") or [""]
     return f"constants {constants}; specialized {configs[0]}"[:2000]
+
+
+_PROCESS_LOG: CompileLog | None = None
+
+
+def process_log() -> CompileLog:
+    """One log for the rest of the process's life, begun on the first call: a server's step log
+    reads it to say which steps waited for a compile."""
+    global _PROCESS_LOG
+    if _PROCESS_LOG is None:
+        _PROCESS_LOG = CompileLog().__enter__()
+    return _PROCESS_LOG

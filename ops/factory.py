@@ -152,7 +152,22 @@ def model_runner(options: EngineOptions, loaded: LoadedModel) -> ModelRunner:
     runner = ModelRunner(loaded.model, cache, device, dtype)
     if options.disk_tier and cache.uses_cpu_tier:
         runner.disk = open_disk_cache(options, runner, rank=0)
+    capture_graphs(runner, options)
     return runner
+
+
+def capture_graphs(runner: ModelRunner, options: EngineOptions) -> None:
+    """Every CUDA graph the runner can use, captured before serving (none on the CPU)."""
+    if runner.graphs is None and runner.mixed_graphs is None:
+        return
+    begin = time.perf_counter()
+    decodes, steps = runner.capture_graphs(options.max_num_seqs, options.max_batch_tokens)
+    logger.info(
+        "CUDA graphs captured in %.1f s: %d decode graphs, %d step sizes with prefill",
+        time.perf_counter() - begin,
+        decodes,
+        steps,
+    )
 
 
 def open_disk_cache(options: EngineOptions, runner: ModelRunner, rank: int) -> DiskCache:
@@ -198,7 +213,9 @@ def rank_runner(
     )
     cache = agree(cache_config(options, loaded.config, device, dtype))
     grammars = grammar_masks(_chat(options, loaded), loaded.config.vocab_size, options.device)
-    return ModelRunner(loaded.model, cache, device, dtype, shard=shard, grammars=grammars)
+    runner = ModelRunner(loaded.model, cache, device, dtype, shard=shard, grammars=grammars)
+    capture_graphs(runner, options)  # every rank, in the same order: the graphs all-reduce
+    return runner
 
 
 def load_config_only(options: EngineOptions) -> tuple[LoadedModel, ChatTokenizer]:

@@ -7,6 +7,12 @@ Graphs are keyed by the batch size padded up to a bucket and by the longest cont
 a power of two: the attention kernel's launch shape (its KV split) depends on both, and stays
 correct for every shorter context. Padding rows decode position 0 of a scratch block that no
 conversation owns, so they write and read nothing real.
+
+A capture takes tens of milliseconds of the host, and every running request waits for it: a
+server captures every graph it can use at start-up (`capture_all`), not when a batch or context
+first reaches a new bucket. All graphs write their logits into one buffer (rows [:batch] of the
+largest batch's), so the memory they keep does not grow with the number of context buckets; a
+graph's logits are valid until the next replay of any of them.
 """
 
 from __future__ import annotations
@@ -89,6 +95,9 @@ class DecodeGraphs:
         self.impl = impl
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        # every graph's logits rows; replaced by a larger one if a larger batch is captured
+        # (graphs captured before keep theirs)
+        self._logits = torch.empty(0)
 
     def fits(self, plan: StepPlan) -> bool:
         pieces = plan.pieces
@@ -137,15 +146,17 @@ class DecodeGraphs:
         graph.graph.replay()
         return graph.logits[: len(pieces)]
 
-    def capture_all(self, max_batch: int) -> int:
-        """Capture every graph a run with at most `max_batch` decodes can use (a warm-up, so no
-        capture lands inside a measured step); returns how many were captured."""
-        contexts = {self._round_up(n) for n in range(1, self.max_context + 1, MIN_CONTEXT_BUCKET)}
-        contexts.add(self._round_up(self.max_context))
+    def capture_all(self, max_batch: int, max_context: int | None = None) -> int:
+        """Capture every graph a run with at most `max_batch` decodes attending to at most
+        `max_context` positions (default: the model's) can use, the largest batch first (its
+        logits buffer then serves all); returns how many there are."""
+        longest = min(self.max_context, max_context or self.max_context)
+        contexts = {self._round_up(n) for n in range(1, longest + 1, MIN_CONTEXT_BUCKET)}
+        contexts.add(self._round_up(longest))
         batches = [b for b in BATCH_BUCKETS if b < max_batch] + [
             next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
         ]
-        keys = [(b, c) for b in batches for c in sorted(contexts)]
+        keys = [(b, c) for b in reversed(batches) for c in sorted(contexts)]
         for batch, context in keys:
             if (batch, context) not in self.graphs:
                 self._capture(batch, context)
@@ -186,12 +197,16 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and warm up outside the capture
             attn = PagedAttention(self.kv_caches, meta, self.scale, impl=self.impl)
-            self.model.compute_logits(self.model(g.ids, g.positions, attn))
+            warm = self.model.compute_logits(self.model(g.ids, g.positions, attn))
         torch.cuda.current_stream().wait_stream(side)
         # a backend of its own: its attention plan (split buffers included) is then allocated
         # inside the capture, in the graphs' pool, not kept from the warm-up outside it
         attn = PagedAttention(self.kv_caches, meta, self.scale, impl=self.impl)
+        if self._logits.shape[0] < batch:
+            self._logits = torch.empty((batch, warm.shape[1]), dtype=warm.dtype, device=device)
+        del warm
+        g.logits = self._logits[:batch]
         with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
-            g.logits = self.model.compute_logits(self.model(g.ids, g.positions, attn))
+            g.logits.copy_(self.model.compute_logits(self.model(g.ids, g.positions, attn)))
         self.graphs[(batch, context)] = g
         return g

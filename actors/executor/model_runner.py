@@ -222,6 +222,20 @@ class ModelRunner:
         )
         return old
 
+    def capture_graphs(self, max_batch: int, max_tokens: int) -> tuple[int, int]:
+        """Capture now every CUDA graph a server can use: pure-decode steps of up to
+        `max_batch` sequences at every context bucket the GPU tier holds, and steps with prefill
+        of up to `max_tokens` tokens. Met first in the middle of serving, each capture would
+        stall every running request for tens of milliseconds. Returns (decode graphs, step
+        sizes); (0, 0) without graphs."""
+        decodes = steps = 0
+        if self.graphs is not None:
+            tier = self.cache.num_gpu_blocks * self.cache.block_size
+            decodes = self.graphs.capture_all(max_batch, max_context=tier)
+        if self.mixed_graphs is not None:
+            steps = self.mixed_graphs.capture_all(max_tokens)
+        return decodes, steps
+
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
         """Every step inside runs without CUDA graphs (benchmarks time both ways)."""
@@ -387,9 +401,9 @@ class ModelRunner:
     @torch.inference_mode()
     def logits(self, plan: StepPlan, feed: Launched | None = None) -> torch.Tensor:
         """Logits [pieces that sample, vocab] of the plan's forward (swaps already issued), rows
-        in plan order."""
+        in plan order: a tensor of the caller's (a graph's logits buffer serves every replay)."""
         if self.graphs is not None and self.graphs.fits(plan):
-            return self._replay(self.graphs, plan, feed)
+            return self._replay(self.graphs, plan, feed).clone()
         return self._forward(self._inputs(plan, feed))
 
     def _replay(self, graphs: DecodeGraphs, plan: StepPlan, feed: Launched | None) -> torch.Tensor:

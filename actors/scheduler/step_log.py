@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pensieve.actors.scheduler.step_timing import StepTiming
+from pensieve.kernels.compile_log import process_log
 
 KEEP = 4
 WINDOW_S = 15.0
@@ -47,6 +48,8 @@ class SlowStep:
     between: dict[str, Any] = field(compare=False)
     step_s: float = field(compare=False)  # the service's step call, wall
     phases: dict[str, Any] | None = field(compare=False)  # the engine's `StepTiming`
+    # Triton kernels compiled in the interval: kernel, seconds, variant
+    compiled: list[dict[str, Any]] = field(default_factory=list, compare=False)
 
 
 class _Windows:
@@ -99,6 +102,7 @@ class StepLog:
         self._between = _Between(self._start)
         self._steps = _Windows(keep, self._start)
         self._stalls = _Windows(keep, self._start)
+        self._compiles = process_log()
 
     def now_s(self) -> float:
         """Seconds since the log began, the clock of `at_s`."""
@@ -133,8 +137,19 @@ class StepLog:
                 {k: v for k, v in asdict(between).items() if k != "began"},
                 step_s,
                 None if timing is None else {**asdict(timing), "kind": timing.kind},
+                self._compiled_within(interval),
             ),
         )
+
+    def _compiled_within(self, interval_s: float) -> list[dict[str, Any]]:
+        """The compiles that began in the last `interval_s` (newest last, at most 8)."""
+        since = time.perf_counter() - interval_s
+        found = []
+        for event in reversed(self._compiles.events):
+            if event.start_s < since:
+                break
+            found.append({"kernel": event.kernel, "s": event.seconds, "variant": event.detail[:300]})
+        return found[:8][::-1]
 
     def loop_stall(self, lag_s: float) -> None:
         """The event loop woke a sleeping task `lag_s` late (from its own thread)."""

@@ -126,3 +126,51 @@ def test_graphs_are_captured_while_another_thread_waits_for_the_device():
     assert not errors, errors
     assert waits
     assert len(runner.graphs.graphs) == 7
+
+
+def test_graphs_captured_at_start_up_serve_every_step_and_share_one_logits_buffer():
+    """`capture_graphs` leaves nothing to capture while serving (no step stalls on a capture):
+    decodes of any batch and context the tier holds, steps with prefill of any size up to the
+    token budget. Every decode graph writes its logits into one buffer, and what each replays
+    is still the eager forward's."""
+    seed = random.randrange(1 << 30)
+    loaded = load_model("preset:tiny-llama", "cuda", torch.bfloat16, seed=seed)
+    cache = CacheConfig(block_size=16, num_gpu_blocks=40 * 64)
+    device = torch.device("cuda")
+    runner = ModelRunner(loaded.model, cache, device, torch.bfloat16)
+    eager = ModelRunner(loaded.model, cache, device, torch.bfloat16, cuda_graphs=False)
+    for layer, other in zip(runner.gpu_caches, eager.gpu_caches, strict=True):
+        layer.normal_()
+        other.copy_(layer)
+    decodes, steps = runner.capture_graphs(max_batch=40, max_tokens=600)
+    assert runner.graphs is not None and runner.mixed_graphs is not None
+    captured, sizes = set(runner.graphs.graphs), set(runner.mixed_graphs.captured)
+    assert (len(captured), len(sizes)) == (decodes, steps)
+    buffers = {g.logits.untyped_storage().data_ptr() for g in runner.graphs.graphs.values()}
+    assert len(buffers) == 1
+    rng = random.Random(seed)
+    vocab = loaded.config.vocab_size
+    for batch in (1, 3, 17, 40):
+        for longest in (2, 600, loaded.config.max_context_len):
+            pieces = tuple(
+                SeqPiece(
+                    f"r{i}",
+                    (rng.randrange(vocab),),
+                    end - 1,
+                    end,
+                    tuple(range(i * 64, i * 64 + 64)),
+                    SamplingParams(),
+                    0,
+                )
+                for i, end in enumerate([longest] + [rng.randint(2, longest)] * (batch - 1))
+            )
+            plan = StepPlan(pieces)
+            got, want = runner.logits(plan), eager.logits(plan)
+            error = ((got - want).norm() / want.norm()).item()
+            assert error < 2e-2, f"seed {seed}, batch {batch}, context {longest}: {error}"
+    for tokens in (5, 100, 600):
+        prompt = tuple(rng.randrange(vocab) for _ in range(tokens))
+        table = tuple(range(64))
+        runner.logits(StepPlan((SeqPiece("p", prompt, 0, tokens, table, SamplingParams(), 0),)))
+    assert set(runner.graphs.graphs) == captured
+    assert set(runner.mixed_graphs.captured) == sizes

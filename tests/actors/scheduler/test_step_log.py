@@ -78,3 +78,21 @@ def test_a_blocked_event_loop_shows_as_a_stall_of_about_its_length() -> None:
     stalls = log.stats()["loop_stalls"]
     assert 0.18 <= stalls[0]["lag_s"] < 1.0
     assert all(s["lag_s"] < 0.1 for s in stalls[1:])
+
+
+def test_a_step_names_the_kernels_compiled_while_it_ran() -> None:
+    """A compile of the process's Triton log that began within a step's interval is listed
+    with that step, and no other."""
+    from pensieve.kernels.compile_log import CompileEvent, process_log
+
+    log = StepLog()
+    log.stepped(0.001, TIMING)
+    time.sleep(0.01)
+    process_log().events.append(CompileEvent("paged_attention", time.perf_counter(), 1.2, "x"))
+    time.sleep(0.02)
+    log.stepped(0.03, TIMING)
+    time.sleep(0.01)
+    log.stepped(0.001, TIMING)
+    compiled = [s["compiled"] for s in log.stats()["slowest"]]
+    assert compiled[0] == [{"kernel": "paged_attention", "s": 1.2, "variant": "x"}]
+    assert compiled[1:] == [[], []]
