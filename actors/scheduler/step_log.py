@@ -148,7 +148,8 @@ class StepLog:
         for event in reversed(self._compiles.events):
             if event.start_s < since:
                 break
-            found.append({"kernel": event.kernel, "s": event.seconds, "variant": event.detail[:300]})
+            variant = event.detail[:300]
+            found.append({"kernel": event.kernel, "s": event.seconds, "variant": variant})
         return found[:8][::-1]
 
     def loop_stall(self, lag_s: float) -> None:
