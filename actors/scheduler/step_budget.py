@@ -142,9 +142,10 @@ class StepPrefill:
     budget (`None`), or with nothing decoding, only the step's token budget applies.
 
     `contended`: more than one request wants prefill this step. A prefill that could use more
-    than the allowance left then takes at most half of the step's allowance (beyond the
-    floor), so the prompts behind a long one, the next turns of running sessions among them,
-    are not held back until it is done."""
+    than the allowance left then takes at most half of the step's allowance, or the floor if
+    that is more, and is charged at most that half: the prompts behind a long one, the next
+    turns of running sessions among them, keep the other half, and are not held back until it
+    is done even where its floor alone costs more than the step's allowance."""
 
     def __init__(
         self,
@@ -160,6 +161,7 @@ class StepPrefill:
         self._left_s: float | None = None  # None: no prefill piece yet
         self._floor_left = 0
         self._charged = False  # whether `took` counts against the budget (the last `limit`'s)
+        self._halved = False  # whether the last `limit` held a long prefill to half of it
 
     def limit(self, pending: Sequence[tuple[int, int]], tokens_left: int) -> int:
         """Positions a request with these pending ranges may take now, of the `tokens_left`
@@ -177,7 +179,8 @@ class StepPrefill:
             self.cap = budget.cap(self.decode_contexts, start, tokens_left)
         wanted = min(tokens_left, sum(end - begin for begin, end in pending))
         seconds = max(self._left_s, 0.0)
-        if self.contended and budget.model.prefill_s(start, wanted) > seconds:
+        self._halved = self.contended and budget.model.prefill_s(start, wanted) > seconds
+        if self._halved:
             seconds = min(seconds, self._allowance / 2)
         taken = budget.model.prefill_tokens_within(start, seconds, wanted)
         return max(taken, min(self._floor_left, wanted))
@@ -187,7 +190,8 @@ class StepPrefill:
         if self._charged and self._left_s is not None:
             assert self.budget is not None
             model = self.budget.model
-            self._left_s -= sum(model.prefill_s(start, end - start) for start, end in taken)
+            cost = sum(model.prefill_s(start, end - start) for start, end in taken)
+            self._left_s -= min(cost, self._allowance / 2) if self._halved else cost
             self._floor_left -= sum(end - start for start, end in taken)
 
     def has_room(self) -> bool:

@@ -181,3 +181,23 @@ def test_a_short_prompt_is_not_held_behind_a_long_one() -> None:
     assert long.first_token_time is None
     # and the long prompt kept moving in every one of those steps
     assert long.first_pending > 0
+
+
+def test_a_long_prompt_at_its_floor_leaves_room_for_a_short_one() -> None:
+    # deep into a long prompt its floor alone costs more than a step's allowance: a session's
+    # next turn still gets the half of the allowance a long prompt leaves, and starts long
+    # before the long prompt ends
+    d = Driver(slowdown=1.2, min_tokens=64)
+    _, long = _long_prompt_beside(d, num_decodes=4, prompt_len=20_000)
+    d.step()
+    while long.first_pending < 10_000:
+        d.step()
+    short = d.send(200, max_tokens=3)
+    for _ in range(40):
+        plan = d.step()
+        piece = next(p for p in plan.pieces if p.request_id == long.request_id)
+        assert piece.end - piece.start == 64  # the long prompt keeps moving at its floor
+        if short.first_token_time is not None:
+            break
+    assert short.first_token_time is not None
+    assert long.first_token_time is None
