@@ -150,6 +150,14 @@ def add_agentic_args(parser: argparse.ArgumentParser) -> None:
         "inter-token latency while it waits for its first token against the rest",
     )
     work.add_argument(
+        "--waves",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at each concurrency C run only the workload's first N x C sessions, so that each "
+        "point of a sweep takes about N sessions' time (default: every session at each)",
+    )
+    work.add_argument(
         "--slo-ttft-s",
         type=float,
         default=SLO.ttft_s,
@@ -217,6 +225,8 @@ def bench_agentic(args: argparse.Namespace, url: str, connect_as: ConnectOptions
         stats_at = dataclasses.replace(server, connect=connect_as, http=None)
     options = options_of(args)
     check_plot(args, closed=not rates)
+    if args.waves is not None and (args.waves < 1 or rates):
+        raise ValueError("--waves N (N >= 1) sizes closed-loop runs; not with --rates")
     config = config_of(args)
     corpus = Corpus.load(chat_tokenizer(args.tokenizer), corpus_chars(config), args.sharegpt)
     workload = generate(config, corpus)
@@ -236,6 +246,7 @@ def bench_agentic(args: argparse.Namespace, url: str, connect_as: ConnectOptions
             save,
             stats_at,
             args.run_salt,
+            args.waves,
         )
     )
     print(results(args.label, runs, options.report))
@@ -254,13 +265,13 @@ async def agentic_sweep(
     on_run: Callable[[list[dict[str, Any]]], None] | None = None,
     stats_at: Server | None = None,
     salted: bool = True,
+    waves: int | None = None,
 ) -> list[dict[str, Any]]:
     """One run per rate, else one closed-loop run per concurrency (`loads`: the concurrencies,
     the rates), each with a progress bar and (`salted`) a cache salt of its own; `on_run` gets
     the runs so far after each one. The engine's stats come over `server`'s NATS, else over
-    `stats_at`'s."""
+    `stats_at`'s. `waves`: see `sessions_at`."""
     concurrencies, rates = loads
-    total = sum(len(s.turns) for s in workload.sessions)
     runs: list[dict[str, Any]] = []
     chosen: list[tuple[str, float | int]] = [("rate", r) for r in rates] or [
         ("concurrency", c) for c in concurrencies
@@ -274,13 +285,15 @@ async def agentic_sweep(
             client = StatsFrom(client, bus)
         for kind, load in chosen:
             name = f"{load:g}/s" if kind == "rate" else f"c={load}"
+            work = workload if kind == "rate" else sessions_at(workload, int(load), waves)
+            total = sum(len(s.turns) for s in work.sessions)
             with tqdm(total=total, desc=name, unit="turn", leave=False) as bar:
                 salt = f"pensieve-bench-{secrets.token_hex(8)}" if salted else None
                 told = dataclasses.replace(options, on_turn=lambda: bar.update(1), cache_salt=salt)
                 if kind == "rate":
-                    runs.append(await run_open(client, workload, load, seed, told))
+                    runs.append(await run_open(client, work, load, seed, told))
                 else:
-                    runs.append(await run_closed(client, workload, int(load), told))
+                    runs.append(await run_closed(client, work, int(load), told))
             if on_run is not None:
                 on_run(runs)
     return runs
@@ -291,3 +304,12 @@ def replot_agentic(args: argparse.Namespace) -> int:
         raise ValueError("--replot draws --plot FILE.png from the sweeps given to --compare")
     plot(args.plot, read_agentic(args.compare))
     return 0
+
+
+def sessions_at(workload: Workload, concurrency: int, waves: int | None) -> Workload:
+    """The sessions a closed-loop run at `concurrency` serves: with `waves`, the workload's first
+    `waves` x `concurrency` (each point of a sweep then takes about `waves` sessions' time, where
+    a fixed number of sessions takes longer the lower the concurrency); else all of them."""
+    if waves is None:
+        return workload
+    return dataclasses.replace(workload, sessions=workload.sessions[: waves * concurrency])

@@ -291,3 +291,20 @@ def test_the_text_may_come_from_a_sharegpt_file(chat, tmp_path) -> None:
     for session in workload.sessions:  # each request a human message, or its beginning
         assert any(h.startswith(session.turns[0].text[:100]) for h in human)
     assert corpus.text.text.split("\n\n")[0] in {m.text for c in conversations for m in c.turns}
+
+
+def test_waves_size_each_closed_loop_point_by_its_concurrency(corpus, capsys) -> None:
+    from pensieve.ops.agentic_cli import sessions_at
+    from pensieve.ops.cli import main
+
+    workload = generate(SMALL, corpus)
+    assert sessions_at(workload, 4, None) is workload
+    assert sessions_at(workload, 2, 1).sessions == workload.sessions[:2]
+    assert sessions_at(workload, 2, 2).sessions == workload.sessions[:4]
+    assert sessions_at(workload, 4, 3).sessions == workload.sessions  # no more than there are
+    assert build_parser().parse_args(["bench", "agentic", "--waves", "2"]).waves == 2
+    # a rate run has no concurrency to size by; no server is reached before the refusal
+    bad = ["bench", "agentic", "--nats-url", "nats://127.0.0.1:1", "--tokenizer", "smollm2"]
+    for given in (["--rates", "1", "--waves", "1"], ["--waves", "0"]):
+        assert main([*bad, *given]) != 0
+        assert "--waves N (N >= 1) sizes closed-loop runs" in capsys.readouterr().err
