@@ -22,6 +22,7 @@ import torch
 from pensieve.actors.scheduler.chat_service import ChatService
 from pensieve.actors.wire.schemas import ApiError
 from pensieve.actors.wire.step import Launch
+from pensieve.kernels.compile_log import process_log
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class EngineThread:
         # busy: it never waits for a step (refreshed at most every SNAPSHOT_EVERY_S)
         self.snapshot: tuple[float, dict[str, Any]] = (time.monotonic(), service.stats())
         self.log = service.step_log
+        self.log.watch_compiles(process_log().events)  # the Triton kernels this process compiles
         self.stepping = False  # in a step now: a stats request takes the snapshot
         service.metrics.follow_engine(lambda: self.snapshot[1])  # read at each scrape
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()

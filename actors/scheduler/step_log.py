@@ -17,12 +17,11 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pensieve.actors.scheduler.step_timing import StepTiming
-from pensieve.kernels.compile_log import process_log
 
 KEEP = 4
 WINDOW_S = 15.0
@@ -87,6 +86,15 @@ class _Windows:
         return [asdict(e[2]) for e in entries]
 
 
+class Compiled(Protocol):
+    """A kernel compile (`pensieve.kernels.compile_log.CompileEvent`)."""
+
+    kernel: str
+    start_s: float  # time.perf_counter() when it began
+    seconds: float
+    detail: str
+
+
 @dataclass
 class LoopStall:
     lag_s: float  # how late the event loop woke a task that slept
@@ -102,7 +110,12 @@ class StepLog:
         self._between = _Between(self._start)
         self._steps = _Windows(keep, self._start)
         self._stalls = _Windows(keep, self._start)
-        self._compiles = process_log()
+        self._compiles: Sequence[Compiled] = ()
+
+    def watch_compiles(self, events: Sequence[Compiled]) -> None:
+        """Name with each slow interval the compiles of `events` (a log the process appends
+        to, in the order they end) that began within it."""
+        self._compiles = events
 
     def now_s(self) -> float:
         """Seconds since the log began, the clock of `at_s`."""
@@ -145,7 +158,7 @@ class StepLog:
         """The compiles that began in the last `interval_s` (newest last, at most 8)."""
         since = time.perf_counter() - interval_s
         found = []
-        for event in reversed(self._compiles.events):
+        for event in reversed(self._compiles):
             if event.start_s < since:
                 break
             variant = event.detail[:300]

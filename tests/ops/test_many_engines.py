@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,8 +127,18 @@ async def talk(urls: list[str], conv: Conversation, acknowledged: list[int]) -> 
         await client.close()
 
 
-async def after(acknowledged: list[int], count: int) -> None:
-    while len(acknowledged) < count:
+async def after(
+    acknowledged: list[int],
+    count: int,
+    talks: list[asyncio.Future[None]],
+    also: Callable[[], bool] = lambda: True,
+) -> None:
+    """Until `count` turns are acknowledged (and `also()`); a conversation that failed fails it
+    at once, rather than leave it waiting for turns that will never come."""
+    while len(acknowledged) < count or not also():
+        for talk in talks:
+            if talk.done():
+                talk.result()  # its failure, raised here
         await asyncio.sleep(0.05)
 
 
@@ -172,8 +183,7 @@ def test_an_engine_killed_under_load_its_conversations_go_on_at_the_other(
             async def run() -> float:
                 talking = [talk(cluster.urls, c, acknowledged) for c in conversations]
                 tasks = [asyncio.ensure_future(t) for t in talking]
-                while min(len(c.replies) for c in conversations) < 1:  # each under way
-                    await asyncio.sleep(0.05)
+                await after(acknowledged, 0, tasks, lambda: all(c.replies for c in conversations))
                 a.kill()
                 killed = time.monotonic()
                 await asyncio.gather(*tasks)
@@ -282,9 +292,9 @@ def test_a_nats_node_killed_then_an_engine_drained_no_acknowledged_turn_is_lost(
                     asyncio.ensure_future(talk(cluster.urls, c, acknowledged))
                     for c in conversations
                 ]
-                await after(acknowledged, len(conversations))
+                await after(acknowledged, len(conversations), tasks)
                 cluster.nodes[0].kill()  # the node A is connected to
-                await after(acknowledged, 2 * len(conversations) + 1)
+                await after(acknowledged, 2 * len(conversations) + 1, tasks)
                 assert await asyncio.to_thread(a.stop) == 0, a.log()  # SIGTERM: a drain
                 drained.append(time.monotonic())
                 await asyncio.gather(*tasks)

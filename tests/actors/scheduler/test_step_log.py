@@ -83,12 +83,13 @@ def test_a_blocked_event_loop_shows_as_a_stall_of_about_its_length() -> None:
 def test_a_step_names_the_kernels_compiled_while_it_ran() -> None:
     """A compile of the process's Triton log that began within a step's interval is listed
     with that step, and no other."""
-    from pensieve.kernels.compile_log import CompileEvent, process_log
+    from pensieve.kernels.compile_log import CompileEvent
 
-    log = StepLog()
+    log, events = StepLog(), []
+    log.watch_compiles(events)
     log.stepped(0.001, TIMING)
     time.sleep(0.01)
-    process_log().events.append(CompileEvent("paged_attention", time.perf_counter(), 1.2, "x"))
+    events.append(CompileEvent("paged_attention", time.perf_counter(), 1.2, "x"))
     time.sleep(0.02)
     log.stepped(0.03, TIMING)
     time.sleep(0.01)
