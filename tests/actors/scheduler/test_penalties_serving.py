@@ -47,10 +47,11 @@ def reference(model: Any, prompt: list[int], params: SamplingParams) -> list[int
     """Greedy tokens of transformers on the same weights (the end-of-sequence token taken as
     any other, as `ignore_eos` does), OpenAI's penalties and logit bias applied to each step's
     logits: logit - presence * (count > 0) - frequency * count + bias."""
-    ids = list(prompt)
+    ids, fed, past = list(prompt), list(prompt), None
     with torch.no_grad():
-        for _ in range(params.max_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
+        for _ in range(params.max_tokens):  # with transformers' own KV cache
+            out = model(torch.tensor([fed]), past_key_values=past, use_cache=True)
+            logits, past = out.logits[0, -1].float(), out.past_key_values
             counts = torch.bincount(
                 torch.tensor(ids[len(prompt) :], dtype=torch.long), minlength=logits.shape[0]
             )[: logits.shape[0]].float()
@@ -60,6 +61,7 @@ def reference(model: Any, prompt: list[int], params: SamplingParams) -> list[int
             for token, bias in params.logit_bias:
                 logits[token] += bias
             ids.append(int(torch.argmax(logits)))
+            fed = ids[-1:]
     return ids[len(prompt) :]
 
 
