@@ -31,12 +31,13 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2"
 BLOCK = 32
 GREEDY = {"temperature": 0, "max_tokens": 8}
+LONG = 320  # tokens of a system prompt a later turn finds cached, at least
 
 
 def system_prompt(topic: str) -> str:
-    """About 1,000 tokens of rules, unique to `topic`."""
+    """About 370 tokens of rules, unique to `topic` (more than `LONG`)."""
     return f"You answer questions about {topic}. " + " ".join(
-        f"Rule {i}: keep answer {i} about {topic} short and polite." for i in range(80)
+        f"Rule {i}: keep answer {i} about {topic} short and polite." for i in range(24)
     )
 
 
@@ -161,7 +162,7 @@ def test_a_second_conversation_reuses_the_system_prompt_of_the_first(server, cha
     first, _ = complete(api, first_chat)
     second, _ = complete(api, second_chat)
     common = common_prefix(chat.render(first_chat), chat.render(second_chat))
-    assert common >= 1000 and cached(first) == 0
+    assert common >= LONG and cached(first) == 0
     assert cached(second) == full_chunks(common)
     assert second.usage.prompt_tokens_details.model_extra["prompt_sources"]["shared"] == cached(
         second
@@ -179,10 +180,10 @@ def test_no_tenant_and_no_other_salt_hits_a_prompt(server, chat) -> None:
     # each namespace finds what it cached (checked at once: the tiers hold a few such prompts)
     assert ask(alice, "Name a lake.") == 0
     assert ask(bob, "Name a lake.") == 0  # another tenant, the same chat
-    assert ask(bob, "Name a blue lake.") >= 1000
-    assert ask(alice, "Name a cold lake.") >= 1000
+    assert ask(bob, "Name a blue lake.") >= LONG
+    assert ask(alice, "Name a cold lake.") >= LONG
     assert ask(alice, "Name a large lake.", cache_salt="s") == 0  # another salt
-    assert ask(alice, "Name a warm lake.", cache_salt="s") >= 1000
+    assert ask(alice, "Name a warm lake.", cache_salt="s") >= LONG
     assert ask(bob, "Name a lake!", cache_salt="s") == 0  # the same salt, another tenant
     assert ask(alice, "Name a deep lake.", cache_salt="t") == 0
 
@@ -199,7 +200,7 @@ def test_a_public_prompt_is_shared_across_tenants_and_what_follows_it_is_not(
     )
     first = [PUBLIC_SYSTEM, {"role": "user", "content": question}]
     reply, first_ids = complete(alice, first)
-    assert chat.render(first)[: len(public)] == public and public_cached >= 900
+    assert chat.render(first)[: len(public)] == public and public_cached >= LONG
     assert cached(reply) == 0
     # bob's first turn with the public prompt: its full chunks, found in alice's cache
     other = [PUBLIC_SYSTEM, {"role": "user", "content": "Which tool drives nails?"}]
