@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pensieve.actors.scheduler.conversations import not_found
 from pensieve.actors.wire import subjects
-from pensieve.actors.wire.fencing import Fenced
+from pensieve.actors.wire.fencing import Fenced, LogUnavailable
 from pensieve.actors.wire.jetstream import JetStream, Owner
 from pensieve.actors.wire.schemas import ApiError
 from pensieve.store import ConversationStore, StoreWriter, turn_log
@@ -197,11 +197,16 @@ class Ownership:
         go when the lease lapsed is held again if no other engine wrote the log since."""
         if conv_id in self._local or subjects.owner(conv_id) is None:
             return
+        lapsed = conv_id not in self._held
         held = self._held.get(conv_id) or self._lapsed.pop(conv_id, None)
         try:
             seq = await self.js.append(conv_id, entry, held.seq if held else 0, self._writer_id)
         except Fenced:
             self._held.pop(conv_id, None)
+            raise
+        except LogUnavailable:  # nothing changed: a retry finds it as it was
+            if lapsed and held is not None:
+                self._lapsed[conv_id] = held
             raise
         if held is None:  # a new conversation: no other engine knows its id yet
             held = self._held[conv_id] = _Held(seq, None)

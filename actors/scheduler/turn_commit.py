@@ -19,7 +19,7 @@ from pensieve.actors.scheduler.metrics import Metrics
 from pensieve.actors.scheduler.replication import Replicate, after_replicated
 from pensieve.actors.scheduler.request import Request, common_prefix
 from pensieve.actors.scheduler.turn import Turn
-from pensieve.actors.wire.fencing import Fenced
+from pensieve.actors.wire.fencing import Fenced, LogUnavailable
 from pensieve.actors.wire.messages import ChatMessage
 from pensieve.actors.wire.replies import chat_reply
 from pensieve.actors.wire.schemas import ApiError
@@ -167,9 +167,11 @@ class TurnCommitter:
                 conv.busy = False
                 logger.error("turn %s of %s not stored: %s", record.turn, conv.conv_id, error)
                 # fenced: another engine took the conversation meanwhile; sent again, the turn
-                # goes to it (`turn` keeps a copy from being committed twice)
-                code = "unavailable" if isinstance(error, Fenced) else "internal"
-                retry = "; retry" if isinstance(error, Fenced) else ""
+                # goes to it (`turn` keeps a copy from being committed twice). The log did not
+                # answer: sent again once it does, the turn is committed once.
+                transient = isinstance(error, (Fenced, LogUnavailable))
+                code = "unavailable" if transient else "internal"
+                retry = "; retry" if transient else ""
                 turn.sink.error(
                     ApiError(
                         code,

@@ -27,7 +27,7 @@ from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 
 from pensieve.actors.wire.bus import Bus
-from pensieve.actors.wire.fencing import Fenced
+from pensieve.actors.wire.fencing import Fenced, LogUnavailable
 
 STREAM = "PENSIEVE_TURNS"
 LOG_PREFIX = "pensieve.turns"
@@ -103,7 +103,9 @@ class JetStream:
 
     async def append(self, conv_id: str, data: bytes, after: int, writer: str) -> int:
         """Append `data` to the conversation's log if its last sequence is `after` (0: the log
-        is empty); its sequence, once the stream's replicas have it. Fenced otherwise.
+        is empty); its sequence, once the stream's replicas have it. Fenced otherwise;
+        LogUnavailable if the stream did not answer any try (sent again, the same write is taken
+        once, under its message id).
 
         A publish whose acknowledgement is lost (a server went away; the stream elects a new
         leader) is sent again under the same message id, which the stream takes once:
@@ -119,9 +121,9 @@ class JetStream:
                     raise Fenced(f"the log of {conv_id} moved past {after}") from None
                 if attempt == APPEND_TRIES - 1:
                     raise
-            except (TimeoutError, nats.errors.Error):
+            except (TimeoutError, nats.errors.Error) as error:
                 if attempt == APPEND_TRIES - 1:
-                    raise
+                    raise LogUnavailable(f"the log of {conv_id} did not answer: {error}") from error
             else:
                 return int(ack.seq)
             await asyncio.sleep(APPEND_BACKOFF_S)

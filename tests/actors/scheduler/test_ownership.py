@@ -221,3 +221,25 @@ def test_a_released_conversation_is_taken_at_once(server, tmp_path) -> None:
             assert [r.turn for r in b.store.turns(CONV)] == [0]
 
     asyncio.run(go())
+
+
+def test_a_log_that_does_not_answer_is_unavailable(
+    tmp_path: Path,
+) -> None:
+    """With its nats-server gone, an append tries again and then raises LogUnavailable (which
+    the turn's commit answers `unavailable`, retry, where another failure is `internal`)."""
+    from pensieve.actors.wire.fencing import LogUnavailable
+
+    async def go() -> None:
+        with EmbeddedNats(jetstream_dir=tmp_path / "js") as started:
+            bus = await Bus.connect(started.url)
+            js = JetStream(bus)
+            await js.ensure(1, TTL_S)
+            assert await js.append(CONV, b"first", 0, "w") == 1
+        try:
+            with pytest.raises(LogUnavailable, match="did not answer"):
+                await js.append(CONV, b"second", 1, "w")
+        finally:
+            await bus.close()
+
+    asyncio.run(go())
