@@ -132,9 +132,18 @@ class Ownership:
     ) -> None:
         """Make sure this engine holds the conversation and its store has the log's copy
         (`drop` forgets the copy in memory, on the engine thread); raises ApiError
-        (`not_found` for another tenant's, `unavailable` if another engine holds it)."""
+        (`not_found` for another tenant's, `unavailable` if another engine holds it or the log
+        does not answer)."""
         if subjects.owner(conv_id) is None:  # not an engine's id: no engine has it in the log
             return
+        try:
+            await self._hold(conv_id, tenant, drop)
+        except LogUnavailable as error:
+            raise ApiError("unavailable", f"{error}; retry") from None
+
+    async def _hold(
+        self, conv_id: str, tenant: str | None, drop: Callable[[str], Awaitable[bool]]
+    ) -> None:
         held = self._held.get(conv_id)
         if held is not None:
             owner = await self.js.owner(conv_id)
@@ -210,7 +219,11 @@ class Ownership:
             raise
         if held is None:  # a new conversation: no other engine knows its id yet
             held = self._held[conv_id] = _Held(seq, None)
-            held.revision = await self.js.claim(conv_id, self.engine_id, None)
+            try:
+                held.revision = await self.js.claim(conv_id, self.engine_id, None)
+            except LogUnavailable:  # the turn fails: its client never learns the id
+                self._held.pop(conv_id, None)
+                raise
         self._held[conv_id] = held
         held.seq = seq
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import nats.errors
 import nats.js.api
@@ -35,10 +37,12 @@ OWNERS = "pensieve-owners"
 ENGINES = "pensieve-engines"
 EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 MSG_ID = "Nats-Msg-Id"  # the stream takes one message per id within its duplicate window
-APPEND_TRIES = 8
-APPEND_BACKOFF_S = 0.5
+TRIES = 8
+BACKOFF_S = 0.5
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: the subject's last sequence differs
 TIMEOUT_S = 5.0
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -68,17 +72,50 @@ def cluster_size(bus: Bus) -> int:
     return max(1, len(urls))
 
 
+def _lost_race(error: Exception) -> bool:
+    """Whether `error` is a lost compare-and-set (the key or the subject moved on)."""
+    if isinstance(error, nats.js.errors.KeyWrongLastSequenceError):
+        return True
+    return isinstance(error, nats.js.errors.APIError) and error.err_code == WRONG_LAST_SEQUENCE
+
+
+def _transient(error: Exception) -> bool:
+    """Whether `error` says the stream did not answer (no leader yet, a server away), rather
+    than that it answered no (a 4xx: a lost compare-and-set, a key not found, a bad request)."""
+    if isinstance(error, nats.js.errors.APIError):
+        return error.code is None or error.code == 408 or error.code >= 500
+    return isinstance(error, (TimeoutError, nats.errors.Error))
+
+
+async def _answered(what: str, call: Callable[[int], Awaitable[T]], tries: int) -> T:
+    """`call(attempt)`'s result, trying again while the stream does not answer; LogUnavailable
+    once it did not answer any of `tries` tries."""
+    for attempt in range(tries):
+        try:
+            return await call(attempt)
+        except Exception as error:
+            if not _transient(error):
+                raise
+            if attempt == tries - 1:
+                raise LogUnavailable(f"{what} did not answer: {error}") from error
+        await asyncio.sleep(BACKOFF_S)
+    raise AssertionError("unreachable")
+
+
 class JetStream:
     """The turn log and the two buckets over `bus`'s connection (made again when the bus
-    reconnects: every call asks for the connection anew)."""
+    reconnects: every call asks for the connection anew). A call the stream does not answer
+    within `timeout_s` is tried again, `tries` times in all, before it raises LogUnavailable."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, tries: int = TRIES, timeout_s: float = TIMEOUT_S) -> None:
         self.bus = bus
+        self.tries = tries
+        self.timeout_s = timeout_s
         self._buckets: dict[tuple[int, str], KeyValue] = {}
 
     @property
     def _js(self) -> JetStreamContext:
-        return self.bus.client.jetstream(timeout=TIMEOUT_S)
+        return self.bus.client.jetstream(timeout=self.timeout_s)
 
     async def _bucket(self, name: str) -> KeyValue:
         key = (id(self.bus.client), name)
@@ -111,38 +148,39 @@ class JetStream:
         leader) is sent again under the same message id, which the stream takes once:
         `writer` names the process appending, so two writers never share an id."""
         headers = {EXPECTED_LAST: str(after), MSG_ID: f"{conv_id}.{after}.{writer}"}
-        for attempt in range(APPEND_TRIES):
+
+        async def publish(_: int) -> int:
             try:
                 ack = await self._js.publish(
                     log_subject(conv_id), data, stream=STREAM, headers=headers
                 )
             except nats.js.errors.APIError as error:
-                if error.err_code == WRONG_LAST_SEQUENCE:
+                if _lost_race(error):
                     raise Fenced(f"the log of {conv_id} moved past {after}") from None
-                if attempt == APPEND_TRIES - 1:
-                    raise
-            except (TimeoutError, nats.errors.Error) as error:
-                if attempt == APPEND_TRIES - 1:
-                    raise LogUnavailable(f"the log of {conv_id} did not answer: {error}") from error
-            else:
-                return int(ack.seq)
-            await asyncio.sleep(APPEND_BACKOFF_S)
-        raise AssertionError("unreachable")
+                raise
+            return int(ack.seq)
+
+        return await _answered(f"the log of {conv_id}", publish, self.tries)
 
     async def read(self, conv_id: str) -> list[tuple[int, bytes]]:
-        """Every entry of the conversation's log, in order, with its sequence."""
-        entries: list[tuple[int, bytes]] = []
-        seq = 1
+        """Every entry of the conversation's log, in order, with its sequence (read again from
+        the start while the stream does not answer)."""
         subject = log_subject(conv_id)
-        while True:
-            try:
-                msg = await self._js.get_msg(STREAM, seq=seq, subject=subject, next=True)
-            except nats.js.errors.NotFoundError:
-                return entries
-            if msg.seq is None or msg.data is None:
-                return entries
-            entries.append((msg.seq, msg.data))
-            seq = msg.seq + 1
+
+        async def read_all(_: int) -> list[tuple[int, bytes]]:
+            entries: list[tuple[int, bytes]] = []
+            seq = 1
+            while True:
+                try:
+                    msg = await self._js.get_msg(STREAM, seq=seq, subject=subject, next=True)
+                except nats.js.errors.NotFoundError:
+                    return entries
+                if msg.seq is None or msg.data is None:
+                    return entries
+                entries.append((msg.seq, msg.data))
+                seq = msg.seq + 1
+
+        return await _answered(f"the log of {conv_id}", read_all, self.tries)
 
     async def forget(self, conv_id: str) -> None:
         """Remove the conversation's log and owner key."""
@@ -154,29 +192,41 @@ class JetStream:
     # ---- owners -----------------------------------------------------------------------------
 
     async def owner(self, conv_id: str) -> Owner | None:
-        owners = await self._bucket(OWNERS)
-        try:
-            entry = await owners.get(check_key(conv_id))
-        except nats.js.errors.KeyNotFoundError:  # never held, released, or deleted
-            return None
-        if not entry.value:
-            return None
-        return Owner(entry.value.decode(), int(entry.revision or 0))
+        check_key(conv_id)
+
+        async def get(_: int) -> Owner | None:
+            owners = await self._bucket(OWNERS)
+            try:
+                entry = await owners.get(conv_id)
+            except nats.js.errors.KeyNotFoundError:  # never held, released, or deleted
+                return None
+            if not entry.value:
+                return None
+            return Owner(entry.value.decode(), int(entry.revision or 0))
+
+        return await _answered(f"the owner of {conv_id}", get, self.tries)
 
     async def claim(self, conv_id: str, engine: str, over: Owner | None) -> int:
-        """Make `engine` the owner if the key is still as read (`over`); its new revision."""
-        owners = await self._bucket(OWNERS)
+        """Make `engine` the owner if the key is still as read (`over`); its new revision.
+        Fenced if it is not; LogUnavailable if the bucket did not answer any try."""
         check_key(conv_id)
-        try:
-            if over is None:
-                return int(await owners.create(conv_id, engine.encode()))
-            return int(await owners.update(conv_id, engine.encode(), last=over.revision))
-        except nats.js.errors.KeyWrongLastSequenceError:
-            raise Fenced(f"{conv_id} was claimed meanwhile") from None
-        except nats.js.errors.APIError as error:
-            if error.err_code == WRONG_LAST_SEQUENCE:
-                raise Fenced(f"{conv_id} was claimed meanwhile") from None
-            raise
+
+        async def write(attempt: int) -> int:
+            owners = await self._bucket(OWNERS)
+            try:
+                if over is None:
+                    return int(await owners.create(conv_id, engine.encode()))
+                return int(await owners.update(conv_id, engine.encode(), last=over.revision))
+            except nats.js.errors.APIError as error:
+                if not _lost_race(error):
+                    raise
+            if attempt > 0:  # an earlier try may have been written, its answer lost
+                now = await self.owner(conv_id)
+                if now is not None and now.engine == engine:
+                    return now.revision
+            raise Fenced(f"{conv_id} was claimed meanwhile")
+
+        return await _answered(f"the owner of {conv_id}", write, self.tries)
 
     async def release(self, conv_id: str, revision: int) -> None:
         """Let the conversation go if this engine still holds it (the key at `revision`)."""
@@ -203,12 +253,16 @@ class JetStream:
 
     async def alive(self, engine: str) -> bool:
         """Whether `engine` holds a lease: it renewed it within the bucket's TTL."""
-        engines = await self._bucket(ENGINES)
-        try:
-            entry = await engines.get(engine)
-        except nats.js.errors.KeyNotFoundError:
-            return False
-        return bool(entry.value)
+
+        async def get(_: int) -> bool:
+            engines = await self._bucket(ENGINES)
+            try:
+                entry = await engines.get(engine)
+            except nats.js.errors.KeyNotFoundError:
+                return False
+            return bool(entry.value)
+
+        return await _answered(f"the lease of {engine}", get, self.tries)
 
     async def retire(self, engine: str) -> None:
         """End the engine's lease now (a drain's last step)."""

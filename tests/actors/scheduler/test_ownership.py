@@ -15,8 +15,8 @@ import pytest
 
 from pensieve.actors.scheduler.ownership import Ownership, stop_task
 from pensieve.actors.wire.bus import Bus
-from pensieve.actors.wire.fencing import Fenced
-from pensieve.actors.wire.jetstream import JetStream
+from pensieve.actors.wire.fencing import Fenced, LogUnavailable
+from pensieve.actors.wire.jetstream import JetStream, Owner
 from pensieve.actors.wire.schemas import ApiError
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.store import ConversationStore, StoreWriter, TurnRecord, turn_log
@@ -223,23 +223,57 @@ def test_a_released_conversation_is_taken_at_once(server, tmp_path) -> None:
     asyncio.run(go())
 
 
-def test_a_log_that_does_not_answer_is_unavailable(
-    tmp_path: Path,
-) -> None:
-    """With its nats-server gone, an append tries again and then raises LogUnavailable (which
-    the turn's commit answers `unavailable`, retry, where another failure is `internal`)."""
-    from pensieve.actors.wire.fencing import LogUnavailable
+class ServerGoneBeforeClaim(JetStream):
+    """The turn log of a server that goes away between a new conversation's first append and
+    its claim of the owner key."""
+
+    def __init__(self, bus: Bus, server: EmbeddedNats, conv_id: str) -> None:
+        super().__init__(bus, tries=2, timeout_s=0.5)
+        self.server = server
+        self.conv_id = conv_id
+
+    async def claim(self, conv_id: str, engine: str, over: Owner | None) -> int:
+        if conv_id == self.conv_id:
+            self.server.__exit__(None, None, None)
+        return await super().claim(conv_id, engine, over)
+
+
+def test_a_log_that_does_not_answer_is_unavailable(tmp_path: Path) -> None:
+    """With its nats-server gone, every call on the log and the owner key tries again and then
+    raises LogUnavailable, which the turn's commit answers `unavailable` (retry), where another
+    failure is `internal`. A new conversation whose first append landed but whose claim was not
+    answered is not held (its turn failed: nobody learns its id); a held one asked for again is
+    refused `unavailable`."""
 
     async def go() -> None:
-        with EmbeddedNats(jetstream_dir=tmp_path / "js") as started:
-            bus = await Bus.connect(started.url)
-            js = JetStream(bus)
-            await js.ensure(1, TTL_S)
-            assert await js.append(CONV, b"first", 0, "w") == 1
-        try:
-            with pytest.raises(LogUnavailable, match="did not answer"):
-                await js.append(CONV, b"second", 1, "w")
-        finally:
-            await bus.close()
+        started = EmbeddedNats(jetstream_dir=tmp_path / "js").__enter__()
+        bus = await Bus.connect(started.url)
+        new = "c-aaaaaaaa-fedcba9876543210"
+        js = ServerGoneBeforeClaim(bus, started, new)
+        with ConversationStore(tmp_path / "e1") as store, StoreWriter() as writer:
+            ownership = Ownership(js, "e1", store, writer, TTL_S)
+            await ownership.start()
+            one = Engine("e1", tmp_path, ownership)
+            try:
+                await one.commit(CONV, 0)
+                assert ownership.num_held == 1
+                with pytest.raises(LogUnavailable, match="the owner of .* did not answer"):
+                    await ownership.append(new, b"first")
+                assert ownership.num_held == 1  # the new one is not held
+                with pytest.raises(LogUnavailable, match="the log of .* did not answer"):
+                    await js.append(CONV, b"second", 1, "w")
+                with pytest.raises(LogUnavailable, match="did not answer"):
+                    await js.read(CONV)
+                with pytest.raises(LogUnavailable, match="did not answer"):
+                    await js.owner(CONV)
+                with pytest.raises(LogUnavailable, match="did not answer"):
+                    await js.alive("e1")
+                with pytest.raises(ApiError) as refused:
+                    await ownership.hold(CONV, None, one.drop)
+                assert refused.value.code == "unavailable"
+                assert "retry" in refused.value.message
+            finally:
+                await ownership.release()
+                await bus.close()
 
     asyncio.run(go())
