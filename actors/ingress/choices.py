@@ -63,6 +63,13 @@ class Choices:
         index = min(i for i, read in self._reads.items() if read in done)
         return index, self._reads.pop(index).result()
 
+    def ready(self) -> list[tuple[int, Message]]:
+        """The messages already here, without waiting, of a single turn (several turns'
+        messages come one at a time from `next`)."""
+        if len(self.answers) != 1:
+            return []
+        return [(0, message) for message in self.answers[0].ready()]
+
     async def replies(self) -> list[Message]:
         """Every choice's whole reply: its turn's last message (the deltas dropped)."""
         replies: list[Message | None] = [None if "delta" in m else m for m in self.firsts]

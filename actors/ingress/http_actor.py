@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -52,7 +52,7 @@ from pensieve.actors.ingress.openai_api import CONVERSATION_HEADER, Completion, 
 from pensieve.actors.ingress.stateful_http import StatefulRoutes
 from pensieve.actors.wire import subjects, tracing
 from pensieve.actors.wire.actor import Actor
-from pensieve.actors.wire.bus import Bus
+from pensieve.actors.wire.bus import Asked, Bus
 from pensieve.actors.wire.schemas import ApiError
 from pensieve.actors.wire.version import version
 
@@ -146,7 +146,8 @@ class HttpIngressActor(Actor):
         """The answer of the client API on `subject` to `body`, asked as `tenant`; raises
         OpenAIError as a chat turn's answer does."""
         data = orjson.dumps(body)
-        answer = Answer(self.bus.ask(_as_tenant(tenant, subject), data, self.config.timeout_s))
+        subject = _as_tenant(tenant, subject)
+        answer = Answer(lambda: self.bus.asking(subject, data, self.config.timeout_s))
         try:
             return await self.next_message(answer)
         finally:
@@ -203,14 +204,7 @@ class HttpIngressActor(Actor):
         propagate.inject(headers)  # the NATS ingress's span goes under this one
         tries = [{**chat, "conversation_id": guess}] if guess else []
         for body in [*tries, chat]:
-            answer = Answer(
-                self.bus.ask(
-                    _as_tenant(tenant, subjects.CHAT),
-                    orjson.dumps(body),
-                    self.config.timeout_s,
-                    headers,
-                )
-            )
+            answer = Answer(self._asking(_as_tenant(tenant, subjects.CHAT), body, headers))
             try:
                 return await self.next_message(answer), answer
             except asyncio.CancelledError:
@@ -222,6 +216,12 @@ class HttpIngressActor(Actor):
                 if not (guessed and isinstance(error, OpenAIError) and error.code in _GUESS_MISSED):
                     raise
         raise AssertionError("unreachable: the last try returns or raises")
+
+    def _asking(
+        self, subject: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> Callable[[], Awaitable[Asked]]:
+        data = orjson.dumps(body)
+        return lambda: self.bus.asking(subject, data, self.config.timeout_s, headers)
 
     async def last(self, first: dict[str, Any], answer: Answer) -> dict[str, Any]:
         """The whole reply: the answer's last message (its deltas dropped)."""
@@ -260,15 +260,19 @@ class HttpIngressActor(Actor):
         try:
             given = list(enumerate(choices.firsts))  # then the next messages as they come
             while len(replies) < asked.n:
-                index, message = given.pop(0) if given else await choices.next()
-                if "delta" in message:
-                    delta = openai_replies.chunk(asked, message["delta"], index=index)
-                    await response.write(openai_replies.event(delta))
-                    continue
-                replies[index] = message
-                self._remember(asked, tenant, message)
-                for last in openai_replies.last_chunks(asked, message, index):
-                    await response.write(openai_replies.event(last))
+                # what came meanwhile goes out with it, in one write
+                came = [given.pop(0) if given else await choices.next(), *choices.ready()]
+                events: list[bytes] = []
+                for index, message in came:
+                    if "delta" in message:
+                        delta = openai_replies.chunk(asked, message["delta"], index=index)
+                        events.append(openai_replies.event(delta))
+                        continue
+                    replies[index] = message
+                    self._remember(asked, tenant, message)
+                    for last in openai_replies.last_chunks(asked, message, index):
+                        events.append(openai_replies.event(last))
+                await response.write(b"".join(events))
             if asked.include_usage:
                 ordered = [replies[index] for index in range(asked.n)]
                 await response.write(
@@ -363,26 +367,47 @@ class HttpIngressActor(Actor):
 
 
 class Answer:
-    """A turn's answer on the bus (`Bus.ask`), read so that a reader cancelled (its client
-    gone) loses nothing: the read it waited on goes on, for `HttpIngressActor._cancel`."""
+    """A turn's answer on the bus (`Bus.asking`), read so that a reader cancelled (its client
+    gone) loses nothing: the request is sent once whatever befalls its sender, and its messages
+    stay queued, for `HttpIngressActor._cancel`."""
 
-    def __init__(self, messages: AsyncGenerator[bytes, None]) -> None:
-        self._messages = messages
-        self._reading: asyncio.Task[bytes] | None = None
+    def __init__(self, ask: Callable[[], Awaitable[Asked]]) -> None:
+        self._ask = ask
+        self._sending: asyncio.Task[Asked] | None = None
+        self._asked: Asked | None = None
+        self._held: dict[str, Any] | None = None  # an error `ready` left for `next`
         self.conv_id: str | None = None  # once a message named it
         self.finished = False  # its last message read: the turn has ended
         self.abandoned = False  # its client went away: the cancelling task closes it
 
     async def next(self) -> dict[str, Any]:
         """The next message, decoded."""
-        if self._reading is None:
-            self._reading = asyncio.ensure_future(_read(self._messages))
-        reading = self._reading
-        try:
-            data = await asyncio.shield(reading)  # cancelled: the read goes on
-        finally:
-            if reading.done():
-                self._reading = None
+        if self._held is not None:
+            message, self._held = self._held, None
+            return message
+        if self._asked is None:
+            if self._sending is None:
+                self._sending = asyncio.ensure_future(self._ask())
+            self._asked = await asyncio.shield(self._sending)  # cancelled: the send goes on
+        asked: Asked = self._asked
+        return self._decoded(await asked.next())
+
+    def ready(self) -> list[dict[str, Any]]:
+        """The messages already here, decoded, without waiting; up to an error, which `next`
+        gives."""
+        messages: list[dict[str, Any]] = []
+        while self._asked is not None and self._held is None and not self.finished:
+            data = self._asked.take()
+            if data is None:
+                break
+            message = self._decoded(data)
+            if "error" in message:
+                self._held = message
+            else:
+                messages.append(message)
+        return messages
+
+    def _decoded(self, data: bytes) -> dict[str, Any]:
         message: dict[str, Any] = orjson.loads(data)
         named = message.get("conversation_id")
         self.conv_id = named if isinstance(named, str) else self.conv_id
@@ -390,17 +415,12 @@ class Answer:
         return message
 
     async def close(self) -> None:
-        reading, self._reading = self._reading, None
-        if reading is not None:
-            reading.cancel()
-            await asyncio.wait([reading])
-            if not reading.cancelled():
-                reading.exception()  # taken: a read that failed after its client left
-        await self._messages.aclose()
-
-
-async def _read(messages: AsyncIterator[bytes]) -> bytes:
-    return await anext(messages)
+        sending, self._sending = self._sending, None
+        if sending is not None and not sending.done():
+            sending.cancel()
+            await asyncio.wait([sending])
+        if sending is not None and not sending.cancelled() and sending.exception() is None:
+            await sending.result().close()
 
 
 @contextlib.asynccontextmanager

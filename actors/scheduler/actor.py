@@ -324,7 +324,7 @@ class ChatServer(Actor):
             self.engine.call(service.abandon, sink)
         probed_at = -math.inf
         while True:
-            kind, value = await sink.items.get()
+            kind, value = await sink.next()
             if kind == "delta":
                 if not request.stream:
                     continue

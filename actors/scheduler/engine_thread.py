@@ -42,6 +42,26 @@ class ReplySink:
         self.loop = loop
         self.items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.abandoned = False  # its requester went away (on the event loop's thread)
+        self._after: tuple[str, Any] | None = None  # taken while joining deltas, not yet given
+
+    async def next(self) -> tuple[str, Any]:
+        """The next item, with every delta already queued behind a delta joined into it (its
+        text in order, the token count the last one's): when the event loop falls behind the
+        engine, a turn sends one message for what piled up rather than one per step."""
+        item, self._after = self._after, None
+        if item is None:
+            item = await self.items.get()
+        if item[0] != "delta":
+            return item
+        texts, tokens = [item[1][0]], item[1][1]
+        while not self.items.empty():
+            after = self.items.get_nowait()
+            if after[0] != "delta":
+                self._after = after
+                break
+            texts.append(after[1][0])
+            tokens = after[1][1]
+        return ("delta", ("".join(texts), tokens)) if len(texts) > 1 else item
 
     def _put(self, kind: str, value: Any) -> None:
         self.loop.call_soon_threadsafe(self.items.put_nowait, (kind, value))

@@ -25,6 +25,7 @@ import logging
 import re
 import ssl
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -51,6 +52,7 @@ from pensieve.actors.wire.schemas import ApiError
 logger = logging.getLogger(__name__)
 
 DISCONNECTS = "$SYS.ACCOUNT.*.DISCONNECT"  # the system account's event of a closed connection
+CLOSED_CHECK_S = 1.0  # an answer waited on looks this often whether its connection closed
 
 
 class AuthorizationRefused(PermissionError):
@@ -108,6 +110,80 @@ class _Standing:
 
 
 Connector = Callable[[], Awaitable[Client]]
+
+
+class Asked:
+    """One request's answer, its messages queued as they come: `next` waits for one (a wait
+    cancelled loses nothing: the messages stay queued), `take` gives one already here without
+    waiting. Raises TimeoutError after `timeout` s without a message, ConnectionError if
+    nothing answers on the subject or the connection closes.
+
+    The reply subscription hands each message to a callback that queues it, so a streamed
+    answer of many messages costs no task and no timer per message, where nats-py's
+    `next_msg` makes both for each."""
+
+    def __init__(self, client: Client, subject: str, timeout: float) -> None:
+        self.client = client
+        self.subject = subject
+        self.timeout = timeout
+        self._queue: deque[Msg] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._sub: Subscription | None = None
+
+    async def send(self, body: bytes, headers: dict[str, str] | None) -> None:
+        client = self.client
+        check_fits(client, self.subject, body, headers)
+        inbox = client.new_inbox()
+        try:
+            self._sub = await client.subscribe(inbox, cb=self._queued)
+            await client.publish(self.subject, body, reply=inbox, headers=headers)
+        except nats.errors.ConnectionClosedError:
+            closed = f"{self.subject} not asked: the NATS connection is closed"
+            raise ConnectionError(closed) from None
+
+    async def _queued(self, msg: Msg) -> None:
+        self._queue.append(msg)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def take(self) -> bytes | None:
+        """The next message if one is here (None: none yet)."""
+        if not self._queue:
+            return None
+        msg = self._queue.popleft()
+        if not msg.data and (msg.headers or {}).get("Status") == "503":
+            raise ConnectionError(f"nothing answers on {self.subject}")
+        return msg.data
+
+    async def next(self) -> bytes:
+        """The next message, once it comes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        while not self._queue:
+            if self.client.is_closed:
+                raise ConnectionError(f"the NATS connection closed while asking {self.subject}")
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError(f"no answer on {self.subject} in {self.timeout} s")
+            self._waiter = loop.create_future()
+            try:
+                await asyncio.wait_for(self._waiter, min(left, CLOSED_CHECK_S))
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                self._waiter = None
+        data = self.take()
+        assert data is not None
+        return data
+
+    async def close(self) -> None:
+        """Unsubscribe (on a connection going away its subscriptions go with it)."""
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            closing = (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)
+            with contextlib.suppress(*closing):
+                await sub.unsubscribe()
 
 
 class Bus:
@@ -314,37 +390,32 @@ class Bus:
         _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
         return len(pending)
 
+    async def asking(
+        self, subject: str, body: bytes, timeout: float, headers: dict[str, str] | None = None
+    ) -> Asked:
+        """The client side: send one request; its answer, whose messages (a streamed answer
+        has several) queue as they come (`Asked`). Close it once done, so its reply
+        subscription goes at once. Raises ConnectionError if the connection is closed (until
+        the bus has made it again)."""
+        asked = Asked(self.client, subject, timeout)
+        try:
+            await asked.send(body, headers)
+        except BaseException:
+            await asked.close()
+            raise
+        return asked
+
     async def ask(
         self, subject: str, body: bytes, timeout: float, headers: dict[str, str] | None = None
     ) -> AsyncIterator[bytes]:
-        """The client side: send one request and yield each message of its answer as it comes
-        (a streamed answer has several); the caller stops when it has the last, and closes the
-        generator (`contextlib.aclosing`) so its reply subscription goes at once. Raises
-        TimeoutError after `timeout` s without a message, ConnectionError if nothing answers
-        on `subject` or the connection is closed (until the bus has made it again)."""
-        client = self.client
-        check_fits(client, subject, body, headers)
-        inbox = client.new_inbox()
+        """`asking` as a generator: each message of the answer as it comes; the caller stops
+        when it has the last, and closes the generator (`contextlib.aclosing`)."""
+        asked = await self.asking(subject, body, timeout, headers)
         try:
-            sub = await client.subscribe(inbox)
-        except nats.errors.ConnectionClosedError:
-            raise ConnectionError(f"{subject} not asked: the NATS connection is closed") from None
-        try:
-            await client.publish(subject, body, reply=inbox, headers=headers)
             while True:
-                try:
-                    msg = await sub.next_msg(timeout=timeout)
-                except nats.errors.TimeoutError:
-                    raise TimeoutError(f"no answer on {subject} in {timeout} s") from None
-                if not msg.data and (msg.headers or {}).get("Status") == "503":
-                    raise ConnectionError(f"nothing answers on {subject}")
-                yield msg.data
-        except nats.errors.ConnectionClosedError:
-            raise ConnectionError(f"the NATS connection closed while asking {subject}") from None
-        finally:  # on a connection going away its subscriptions go with it
-            closing = (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)
-            with contextlib.suppress(*closing):
-                await sub.unsubscribe()
+                yield await asked.next()
+        finally:
+            await asked.close()
 
     async def hand_off(
         self,

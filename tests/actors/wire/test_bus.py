@@ -66,6 +66,79 @@ def test_an_answer_closed_after_its_connection_raises_nothing() -> None:
         asyncio.run(go(server.url))
 
 
+def test_a_streamed_answer_comes_whole_and_in_order_however_it_is_read() -> None:
+    """The messages of one answer queue as they come: taken without waiting, waited for, or
+    waited for by a reader that is cancelled meanwhile, none is lost or reordered. Silence
+    past the timeout is TimeoutError; a subject nobody serves, ConnectionError; a connection
+    closed while a reader waits, ConnectionError within a second or so."""
+    count = 500
+
+    async def go(url: str) -> None:
+        responder = await nats.connect(url)
+
+        async def answer(msg) -> None:  # type: ignore[no-untyped-def]
+            for number in range(count):
+                await responder.publish(msg.reply, str(number).encode())
+
+        await responder.subscribe("t.many", cb=answer)
+        await responder.flush()
+        bus = await Bus.connect(url)
+        asked = await bus.asking("t.many", b"", timeout=5.0)
+        got: list[bytes] = []
+        while len(got) < count:
+            if len(got) % 7 == 0:  # a reader cancelled while it waits loses nothing
+                waiting = asyncio.ensure_future(asked.next())
+                await asyncio.sleep(0)
+                if waiting.cancel():
+                    with pytest.raises(asyncio.CancelledError):
+                        await waiting
+                else:
+                    got.append(waiting.result())
+            got.append(await asked.next())
+            while (data := asked.take()) is not None:
+                got.append(data)
+        assert got == [str(number).encode() for number in range(count)]
+        assert asked.take() is None
+        await asked.close()
+
+        inboxes: list[str] = []
+
+        async def silence(msg) -> None:  # type: ignore[no-untyped-def]
+            inboxes.append(msg.reply)
+
+        await responder.subscribe("t.silent", cb=silence)
+        await responder.flush()
+        quiet = await bus.asking("t.silent", b"", timeout=0.3)
+        with pytest.raises(TimeoutError):
+            await quiet.next()
+        await quiet.close()
+        nobody = await bus.asking("t.nobody", b"", timeout=5.0)
+        with pytest.raises(ConnectionError, match="nothing answers"):
+            await nobody.next()
+        await nobody.close()
+        late = await bus.asking("t.silent", b"", timeout=30.0)
+        waiting = asyncio.ensure_future(late.next())
+        await asyncio.sleep(0.1)
+        assert waiting.cancel()  # it waits: nothing came
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await responder.publish(inboxes[-1], b"late")
+        assert await late.next() == b"late"
+        await late.close()
+        silent = await bus.asking("t.silent", b"", timeout=30.0)
+        closing = asyncio.get_running_loop().call_later(0.2, asyncio.ensure_future, bus.close())
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(ConnectionError, match="closed"):
+            await silent.next()
+        assert asyncio.get_running_loop().time() - started < 5.0
+        closing.cancel()
+        await silent.close()
+        await responder.close()
+
+    with EmbeddedNats() as server:
+        asyncio.run(go(server.url))
+
+
 async def _close_by_the_server(bus: Bus) -> None:
     """Make nats-server end the bus's connection with an error: a message whose payload fits
     the limit but whose headers take it over (nats-py counts the payload alone, the server both:
