@@ -156,6 +156,19 @@ def hf_config(gguf: GGUFFile) -> SimpleNamespace:
     )
 
 
+def tensor_shapes(gguf: GGUFFile) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor `llama_tensors` yields, by its Hugging Face name, in order."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, tensor in gguf.tensors.items():
+        if name == ROPE_FREQS:
+            continue
+        target = hf_name(name)
+        if target is None:
+            raise ValueError(f"{gguf.path}: tensor {name} is not part of the llama layout")
+        shapes[target] = tensor.shape
+    return shapes
+
+
 def llama_tensors(gguf: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Float32 tensors under Hugging Face names, one at a time (one dequantized copy at most).
 

@@ -187,7 +187,7 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
     # other file, and one our reader rejects, goes through transformers, which parses it again
     # for the config, the weights and the tokenizer. Imported here: GGUF support (the `gguf`
     # package) is needed only by GGUF files, and a GPU machine serving safetensors may lack it.
-    from pensieve.models import gguf_llama
+    from pensieve.models import gguf_llama, weights_cache
     from pensieve.models.gguf import GGUFError, read_gguf
 
     try:
@@ -200,7 +200,13 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedMo
         except ValueError as e:
             raise ModelLoadError(f"{path}: {_first_line(e)}") from e
         model = build_model(config, device, dtype)
-        load_weights(model, gguf_llama.llama_tensors(parsed, config), str(path))
+        try:
+            shapes = gguf_llama.tensor_shapes(parsed)
+        except ValueError as e:
+            raise ModelLoadError(_first_line(e)) from e
+        made = gguf_llama.llama_tensors(parsed, config)
+        tensors = weights_cache.cached(path, shapes, made, weights_cache.cache_folder())
+        load_weights(model, tensors, str(path))
         return LoadedModel(model, config, gguf_llama.load_tokenizer(parsed))
     if parsed is not None and gguf_llama.has_rope_scaling(parsed):
         raise ModelLoadError(

@@ -10,6 +10,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The model's weights are dequantized once for the run and every process its tests start, not at
+# each load (`models/weights_cache.py`); the folder goes when the run ends.
+if "PENSIEVE_WEIGHTS_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _weights = tempfile.mkdtemp(prefix="pensieve-weights-")
+    os.environ["PENSIEVE_WEIGHTS_CACHE"] = _weights
+    atexit.register(shutil.rmtree, _weights, True)
+
 import gc  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
