@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import tempfile
@@ -100,7 +101,7 @@ def _written(
     header: dict[str, object] = {"__metadata__": {"format": FORMAT}}
     offset = 0
     for name, shape in shapes.items():
-        size = 4 * _count(shape)
+        size = 4 * math.prod(shape)
         header[name] = dict(dtype="F32", shape=list(shape), data_offsets=[offset, offset + size])
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -143,10 +144,3 @@ def _written(
 def _stop(file: Path, error: OSError) -> bool:
     logger.warning("weights cache %s not written: %s", file, error)
     return False
-
-
-def _count(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

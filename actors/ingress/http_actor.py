@@ -145,9 +145,7 @@ class HttpIngressActor(Actor):
     async def request(self, subject: str, body: dict[str, Any], tenant: str | None) -> Any:
         """The answer of the client API on `subject` to `body`, asked as `tenant`; raises
         OpenAIError as a chat turn's answer does."""
-        data = orjson.dumps(body)
-        subject = _as_tenant(tenant, subject)
-        answer = Answer(lambda: self.bus.asking(subject, data, self.config.timeout_s))
+        answer = Answer(self._asking(_as_tenant(tenant, subject), body))
         try:
             return await self.next_message(answer)
         finally:
@@ -218,8 +216,9 @@ class HttpIngressActor(Actor):
         raise AssertionError("unreachable: the last try returns or raises")
 
     def _asking(
-        self, subject: str, body: dict[str, Any], headers: dict[str, str]
+        self, subject: str, body: dict[str, Any], headers: dict[str, str] | None = None
     ) -> Callable[[], Awaitable[Asked]]:
+        """What sends `body` on `subject` when an `Answer` first reads."""
         data = orjson.dumps(body)
         return lambda: self.bus.asking(subject, data, self.config.timeout_s, headers)
 
