@@ -255,6 +255,8 @@ def _bench(args: argparse.Namespace, started: float) -> int:
     from pensieve.ops.agentic_cli import AGENTIC, bench_agentic, replot_agentic
     from pensieve.ops.sweep import bench, replot
 
+    if args.bound is not None and (not args.replot or args.conversations == AGENTIC):
+        raise ValueError("--bound reads rate sweeps: give it with --replot and --compare")
     if args.conversations == AGENTIC:
         if args.replot:
             return replot_agentic(args)

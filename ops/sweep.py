@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -139,6 +140,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         "--replot",
         action="store_true",
         help="load nothing: draw --plot from the --compare sweeps alone",
+    )
+    out.add_argument(
+        "--bound",
+        type=float,
+        metavar="S",
+        help="with --replot: print each --compare sweep's requests served a second where its p90 "
+        "normalized latency reaches S seconds a token (interpolated between the rates around it)",
     )
     add_report_args(parser)
 
@@ -354,11 +362,37 @@ def read_sweeps(paths: Sequence[Path]) -> dict[str, list[dict[str, Any]]]:
 
 
 def replot(args: argparse.Namespace) -> int:
-    """`--replot`: the picture of sweeps measured before."""
-    if args.plot is None or not args.compare:
-        raise ValueError("--replot draws --plot FILE.png from the sweeps given to --compare")
-    plot(args.plot, read_sweeps(args.compare))
+    """`--replot`: the picture of sweeps measured before, and (`--bound`) what each served at
+    a latency bound."""
+    if (args.plot is None and args.bound is None) or not args.compare:
+        raise ValueError(
+            "--replot draws --plot FILE.png (or prints --bound) from the sweeps given to --compare"
+        )
+    if args.plot is not None:
+        plot(args.plot, read_sweeps(args.compare))
+    if args.bound is not None:
+        for path in args.compare:
+            found = json.loads(path.read_text())
+            served = served_at_bound(found["runs"], args.bound)
+            text = "never reached" if served is None else f"{served:.2f} requests/s"
+            print(f"{found['label']} ({path}): {text} at p90 {args.bound:g} s/token")
     return 0
+
+
+def served_at_bound(runs: Sequence[dict[str, Any]], bound: float) -> float | None:
+    """Requests served a second where the p90 normalized latency first passes `bound`, linear
+    between the two runs (by requests served) around it; None when no run passes it or the
+    first already does."""
+    points = sorted(
+        (r["turns_per_s"], r["norm_latency_s_p90"])
+        for r in runs
+        if r.get("norm_latency_s_p90") is not None
+    )
+    for (served, latency), (next_served, next_latency) in itertools.pairwise(points):
+        if latency <= bound < next_latency:
+            share = (bound - latency) / (next_latency - latency)
+            return served + share * (next_served - served)
+    return None
 
 
 def server_of(args: argparse.Namespace, url: str, connect: ConnectOptions | None) -> Server:

@@ -17,6 +17,7 @@ from pensieve.ops.engine_options import EngineOptions
 from pensieve.ops.factory import assemble
 from pensieve.ops.nats_server import EmbeddedNats, free_port
 from pensieve.ops.openai_client import OpenAIChatClient
+from pensieve.ops.sweep import served_at_bound
 from tests.ops.serving import scrape, serve_on_thread, value
 
 pytestmark = pytest.mark.slow
@@ -134,6 +135,28 @@ def test_a_rate_sweep_is_measured_tabled_and_plotted_beside_another(
     assert main(again) == 0
     assert np.array_equal(image.imread(tmp_path / "again.png"), picture)
     assert main(["bench", "--replot", "--plot", str(tmp_path / "none.png")]) == 2
+    # what the first sweep served where its p90 normalized latency is halfway between its runs'
+    low, high = sorted(sweep["runs"], key=lambda r: r["turns_per_s"])
+    bound = (low["norm_latency_s_p90"] + high["norm_latency_s_p90"]) / 2
+    halfway = f"{(low['turns_per_s'] + high['turns_per_s']) / 2:.2f} requests/s"
+    capsys.readouterr()
+    assert main(["bench", "--replot", "--bound", str(bound), "--compare", again[-1]]) == 0
+    said = capsys.readouterr().out
+    rising = low["norm_latency_s_p90"] < high["norm_latency_s_p90"]
+    assert f"first ({again[-1]}): {halfway if rising else 'never reached'}" in said
+    assert main(["bench", "--bound", "0.04"]) == 2  # a bound reads sweeps: no load runs
+
+
+def test_served_at_a_bound_is_read_between_the_rates_around_it() -> None:
+    runs = [
+        {"turns_per_s": 20.0, "norm_latency_s_p90": 0.03},
+        {"turns_per_s": 10.0, "norm_latency_s_p90": 0.01},
+        {"turns_per_s": 30.0, "norm_latency_s_p90": 0.07},
+    ]
+    assert served_at_bound(runs, 0.04) == pytest.approx(22.5)
+    assert served_at_bound(runs, 0.01) == pytest.approx(10.0)
+    assert served_at_bound(runs, 0.005) is None  # the lightest load is already past it
+    assert served_at_bound(runs, 0.08) is None  # never reached in the sweep
 
 
 async def bad_turn(url: str) -> dict[str, Any]:
