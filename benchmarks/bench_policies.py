@@ -44,6 +44,7 @@ from benchmarks.bench_workload import (
     summarize,
 )
 from pensieve.actors.config import Policy
+from pensieve.actors.executor.kernel_profile import ProfileWindow
 from pensieve.ops.factory import frozen_heap
 
 if TYPE_CHECKING:
@@ -149,109 +150,6 @@ def _mean_cpu_mhz() -> float:
 
 
 PROFILE_AFTER_S = 10.0  # the profiled slice starts this long into the measured window
-
-# kernel name fragments -> what the kernel does (first match wins)
-KERNEL_KINDS = (
-    ("copy_blocks", "swap copy"),
-    ("memcpy", "memcpy"),
-    ("paged_attention", "attention"),
-    ("merge_splits", "attention"),
-    ("write_kv", "kv write"),
-    ("rope_write", "kv write"),
-    ("add_rms_norm", "norm"),
-    ("silu_mul", "silu"),
-    ("nccl", "all-reduce"),
-    ("all_reduce", "all-reduce"),
-    ("gemm", "matmul"),
-    ("nvjet", "matmul"),
-    ("cutlass", "matmul"),
-    ("xmma", "matmul"),
-)
-
-
-class ProfileWindow:
-    """torch.profiler (CUDA activity only) over steps whose start falls in [start, start +
-    seconds) of a run; `finish` sums the kernels' device time by kind and measures how much of
-    the slice the GPU was busy (union of kernel intervals, with and without the copies)."""
-
-    def __init__(self, start: float, seconds: float) -> None:
-        self.start, self.end = start, start + seconds
-        self.profiler: Any = None
-        self.began = self.ended = 0.0
-
-    def on_step(self, now: float) -> None:
-        if self.profiler is None and self.start <= now < self.end:
-            import torch.profiler
-
-            activity = torch.profiler.ProfilerActivity.CUDA
-            self.profiler = torch.profiler.profile(activities=[activity])
-            self.profiler.__enter__()
-            self.began = time.perf_counter()
-        elif self.profiler is not None and not self.ended and now >= self.end:
-            self.stop()
-
-    def stop(self) -> None:
-        import torch
-
-        torch.cuda.synchronize()
-        self.ended = time.perf_counter()
-        self.profiler.__exit__(None, None, None)
-
-    def finish(self) -> dict[str, Any]:
-        if self.profiler is None:
-            return {"status": "no step in the window"}
-        try:
-            if not self.ended:
-                self.stop()
-            return self._summary()
-        except Exception as exc:  # noqa: BLE001 - a profile is a diagnostic, never a failure
-            return {"status": f"profile failed: {type(exc).__name__}: {exc}"}
-
-    def _summary(self) -> dict[str, Any]:
-        kinds: dict[str, float] = {}
-        names: dict[str, float] = {}
-        spans: list[tuple[float, float, bool]] = []  # (start us, end us, is a copy)
-        for event in self.profiler.events():
-            if str(event.device_type).split(".")[-1] != "CUDA":
-                continue
-            name = event.name
-            us = event.time_range.end - event.time_range.start
-            kind = kernel_kind(name)
-            kinds[kind] = kinds.get(kind, 0.0) + us / 1e6
-            names[name] = names.get(name, 0.0) + us / 1e6
-            spans.append(
-                (event.time_range.start, event.time_range.end, kind in ("swap copy", "memcpy"))
-            )
-        if not spans:  # no per-kernel events: the per-name totals only
-            for avg in self.profiler.key_averages():
-                us = getattr(avg, "self_device_time_total", 0.0)
-                if us > 0:
-                    kinds[kernel_kind(avg.key)] = kinds.get(kernel_kind(avg.key), 0.0) + us / 1e6
-                    names[avg.key] = us / 1e6
-        top = sorted(names.items(), key=lambda kv: -kv[1])[:12]
-        return {
-            "wall_s": self.ended - self.began,
-            "busy_s": _union(spans) / 1e6,
-            "compute_busy_s": _union([sp for sp in spans if not sp[2]]) / 1e6,
-            "kinds_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-            "top_kernels_s": [[name[:80], sec] for name, sec in top],
-        }
-
-
-def kernel_kind(name: str) -> str:
-    low = name.lower()
-    return next((kind for part, kind in KERNEL_KINDS if part in low), "other")
-
-
-def _union(spans: Sequence[tuple[float, float, bool]]) -> float:
-    """Total length covered by the intervals."""
-    total = 0.0
-    reach = -math.inf
-    for start, end, _ in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
 
 
 def describe_kernels(k: dict[str, Any]) -> str:

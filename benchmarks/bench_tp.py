@@ -211,7 +211,7 @@ def back_to_back_s(launch: Callable[[], Launched], repeats: int, warmup: int = 3
 def profile_steps(fn: Callable[[], object], repeats: int, record: bool) -> dict[str, Any]:
     """Milliseconds per step of `repeats` steps: wall, the GPU's busy time and each kernel
     kind's device time (empty where not `record`)."""
-    from benchmarks.bench_policies import ProfileWindow
+    from pensieve.actors.executor.kernel_profile import ProfileWindow
 
     window = ProfileWindow(0.0, math.inf)
     torch.cuda.synchronize()

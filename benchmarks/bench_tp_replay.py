@@ -14,11 +14,14 @@ output lengths from the recorded replies.
     python3 -m benchmarks.bench_tp_replay --model preset:llama2-70b --ranks 2 \
         --policies pensieve stateless --gpu-tokens 0                     (the paper's model)
     python3 -m benchmarks.bench_tp_replay --smoke                         (CPU, gloo, tiny-llama)
+    python3 -m benchmarks.bench_tp_replay --profile 1000,200   (each rank's kernels by kind,
+                           host time and all-reduce wait over steps 1000-1199 of each loop)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -31,6 +34,7 @@ from typing import Any
 
 from benchmarks.bench_workload import ConvSpec, build_workload, steady_closed_loop
 from pensieve.actors.config import ALL_REDUCE_ENV, MIXED_GRAPHS_ENV, Policy
+from pensieve.actors.executor.kernel_profile import PROFILE_ENV, all_reduce_wait
 from pensieve.actors.scheduler.engine import Engine
 from pensieve.actors.wire.step import StepPlan
 from pensieve.models.loader import load_model
@@ -122,6 +126,7 @@ def closed_loop(
     specs: list[ConvSpec],
     mode: str = "nccl",
     mixed_graphs: str = "on",
+    profile: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     os.environ[ALL_REDUCE_ENV] = mode  # the rank processes take both from here
     os.environ[MIXED_GRAPHS_ENV] = "1" if mixed_graphs == "on" else "0"
@@ -138,11 +143,17 @@ def closed_loop(
         tensor_parallel=ranks,
     )
     begin = time.perf_counter()
-    with tempfile.TemporaryDirectory() as data, ranks_engine(options, Path(data)) as built:
+    with contextlib.ExitStack() as stack:
+        data = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        if profile is not None:  # the rank processes take it from the environment
+            os.environ[PROFILE_ENV] = f"{data / 'profile'},{profile[0]},{profile[1]}"
+            stack.callback(os.environ.pop, PROFILE_ENV, None)
+        built = stack.enter_context(ranks_engine(options, data / "store"))
         started = time.perf_counter() - begin
         kinds = counted_steps(built.engine)
         result = steady_closed_loop(built.engine, specs, s.concurrency, s.warmup_s, s.window_s)
         device = built.engine.runner.device_time()
+        profiled = None if profile is None else read_profiles(data / "profile", ranks)
     window = result.window.summary()
     # the whole run's steps (warm-up included): what kind they were, and how much of its time
     # the first rank's device waited for the host between steps it could have run back to back
@@ -169,7 +180,74 @@ def closed_loop(
         "window": window,
         "turns_finished": len(result.records),
         "steps": steps,
+        "profile": profiled,
     }
+
+
+def read_profiles(folder: Path, ranks: int, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Every rank's step profile (`rank<r>.json`, written once its last profiled step has
+    launched), per step: the host's launch time, the kernels' device time by kind and the
+    device's busy time; and the all-reduces split into transfer and each rank's wait."""
+    paths = [folder / f"rank{r}.json" for r in range(ranks)]
+    deadline = time.monotonic() + timeout_s
+    while not all(p.is_file() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    found = [json.loads(p.read_text()) for p in paths if p.is_file()]
+    if len(found) < ranks:
+        return {
+            "status": f"{len(found)} of {ranks} ranks wrote a profile (did the loop reach "
+            "the last profiled step?)"
+        }
+    first, last = found[0]["steps"]
+    count = last - first + 1
+    per_rank = []
+    for rank in found:
+        device = rank["device"]
+        per_rank.append(
+            {
+                "rank": rank["rank"],
+                "launch_ms": rank["launch_ms"].get("mean"),
+                "result_ms": rank["result_ms"].get("mean"),
+                "busy_ms": 1e3 * device.get("busy_s", 0.0) / count,
+                "kinds_ms": {k: 1e3 * v / count for k, v in device.get("kinds_s", {}).items()},
+                "top_kernels_s": device.get("top_kernels_s", []),
+                "status": device.get("status", "ok"),
+            }
+        )
+    reduces = all_reduce_wait([rank["device"].get("all_reduce_us", []) for rank in found])
+    if reduces["calls"]:
+        reduces["transfer_ms_per_step"] = 1e3 * reduces["transfer_s"] / count
+        reduces["wait_ms_per_step"] = [1e3 * w / count for w in reduces["wait_s"]]
+    return {"steps": [first, last], "ranks": per_rank, "all_reduce": reduces}
+
+
+def print_profiles(results: list[dict[str, Any]]) -> None:
+    """Per step, each rank's host launch time, device busy time, kernel kinds and all-reduce
+    wait."""
+    for r in results:
+        profile = r.get("profile")
+        if not profile:
+            continue
+        head = f"{r['ranks']} rank(s), {r['policy']}, {r['all_reduce']}"
+        if "ranks" not in profile:
+            print(f"profile of {head}: {profile['status']}")
+            continue
+        first, last = profile["steps"]
+        print(f"\nprofile of {head}, steps {first}-{last}, ms per step:")
+        reduces = profile["all_reduce"]
+        for i, rank in enumerate(profile["ranks"]):
+            kinds = ", ".join(f"{k} {v:.2f}" for k, v in rank["kinds_ms"].items())
+            wait = (
+                f"; all-reduce transfer {reduces['transfer_ms_per_step']:.2f}, "
+                f"wait {reduces['wait_ms_per_step'][i]:.2f}"
+                if reduces["calls"]
+                else ""
+            )
+            launch = rank["launch_ms"] or 0.0
+            print(
+                f"  rank {rank['rank']}: launch (host) {launch:.2f}, device busy "
+                f"{rank['busy_ms']:.2f} ({kinds}){wait}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         help="each configuration with steps that prefill replayed from graphs "
         "cut at attention (on), run eagerly (off), or both",
     )
+    parser.add_argument(
+        "--profile",
+        type=parse_profile,
+        metavar="FIRST,COUNT",
+        help="profile every rank over steps FIRST to FIRST+COUNT-1 of each closed loop",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny-llama, toy sizes")
     args = parser.parse_args(argv)
@@ -210,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     results = [
-        closed_loop(s, ranks, Policy(policy), specs, mode, mixed)
+        closed_loop(s, ranks, Policy(policy), specs, mode, mixed, args.profile)
         for ranks in args.ranks
         for mode in (args.all_reduce if ranks > 1 else ["nccl"])
         for mixed in args.mixed_graphs
@@ -242,7 +326,18 @@ def main(argv: list[str] | None = None) -> int:
         "window's mean step; mixed: the share of steps with prefill pieces or swap-ins; busy: "
         "the first rank's device time in steps over the run"
     )
+    print_profiles(results)
     return 0
+
+
+def parse_profile(text: str) -> tuple[int, int]:
+    try:
+        first, count = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"FIRST,COUNT (step numbers), got {text!r}") from None
+    if first < 1 or count < 1:
+        raise argparse.ArgumentTypeError("FIRST and COUNT must be >= 1")
+    return first, count
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 #   replay  the 48-conversation closed loop on 1 rank and on 2, for each of ALL_REDUCE_MODES
 #           and of MIXED_GRAPHS ("on", "off" or both: steps with prefill pieces from graphs cut
 #           at attention, or eager) (benchmarks/bench_tp_replay.py; needs .bench from
-#           prepare_bench_assets.py)
+#           prepare_bench_assets.py); PROFILE=FIRST,COUNT profiles every rank over those steps
+#           of each loop (kernels by kind, host launch time, all-reduce transfer and wait)
 #   paper   the paper's experiment: preset:llama2-70b (bf16) on RANKS ranks (2), bench_gpu's
 #           policies section (multi-turn ShareGPT, Poisson arrivals, think time, the same
 #           tiers for every policy) for POLICIES (pensieve,stateless), each at RATES
@@ -58,8 +59,10 @@ for section in "${sections[@]}"; do
                 > "$out/decode.txt" 2>&1 || tail -30 "$out/decode.txt" ;;
         replay)
             read -ra mixed <<< "${MIXED_GRAPHS:-on}"
+            profile=()
+            [ -n "${PROFILE:-}" ] && profile=(--profile "$PROFILE")
             timeout 330 python3 -m benchmarks.bench_tp_replay --all-reduce "${modes[@]}" \
-                --mixed-graphs "${mixed[@]}" --json "$out/bench_tp_replay.json" \
+                --mixed-graphs "${mixed[@]}" "${profile[@]}" --json "$out/bench_tp_replay.json" \
                 > "$out/replay.txt" 2>&1 || tail -30 "$out/replay.txt" ;;
         paper)
             rates=()

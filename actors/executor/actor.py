@@ -31,6 +31,7 @@ import logging
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from pensieve.actors.executor.disk_service import DiskService
+from pensieve.actors.executor.kernel_profile import StepProfile
 from pensieve.actors.executor.model_runner import Launched, ModelRunner
 from pensieve.actors.executor.spill_keeper import SpillKeeper
 from pensieve.actors.wire import subjects
@@ -109,6 +111,8 @@ class ExecutorActor(Actor):
         self._launched: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
+        rank = 0 if runner.shard is None else runner.shard.rank
+        self.profile = StepProfile.from_env(rank, runner.device.type == "cuda")
 
     def info(self) -> ExecutorInfo:
         cache = self.runner.cache
@@ -223,6 +227,9 @@ class ExecutorActor(Actor):
                 stale = f"the step was planned for executor {message.to}, which is gone"
                 self._send(StepResult(message.step, [], stale, stale=True).encode(), message.step)
                 continue
+            if self.profile is not None:
+                self.profile.before_launch(message.step)
+            begin = time.perf_counter()
             try:
                 feed = None if message.feed is None else recent[message.feed]
                 launched = self.runner.launch(message.plan, feed)
@@ -230,6 +237,8 @@ class ExecutorActor(Actor):
                 logger.exception("step %d failed", message.step)
                 self._launched.put((message.step, None, f"{type(error).__name__}: {error}"))
                 continue
+            if self.profile is not None:
+                self.profile.launched(message.step, time.perf_counter() - begin)
             self.runner.swap_stats(wait=False)  # folds in the timings of finished copies
             recent = {k: v for k, v in recent.items() if k >= message.step - 1}
             recent[message.step] = launched
@@ -244,11 +253,14 @@ class ExecutorActor(Actor):
                 return
             step, launched, error = item
             tokens: list[int] = []
+            begin = time.perf_counter()
             if launched is not None:
                 try:
                     tokens = launched.result()
                 except Exception as failure:
                     error = f"{type(failure).__name__}: {failure}"
+            if self.profile is not None:
+                self.profile.answered(step, time.perf_counter() - begin)
             swaps = swap_fields(self.runner.swap_totals())
             device = self.runner.device_time()  # the events it reads are on this step's stream
             busy_idle = [device.busy_s, device.idle_s]

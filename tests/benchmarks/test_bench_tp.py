@@ -35,10 +35,21 @@ def test_the_closed_loop_runs_per_rank_count_and_policy(tmp_path: Path) -> None:
         "--policies",
         "pensieve",
         "stateless",
+        "--profile",
+        "5,5",
     )
     results = json.loads((tmp_path / "loop.json").read_text())["results"]
     assert [(r["ranks"], r["policy"]) for r in results] == [(2, "pensieve"), (2, "stateless")]
     assert all(r["window"]["tok_per_s"] > 0 for r in results)
+    for result in results:  # each rank profiled steps 5-9: its host's launches, its sums
+        profile = result["profile"]
+        assert profile["steps"] == [5, 9] and [r["rank"] for r in profile["ranks"]] == [0, 1]
+        for rank in profile["ranks"]:
+            assert rank["launch_ms"] > 0 and rank["busy_ms"] > 0
+            assert rank["kinds_ms"]["all-reduce"] > 0
+        reduces = profile["all_reduce"]
+        assert reduces["calls"] >= 5 * 2 * 2  # two sums a layer, two layers, five steps
+        assert all(w >= 0 for w in reduces["wait_s"])  # the transfer is the shortest call
 
 
 def test_the_policy_sweep_steps_executor_ranks(tmp_path: Path) -> None:
