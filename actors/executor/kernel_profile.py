@@ -153,9 +153,8 @@ def _union(spans: Sequence[tuple[float, float, bool]]) -> float:
 
 class StepProfile:
     """One executor rank's profile of steps FIRST to FIRST + COUNT - 1: the device's kernels
-    (`ProfileWindow`) and, per step, the host's time to launch it and the time from then until
-    its tokens were on the host (the first rank only reads them back); written once as
-    `DIR/rank<r>.json`."""
+    (`ProfileWindow`) and, per step, the host's time to launch it and the time its results
+    thread waited for the step's tokens; written once as `DIR/rank<r>.json`."""
 
     def __init__(self, folder: Path, first: int, count: int, rank: int, cuda: bool) -> None:
         self.path = folder / f"rank{rank}.json"
@@ -185,10 +184,9 @@ class StepProfile:
         """On the launching thread, before step `step` is launched: the kernels of steps FIRST
         to LAST are recorded, and the profile is written once a later step comes."""
         self.window.on_step(step)
-        if self.window.done and not self._written:
+        if self.window.done and not self._written:  # stopped: its events are read off the loop
             self._written = True
-            summary = self.window.finish()  # the profiler is stopped: this reads its events
-            threading.Thread(target=self._write, args=(summary,), daemon=True).start()
+            threading.Thread(target=self._write, daemon=True).start()
 
     def launched(self, step: int, seconds: float) -> None:
         if self.wants(step):
@@ -198,7 +196,9 @@ class StepProfile:
         if self.wants(step):
             self.result_s.append(seconds)
 
-    def _write(self, summary: dict[str, Any]) -> None:
+    def _write(self) -> None:
+        summary = self.window.finish()
+
         def ms(values: list[float]) -> dict[str, float]:
             if not values:
                 return {}

@@ -15,8 +15,8 @@ from pensieve.actors.executor.kernel_profile import (
 
 
 def test_all_reduces_split_into_transfer_and_each_ranks_wait() -> None:
-    # call 1: rank 0 waited 20 us for rank 1; call 2: rank 1 waited 5 us; rank 0's third call
-    # has no peer in the window and is left out
+    # the first all-reduce: rank 0 waited 20 us for rank 1; the second: rank 1 waited 5 us;
+    # rank 0's third has no peer in the window and is left out
     split = all_reduce_wait([[30.0, 10.0, 99.0], [10.0, 15.0]])
     assert split["calls"] == 2
     assert split["transfer_s"] == pytest.approx(20e-6)
