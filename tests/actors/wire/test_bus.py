@@ -106,8 +106,16 @@ def test_a_streamed_answer_comes_whole_and_in_order_however_it_is_read() -> None
         async def silence(msg) -> None:  # type: ignore[no-untyped-def]
             inboxes.append(msg.reply)
 
-        await responder.subscribe("t.silent", cb=silence)
-        await responder.flush()
+        async def heard(count: int) -> None:  # the responder has `count` requests in hand
+            deadline = asyncio.get_running_loop().time() + 10.0
+            while len(inboxes) < count:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+
+        # a responder of its own: the one above stays busy with its 500 answers at the server
+        silent_responder = await nats.connect(url)
+        await silent_responder.subscribe("t.silent", cb=silence)
+        await silent_responder.flush()
         quiet = await bus.asking("t.silent", b"", timeout=0.3)
         with pytest.raises(TimeoutError):
             await quiet.next()
@@ -118,11 +126,12 @@ def test_a_streamed_answer_comes_whole_and_in_order_however_it_is_read() -> None
         await nobody.close()
         late = await bus.asking("t.silent", b"", timeout=30.0)
         waiting = asyncio.ensure_future(late.next())
+        await heard(2)
         await asyncio.sleep(0.1)
         assert waiting.cancel()  # it waits: nothing came
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        await responder.publish(inboxes[-1], b"late")
+        await silent_responder.publish(inboxes[-1], b"late")
         assert await late.next() == b"late"
         await late.close()
         silent = await bus.asking("t.silent", b"", timeout=30.0)
@@ -134,6 +143,7 @@ def test_a_streamed_answer_comes_whole_and_in_order_however_it_is_read() -> None
         closing.cancel()
         await silent.close()
         await responder.close()
+        await silent_responder.close()
 
     with EmbeddedNats() as server:
         asyncio.run(go(server.url))
