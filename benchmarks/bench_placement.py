@@ -20,6 +20,18 @@ prompt tokens served from the cache (`--json`: each run's whole `pensieve.ops.lo
 `synthetic` conversations (no dataset needed): 8 groups, each with a long system prompt of its
 own, so that many conversations share a prefix. `--cpu` runs the engines on the CPU
 (`--cpu-threads 1`): a check that the script runs end to end, not a figure.
+
+`--per-engine` makes `--concurrency` the clients per engine (N engines, N x the clients): each
+engine meets the load one engine meets alone, so turns/s of two against one is the capacity
+ratio.
+
+`--failover S` (runs of two engines or more): the engines keep a turn log on JetStream
+(`--turn-log jetstream`, the server started with JetStream), the clients send each turn again
+while it is refused `unavailable` or silent for `--silence S` (saying the turn number, so a copy
+is never committed twice), and engine 0 is killed (SIGKILL) S seconds into the load (later if
+it has answered no turn by then). The line then adds, over the conversations engine 0 owned:
+the time from the kill to each one's next turn answered (by the engine that adopted it), that
+turn's time to first token, and the acknowledged turns the log lacks after it (must be 0).
 """
 
 from __future__ import annotations
@@ -36,9 +48,11 @@ from typing import Any
 
 import orjson
 
+from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import Bus
 from pensieve.ops.engine_process import EngineProcess
-from pensieve.ops.load import LoadOptions, NatsClient, run_load
+from pensieve.ops.load import ChatClient, LoadOptions, NatsClient, run_load
+from pensieve.ops.load_report import add_report_args, report_of
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.sharegpt import Conversation, Message, Role, load_conversations
 
@@ -49,7 +63,7 @@ class ResendingClient:
     each time, no conversation id (the load generator still sees one id per conversation: the
     first turn's)."""
 
-    client: NatsClient
+    client: ChatClient
     histories: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
@@ -74,13 +88,84 @@ class ResendingClient:
             yield reply
 
 
-def synthetic(num: int, max_turns: int, num_groups: int = 8) -> list[Conversation]:
-    """`num` conversations in `num_groups` groups; a group's share a long system prompt."""
+@dataclass
+class Failover:
+    """Engine `victim` is killed at `killed_at` (perf_counter s); what its conversations met."""
+
+    victim: str = ""
+    killed_at: float | None = None
+    # conversation id -> (kill to its next turn answered, that turn's time to first token), s
+    recovered: dict[str, tuple[float, float]] = field(default_factory=dict)
+    acknowledged: dict[str, int] = field(default_factory=dict)  # conversation id -> turns
+    owned_at_kill: dict[str, int] = field(default_factory=dict)  # the victim's, as killed
+    retries: int = 0
+
+
+@dataclass
+class RetryingClient:
+    """Each turn sent again while the engines answer `unavailable` or fall silent for
+    `silence_s` (an engine killed in the middle of it), with the turn number it must get, so a
+    copy is never committed twice; what the victim's conversations met is kept in `failover`.
+    A turn whose copies all fail for `timeout_s` ends in `unavailable`."""
+
+    client: ChatClient
+    silence_s: float
+    failover: Failover
+
+    @property
+    def bus(self) -> Bus | None:
+        return self.client.bus
+
+    async def turn(
+        self, body: dict[str, Any], timeout_s: float
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        conv_id = body.get("conversation_id")
+        done = self.failover.acknowledged
+        if conv_id is not None:
+            body = {**body, "turn": done[conv_id]}
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            sent = time.perf_counter()
+            first: float | None = None
+            reply: dict[str, Any] = {"error": {"code": "unavailable"}}
+            try:
+                async for reply in self.client.turn(dict(body), self.silence_s):
+                    if "delta" not in reply:
+                        break
+                    first = first or time.perf_counter()
+                    yield reply
+            except (TimeoutError, ConnectionError):
+                reply = {"error": {"code": "unavailable"}}
+            code = reply.get("error", {}).get("code")
+            if code != "unavailable" or time.perf_counter() > deadline:
+                break
+            self.failover.retries += 1
+            await asyncio.sleep(0.2)
+        if "error" not in reply:
+            conv_id = reply["conversation_id"]
+            done[conv_id] = done.get(conv_id, 0) + 1
+            self._recovered(conv_id, sent, first)
+        yield reply
+
+    def _recovered(self, conv_id: str, sent: float, first: float | None) -> None:
+        killed, answered = self.failover.killed_at, time.perf_counter()
+        if killed is None or sent < killed or conv_id in self.failover.recovered:
+            return  # a reply already on its way as the victim died is not a recovery
+        if conv_id in self.failover.owned_at_kill:
+            ttft = (first or answered) - sent
+            self.failover.recovered[conv_id] = (answered - killed, ttft)
+
+
+def synthetic(
+    num: int, max_turns: int, num_groups: int = 8, num_rules: int = 60
+) -> list[Conversation]:
+    """`num` conversations in `num_groups` groups; a group's share a system prompt of
+    `num_rules` rules (~16 tokens each)."""
 
     def system(group: int) -> str:
         return f"You are assistant {group}. " + " ".join(
             f"Rule {i}: answer question {i} about topic {group} in one short sentence."
-            for i in range(60)
+            for i in range(num_rules)
         )
 
     return [
@@ -98,21 +183,83 @@ def synthetic(num: int, max_turns: int, num_groups: int = 8) -> list[Conversatio
     ]
 
 
-async def _load(url: str, conversations: list[Conversation], args: argparse.Namespace) -> Any:
+async def _load(
+    url: str,
+    conversations: list[Conversation],
+    args: argparse.Namespace,
+    num_engines: int,
+    victim: EngineProcess | None,
+) -> Any:
     bus = await Bus.connect(url, "pensieve-bench")
     try:
-        client = NatsClient(bus)
+        client: ChatClient = NatsClient(bus)
+        failover = Failover()
+        if victim is not None:
+            client = RetryingClient(client, args.silence, failover)
         chat = ResendingClient(client) if args.workload == "resent" else client
         options = LoadOptions(
-            concurrency=args.concurrency,
+            concurrency=args.concurrency * (num_engines if args.per_engine else 1),
             max_turns=args.max_turns,
             max_tokens=args.max_tokens,
             ignore_eos=True,
             probe_every_s=0.0,
+            report=report_of(args),
         )
-        return await run_load(chat, conversations, options)
+        loading = asyncio.ensure_future(run_load(chat, conversations, options))
+        if victim is not None:  # killed S s in, once it has answered a turn
+            await asyncio.wait({loading}, timeout=args.failover)
+            while not loading.done() and victim.engine_id not in map(
+                subjects.owner, failover.acknowledged
+            ):
+                await asyncio.sleep(0.05)
+            failover.victim = victim.engine_id
+            failover.owned_at_kill = {
+                conv_id: turns
+                for conv_id, turns in failover.acknowledged.items()
+                if subjects.owner(conv_id) == victim.engine_id
+            }
+            failover.killed_at = time.perf_counter()
+            await asyncio.to_thread(victim.kill)
+        summary = await loading
+        if victim is not None:
+            summary["failover"] = await _failover_summary(bus, failover, args.silence)
+        return summary
     finally:
         await bus.close()
+
+
+async def _failover_summary(bus: Bus, failover: Failover, silence_s: float) -> dict[str, Any]:
+    """What the victim's conversations met, and the acknowledged turns the log lacks."""
+    lost = 0
+    for conv_id in failover.owned_at_kill:
+        asked = await bus.asking(
+            subjects.CONVERSATIONS_GET, orjson.dumps({"conversation_id": conv_id}), 30.0
+        )
+        try:
+            got = orjson.loads(await asked.next())
+        finally:
+            await asked.close()
+        stored = 0 if "error" in got else got["num_turns"]
+        lost += max(0, failover.acknowledged[conv_id] - stored)
+
+    def spread(values: list[float]) -> dict[str, float | None]:
+        ordered = sorted(values)
+        if not ordered:
+            return {"p50": None, "p90": None, "max": None}
+        at = [ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.9)]
+        return {"p50": at[0], "p90": at[1], "max": ordered[-1]}
+
+    recovered = list(failover.recovered.values())
+    return {
+        "victim": failover.victim,
+        "conversations": len(failover.owned_at_kill),
+        "recovered": len(recovered),
+        "kill_to_answer_s": spread([r[0] for r in recovered]),
+        "recovered_ttft_s": spread([r[1] for r in recovered]),
+        "lost_turns": lost,
+        "retries": failover.retries,
+        "silence_s": silence_s,
+    }
 
 
 def run(num_engines: int, policy: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
@@ -121,23 +268,25 @@ def run(num_engines: int, policy: str, args: argparse.Namespace, folder: Path) -
         options += ["--cpu-threads", "1", "--tokenizers", "1"]
     gpus = args.gpus.split(",")
     if args.conversations == "synthetic":
-        conversations = synthetic(args.num_conversations, args.max_turns)
+        conversations = synthetic(
+            args.num_conversations, args.max_turns, num_rules=args.system_rules
+        )
     else:
         conversations = load_conversations(args.conversations, args.num_conversations)
-    with EmbeddedNats() as nats_server:
+    failover = args.failover is not None and num_engines > 1
+    if failover:
+        options += ["--turn-log", "jetstream", "--lease-ttl", str(args.lease_ttl)]
+    run_dir = folder / f"{num_engines}-{policy}"
+    with EmbeddedNats(jetstream_dir=run_dir / "jetstream" if failover else None) as nats_server:
         engines = [
-            EngineProcess(
-                nats_server.url,
-                folder / f"{num_engines}-{policy}-{i}",
-                options,
-                None if args.cpu else gpus[i],
-            )
+            EngineProcess(nats_server.url, run_dir / str(i), options, None if args.cpu else gpus[i])
             for i in range(num_engines)
         ]
         try:
             ids = [engine.wait_ready(900.0) for engine in engines]
             time.sleep(2.0)  # every ingress hears every engine's load report
-            summary = asyncio.run(_load(nats_server.url, conversations, args))
+            victim = engines[0] if failover else None
+            summary = asyncio.run(_load(nats_server.url, conversations, args, num_engines, victim))
         finally:
             for engine in engines:
                 engine.stop(120.0)
@@ -156,12 +305,25 @@ def line(result: dict[str, Any]) -> str:
     def s(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
-    return (
+    text = (
         f"{result['engines']} x {result['policy']:<6} {result['workload']:<8} "
         f"turns {result['turns']:>4} ({result['turns_per_s']:.2f}/s)  "
         f"out {result['output_tok_per_s']:.1f} tok/s  "
         f"TTFT p50 {s(result['ttft_s_p50'])} p90 {s(result['ttft_s_p90'])} s  "
         f"cached {result['cache_hit_share']:.1%}  errors {sum(result['errors'].values())}"
+    )
+    if result.get("request_goodput") is not None:
+        text += f"  goodput {result['request_goodput']:.2f} req/s"
+    failover = result.get("failover")
+    if failover is None:
+        return text
+    moved, ttft = failover["kill_to_answer_s"], failover["recovered_ttft_s"]
+    return (
+        f"{text}\n    failover: {failover['recovered']}/{failover['conversations']} of the "
+        f"killed engine's conversations answered again, kill to answer p50 {s(moved['p50'])} "
+        f"p90 {s(moved['p90'])} max {s(moved['max'])} s, their TTFT p50 {s(ttft['p50'])} "
+        f"p90 {s(ttft['p90'])} s, acknowledged turns lost {failover['lost_turns']}, "
+        f"retries {failover['retries']} (silence {failover['silence_s']:g} s)"
     )
 
 
@@ -177,13 +339,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=["stateful", "resent"], default="stateful")
     p.add_argument("--conversations", default="synthetic", help="sharegpt, a file, or synthetic")
     p.add_argument("--num-conversations", type=int, default=64)
+    p.add_argument(
+        "--system-rules", type=int, default=60, help="synthetic: each system prompt's rules"
+    )
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--per-engine", action="store_true", help="--concurrency clients per engine, not in all"
+    )
+    p.add_argument(
+        "--failover",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with two engines or more: a turn log on JetStream, and engine 0 killed S s in",
+    )
+    p.add_argument("--silence", type=float, default=5.0, help="with --failover: s to resend after")
+    p.add_argument("--lease-ttl", type=float, default=2.0, help="with --failover: the engines'")
     p.add_argument("--cpu", action="store_true", help="engines on the CPU: a check, no figure")
     p.add_argument(
         "--serve-option", action="append", default=[], help="passed to every `pensieve serve`"
     )
+    add_report_args(p)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     results = []
