@@ -47,10 +47,10 @@ for name in ${SECTIONS:-capacity placement resent failover}; do
     case $name in
         capacity)
             section capacity --runs 1:load,2:load --per-engine --conversations "$conversations" \
-                --num-conversations "${NUM_CONVERSATIONS:-256}" ;;
+                --num-conversations "${NUM_CONVERSATIONS:-192}" ;;
         placement)
             section placement --runs 2:random,2:load --conversations "$conversations" \
-                --num-conversations "${NUM_CONVERSATIONS:-256}" ;;
+                --num-conversations "${NUM_CONVERSATIONS:-192}" ;;
         resent)
             section resent --runs 2:random,2:prefix --workload resent --conversations synthetic \
                 --num-conversations "${NUM_CONVERSATIONS:-128}" ;;
