@@ -253,13 +253,15 @@ def test_without_a_planner_there_is_no_plan_and_no_wait(url: str) -> None:
             engine_id = secrets.token_hex(4)
             begin = time.monotonic()
             assert await plan_remote(bus, engine_id, "c", timeout_s=5.0) is None
-            assert time.monotonic() - begin < 0.5  # "no responders" comes back at once
+            # "no responders" comes back at once, not after the 5 s timeout (a loaded CI
+            # machine can stall a moment: the bound leaves room)
+            assert time.monotonic() - begin < 2.5
             subject = subjects.internal(engine_id, "recompute-planner", "plan")
             hung = await bus.client.subscribe(subject)  # a planner that hangs: silence
             await bus.flush()
             begin = time.monotonic()
             assert await plan_remote(bus, engine_id, "c", timeout_s=0.3) is None
-            assert 0.3 <= time.monotonic() - begin < 1.0
+            assert 0.3 <= time.monotonic() - begin < 2.5  # its timeout, not the bus's
             await hung.unsubscribe()  # else closing waits for its unread request
         finally:
             await bus.close()

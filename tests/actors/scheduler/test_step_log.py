@@ -16,7 +16,7 @@ TIMING = StepTiming(0.001, 0.002, 0.0, 0.01, 0.001, 3, 64, 2, 0, 0, 300)
 
 def test_an_interval_counts_the_calls_before_its_step_and_not_an_idle_sleep() -> None:
     log = StepLog()
-    time.sleep(0.05)  # asleep on the queue
+    time.sleep(0.5)  # asleep on the queue
     log.idle()
     log.command("add_request", 0.02)
     log.command("restore", 0.03)
@@ -24,7 +24,7 @@ def test_an_interval_counts_the_calls_before_its_step_and_not_an_idle_sleep() ->
     time.sleep(0.01)  # the calls' and the step's time
     log.stepped(0.001, TIMING)
     (only,) = log.stats()["slowest"]
-    assert 0.01 <= only["interval_s"] < 0.05  # the sleep before the calls is not in it
+    assert 0.01 <= only["interval_s"] < 0.4  # the sleep before the calls is not in it
     assert only["between"] == {
         "commands": 2,
         "commands_s": 0.05,
