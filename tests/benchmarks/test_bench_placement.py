@@ -20,7 +20,8 @@ def test_a_killed_engines_conversations_are_answered_again_and_none_is_lost(
     argv = [
         *("--model", "smollm2", "--cpu", "--runs", "2:load", "--per-engine"),
         *("--concurrency", "2", "--num-conversations", "8", "--max-turns", "4"),
-        *("--system-rules", "2", "--max-tokens", "4", "--failover", "4"),
+        # engine 0 killed as soon as it has answered a turn: its conversation has turns to go
+        *("--system-rules", "2", "--max-tokens", "4", "--failover", "0"),
         # a turn of the killed engine is sent again after this silence; one merely slow (the
         # CPU is shared) must not be: a copy sent while it runs is refused `conflict`
         *("--silence", "15", "--goodput", "e2el:600000", "--json", str(out)),
