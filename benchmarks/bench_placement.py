@@ -106,7 +106,9 @@ class RetryingClient:
     """Each turn sent again while the engines answer `unavailable` or fall silent for
     `silence_s` (an engine killed in the middle of it), with the turn number it must get, so a
     copy is never committed twice; what the victim's conversations met is kept in `failover`.
-    A turn whose copies all fail for `timeout_s` ends in `unavailable`."""
+    A turn whose copies all fail for `timeout_s` ends in `unavailable`. A turn answered again
+    streams its deltas again: the load counts its time to first token from the first copy, and
+    its inter-token times over both."""
 
     client: ChatClient
     silence_s: float
