@@ -13,6 +13,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from pensieve.ops.nats_server import death_signal_setter
+
 ENGINE_ID = re.compile(r"this engine: pensieve\.v1\.engine\.([0-9a-f]{8})\.")
 
 
@@ -30,7 +32,14 @@ class EngineProcess:
         if device is not None:
             env["CUDA_VISIBLE_DEVICES"] = device
         self.data_dir = data_dir
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            command,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            # the caller killed (a benchmark or test stopped by hand) takes its engines with it
+            preexec_fn=death_signal_setter(),  # noqa: PLW1509 (one libc call, resolved before)
+        )
         self.lines: list[str] = []
         self.engine_id = ""
         self._ready = threading.Event()

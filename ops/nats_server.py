@@ -39,11 +39,12 @@ logger = logging.getLogger("pensieve")
 _PR_SET_PDEATHSIG = 1
 
 
-def _death_signal_setter() -> Callable[[], None] | None:
+def death_signal_setter() -> Callable[[], None] | None:
     """On Linux, what the child runs between fork and exec so that the kernel sends it SIGTERM
     when its parent dies: a `pensieve serve` killed with SIGKILL (or by the OOM killer) then
-    leaves no nats-server behind holding its port. The signal follows the thread that forked,
-    so only the main thread (which lives as long as the process) asks for it."""
+    leaves no nats-server behind holding its port, nor a benchmark killed its engines. The
+    signal follows the thread that forked, so only the main thread (which lives as long as the
+    process) asks for it."""
     on_main = threading.current_thread() is threading.main_thread()
     if not sys.platform.startswith("linux") or not on_main:
         return None
@@ -155,7 +156,7 @@ class EmbeddedNats:
             stdout=subprocess.DEVNULL,
             stderr=self._log,
             start_new_session=True,
-            preexec_fn=_death_signal_setter(),  # noqa: PLW1509 (one libc call, resolved above)
+            preexec_fn=death_signal_setter(),  # noqa: PLW1509 (one libc call, resolved above)
         )
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
