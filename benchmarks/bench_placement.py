@@ -52,7 +52,7 @@ from pensieve.actors.wire import subjects
 from pensieve.actors.wire.bus import Bus
 from pensieve.ops.engine_process import EngineProcess
 from pensieve.ops.load import ChatClient, LoadOptions, NatsClient, run_load
-from pensieve.ops.load_report import add_report_args, report_of
+from pensieve.ops.load_report import add_report_args, percentile, report_of
 from pensieve.ops.nats_server import EmbeddedNats
 from pensieve.ops.sharegpt import Conversation, Message, Role, load_conversations
 
@@ -245,11 +245,9 @@ async def _failover_summary(bus: Bus, failover: Failover, silence_s: float) -> d
         lost += max(0, failover.acknowledged[conv_id] - stored)
 
     def spread(values: list[float]) -> dict[str, float | None]:
-        ordered = sorted(values)
-        if not ordered:
+        if not values:
             return {"p50": None, "p90": None, "max": None}
-        at = [ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.9)]
-        return {"p50": at[0], "p90": at[1], "max": ordered[-1]}
+        return {"p50": percentile(values, 50), "p90": percentile(values, 90), "max": max(values)}
 
     recovered = list(failover.recovered.values())
     return {
