@@ -4,7 +4,8 @@
     python3 -m benchmarks.bench_placement --model M [--gpus 0,1]
         [--runs 1:prefix,2:random,2:load,2:prefix] [--workload stateful|resent]
         [--conversations sharegpt|FILE|synthetic] [--num-conversations 64] [--concurrency 16]
-        [--max-turns 4] [--max-tokens 128] [--json OUT] [--serve-option=--gpu-cache-gb=20 ...]
+        [--max-turns 4] [--max-tokens 128] [--conversations-per-client K] [--json OUT]
+        [--serve-option=--gpu-cache-gb=20 ...]
 
 Each run starts a nats-server and N `pensieve serve` processes (engine i with
 CUDA_VISIBLE_DEVICES=<i-th of --gpus>, a data dir of its own), sends the load of
@@ -15,7 +16,11 @@ prompt tokens served from the cache (`--json`: each run's whole `pensieve.ops.lo
 - `stateful`: each conversation names its id after its first turn (it stays with its engine).
 - `resent`: each client resends its whole history every turn with no conversation id, as a
   stateless OpenAI client does: every turn is placed, and prefix-aware placement against random
-  shows in the cache hit share and the TTFT.
+  shows in the cache hit share and the TTFT. The history carries the replies the dataset
+  recorded (`--replies recorded`, the default), as a benchmark replaying a dataset does: a
+  model with random weights (`preset:`) replies with token ids whose text does not encode back
+  to them, so resending its own replies (`--replies generated`) would leave nothing after the
+  first reply for any placement to find.
 
 `synthetic` conversations (no dataset needed): 8 groups, each with a long system prompt of its
 own, so that many conversations share a prefix. `--cpu` runs the engines on the CPU
@@ -23,7 +28,9 @@ own, so that many conversations share a prefix. `--cpu` runs the engines on the 
 
 `--per-engine` makes `--concurrency` the clients per engine (N engines, N x the clients): each
 engine meets the load one engine meets alone, so turns/s of two against one is the capacity
-ratio.
+ratio. A list (`--concurrency 64,128,256`) is a sweep: each run's engines meet the levels in
+turn, each level with conversations of its own (`--conversations-per-client K`: K a client),
+one result per level.
 
 `--failover S` (runs of two engines or more): the engines keep a turn log on JetStream
 (`--turn-log jetstream`, the server started with JetStream), the clients send each turn again
@@ -41,7 +48,8 @@ import asyncio
 import sys
 import tempfile
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,16 +62,19 @@ from pensieve.ops.engine_process import EngineProcess
 from pensieve.ops.load import ChatClient, LoadOptions, NatsClient, run_load
 from pensieve.ops.load_report import add_report_args, percentile, report_of
 from pensieve.ops.nats_server import EmbeddedNats
-from pensieve.ops.sharegpt import Conversation, Message, Role, load_conversations
+from pensieve.ops.sharegpt import Conversation, Message, Role, human_turns, load_conversations
 
 
 @dataclass
 class ResendingClient:
     """Turns of stateful conversations sent as a stateless client sends them: the whole history
     each time, no conversation id (the load generator still sees one id per conversation: the
-    first turn's)."""
+    first turn's). With `recorded` (a human message's text -> the reply the dataset recorded
+    after it), the history carries the recorded replies, as a benchmark replaying a dataset
+    does; otherwise the engine's own replies as it gave them."""
 
     client: ChatClient
+    recorded: dict[str, str] = field(default_factory=dict)
     histories: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
@@ -82,10 +93,21 @@ class ResendingClient:
         async for reply in self.client.turn({**body, "messages": messages}, timeout_s):
             if "delta" not in reply and "error" not in reply:
                 conv_id = conv_id or reply["conversation_id"]
-                answer = {"role": "assistant", "content": reply["text"]}
-                self.histories[conv_id] = [*messages, answer]
+                text = self.recorded.get(messages[-1]["content"], reply["text"])
+                self.histories[conv_id] = [*messages, {"role": "assistant", "content": text}]
                 reply = {**reply, "conversation_id": conv_id}
             yield reply
+
+
+def recorded_replies(conversations: list[Conversation]) -> dict[str, str]:
+    """Each human message's recorded reply, by the message's text (the first one recorded,
+    where a text repeats)."""
+    replies: dict[str, str] = {}
+    for conv in conversations:
+        for turn in human_turns(conv):
+            if turn.reply is not None:
+                replies.setdefault(turn.text, turn.reply)
+    return replies
 
 
 @dataclass
@@ -162,12 +184,17 @@ def synthetic(
     num: int, max_turns: int, num_groups: int = 8, num_rules: int = 60
 ) -> list[Conversation]:
     """`num` conversations in `num_groups` groups; a group's share a system prompt of
-    `num_rules` rules (~16 tokens each)."""
+    `num_rules` rules (~16 tokens each). Each question has a recorded reply of ~110 tokens."""
 
     def system(group: int) -> str:
         return f"You are assistant {group}. " + " ".join(
             f"Rule {i}: answer question {i} about topic {group} in one short sentence."
             for i in range(num_rules)
+        )
+
+    def recorded(client: int, item: int) -> str:
+        return f"Item {item} for client {client}: " + " ".join(
+            f"point {j} of item {item} holds for client {client}." for j in range(12)
         )
 
     return [
@@ -176,8 +203,12 @@ def synthetic(
             (
                 Message(Role.SYSTEM, system(i % num_groups)),
                 *(
-                    Message(Role.HUMAN, f"Question {t} of client {i}: tell me about item {t}.")
+                    message
                     for t in range(max_turns)
+                    for message in (
+                        Message(Role.HUMAN, f"Question {t} of client {i}: tell me about item {t}."),
+                        Message(Role.GPT, recorded(i, t)),
+                    )
                 ),
             ),
         )
@@ -188,8 +219,8 @@ def synthetic(
 async def _load(
     url: str,
     conversations: list[Conversation],
+    concurrency: int,
     args: argparse.Namespace,
-    num_engines: int,
     victim: EngineProcess | None,
 ) -> Any:
     bus = await Bus.connect(url, "pensieve-bench")
@@ -198,9 +229,10 @@ async def _load(
         failover = Failover()
         if victim is not None:
             client = RetryingClient(client, args.silence, failover)
-        chat = ResendingClient(client) if args.workload == "resent" else client
+        recorded = recorded_replies(conversations) if args.replies == "recorded" else {}
+        chat = ResendingClient(client, recorded) if args.workload == "resent" else client
         options = LoadOptions(
-            concurrency=args.concurrency * (num_engines if args.per_engine else 1),
+            concurrency=concurrency,
             max_turns=args.max_turns,
             max_tokens=args.max_tokens,
             ignore_eos=True,
@@ -262,43 +294,84 @@ async def _failover_summary(bus: Bus, failover: Failover, silence_s: float) -> d
     }
 
 
-def run(num_engines: int, policy: str, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+def clients(level: int, num_engines: int, args: argparse.Namespace) -> int:
+    return level * (num_engines if args.per_engine else 1)
+
+
+def level_sizes(num_engines: int, args: argparse.Namespace) -> list[int]:
+    """How many conversations each load level of a run sends: `--num-conversations`, or
+    `--conversations-per-client` times the level's clients."""
+    per_client = args.conversations_per_client
+    return [
+        args.num_conversations if per_client is None else per_client * clients(c, num_engines, args)
+        for c in args.concurrency
+    ]
+
+
+def run(
+    num_engines: int, policy: str, args: argparse.Namespace, folder: Path
+) -> Iterator[dict[str, Any]]:
+    """One result per load level of `--concurrency`, the engines started once for them all;
+    each level sends conversations of its own (the next ones of the dataset), so that no level
+    finds another's prompts in the cache."""
     options = ["--model", args.model, "--placement", policy, *args.serve_option]
     if args.cpu:
         options += ["--cpu-threads", "1", "--tokenizers", "1"]
     gpus = args.gpus.split(",")
+    sizes = level_sizes(num_engines, args)
     if args.conversations == "synthetic":
-        conversations = synthetic(
-            args.num_conversations, args.max_turns, num_rules=args.system_rules
-        )
+        conversations = synthetic(sum(sizes), args.max_turns, num_rules=args.system_rules)
     else:
-        conversations = load_conversations(args.conversations, args.num_conversations)
+        conversations = load_conversations(args.conversations, sum(sizes))
     failover = args.failover is not None and num_engines > 1
     if failover:
         options += ["--turn-log", "jetstream", "--lease-ttl", str(args.lease_ttl)]
     run_dir = folder / f"{num_engines}-{policy}"
     with EmbeddedNats(jetstream_dir=run_dir / "jetstream" if failover else None) as nats_server:
+        begin = time.perf_counter()
         engines = [
             EngineProcess(nats_server.url, run_dir / str(i), options, None if args.cpu else gpus[i])
             for i in range(num_engines)
         ]
         try:
             ids = [engine.wait_ready(900.0) for engine in engines]
+            _say(f"{num_engines} x {policy}: engines ready in {time.perf_counter() - begin:.0f} s")
             time.sleep(2.0)  # every ingress hears every engine's load report
             victim = engines[0] if failover else None
-            summary = asyncio.run(_load(nats_server.url, conversations, args, num_engines, victim))
+            start = 0
+            for level, size in zip(args.concurrency, sizes, strict=True):
+                begin = time.perf_counter()
+                summary = asyncio.run(
+                    _load(
+                        nats_server.url,
+                        conversations[start : start + size],
+                        clients(level, num_engines, args),
+                        args,
+                        victim,
+                    )
+                )
+                start += size
+                _say(f"  level {level}: {time.perf_counter() - begin:.0f} s")
+                hits = summary["cached_tokens"]
+                share = hits / summary["prompt_tokens"] if summary["prompt_tokens"] else 0.0
+                yield {
+                    "engines": num_engines,
+                    "policy": policy,
+                    "workload": args.workload,
+                    "engine_ids": ids,
+                    "cache_hit_share": share,
+                    **summary,
+                }
+                victim = None  # killed once, in the first level
         finally:
-            for engine in engines:
-                engine.stop(120.0)
-    hits = summary["cached_tokens"]
-    return {
-        "engines": num_engines,
-        "policy": policy,
-        "workload": args.workload,
-        "engine_ids": ids,
-        "cache_hit_share": hits / summary["prompt_tokens"] if summary["prompt_tokens"] else 0.0,
-        **summary,
-    }
+            begin = time.perf_counter()
+            with ThreadPoolExecutor(len(engines)) as stopping:  # they drain side by side
+                list(stopping.map(lambda engine: engine.stop(120.0), engines))
+            _say(f"  stopped in {time.perf_counter() - begin:.0f} s")
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def line(result: dict[str, Any]) -> str:
@@ -307,6 +380,7 @@ def line(result: dict[str, Any]) -> str:
 
     text = (
         f"{result['engines']} x {result['policy']:<6} {result['workload']:<8} "
+        f"clients {result['concurrency']:>3}  "
         f"turns {result['turns']:>4} ({result['turns_per_s']:.2f}/s)  "
         f"out {result['output_tok_per_s']:.1f} tok/s  "
         f"TTFT p50 {s(result['ttft_s_p50'])} p90 {s(result['ttft_s_p90'])} s  "
@@ -337,12 +411,29 @@ def main(argv: list[str] | None = None) -> int:
         help="ENGINES:POLICY, comma-separated",
     )
     p.add_argument("--workload", choices=["stateful", "resent"], default="stateful")
+    p.add_argument(
+        "--replies",
+        choices=["recorded", "generated"],
+        default="recorded",
+        help="resent: the history carries the dataset's recorded replies, or the engine's own",
+    )
     p.add_argument("--conversations", default="synthetic", help="sharegpt, a file, or synthetic")
     p.add_argument("--num-conversations", type=int, default=64)
     p.add_argument(
         "--system-rules", type=int, default=60, help="synthetic: each system prompt's rules"
     )
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument(
+        "--concurrency",
+        type=lambda text: [int(level) for level in text.split(",")],
+        default=[16],
+        help="clients (in all, or an engine each with --per-engine); a list is a run's load levels",
+    )
+    p.add_argument(
+        "--conversations-per-client",
+        type=int,
+        default=None,
+        help="each load level sends this many conversations a client (not --num-conversations)",
+    )
     p.add_argument("--max-turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument(
@@ -364,15 +455,15 @@ def main(argv: list[str] | None = None) -> int:
     add_report_args(p)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    results = []
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pensieve-placement-") as tmp:
         for spec in args.runs.split(","):
             engines, policy = spec.split(":")
-            result = run(int(engines), policy, args, Path(tmp))
-            print(line(result), flush=True)
-            results.append(result)
-    if args.json is not None:
-        args.json.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+            for result in run(int(engines), policy, args, Path(tmp)):
+                print(line(result), flush=True)
+                results.append(result)
+                if args.json is not None:  # after each level: one cut short keeps those before
+                    args.json.write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
     return 0
 
 

@@ -2,6 +2,8 @@
 model packages. Run it here, on the CPU, then pass `.bench` and `.whl` in the run's carry list.
 
     .bench/sharegpt.jsonl   the first N ShareGPT conversations (pensieve.ops.sharegpt JSON Lines)
+    .bench/sharegpt-engines.jsonl.gz
+                            the first M (3,000), gzipped to fit the carry: gpu_engines.sh's
     .bench/tokenizer/       SmolLM2's tokenizer from its GGUF, saved so AutoTokenizer loads it
                             offline (also accepted by EngineOptions(tokenizer=...))
     .whl/*.whl              wheels of what the GPU image lacks, with their dependencies: the
@@ -11,7 +13,8 @@ model packages. Run it here, on the CPU, then pass `.bench` and `.whl` in the ru
                             HTTP client of `pensieve bench --http` (openai) and the tests
                             (hypothesis, pytest), installed there by gpu_env.sh
 
-Usage: python3 -m benchmarks.prepare_bench_assets [--out .bench] [--conversations 400] [--no-wheels]
+Usage: python3 -m benchmarks.prepare_bench_assets [--out .bench] [--conversations 400]
+           [--engines-conversations 3000] [--no-wheels]
 """
 
 from __future__ import annotations
@@ -51,11 +54,14 @@ WHEEL_PLATFORMS = (
 )
 
 
-def write_sharegpt(out: Path, num: int) -> int:
+def write_sharegpt(path: Path, num: int) -> int:
     from pensieve.ops.sharegpt import load_conversations, write_jsonl
 
     conversations = load_conversations("sharegpt", num)
-    write_jsonl(conversations, out / "sharegpt.jsonl")
+    plain = path.with_suffix("") if path.suffix == ".gz" else path
+    write_jsonl(conversations, plain)
+    if plain != path:
+        subprocess.run(["gzip", "-f", str(plain)], check=True)
     return len(conversations)
 
 
@@ -89,14 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=REPO / ".bench")
     parser.add_argument("--conversations", type=int, default=400)
+    parser.add_argument("--engines-conversations", type=int, default=3000)
     parser.add_argument("--wheels", type=Path, default=REPO / ".whl")
     parser.add_argument("--python-version", default="3.12", help="the GPU image's Python")
     parser.add_argument("--no-wheels", action="store_true", help="skip the wheel download")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
-    num = write_sharegpt(args.out, args.conversations)
-    print(f"wrote {args.out / 'sharegpt.jsonl'} ({num} conversations)")
+    for name, count in (
+        ("sharegpt.jsonl", args.conversations),
+        ("sharegpt-engines.jsonl.gz", args.engines_conversations),
+    ):
+        num = write_sharegpt(args.out / name, count)
+        print(f"wrote {args.out / name} ({num} conversations)")
     write_tokenizer(args.out)
     print(f"wrote {args.out / 'tokenizer'}")
     if not args.no_wheels:

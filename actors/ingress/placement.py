@@ -114,10 +114,14 @@ class Placement:
         self._rng = rng or random.Random()
 
     def report(self, report: LoadReport, now: float) -> None:
-        """An engine's load report, received at `now` (monotonic)."""
+        """An engine's load report, received at `now` (monotonic). One older than the report
+        in hand (the periodic report of a snapshot taken before a turn ended, after the report
+        sent as it ended) says only that the engine lives."""
         seen = self._engines.get(report.engine_id)
         if seen is None or report.time >= seen.report.time:
             self._engines[report.engine_id] = _Engine(report, now)
+        else:
+            seen.received = now
 
     def kv_events(self, batch: KvEventBatch) -> None:
         self.prefixes.apply(batch)

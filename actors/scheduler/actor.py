@@ -27,7 +27,7 @@ from pensieve.actors.config import DEFAULT_EXPIRY, DEFAULTS, ExpiryConfig
 from pensieve.actors.scheduler.chat_service import ChatService, Reservation
 from pensieve.actors.scheduler.engine_thread import EngineThread, ReplySink
 from pensieve.actors.scheduler.kv.kv_events import KvEventStream
-from pensieve.actors.scheduler.load_reporter import reporting_load
+from pensieve.actors.scheduler.load_reporter import load_report, reporting_load
 from pensieve.actors.scheduler.ownership import Ownership
 from pensieve.actors.scheduler.step_log import StepLog
 from pensieve.actors.scheduler.sweeper import sweeping
@@ -163,7 +163,7 @@ class ChatServer(Actor):
         await self._sweeping.enter_async_context(sweeping(self.engine, self.expiry))
         await self._sweeping.enter_async_context(watching_loop(self.service.step_log))
         await self._sweeping.enter_async_context(
-            reporting_load(self.bus, self.engine_id, lambda: self.engine.snapshot[1])
+            reporting_load(self.bus, self.engine_id, lambda: self.engine.snapshot)
         )
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -208,6 +208,13 @@ class ChatServer(Actor):
                 loop.call_soon_threadsafe(self._send_kv, body)
 
         self.service.publish_kv = publish
+
+        def publish_load() -> None:  # this engine's load now, sent as the KV events are
+            report = load_report(self.engine_id, self.service.engine.load(), time.time())
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._send_load, report.encode())
+
+        self.service.publish_load = publish_load
 
     def _detokenize_remotely(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the engine thread: from now on the reply tokens go to this engine's tokenizer
@@ -261,6 +268,17 @@ class ChatServer(Actor):
                 await asyncio.wrap_future(self.engine.call_text(service.apply_text, reply))
         except ApiError as broken:  # the engine thread takes no more calls: it answered all
             logger.debug("a reply's text was not applied: %s", broken)
+
+    def _send_load(self, body: bytes) -> None:
+        task = asyncio.ensure_future(self._publish_load(body))
+        self._kv_sends.add(task)
+        task.add_done_callback(self._kv_sends.discard)
+
+    async def _publish_load(self, body: bytes) -> None:
+        try:
+            await self.bus.publish(subjects.engine_load(self.engine_id), body)
+        except Exception as error:  # NATS away: the periodic report goes when it is back
+            logger.debug("a load report was not sent: %s", error)
 
     def _send_kv(self, body: bytes) -> None:
         # tasks start in the order they are made, and each hands its message to the client

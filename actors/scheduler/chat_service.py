@@ -91,6 +91,10 @@ class ChatService:
         # the KV event plane: after each step every event goes to `publish_kv` (on this thread;
         # the NATS shell sets it), where the swap manager keeps the CPU tier's spill index
         self.publish_kv = publish_kv
+        # after a step that ended turns, before their replies go out: a load report without
+        # them (the NATS shell sets it), so that a client's next turn, sent as the reply comes,
+        # is placed by a load that no longer counts the turn before it
+        self.publish_load: Callable[[], None] | None = None
         # Prometheus metrics: each turn counted as its reply goes out (see `metrics.py`)
         self.metrics = metrics or Metrics(model)
         self.convs = Conversations(store, writer, new_id, engine.restore, self._forget_kv)
@@ -274,6 +278,8 @@ class ChatService:
         if timing is not None and timing.decodes + timing.prefill_tokens:
             self.metrics.observe_step(timing.decodes + timing.prefill_tokens)
         self._pass_kv_events()
+        if outcome.finished and self.publish_load is not None:
+            self.publish_load()
         for suspension in outcome.suspended:
             suspended = self.turns.get(suspension.request.request_id)
             if suspended is not None:

@@ -352,6 +352,28 @@ class Engine:
         self.totals.output_tokens += len(request.output_ids)
         self.totals.sources = self.totals.sources + request.sources
 
+    def load(self) -> dict[str, Any]:
+        """What a load report reads of `stats` (`load_reporter.load_report`): the requests in
+        hand and the GPU tier's free blocks, cheap enough to read after any step."""
+        kv = self.kv
+        return {
+            "requests": {
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                # the context of the turns in hand, running and waiting: the KV they need now
+                "active_tokens": self.scheduler.num_active_tokens,
+            },
+            "cache": {
+                "block_size": kv.config.block_size,
+                # reclaimable: swapped out, their data kept until the block is reused
+                "gpu_blocks": {
+                    "total": kv.gpu.capacity,
+                    "free": kv.gpu.num_free,
+                    "reclaimable": kv.num_free_gpu - kv.gpu.num_free,
+                },
+            },
+        }
+
     def stats(self) -> dict[str, Any]:
         """Totals since start (requests finished, their prompt tokens by where they came from,
         swaps, suspensions) and the state now (requests running and waiting, each tier's
@@ -359,16 +381,14 @@ class Engine:
         seconds count only copies the device has finished."""
         totals, kv = self.totals, self.kv
         swaps = self.runner.swap_stats(wait=False)
+        load = self.load()
         return {
             "policy": kv.config.policy.value,
             "steps": totals.steps,
             "requests": {
                 "finished": totals.requests,
-                "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting),
+                **load["requests"],
                 "suspensions": self.scheduler.num_suspensions,
-                # the context of the turns in hand, running and waiting: the KV they need now
-                "active_tokens": self.scheduler.num_active_tokens,
             },
             # turns admitted with a recompute plan, by whether admission recomputed what it said
             "recompute_plans": dict(self.scheduler.recompute_plans),
@@ -404,14 +424,8 @@ class Engine:
             "device": dataclasses.asdict(self.runner.device_time()),
             "prefill_budget": self._budget_stats(),
             "cache": {
-                "block_size": kv.config.block_size,
+                **load["cache"],
                 "conversations": len(kv.conversations),
-                # reclaimable: swapped out, their data kept until the block is reused
-                "gpu_blocks": {
-                    "total": kv.gpu.capacity,
-                    "free": kv.gpu.num_free,
-                    "reclaimable": kv.num_free_gpu - kv.gpu.num_free,
-                },
                 "cpu_blocks": {"total": kv.cpu.capacity, "free": kv.cpu.num_free},
                 # chunks saved for the disk tier ahead of and on eviction (`kv/disk_saves.py`)
                 "disk_saves": None if kv.disk_saves is None else kv.disk_saves.counts(),

@@ -5,7 +5,9 @@ of its turns (one just ended must not keep new turns away), and every `LOAD_REPO
 anyway, as a heartbeat.
 
 A report is read from the engine thread's snapshot of its stats (refreshed every 0.1 s while it
-steps, and when it goes idle), so reporting never waits for a step nor adds one.
+steps, and when it goes idle), so reporting never waits for a step nor adds one. It is stamped
+with the snapshot's time: the engine thread also reports at once after a step that ended turns
+(`ChatService.publish_load`), and a snapshot older than that report must not replace it.
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ def load_report(engine_id: str, stats: dict[str, Any], now: float) -> LoadReport
 
 @contextlib.asynccontextmanager
 async def reporting_load(
-    bus: Bus, engine_id: str, stats: Callable[[], dict[str, Any]]
+    bus: Bus, engine_id: str, snapshot: Callable[[], tuple[float, dict[str, Any]]]
 ) -> AsyncIterator[None]:
-    """While open: a task that publishes this engine's load reports (from `stats()`, the
-    engine's latest snapshot)."""
+    """While open: a task that publishes this engine's load reports (from `snapshot()`, the
+    engine's latest stats and when they were taken, monotonic)."""
     subject = subjects.engine_load(engine_id)
 
     async def report() -> None:
@@ -55,7 +57,8 @@ async def reporting_load(
         sent_at = 0.0
         while True:
             now = time.monotonic()
-            report = load_report(engine_id, stats(), time.time())
+            taken, stats = snapshot()
+            report = load_report(engine_id, stats, time.time() - (now - taken))
             load = (report.num_running, report.num_waiting, report.num_active_tokens)
             if load != sent or now - sent_at >= LOAD_REPORT_EVERY_S:
                 try:

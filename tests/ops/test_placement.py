@@ -4,7 +4,8 @@ shared subjects any engine's ingress answers (a client that names no engine):
 
 - with one engine loaded (long turns held on it), new conversations go to the other;
 - a stateless client that resends a long shared prefix is answered by the engine that holds it,
-  from its cache, every time, rather than by either engine;
+  from its cache, every time, rather than by either engine; so is one that resends its history
+  the moment each reply comes;
 - tenants stay apart across engines: another tenant cannot read or continue a conversation
   through either engine, and its prompt reuses nothing of a tenant's cached prefix.
 
@@ -163,6 +164,38 @@ def test_a_resent_prefix_goes_to_the_engine_that_holds_it(engines: Engines) -> N
             again = engines.stateless(topic, question)
             assert (engine_of(again), topic) == (holder, topic)
             assert cached(again) >= MIN_CACHED, again["usage"]
+
+
+def test_a_history_resent_as_its_reply_comes_goes_where_its_turn_before_ran(
+    engines: Engines,
+) -> None:
+    """An agent sends its next turn the moment a reply comes, with no pause for events to
+    arrive: the engine reports its load as the turn ends, before the reply, so the turn just
+    ended does not weigh against the engine that holds its history."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": system_prompt("deserts")}]
+    answers = ("A desert is a dry place.", "Little rain falls there.", "It is in Antarctica.")
+
+    async def run() -> list[dict[str, Any]]:
+        client = await nats.connect(engines.cluster.urls)
+        replies = []
+        try:
+            for question, answer in zip(("What is it?", "Why?", "Where?"), answers, strict=True):
+                messages.append({"role": "user", "content": question})
+                body = {"messages": messages, "max_tokens": 8, "ignore_eos": True}
+                msg = await client.request(subjects.CHAT, orjson.dumps(body), timeout=120)
+                replies.append(orjson.loads(msg.data))
+                assert "error" not in replies[-1], replies[-1]
+                messages.append({"role": "assistant", "content": answer})  # a recorded reply
+        finally:
+            await client.close()
+        return replies
+
+    first, *later = asyncio.run(run())
+    holder, before = engine_of(first), first["usage"]["prompt_tokens"]
+    for reply in later:
+        # every whole chunk of the prompt before it, from the engine that computed it
+        assert (engine_of(reply), cached(reply)) == (holder, before // 32 * 32), reply["usage"]
+        before = reply["usage"]["prompt_tokens"]
 
 
 def test_tenants_stay_apart_across_engines(engines: Engines) -> None:

@@ -68,6 +68,17 @@ def test_an_engine_that_stopped_reporting_is_not_placed_on() -> None:
     assert placed.place(now=ttl + 0.1).reason is Reason.ONLY
 
 
+def test_a_report_older_than_the_one_in_hand_only_says_the_engine_lives() -> None:
+    # the report `a` sent as its turn ended (nothing in hand), then its periodic report of a
+    # snapshot taken before that, while the turn still ran
+    placed = placement(report("a", time=2.0), report("b", 4 * BLOCK, time=2.0))
+    ttl = placed.config.report_ttl_s
+    placed.report(report("a", 40 * BLOCK, time=1.9), now=ttl)
+    placed.report(report("b", 4 * BLOCK, time=2.0 + ttl), now=ttl)
+    assert placed.live(now=ttl + 0.1) == ["a", "b"]  # heard from within the TTL
+    assert placed.place(now=ttl + 0.1).engine_id == "a"  # by its newer report: idle
+
+
 def test_a_resent_history_goes_where_its_prefix_is_cached() -> None:
     keys = KEYS.of(PROMPT, "acme", None)
     assert len(keys) == 10
