@@ -37,8 +37,9 @@ one result per level.
 while it is refused `unavailable` or silent for `--silence S` (saying the turn number, so a copy
 is never committed twice), and engine 0 is killed (SIGKILL) S seconds into the load (later if
 it has answered no turn by then). The line then adds, over the conversations engine 0 owned:
-the time from the kill to each one's next turn answered (by the engine that adopted it), that
-turn's time to first token, and the acknowledged turns the log lacks after it (must be 0).
+the time from the kill to each one's next turn's first token and to its last (answered by the
+engine that adopted it), that turn's time to first token from the copy answered, and the
+acknowledged turns the log lacks after it (must be 0).
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ class Failover:
 
     victim: str = ""
     killed_at: float | None = None
-    # conversation id -> (kill to its next turn answered, that turn's time to first token), s
-    recovered: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # conversation id -> (kill to its next turn's first token, kill to that turn answered, the
+    # turn's time to first token from the copy answered), s
+    recovered: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     acknowledged: dict[str, int] = field(default_factory=dict)  # conversation id -> turns
     owned_at_kill: dict[str, int] = field(default_factory=dict)  # the victim's, as killed
     retries: int = 0
@@ -176,8 +178,8 @@ class RetryingClient:
         if killed is None or sent < killed or conv_id in self.failover.recovered:
             return  # a reply already on its way as the victim died is not a recovery
         if conv_id in self.failover.owned_at_kill:
-            ttft = (first or answered) - sent
-            self.failover.recovered[conv_id] = (answered - killed, ttft)
+            first = first or answered
+            self.failover.recovered[conv_id] = (first - killed, answered - killed, first - sent)
 
 
 def synthetic(
@@ -286,8 +288,9 @@ async def _failover_summary(bus: Bus, failover: Failover, silence_s: float) -> d
         "victim": failover.victim,
         "conversations": len(failover.owned_at_kill),
         "recovered": len(recovered),
-        "kill_to_answer_s": spread([r[0] for r in recovered]),
-        "recovered_ttft_s": spread([r[1] for r in recovered]),
+        "kill_to_first_token_s": spread([r[0] for r in recovered]),
+        "kill_to_answer_s": spread([r[1] for r in recovered]),
+        "recovered_ttft_s": spread([r[2] for r in recovered]),
         "lost_turns": lost,
         "retries": failover.retries,
         "silence_s": silence_s,
@@ -391,13 +394,16 @@ def line(result: dict[str, Any]) -> str:
     failover = result.get("failover")
     if failover is None:
         return text
-    moved, ttft = failover["kill_to_answer_s"], failover["recovered_ttft_s"]
+    first, moved = failover["kill_to_first_token_s"], failover["kill_to_answer_s"]
+    ttft = failover["recovered_ttft_s"]
     return (
         f"{text}\n    failover: {failover['recovered']}/{failover['conversations']} of the "
-        f"killed engine's conversations answered again, kill to answer p50 {s(moved['p50'])} "
-        f"p90 {s(moved['p90'])} max {s(moved['max'])} s, their TTFT p50 {s(ttft['p50'])} "
-        f"p90 {s(ttft['p90'])} s, acknowledged turns lost {failover['lost_turns']}, "
-        f"retries {failover['retries']} (silence {failover['silence_s']:g} s)"
+        f"killed engine's conversations answered again, kill to first token p50 "
+        f"{s(first['p50'])} p90 {s(first['p90'])} max {s(first['max'])} s, to answer p50 "
+        f"{s(moved['p50'])} p90 {s(moved['p90'])} max {s(moved['max'])} s, their TTFT p50 "
+        f"{s(ttft['p50'])} p90 {s(ttft['p90'])} s, acknowledged turns lost "
+        f"{failover['lost_turns']}, retries {failover['retries']} "
+        f"(silence {failover['silence_s']:g} s)"
     )
 
 

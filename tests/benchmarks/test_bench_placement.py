@@ -34,6 +34,7 @@ def test_a_killed_engines_conversations_are_answered_again_and_none_is_lost(
     assert failover["conversations"] >= 1 and failover["recovered"] >= 1, failover
     assert failover["lost_turns"] == 0
     assert failover["kill_to_answer_s"]["max"] >= failover["kill_to_answer_s"]["p50"] > 0
+    assert 0 < failover["kill_to_first_token_s"]["p50"] <= failover["kill_to_answer_s"]["p50"]
     assert result["errors"] == {}
     # every turn within a 10-minute objective: the goodput is the request rate
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
