@@ -91,10 +91,11 @@ class ChatService:
         # the KV event plane: after each step every event goes to `publish_kv` (on this thread;
         # the NATS shell sets it), where the swap manager keeps the CPU tier's spill index
         self.publish_kv = publish_kv
-        # after a step that ended turns, before their replies go out: a load report without
-        # them (the NATS shell sets it), so that a client's next turn, sent as the reply comes,
-        # is placed by a load that no longer counts the turn before it
+        # once turns have ended, before the first of their replies goes out: a load report
+        # without them (the NATS shell sets it), so that a client's next turn, sent as the reply
+        # comes, is placed by a load that no longer counts the turn before it
         self.publish_load: Callable[[], None] | None = None
+        self._turns_ended = False  # since the last report `publish_load` sent
         # Prometheus metrics: each turn counted as its reply goes out (see `metrics.py`)
         self.metrics = metrics or Metrics(model)
         self.convs = Conversations(store, writer, new_id, engine.restore, self._forget_kv)
@@ -278,8 +279,6 @@ class ChatService:
         if timing is not None and timing.decodes + timing.prefill_tokens:
             self.metrics.observe_step(timing.decodes + timing.prefill_tokens)
         self._pass_kv_events()
-        if outcome.finished and self.publish_load is not None:
-            self.publish_load()
         for suspension in outcome.suspended:
             suspended = self.turns.get(suspension.request.request_id)
             if suspended is not None:
@@ -413,6 +412,7 @@ class ChatService:
         failed, or was cancelled before its first token, is answered at once."""
         key = turn.request.request_id
         turn.ended = True
+        self._turns_ended = True
         self.text.unfollow(key)
         self._timed.pop(key, None)
         request = turn.request
@@ -426,6 +426,9 @@ class ChatService:
         """Answer the turn: an error if it produced nothing, else commit it (`turn_commit.py`)."""
         request, conv = turn.request, turn.conv
         del self.turns[request.request_id]
+        if self._turns_ended and self.publish_load is not None:
+            self._turns_ended = False
+            self.publish_load()
         if request.finish_reason is FinishReason.ABORT:
             conv.busy = False
             code = "too_long" if (request.error or "").startswith("too_long") else "internal"
