@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0
 LEASE_TTL_S = 2.0  # an engine killed is given up this long after its last renewal, at most
+RELEASE_S = 15.0  # a drain's hand-over of its conversations, NATS answering or not
 ADOPT_TRIES = 3  # reads of a log that its old owner was still appending to
 
 
@@ -101,31 +102,37 @@ class Ownership:
         await self.release()
 
     async def release(self) -> None:
-        """Stop renewing the lease, let go of every held conversation, end the lease."""
+        """Stop renewing the lease, let go of every held conversation, end the lease; within
+        `RELEASE_S`: what NATS has not taken by then (it is away) lapses with the lease, and
+        other engines adopt it as after a crash."""
         if self._renewing is None:
             return
         await stop_task(self._renewing)
         self._renewing = None
         held, self._held = self._held, {}
-        kept = 0  # not released: NATS did not answer (other engines adopt them once the lease
-        # lapses, as after a crash)
-        for conv_id, one in held.items():
-            if one.revision is not None:
-                try:
+        released = 0
+
+        async def hand_over() -> None:
+            nonlocal released
+            for conv_id, one in held.items():
+                if one.revision is not None:
                     await self.js.release(conv_id, one.revision)
-                except Exception as error:  # noqa: BLE001 - a drain goes on without NATS
-                    kept += 1
-                    logger.warning("%s not released: %s", conv_id, error)
-        try:
+                released += 1
             await self.js.retire(self.engine_id)
-        except Exception as error:  # noqa: BLE001 - the lease then lapses by its time to live
-            logger.warning("the lease of %s not ended: %s", self.engine_id, error)
-        logger.info(
-            "let go of %d conversations (%d left to lapse) and the lease of %s",
-            len(held) - kept,
-            kept,
-            self.engine_id,
-        )
+
+        try:
+            await asyncio.wait_for(hand_over(), RELEASE_S)
+        except Exception as error:  # noqa: BLE001 - a drain goes on without NATS
+            logger.warning(
+                "let go of %d of %d conversations; the rest and the lease of %s are left to "
+                "lapse (%s)",
+                released,
+                len(held),
+                self.engine_id,
+                error if str(error) else type(error).__name__,
+            )
+            return
+        logger.info("let go of %d conversations and the lease of %s", len(held), self.engine_id)
 
     async def hold(
         self, conv_id: str, tenant: str | None, drop: Callable[[str], Awaitable[bool]]

@@ -220,6 +220,8 @@ def test_an_engine_killed_under_load_its_conversations_go_on_at_the_other(
             reply = asyncio.run(once_more())
             assert reply.get("turn") == len(CHATS[0]), reply
         finally:
+            if a.proc.poll() is None:  # the test failed before it killed A
+                a.kill()
             codes = [p.stop() for p in (b, again) if p is not None]
         assert codes == [0] * len(codes), [b.log()]
         # A's store has none of the turns B served after adopting the conversation

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from pensieve.actors.scheduler import ownership as ownership_module
 from pensieve.actors.scheduler.ownership import Ownership, stop_task
 from pensieve.actors.wire.bus import Bus
 from pensieve.actors.wire.fencing import Fenced, LogUnavailable
@@ -279,3 +280,32 @@ def test_a_log_that_does_not_answer_is_unavailable(tmp_path: Path) -> None:
                 await bus.close()
 
     asyncio.run(go())
+
+
+def test_a_drain_with_its_nats_server_gone_lets_the_rest_lapse_within_its_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine drained after its nats-server went away (a test or benchmark stopped, its
+    cluster first) tries to hand over its conversations for `RELEASE_S` at most, not for every
+    call's retries over every conversation: what is not handed over lapses with the lease."""
+    monkeypatch.setattr(ownership_module, "RELEASE_S", 3.0)
+
+    async def go() -> float:
+        server = EmbeddedNats(jetstream_dir=tmp_path / "js").__enter__()
+        bus = await Bus.connect(server.url)
+        with ConversationStore(tmp_path / "e1") as store, StoreWriter() as writer:
+            ownership = Ownership(JetStream(bus), "e1", store, writer, TTL_S)
+            await ownership.start()
+            one = Engine("e1", tmp_path, ownership)
+            try:
+                for i in range(3):
+                    await one.commit(f"c-aaaaaaaa-{i:016x}", 0)
+                assert ownership.num_held == 3
+                server.__exit__(None, None, None)
+                began = time.monotonic()
+                await ownership.release()
+                return time.monotonic() - began
+            finally:
+                await bus.close()
+
+    assert asyncio.run(go()) < 3.0 + 2.0
