@@ -110,7 +110,7 @@ class ChatServer(Actor):
         self._engine: EngineThread | None = None
         self._sweeping: contextlib.AsyncExitStack | None = None
         self._kv_stream = KvEventStream(engine_id)  # this process's KV event batches
-        self._kv_sends: set[asyncio.Task[None]] = set()
+        self._sends: set[asyncio.Task[None]] = set()  # see `_send`
         self._detokenizing: set[asyncio.Task[None]] = set()
         self._probes = ""  # the prefix of this connection's probe subjects
         self._num_probes = 0
@@ -205,14 +205,15 @@ class ChatServer(Actor):
         def publish(events: list[KvEvent]) -> None:
             body = encode_kv_events(self._kv_stream.batch(events))
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to send to
-                loop.call_soon_threadsafe(self._send_kv, body)
+                loop.call_soon_threadsafe(self._send, subjects.kv_events(self.engine_id), body)
 
         self.service.publish_kv = publish
 
         def publish_load() -> None:  # this engine's load now, sent as the KV events are
             report = load_report(self.engine_id, self.service.engine.load(), time.time())
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._send_load, report.encode())
+                subject = subjects.engine_load(self.engine_id)
+                loop.call_soon_threadsafe(self._send, subject, report.encode())
 
         self.service.publish_load = publish_load
 
@@ -269,29 +270,19 @@ class ChatServer(Actor):
         except ApiError as broken:  # the engine thread takes no more calls: it answered all
             logger.debug("a reply's text was not applied: %s", broken)
 
-    def _send_load(self, body: bytes) -> None:
-        task = asyncio.ensure_future(self._publish_load(body))
-        self._kv_sends.add(task)
-        task.add_done_callback(self._kv_sends.discard)
+    def _send(self, subject: str, body: bytes) -> None:
+        """Publish from the event loop what the engine thread hands over (its KV event batches,
+        its load reports). Tasks start in the order they are made, and each hands its message
+        to the client before it first waits, so messages leave in the engine thread's order."""
+        task = asyncio.ensure_future(self._publish(subject, body))
+        self._sends.add(task)
+        task.add_done_callback(self._sends.discard)
 
-    async def _publish_load(self, body: bytes) -> None:
+    async def _publish(self, subject: str, body: bytes) -> None:
         try:
-            await self.bus.publish(subjects.engine_load(self.engine_id), body)
-        except Exception as error:  # NATS away: the periodic report goes when it is back
-            logger.debug("a load report was not sent: %s", error)
-
-    def _send_kv(self, body: bytes) -> None:
-        # tasks start in the order they are made, and each hands its message to the client
-        # before it first waits, so batches leave in sequence
-        task = asyncio.ensure_future(self._publish_kv(body))
-        self._kv_sends.add(task)
-        task.add_done_callback(self._kv_sends.discard)
-
-    async def _publish_kv(self, body: bytes) -> None:
-        try:
-            await self.bus.publish(subjects.kv_events(self.engine_id), body)
+            await self.bus.publish(subject, body)
         except Exception as error:  # shutting down: subscribers see the gap in seq
-            logger.debug("a KV event batch was not sent: %s", error)
+            logger.debug("not sent on %s: %s", subject, error)
 
     async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.wrap_future(self.engine.call(fn, *args))

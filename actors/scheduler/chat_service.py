@@ -20,7 +20,6 @@ import logging
 import math
 import time
 import uuid
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -41,7 +40,7 @@ from pensieve.actors.scheduler.replication import Replicate
 from pensieve.actors.scheduler.reply_text import ReplyText
 from pensieve.actors.scheduler.request import FinishReason
 from pensieve.actors.scheduler.step_log import StepLog
-from pensieve.actors.scheduler.turn import Turn, TurnSink
+from pensieve.actors.scheduler.turn import Turn, TurnSink, sampling_of
 from pensieve.actors.scheduler.turn_commit import TurnCommitter, last_sent, turn_record
 from pensieve.actors.scheduler.turn_tracing import TurnTracer
 from pensieve.actors.tokenizer.chat_tokenizer import ChatTokenizer
@@ -54,7 +53,7 @@ from pensieve.actors.wire.messages import (
 )
 from pensieve.actors.wire.replies import ConversationReply, ListReply
 from pensieve.actors.wire.schemas import ApiError, ChatRequest, Page
-from pensieve.actors.wire.step import Launch, SamplingParams
+from pensieve.actors.wire.step import Launch
 from pensieve.actors.wire.step_codec import ExecutorLost
 from pensieve.actors.wire.structured import Grammar, tool_call_grammar
 from pensieve.store import ConversationStore, StoreWriter
@@ -91,9 +90,8 @@ class ChatService:
         # the KV event plane: after each step every event goes to `publish_kv` (on this thread;
         # the NATS shell sets it), where the swap manager keeps the CPU tier's spill index
         self.publish_kv = publish_kv
-        # once turns have ended, before the first of their replies goes out: a load report
-        # without them (the NATS shell sets it), so that a client's next turn, sent as the reply
-        # comes, is placed by a load that no longer counts the turn before it
+        # before the first reply of turns that ended: a load report without them (set by the
+        # NATS shell), so that a next turn sent as the reply comes is placed by such a load
         self.publish_load: Callable[[], None] | None = None
         self._turns_ended = False  # since the last report `publish_load` sent
         # Prometheus metrics: each turn counted as its reply goes out (see `metrics.py`)
@@ -167,7 +165,7 @@ class ChatService:
         try:
             if self._closed is not None:
                 raise self._closed
-            sampling = _sampling(request, conv, prompt, self.max_context, self.chat.vocab_size)
+            sampling = sampling_of(request, conv, prompt, self.max_context, self.chat.vocab_size)
             if request.forces_call:
                 sampling = dataclasses.replace(sampling, grammar=self._call_grammar(request))
             engine_request = self.engine.add_request(
@@ -460,44 +458,3 @@ class ChatService:
         if turn.final:  # its KV is of no use any more; if the commit fails, the next turn
             self._forget_kv(conv.conv_id)  # recomputes it from the stored log
         self.commits.answer_when_stored(stored, turn, text, record, log)
-
-
-def _sampling(
-    request: ChatRequest, conv: Conversation, prompt: list[int], max_context: int, vocab_size: int
-) -> SamplingParams:
-    """The turn's sampling; raises ApiError if the prompt cannot be taken."""
-    ids = request.prompt if isinstance(request.prompt, tuple) else ()  # given by the client
-    if ids and max(ids) >= vocab_size:
-        raise ApiError(
-            "invalid_request",
-            f"'prompt' holds token ids outside the model's vocabulary (0 to {vocab_size - 1})",
-        )
-    if request.logit_bias and request.logit_bias[-1][0] >= vocab_size:
-        raise ApiError(
-            "invalid_request",
-            f"'logit_bias' names token ids outside the model's vocabulary (0 to {vocab_size - 1})",
-            "logit_bias",
-        )
-    room = max_context - len(prompt)
-    if room < 1:
-        raise ApiError(
-            "too_long",
-            f"the prompt has {len(prompt)} tokens; the model's context holds {max_context}",
-        )
-    seed = request.seed
-    if seed is None and request.temperature > 0:
-        seed = zlib.crc32(f"{conv.conv_id}:{conv.turns}:{time.time_ns()}".encode())
-    return SamplingParams(
-        max_tokens=min(request.max_tokens, room),
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        min_tokens=min(request.min_tokens, request.max_tokens, room),
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        logit_bias=request.logit_bias,
-        seed=seed,
-        ignore_eos=request.ignore_eos,
-        grammar=request.grammar,
-    )

@@ -1,7 +1,9 @@
-"""A turn in flight: from its start on the engine to its reply (data only)."""
+"""A turn in flight: from its start on the engine to its reply (data), and its sampling."""
 
 from __future__ import annotations
 
+import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -11,7 +13,8 @@ from pensieve.actors.scheduler.conversations import Conversation
 from pensieve.actors.scheduler.request import Request
 from pensieve.actors.tokenizer.tool_parsers import ToolCall, ToolParser
 from pensieve.actors.wire.messages import ChatMessage
-from pensieve.actors.wire.schemas import ApiError
+from pensieve.actors.wire.schemas import ApiError, ChatRequest
+from pensieve.actors.wire.step import SamplingParams
 
 
 class TurnSink(Protocol):
@@ -56,3 +59,44 @@ class Turn:
 
     def __post_init__(self) -> None:  # a streamed delta never reveals a stop string's beginning
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
+
+
+def sampling_of(
+    request: ChatRequest, conv: Conversation, prompt: list[int], max_context: int, vocab_size: int
+) -> SamplingParams:
+    """The turn's sampling; raises ApiError if the prompt cannot be taken."""
+    ids = request.prompt if isinstance(request.prompt, tuple) else ()  # given by the client
+    if ids and max(ids) >= vocab_size:
+        raise ApiError(
+            "invalid_request",
+            f"'prompt' holds token ids outside the model's vocabulary (0 to {vocab_size - 1})",
+        )
+    if request.logit_bias and request.logit_bias[-1][0] >= vocab_size:
+        raise ApiError(
+            "invalid_request",
+            f"'logit_bias' names token ids outside the model's vocabulary (0 to {vocab_size - 1})",
+            "logit_bias",
+        )
+    room = max_context - len(prompt)
+    if room < 1:
+        raise ApiError(
+            "too_long",
+            f"the prompt has {len(prompt)} tokens; the model's context holds {max_context}",
+        )
+    seed = request.seed
+    if seed is None and request.temperature > 0:
+        seed = zlib.crc32(f"{conv.conv_id}:{conv.turns}:{time.time_ns()}".encode())
+    return SamplingParams(
+        max_tokens=min(request.max_tokens, room),
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        min_tokens=min(request.min_tokens, request.max_tokens, room),
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=request.logit_bias,
+        seed=seed,
+        ignore_eos=request.ignore_eos,
+        grammar=request.grammar,
+    )
