@@ -8,17 +8,22 @@ runs). Rows:
   SDPA flash on contiguous KV; the note also gives gather-to-contiguous + SDPA and 8 one-token
   launches of our kernel. Target: ours <= 0.5x the ideal's time.
 - decode: 64 sequences x 1 token at 4k: effective K+V bandwidth. Target >= 3.2 TB/s.
-- prefill: 2048 new tokens over 4k cached (seq_len 6144): causal TFLOP/s (only unmasked pairs:
-  4 * D * Hq * sum of keys attended) against SDPA flash. Target >= 0.85x SDPA.
+- prefill: 2048 new tokens over 4k cached (seq_len 6144), and prompts of 8k and 32k tokens:
+  causal TFLOP/s (only unmasked pairs: 4 * D * Hq * sum of keys attended) against SDPA flash.
+  Target >= 0.85x SDPA.
 - HBM limit: a large device-to-device copy, bytes read + written.
 
-Usage: python3 -m benchmarks.bench_kernels [--sweep]   (--sweep also times a grid of launch shapes)
+Usage: python3 -m benchmarks.bench_kernels [--sweep] [--json OUT]   (--sweep also times a grid
+of launch shapes); python3 -m benchmarks.bench_kernels --splits (each KV split count of a set of
+decode and short multi-token shapes from CUDA graphs, against the count the launch shape picks)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import json
 import math
 import os
 from collections.abc import Callable
@@ -60,14 +65,15 @@ class Problem:
         return k, v
 
 
-def make_problem(batch: int, query_len: int, seq_len: int) -> Problem:
+def make_problem(batch: int, query_len: int, seq_len: int, kv_heads: int = NUM_KV_HEADS) -> Problem:
     pages = triton.cdiv(seq_len, PAGE)
     num_blocks = batch * pages + 7
     pool = torch.randperm(num_blocks).tolist()
     tables = [pool[i * pages : (i + 1) * pages] for i in range(batch)]
-    shape = (num_blocks, 2, PAGE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, 2, PAGE, kv_heads, HEAD_DIM)
     kv_cache = torch.randn(shape, device=DEVICE, dtype=DTYPE)
-    query = torch.randn((batch * query_len, NUM_Q_HEADS, HEAD_DIM), device=DEVICE, dtype=DTYPE)
+    q_heads = kv_heads * NUM_Q_HEADS // NUM_KV_HEADS
+    query = torch.randn((batch * query_len, q_heads, HEAD_DIM), device=DEVICE, dtype=DTYPE)
     meta = build_metadata([query_len] * batch, [seq_len] * batch, tables, PAGE, device=DEVICE)
     return Problem(query, kv_cache, meta, batch, query_len, seq_len)
 
@@ -223,8 +229,8 @@ def bench_decode(do_sweep: bool) -> dict:
     }
 
 
-def bench_prefill(do_sweep: bool) -> dict:
-    p = make_problem(1, 2048, 6144)
+def bench_prefill(do_sweep: bool, query_len: int = 2048, seq_len: int = 6144) -> dict:
+    p = make_problem(1, query_len, seq_len)
     k, v = p.contiguous_kv()
     q4 = p.query.view(p.batch, p.query_len, NUM_Q_HEADS, HEAD_DIM)
     k, v, backend = flash_inputs(q4, k, v)
@@ -247,13 +253,19 @@ def bench_prefill(do_sweep: bool) -> dict:
             (128, 32, 4, 3),
             (64, 64, 4, 3),
             (64, 128, 4, 2),
+            (256, 64, 8, 2),
+            (256, 64, 8, 3),
+            (256, 32, 8, 3),
+            (256, 128, 8, 2),
+            (128, 64, 8, 4),
         ]
     ]
     ours_us, config_note = pick("prefill", p, grid, do_sweep)
     ideal_us = time_us(ideal)
     tflops, sdpa_tflops = flops / ours_us / 1e6, flops / ideal_us / 1e6
+    name = f"prefill {query_len} over {context // 1024}k" if context else f"prefill {query_len}"
     return {
-        "name": "prefill 2048 over 4k",
+        "name": name,
         "ours_us": ours_us,
         "baseline_us": ideal_us,
         "ratio": ours_us / ideal_us,
@@ -291,11 +303,88 @@ def run_kernel_benchmarks(do_sweep: bool = False) -> list[dict]:
         lambda: bench_decode(do_sweep),
         *[lambda c=c: bench_multi_token(c, do_sweep) for c in (1024, 4096, 16384)],
         lambda: bench_prefill(do_sweep),
+        lambda: bench_prefill(do_sweep, 8192, 8192),
+        lambda: bench_prefill(do_sweep, 32768, 32768),
     ]
     rows = []
     for bench in benches:
         rows.append(bench())
         print_table(rows[-1:])
+        torch.cuda.empty_cache()
+    return rows
+
+
+# (sequences, query tokens each, context, KV heads): decodes and short multi-token steps of the
+# kind a closed loop launches, over all 10 KV heads and over the 5 of one of two ranks
+SPLIT_SHAPES = [
+    (batch, query_len, context, kv_heads)
+    for batch, query_len, context in [
+        (1, 1, 4096),
+        (8, 1, 4096),
+        (40, 1, 1536),
+        (64, 1, 4096),
+        (32, 8, 1024),
+        (1, 512, 2048),
+    ]
+    for kv_heads in (NUM_KV_HEADS, NUM_KV_HEADS // 2)
+]
+
+
+def graph_time_us(problems: list[Problem], config: KernelConfig | None) -> float:
+    """One launch's time, from a CUDA graph of one launch on each of the problems (as a step's
+    layers replay them): no host launch cost, and each launch reads KV of its own, so little
+    of it comes from L2."""
+    calls = [ours(p, config) for p in problems]
+    for call in calls:
+        call()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return time_us(graph.replay) / len(calls)
+
+
+def bench_splits(copies: int = 8) -> list[dict]:
+    """Each shape at the KV split count the launch shape picks and at every other count (in
+    whole tiles), timed from CUDA graphs: how far the pick is from the fastest."""
+    rows = []
+    for batch, query_len, context, kv_heads in SPLIT_SHAPES:
+        problems = [make_problem(batch, query_len, context, kv_heads) for _ in range(copies)]
+        p = problems[0]
+        chosen = launch_config(p.query, p.kv_cache, p.meta)
+        tile = chosen.block_n
+        times = {}
+        for count in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+            if count > 1 and context // count < tile:
+                break
+            split_len = None if count == 1 else triton.cdiv(triton.cdiv(context, count), tile)
+            config = dataclasses.replace(
+                chosen, kv_split_len=None if split_len is None else split_len * tile
+            )
+            used = 1 if config.kv_split_len is None else triton.cdiv(context, config.kv_split_len)
+            if used not in times:
+                times[used] = graph_time_us(problems, config)
+        picked = 1 if chosen.kv_split_len is None else triton.cdiv(context, chosen.kv_split_len)
+        best = min(times, key=lambda c: times[c])
+        picked_us = times[picked] if picked in times else graph_time_us(problems, None)
+        row = {
+            "shape": f"{batch}x{query_len} ctx {context} kv {kv_heads}",
+            "picked": picked,
+            "picked_us": picked_us,
+            "best": best,
+            "best_us": times[best],
+            "us_by_splits": times,
+        }
+        rows.append(row)
+        sweep_text = " ".join(f"{c}:{t:.1f}" for c, t in times.items())
+        print(
+            f"splits {row['shape']:<26} picked {picked:>2} {picked_us:8.1f} us  best "
+            f"{best:>2} {times[best]:8.1f} us ({picked_us / times[best]:.2f}x)  "
+            f"[{sweep_text}]",
+            flush=True,
+        )
+        del problems, p
         torch.cuda.empty_cache()
     return rows
 
@@ -314,7 +403,20 @@ def print_table(rows: list[dict]) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time a grid of launch shapes")
+    parser.add_argument(
+        "--splits", action="store_true", help="only time each KV split count of SPLIT_SHAPES"
+    )
+    parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
+    if args.splits:
+        split_rows = bench_splits()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(split_rows, f, indent=1)
+        raise SystemExit(0)
     results = run_kernel_benchmarks(args.sweep)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
     print("\n=== kernel benchmarks (median us) ===")
     print_table(results)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -164,7 +165,8 @@ def closed_loop(
         **result.extra,
     }
     print(
-        f"[bench_tp_replay] {ranks} rank(s), {policy.value}, {mode}, mixed graphs "
+        f"[bench_tp_replay] {s.concurrency} at once, {ranks} rank(s), {policy.value}, {mode}, "
+        f"mixed graphs "
         f"{mixed_graphs}: "
         f"{window['tok_per_s']:.0f} tok/s (ranks started in {started:.0f} s); steps "
         f"{dict(kinds)}, device busy {device.busy_s:.1f} s, idle between steps "
@@ -172,6 +174,7 @@ def closed_loop(
         flush=True,
     )
     return {
+        "concurrency": s.concurrency,
         "ranks": ranks,
         "policy": policy.value,
         "all_reduce": mode if ranks > 1 else "-",
@@ -228,7 +231,10 @@ def print_profiles(results: list[dict[str, Any]]) -> None:
         profile = r.get("profile")
         if not profile:
             continue
-        head = f"{r['ranks']} rank(s), {r['policy']}, {r['all_reduce']}"
+        head = (
+            f"{r['concurrency']} conversations, {r['ranks']} rank(s), {r['policy']}, "
+            f"{r['all_reduce']}"
+        )
         if "ranks" not in profile:
             print(f"profile of {head}: {profile['status']}")
             continue
@@ -284,17 +290,30 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FIRST,COUNT",
         help="profile every rank over steps FIRST to FIRST+COUNT-1 of each closed loop",
     )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="conversations at once; each configuration runs once at each",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny-llama, toy sizes")
     args = parser.parse_args(argv)
-    s = SMOKE if args.smoke else Settings(model=args.model, gpu_tokens=args.gpu_tokens or None)
+    base_settings = (
+        SMOKE if args.smoke else Settings(model=args.model, gpu_tokens=args.gpu_tokens or None)
+    )
+    levels = args.concurrency or [base_settings.concurrency]
+    settings = [dataclasses.replace(base_settings, concurrency=c) for c in levels]
+    s = settings[0]
     specs = workload(s)
     print(
-        f"[bench_tp_replay] {s.model}: {len(specs)} conversations, {s.concurrency} at once",
+        f"[bench_tp_replay] {s.model}: {len(specs)} conversations, {levels} at once",
         flush=True,
     )
     results = [
-        closed_loop(s, ranks, Policy(policy), specs, mode, mixed, args.profile)
+        closed_loop(level, ranks, Policy(policy), specs, mode, mixed, args.profile)
+        for level in settings
         for ranks in args.ranks
         for mode in (args.all_reduce if ranks > 1 else ["nccl"])
         for mixed in args.mixed_graphs
@@ -304,21 +323,22 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(
             json.dumps({"settings": asdict(s), "results": results}, indent=1, default=str)
         )
-    base = results[0]["window"]["tok_per_s"]
-    print(f"\nclosed loop, {s.concurrency} conversations, {s.model} {s.dtype}")
+    print(f"\nclosed loop, {s.model} {s.dtype}")
     print(
-        f"{'ranks':>5} {'reduce':>6} {'graphs':>6} {'policy':>9} {'tok/s':>9} {'x first':>8} "
-        f"{'turns':>6} {'ms/step':>8} {'mixed':>6} {'busy':>5}"
+        f"{'convs':>5} {'ranks':>5} {'reduce':>6} {'graphs':>6} {'policy':>9} {'tok/s':>9} "
+        f"{'x first':>8} {'turns':>6} {'ms/step':>8} {'mixed':>6} {'busy':>5}"
     )
     for r in results:
+        base = next(b for b in results if b["concurrency"] == r["concurrency"])
+        base_rate = base["window"]["tok_per_s"]
         rate, steps = r["window"]["tok_per_s"], r["steps"]
         per_step = s.window_s / max(steps["steps_in_window"], 1) * 1e3
         mixed = 1 - steps["kinds"].get("decode", 0) / max(sum(steps["kinds"].values()), 1)
         busy = steps["device_busy_s"] / (s.warmup_s + s.window_s)
         print(
-            f"{r['ranks']:>5} {r['all_reduce']:>6} {r['mixed_graphs']:>6} {r['policy']:>9} "
-            f"{rate:9.1f} "
-            f"{rate / base:8.3f} {r['turns_finished']:>6} {per_step:8.2f} {mixed:6.3f} "
+            f"{r['concurrency']:>5} {r['ranks']:>5} {r['all_reduce']:>6} "
+            f"{r['mixed_graphs']:>6} {r['policy']:>9} {rate:9.1f} "
+            f"{rate / base_rate:8.3f} {r['turns_finished']:>6} {per_step:8.2f} {mixed:6.3f} "
             f"{busy:5.2f}"
         )
     print(

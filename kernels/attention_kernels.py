@@ -69,16 +69,18 @@ def _attend_tile(
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if MASK:
         qk = tl.where(pos[None, :] <= q_pos[:, None], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # the running maximum is kept scaled (base 2): one fused multiply-add a score scales it and
+    # subtracts the maximum, and the new P @ V accumulates into the rescaled output in the dot
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if not DOT_FP32:
         p = p.to(v.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, l_i, m_new
 
 

@@ -25,6 +25,7 @@ _LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): the kernel works in b
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SMEM_LIMIT = 228 * 1024  # shared memory per SM on Hopper
 _DECODE_ROWS = 64  # query rows (tokens x group) up to which a launch takes decode tiles
+_DECODE_SPLITS = 64  # KV splits of less than 512 positions a launch of decodes takes, at most
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,14 @@ def choose_config(
     num_splits = _num_kv_splits(
         config, num_tokens, num_seqs, max_query_len, group, num_kv_heads, row_bytes, num_sms
     )
-    num_splits = min(num_splits, max_seq_len // 512)  # a split below 512 positions costs more
+    # a split below 512 positions costs more, except in a launch of decodes short of filling
+    # the GPU: there each program only streams its KV, and up to _DECODE_SPLITS splits of 2
+    # tiles are the fastest (`bench_kernels.py --splits`: one decode at 4k, 14 us a layer in 32
+    # splits, 21 in 8)
+    most = max_seq_len // 512
+    if max_query_len == 1:
+        most = max(most, min(_DECODE_SPLITS, max_seq_len // (2 * config.block_n)))
+    num_splits = min(num_splits, most)
     if num_splits <= 1:
         return config
     split_len = triton.cdiv(triton.cdiv(max_seq_len, num_splits), config.block_n) * config.block_n
@@ -106,9 +114,13 @@ def _num_kv_splits(
 ) -> int:
     """KV splits that keep the grid from ending in a ragged wave.
 
-    With decode tiles (~3 resident programs per SM), a grid that fits in one wave of resident
-    programs runs best unsplit; a grid of 1-2 waves loses up to 20% to its tail, so it is split
-    until it spans at least 3 waves.
+    A grid of 1-2 waves of resident programs loses up to 20% to its tail, so it is split until
+    it spans at least 3 waves. A grid of less than one wave is split into as many as fit in it;
+    a launch of decodes (one query row a head in each tile, so each program only streams its
+    KV) into as many as fill it: rounded up, where multi-token tiles round down (measured on
+    an H200 from CUDA graphs, `bench_kernels.py --splits`: decodes of 40 sequences over 5 KV
+    heads take 46 us in 2 splits against 53 in 1; 32 sequences of 8 tokens over 10 heads, 53 us
+    in 1 against 69 in 2).
     """
     block_q = config.block_m // group
     num_tiles = min(
@@ -119,6 +131,8 @@ def _num_kv_splits(
     slots = num_sms * max(1, min(4, resident))  # programs resident at once
     if num_programs >= slots:
         return triton.cdiv(3 * slots, num_programs)
+    if max_query_len == 1:
+        return triton.cdiv(slots, num_programs)
     return slots // num_programs
 
 
@@ -169,7 +183,8 @@ def compile_variants(
         for q in (1, 2, 4, 8, 16, 32, 2048)
         for single in ((True, False) if q == 1 else (False,))
     }
-    most_splits = max(2, max_context // 512)
+    shortest = 2 * min(config.block_n for config, _ in shapes)  # a decode's shortest split
+    most_splits = max(2, max_context // 512, min(_DECODE_SPLITS, max_context // shortest))
     split_counts = [2]
     while split_counts[-1] < most_splits:
         split_counts.append(split_counts[-1] * 2)

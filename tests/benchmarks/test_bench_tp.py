@@ -37,9 +37,14 @@ def test_the_closed_loop_runs_per_rank_count_and_policy(tmp_path: Path) -> None:
         "stateless",
         "--profile",
         "5,5",
+        "--concurrency",
+        "5",
     )
     results = json.loads((tmp_path / "loop.json").read_text())["results"]
-    assert [(r["ranks"], r["policy"]) for r in results] == [(2, "pensieve"), (2, "stateless")]
+    assert [(r["concurrency"], r["ranks"], r["policy"]) for r in results] == [
+        (5, 2, "pensieve"),
+        (5, 2, "stateless"),
+    ]
     assert all(r["window"]["tok_per_s"] > 0 for r in results)
     for result in results:  # each rank profiled steps 5-9: its host's launches, its sums
         profile = result["profile"]

@@ -197,6 +197,28 @@ def test_decode_batch_takes_split_path(rng):
     check(case)
 
 
+def test_decodes_short_of_one_wave_are_split_until_they_fill_the_gpu():
+    """Decodes of 40 sequences over half of 10 KV heads (one of two tensor-parallel ranks) are
+    200 programs where an H100 or H200 holds 396 decode tiles at once: split in two, not left
+    to walk their KV alone on half the SMs. One decode over 10 heads at 4k takes 2-tile splits
+    (32), not 8 of 512 positions. Multi-token tiles still round down: 32 sequences of 8 tokens
+    over 10 heads stay whole. The picks `bench_kernels.py --splits` measured fastest."""
+    sms = 132
+
+    def splits(config: KernelConfig, context: int) -> int:
+        return 1 if config.kv_split_len is None else -(-context // config.kv_split_len)
+
+    assert splits(choose_config(40, 40, 1, 1536, 4, 5, 128, 2, sms), 1536) == 2
+    assert splits(choose_config(64, 64, 1, 4096, 4, 5, 128, 2, sms), 4096) == 2
+    assert splits(choose_config(1, 1, 1, 4096, 4, 10, 128, 2, sms), 4096) == 32
+    assert splits(choose_config(8, 8, 1, 4096, 4, 5, 128, 2, sms), 4096) == 10
+    # long contexts: splits of 512 positions at least, as many as fill the GPU (80 asked over
+    # 5 heads, 79 once cut into whole tiles), 256 at most for one head
+    assert splits(choose_config(1, 1, 1, 131072, 4, 5, 128, 2, sms), 131072) == 79
+    assert splits(choose_config(1, 1, 1, 131072, 4, 1, 128, 2, sms), 131072) == 256
+    assert splits(choose_config(256, 32, 8, 1024, 4, 10, 128, 2, sms), 1024) == 1
+
+
 @pytest.mark.parametrize("split", [None, 64])
 def test_decodes_take_one_tile_per_sub_sequence(rng, split):
     """A launch whose sub-sequences each have one query token (decodes) gives tile s to
@@ -406,11 +428,12 @@ def test_every_variant_compiles_ahead(monkeypatch):
         8, 2, 16, 4, 2048, torch.float32, torch.device(DEVICE)
     )
     assert launches == len(seen)
-    assert {s for _, _, s, _ in seen} == {1, 2, 4}  # 2048 // 512 = 4 splits at most
+    # decodes split down to 2 tiles (64 positions each): 2048 // 128 = 16 splits at most
+    assert {s for _, _, s, _ in seen} == {1, 2, 4, 8, 16}
     decode = choose_config(
         1, 1, 1, 1024, 4, 2, 16, 4, triton_attention._num_sms(torch.device(DEVICE))
     )
-    for splits in (1, 2, 4):  # the decode shape, with one token per sub-sequence and several
+    for splits in (1, 2, 4, 8, 16):  # the decode shape, with one token per sub-sequence and several
         assert (decode.block_m, decode.block_n, splits, True) in seen
         assert (decode.block_m, decode.block_n, splits, False) in seen
 
