@@ -358,14 +358,12 @@ def bench_splits(copies: int = 8) -> list[dict]:
         for count in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
             if count > 1 and context // count < tile:
                 break
-            split_len = None if count == 1 else triton.cdiv(triton.cdiv(context, count), tile)
-            config = dataclasses.replace(
-                chosen, kv_split_len=None if split_len is None else split_len * tile
-            )
-            used = 1 if config.kv_split_len is None else triton.cdiv(context, config.kv_split_len)
+            tiles = triton.cdiv(triton.cdiv(context, count), tile)  # a split, in whole tiles
+            config = dataclasses.replace(chosen, kv_split_len=tiles * tile if count > 1 else None)
+            used = config.num_splits(context)
             if used not in times:
                 times[used] = graph_time_us(problems, config)
-        picked = 1 if chosen.kv_split_len is None else triton.cdiv(context, chosen.kv_split_len)
+        picked = chosen.num_splits(context)
         best = min(times, key=lambda c: times[c])
         picked_us = times[picked] if picked in times else graph_time_us(problems, None)
         row = {

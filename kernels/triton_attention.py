@@ -38,6 +38,10 @@ class KernelConfig:
     num_stages: int
     kv_split_len: int | None = None  # KV positions per split, a multiple of block_n
 
+    def num_splits(self, max_seq_len: int) -> int:
+        """The KV splits a launch of this shape makes for contexts up to `max_seq_len`."""
+        return 1 if self.kv_split_len is None else triton.cdiv(max_seq_len, self.kv_split_len)
+
 
 @functools.lru_cache(maxsize=16)
 def _num_sms(device: torch.device) -> int:
@@ -360,7 +364,7 @@ class _Launch:
         if config is None:
             config = launch_config(part, kv_cache, meta)
         split_len = config.kv_split_len
-        num_splits = 1 if split_len is None else triton.cdiv(meta.max_seq_len, split_len)
+        num_splits = config.num_splits(meta.max_seq_len)
         self.start, self.end = start, end
         self.split = num_splits > 1
         part_out: torch.Tensor | None = None
